@@ -1,0 +1,53 @@
+# Portico: two commands on a fresh machine — `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PORTICO := $(VENV)/bin/portico
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: run install dev test test-fast lint typecheck bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned, so pip takes the local CPU build instead of a multi-GB CUDA one
+	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.dev-installed: $(VENV)/.installed
+	$(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+dev: $(VENV)/.dev-installed
+
+## make run: gateway + one engine serving the default model, embedded Redis
+run: install
+	$(PORTICO) models pull smollm2-135m
+	$(PORTICO) serve
+
+## make test: the whole suite
+test: dev
+	$(PORTICO) models pull smollm2-135m
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: dev
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+typecheck: dev
+	$(VENV)/bin/mypy gateway engine portico
+
+bench: dev
+	$(PORTICO) models pull smollm2-135m
+	@if [ -f load/standard.py ]; then $(PY) -m load.standard; else echo "no benchmarks yet"; fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

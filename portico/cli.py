@@ -1,0 +1,64 @@
+"""The ``portico`` command.
+
+Each subcommand lives in the module that owns it and exposes two functions:
+``add_arguments(parser)`` (cheap: argparse only, no heavy imports) and ``run(args) -> int``.
+``portico --help`` lists exactly the subcommands whose module is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.cli", "run the gateway (and the engines it supervises)"),
+    "engine": ("engine.server.cli", "serve one model behind an OpenAI-compatible API"),
+    "models": ("portico.models_cli", "fetch and list local models"),
+    "keys": ("gateway.keys_cli", "manage tenants and API keys through the admin API"),
+    "bench": ("load.cli", "benchmarks: serving throughput/latency and gateway overhead"),
+}
+
+
+def _load(module_name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from portico import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="portico",
+        description="Portico: an edge gateway for OpenAI-compatible LLM traffic "
+        "with its own paged-attention inference engine.",
+    )
+    parser.add_argument("--version", action="version", version=f"portico {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = _load(module_name)
+        if module is None:
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

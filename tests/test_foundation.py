@@ -1,0 +1,77 @@
+"""The ground every part stands on: the CLI, model resolution, the shared fixtures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import registry
+from portico import cli
+
+
+def test_help_lists_only_subcommands_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for name, (module, _) in cli.SUBCOMMANDS.items():
+        present = cli._load(module) is not None
+        assert (f"    {name} " in out) == present, name
+
+
+def test_models_list_shows_the_default_model() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "models", "list"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "smollm2-135m" in out
+    assert ".gguf" in out
+
+
+def test_models_pull_of_unknown_alias_fails_with_the_known_names() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "models", "pull", "no-such-model"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1
+    assert "smollm2-135m" in proc.stderr
+
+
+def test_resolve_accepts_alias_gguf_path_and_hf_folder(
+    tiny_llama_dir: Path, smollm2_gguf: Path
+) -> None:
+    assert registry.resolve("smollm2-135m").format == "gguf"
+    assert registry.resolve(str(smollm2_gguf)).path == smollm2_gguf
+    hf = registry.resolve(tiny_llama_dir)
+    assert hf.format == "hf"
+    assert json.loads((hf.path / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_missing_model_names_it_and_the_fetch_command(tmp_path: Path) -> None:
+    with pytest.raises(registry.ModelNotFound) as info:
+        registry.resolve(tmp_path / "nope")
+    assert "nope" in str(info.value)
+    assert "portico models pull" in str(info.value)
+
+
+def test_tiny_llama_has_a_real_tokenizer_with_chat_template(tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = tok("Hello, world")["input_ids"]
+    assert tok.decode(ids) == "Hello, world"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>user" in text
+
+
+def test_redis_fixture_is_a_real_server_with_lua(redis_url: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    assert r.eval("return redis.call('TIME')[1] + 0", 0) > 0
