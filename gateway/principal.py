@@ -1,0 +1,44 @@
+"""Who is calling: the one object authentication hands to the rest of the gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Quota numbers. ``None`` means unlimited. Units: per minute, per calendar month (UTC)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrency: int | None = None
+    monthly_token_budget: int | None = None
+    max_tokens_default: int | None = None  # the cap reserved when a request sets no max_tokens
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller.
+
+    ``limits`` is the tenant's plan merged with the tenant's overrides; ``key_limits`` are the
+    calling key's own limits, if it has any; ``model_limits`` are optional per-model limits of
+    the tenant. ``cache_salt`` is sent to engines so tenants never share prefix-cache entries
+    unless their plan gives them the same salt.
+    """
+
+    tenant_id: str
+    plan: str
+    limits: Limits
+    key_id: str | None = None
+    subject: str | None = None
+    allowed_models: frozenset[str] | None = None  # None: every model
+    scopes: frozenset[str] = frozenset()
+    is_admin: bool = False
+    key_limits: Limits | None = None
+    model_limits: Mapping[str, Limits] = field(default_factory=lambda: MappingProxyType({}))
+    cache_salt: str | None = None
+
+    def may_use(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
