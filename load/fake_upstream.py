@@ -1,0 +1,245 @@
+"""A very fast fake OpenAI-compatible upstream, for benchmarks and tests.
+
+It speaks just enough HTTP/1.1 (keep-alive, Content-Length bodies, chunked responses) on a raw
+asyncio protocol so that it serves tens of thousands of requests per second on one core and is
+never the bottleneck of a gateway benchmark. It does no inference: every completion is
+``num_chunks`` copies of the word ``"tok"``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` and
+``stream_options.include_usage`` honoured), ``GET /v1/models``, ``GET /health``, ``GET /ready``.
+
+Command line (stable; other tests rely on it)::
+
+    python -m load.fake_upstream --port 9000 [--host 127.0.0.1] [--uds PATH]
+        [--chunks 8] [--chunk-delay-ms 0] [--model fake-model] [--status 200]
+
+Per request, these body fields override the flags: ``max_tokens`` (number of chunks, capped by
+``--max-chunks``), ``fake_chunk_delay_ms`` and ``fake_status`` (answer with that HTTP status and
+an OpenAI error body, to exercise retries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
+            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
+            504: "Gateway Timeout"}
+
+
+@dataclass
+class FakeSettings:
+    """How the fake answers: the model it claims, how many chunks, how fast."""
+
+    model: str = "fake-model"
+    chunks: int = 8
+    max_chunks: int = 4096
+    chunk_delay_ms: float = 0.0
+    status: int = 200
+
+
+def _response(status: int, body: bytes, content_type: bytes = b"application/json",
+              extra: bytes = b"") -> bytes:
+    reason = _REASONS.get(status, "Status").encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
+            % (status, reason, content_type, len(body), extra)) + body
+
+
+def _error(status: int, message: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "fake_error", "param": None,
+                                 "code": None}}).encode()
+    return _response(status, body)
+
+
+class FakeUpstreamProtocol(asyncio.Protocol):
+    """One connection: parses pipelined HTTP/1.1 requests and answers them in order."""
+
+    def __init__(self, settings: FakeSettings) -> None:
+        self.settings = settings
+        self.buffer = b""
+        self.transport: asyncio.Transport | None = None
+        self.queue: asyncio.Queue[tuple[str, str, dict[bytes, bytes], bytes] | None] = (
+            asyncio.Queue())
+        self.worker: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  (uvloop's is not a subclass)
+        self.worker = asyncio.get_running_loop().create_task(self._serve())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.queue.put_nowait(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buffer[:head_end].split(b"\r\n")
+            try:
+                method, target, _ = head[0].decode("latin-1").split(" ", 2)
+            except ValueError:
+                self._close_with(_error(400, "bad request line"))
+                return
+            headers: dict[bytes, bytes] = {}
+            for line in head[1:]:
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get(b"content-length", b"0") or 0)
+            if len(self.buffer) < head_end + 4 + length:
+                return
+            body = self.buffer[head_end + 4: head_end + 4 + length]
+            self.buffer = self.buffer[head_end + 4 + length:]
+            self.queue.put_nowait((method, target, headers, body))
+
+    def _close_with(self, payload: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(payload)
+            self.transport.close()
+
+    async def _serve(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if item is None or self.transport is None or self.transport.is_closing():
+                return
+            method, target, headers, body = item
+            path = target.split("?", 1)[0]
+            if method == "GET" and path in ("/health", "/ready"):
+                self.transport.write(_response(200, b'{"status":"ok"}'))
+            elif method == "GET" and path == "/v1/models":
+                card = {"id": self.settings.model, "object": "model", "created": 0,
+                        "owned_by": "fake", "max_model_len": 1_000_000}
+                self.transport.write(_response(200, json.dumps(
+                    {"object": "list", "data": [card]}).encode()))
+            elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+                await self._complete(path.endswith("chat/completions"), body)
+            else:
+                self.transport.write(_error(404, f"no route {method} {path}"))
+
+    async def _complete(self, chat: bool, body: bytes) -> None:
+        if self.transport is None:
+            return
+        try:
+            req = json.loads(body or b"{}")
+            if not isinstance(req, dict):
+                raise ValueError
+        except ValueError:
+            self.transport.write(_error(400, "body is not a JSON object"))
+            return
+        status = int(req.get("fake_status", self.settings.status))
+        if status != 200:
+            self.transport.write(_error(status, f"fake upstream answers {status}"))
+            return
+        n = req.get("max_tokens") or req.get("max_completion_tokens") or self.settings.chunks
+        n = max(1, min(int(n), self.settings.max_chunks))
+        delay = float(req.get("fake_chunk_delay_ms", self.settings.chunk_delay_ms)) / 1000.0
+        model = req.get("model") or self.settings.model
+        prompt_tokens = len(json.dumps(req.get("messages") or req.get("prompt") or "")) // 4 + 1
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                 "total_tokens": prompt_tokens + n}
+        rid = f"fake-{os.urandom(6).hex()}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not req.get("stream"):
+            if delay:
+                await asyncio.sleep(delay * n)
+            text = " tok" * n
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                       "finish_reason": "length", "logprobs": None} if chat else
+                      {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
+            payload = {"id": rid, "object": obj, "created": created, "model": model,
+                       "choices": [choice], "usage": usage}
+            self.transport.write(_response(200, json.dumps(payload).encode()))
+            return
+        include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict[str, object]], extra: dict[str, object] | None = None
+                  ) -> None:
+            data = {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                    "choices": choices}
+            if extra:
+                data.update(extra)
+            self._write_chunk(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+        if chat:
+            event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None}])
+        for i in range(n):
+            if delay:
+                await asyncio.sleep(delay)
+            if self.transport.is_closing():
+                return
+            last = i == n - 1
+            finish = "length" if last else None
+            choice = ({"index": 0, "delta": {"content": " tok"}, "finish_reason": finish}
+                      if chat else {"index": 0, "text": " tok", "finish_reason": finish})
+            event([choice])
+        if include_usage:
+            event([], {"usage": usage})
+        self._write_chunk(b"data: [DONE]\n\n")
+        self.transport.write(b"0\r\n\r\n")
+
+    def _write_chunk(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+async def serve(settings: FakeSettings, host: str = "127.0.0.1", port: int = 0,
+                uds: str | None = None) -> asyncio.base_events.Server:
+    """Start the fake; returns the asyncio server (its sockets tell the bound port)."""
+    loop = asyncio.get_running_loop()
+    if uds:
+        return await loop.create_unix_server(lambda: FakeUpstreamProtocol(settings), uds)
+    return await loop.create_server(lambda: FakeUpstreamProtocol(settings), host, port,
+                                    reuse_address=True, backlog=2048)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="fast fake OpenAI-compatible upstream")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--uds", default=None)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--max-chunks", type=int, default=4096)
+    parser.add_argument("--chunk-delay-ms", type=float, default=0.0)
+    parser.add_argument("--status", type=int, default=200)
+    args = parser.parse_args(argv)
+    settings = FakeSettings(model=args.model, chunks=args.chunks, max_chunks=args.max_chunks,
+                            chunk_delay_ms=args.chunk_delay_ms, status=args.status)
+
+    async def run() -> None:
+        try:
+            import uvloop  # noqa: F401  (installed with uvicorn[standard])
+        except ImportError:
+            pass
+        server = await serve(settings, args.host, args.port, args.uds)
+        where = args.uds or f"{args.host}:{server.sockets[0].getsockname()[1]}"
+        print(f"fake upstream listening on {where}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        server.close()
+
+    try:
+        import uvloop
+
+        uvloop.run(run())
+    except ImportError:
+        asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
