@@ -1,0 +1,78 @@
+"""Plots and markdown tables for benchmark results (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from load.serve_bench import RequestResult
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency_cdfs(runs: Mapping[str, Sequence[RequestResult]], path: str | Path) -> Path:
+    """One panel per latency (TTFT, TPOT, end-to-end), one CDF line per run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    metrics = (("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot), ("E2E", lambda r: r.latency))
+    for ax, (title, get) in zip(axes, metrics, strict=True):
+        for label, results in runs.items():
+            values = sorted(get(r) * 1000 for r in results if r.ok)
+            if not values:
+                continue
+            ys = [(i + 1) / len(values) for i in range(len(values))]
+            ax.step(values, ys, where="post", label=label)
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_throughput_vs_rate(
+    series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, ylabel: str
+) -> Path:
+    """Achieved throughput against offered request rate, one line per configuration."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
+        xs, ys = zip(*sorted(points), strict=True) if points else ((), ())
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel("offered request rate (req/s)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """A GitHub markdown table; floats get 1-2 decimals."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
