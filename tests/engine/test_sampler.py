@@ -1,0 +1,184 @@
+"""The sampler on hand-built logits: masks, penalties, bias, min_tokens, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.request import Request
+from engine.sampler import Sampler, apply_truncation
+from engine.sampling_params import SamplingParams
+
+EOS = 2
+NEG_INF = float("-inf")
+
+
+def make_request(
+    prompt: list[int] | None = None, output: list[int] | None = None, **params: object
+) -> Request:
+    req = Request("r", prompt or [7], SamplingParams(**params))  # type: ignore[arg-type]
+    for token in output or []:
+        req.append_output_token(token)
+    return req
+
+
+def logits_of(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def probs_logits(probs: list[float]) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+def test_all_greedy_rows_take_the_argmax() -> None:
+    sampler = Sampler([EOS])
+    logits = logits_of([0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0])
+    rows = [make_request(temperature=0.0) for _ in range(3)]
+    out = sampler.sample(logits, rows)
+    assert out.token_ids == [1, 0, 3]
+    assert out.logprobs == [None, None, None]
+
+
+def test_top_k_keeps_exactly_the_k_best() -> None:
+    logits = logits_of([1.0, 4.0, 3.0, 2.0, 0.0])
+    masked = apply_truncation(logits, [SamplingParams(top_k=2)])
+    assert masked[0].tolist() == [NEG_INF, 4.0, 3.0, NEG_INF, NEG_INF]
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.5, [0]), (0.7, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, kept: list[int]) -> None:
+    logits = logits_of(probs_logits([0.5, 0.3, 0.15, 0.05]))
+    masked = apply_truncation(logits, [SamplingParams(top_p=top_p)])
+    assert [i for i, v in enumerate(masked[0].tolist()) if v != NEG_INF] == kept
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    logits = logits_of(probs_logits([0.5, 0.3, 0.15, 0.05]))
+    masked = apply_truncation(logits, [SamplingParams(min_p=0.2)])  # threshold 0.1
+    assert [i for i, v in enumerate(masked[0].tolist()) if v != NEG_INF] == [0, 1, 2]
+
+
+def test_masks_are_per_row() -> None:
+    logits = logits_of([1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 3.0, 2.0])
+    masked = apply_truncation(logits, [SamplingParams(top_k=1), SamplingParams()])
+    assert masked[0].tolist() == [NEG_INF, 4.0, NEG_INF, NEG_INF]
+    assert masked[1].tolist() == [1.0, 4.0, 3.0, 2.0]
+
+
+def test_sampling_never_leaves_the_top_k() -> None:
+    sampler = Sampler([EOS], seed=0)
+    rows = [make_request(temperature=1.0, top_k=2) for _ in range(400)]
+    logits = logits_of(*[[1.0, 1.5, 1.2, 0.0, 1.4]] * 400)
+    tokens = sampler.sample(logits, rows).token_ids
+    assert set(tokens) == {1, 4}
+
+
+def test_sampling_follows_the_distribution() -> None:
+    sampler = Sampler([EOS], seed=0)
+    n = 4000
+    rows = [make_request(temperature=1.0) for _ in range(n)]
+    logits = logits_of(*[probs_logits([0.7, 0.2, 0.1])] * n)
+    tokens = sampler.sample(logits, rows).token_ids
+    freq = [tokens.count(t) / n for t in range(3)]
+    assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.04)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    sampler = Sampler([EOS])
+    row = make_request(
+        prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0, logprobs=4
+    )
+    out = sampler.sample(logits_of([3.0, -1.0, 2.0, 0.5]), [row])
+    expected = torch.tensor([1.5, -2.0, 2.0, 0.5]).log_softmax(-1)
+    assert out.token_ids == [2]  # token 0 was the best before its penalty
+    got = dict(out.logprobs[0].top_logprobs)  # type: ignore[union-attr]
+    assert [got[i] for i in range(4)] == pytest.approx(expected.tolist())
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    sampler = Sampler([EOS])
+    row = make_request(
+        prompt=[3],
+        output=[0, 0, 1],
+        temperature=0.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+        logprobs=4,
+    )
+    out = sampler.sample(logits_of([2.0, 2.0, 1.0, 1.0]), [row])
+    expected = torch.tensor([2.0 - 1.25, 2.0 - 0.75, 1.0, 1.0]).log_softmax(-1)
+    got = dict(out.logprobs[0].top_logprobs)  # type: ignore[union-attr]
+    assert [got[i] for i in range(4)] == pytest.approx(expected.tolist())
+    assert out.token_ids == [1]
+
+
+def test_logit_bias_can_force_or_forbid_a_token() -> None:
+    sampler = Sampler([EOS], seed=0)
+    forced = make_request(temperature=1.0, logit_bias={3: 100.0})
+    forbidden = make_request(temperature=0.0, logit_bias={1: -100.0})
+    out = sampler.sample(logits_of([0.0, 5.0, 0.0, 0.0], [0.0, 5.0, 1.0, 0.0]), [forced, forbidden])
+    assert out.token_ids == [3, 2]
+
+
+def test_min_tokens_forbids_eos_and_stop_tokens_until_reached() -> None:
+    sampler = Sampler([EOS])
+    logits = [0.0, 1.0, 9.0, 0.0, 8.0]  # EOS best, stop token 4 second
+    early = make_request(output=[1], temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    done = make_request(output=[1, 1], temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    out = sampler.sample(logits_of(logits, logits), [early, done])
+    assert out.token_ids == [1, EOS]
+
+
+def seeded_sequence(seed: int, companions: int, steps: int = 20) -> list[int]:
+    vocab = 1000
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
+    sampler = Sampler([EOS])
+    row = make_request(temperature=1.0, top_p=0.95, seed=seed)
+    for _ in range(steps):
+        others = [make_request(temperature=1.0) for _ in range(companions)]
+        logits = base.repeat(1 + companions, 1)
+        out = sampler.sample(logits, [*others, row])
+        row.append_output_token(out.token_ids[-1])
+    return row.output_token_ids
+
+
+def test_logprobs_report_the_chosen_token_and_top_alternatives() -> None:
+    sampler = Sampler([EOS], seed=0)
+    row = make_request(temperature=0.5, logprobs=2)
+    raw = [1.0, 3.0, 2.0, 0.0]
+    out = sampler.sample(logits_of(raw), [row])
+    lp = out.logprobs[0]
+    assert lp is not None
+    expected = (torch.tensor(raw) / 0.5).log_softmax(-1)
+    assert lp.token_id == out.token_ids[0]
+    assert lp.logprob == pytest.approx(expected[lp.token_id].item())
+    assert [t for t, _ in lp.top_logprobs] == [1, 2]
+    top_values = [v for _, v in lp.top_logprobs]
+    assert top_values == pytest.approx([expected[1].item(), expected[2].item()])
+
+
+def test_logprobs_zero_reports_only_the_chosen_token() -> None:
+    sampler = Sampler([EOS])
+    out = sampler.sample(logits_of([1.0, 3.0]), [make_request(temperature=0.0, logprobs=0)])
+    lp = out.logprobs[0]
+    assert lp is not None and lp.token_id == 1 and lp.top_logprobs == []
+    assert lp.logprob == pytest.approx(torch.tensor([1.0, 3.0]).log_softmax(-1)[1].item())
+
+
+def test_greedy_and_random_rows_mix_in_one_batch() -> None:
+    sampler = Sampler([EOS], seed=0)
+    rows = [make_request(temperature=0.0), make_request(temperature=1.0, top_k=1)]
+    out = sampler.sample(logits_of([0.0, 2.0, 1.0], [3.0, 0.0, 1.0]), rows)
+    assert out.token_ids == [1, 0]
+
+
+def test_seeded_row_is_reproducible_whatever_its_companions() -> None:
+    alone = seeded_sequence(seed=1234, companions=0)
+    assert seeded_sequence(seed=1234, companions=7) == alone
+    assert seeded_sequence(seed=1234, companions=3) == alone
+    assert seeded_sequence(seed=99, companions=0) != alone
