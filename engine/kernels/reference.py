@@ -1,0 +1,135 @@
+"""PyTorch references of the paged-attention kernels: the CPU path, and the tests' oracle.
+
+Each function has the same signature and meaning as its Triton twin in this package. They are
+written for speed on CPU: no Python loop per token. All decoding requests (one new token each)
+are served by ONE batched attention per layer: their contexts are gathered by block table into
+a padded ``[B, max_len, kv_heads, d]`` tensor and masked. A request with several new tokens (a
+prefill chunk) runs one ``scaled_dot_product_attention`` with a causal mask offset by the
+context it already has.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` rows ([T, kv_heads, d]) into ``kv_cache`` at ``slot_mapping``.
+
+    ``kv_cache`` is ``[2, num_blocks, block_size, kv_heads, d]`` (0 = K, 1 = V), contiguous;
+    slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+    """
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..length-1 for each row of ``block_tables`` -> [B, length]."""
+    pos = torch.arange(length, device=block_tables.device)
+    blocks = block_tables[:, pos // block_size].to(torch.int64)
+    return blocks * block_size + pos % block_size
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [B, heads, d], one new token per request
+    k_flat: torch.Tensor,  # [slots, kv_heads, d]
+    v_flat: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    max_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    batch, heads, head_dim = query.shape
+    kv_heads = k_flat.shape[1]
+    slots = _context_slots(block_tables, max_len, block_size)  # [B, L]
+    keys = k_flat[slots].transpose(1, 2)  # [B, kv_heads, L, d]
+    values = v_flat[slots].transpose(1, 2)
+    # GQA without copying K/V: the heads sharing a KV head become that head's query rows.
+    q = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None].to(torch.int64)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=valid[:, None, None, :], scale=scale
+    )
+    return out.reshape(batch, heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,  # [q_len, heads, d]: the last q_len positions of the context
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    q_len, heads, head_dim = query.shape
+    kv_heads = k_flat.shape[1]
+    slots = _context_slots(block_table[None, :], seq_len, block_size)[0]
+    group = heads // kv_heads
+    keys = k_flat[slots].transpose(0, 1)  # [kv_heads, L, d]
+    values = v_flat[slots].transpose(0, 1)
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=0)
+        values = values.repeat_interleave(group, dim=0)
+    q = query.transpose(0, 1)  # [heads, q_len, d]
+    if q_len == seq_len:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+    else:
+        offset = seq_len - q_len
+        rows = torch.arange(q_len, device=query.device)[:, None] + offset
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    query_lens_cpu: list[int],
+    seq_lens_cpu: list[int],
+) -> torch.Tensor:
+    """Attention of each request's new tokens to its whole context in the paged cache.
+
+    ``query`` is [T, heads, d], flattened request by request (``query_start_loc``); the new
+    tokens of request ``i`` are the last ``query_lens_cpu[i]`` of its ``seq_lens_cpu[i]``
+    context positions, already written to ``kv_cache``. Returns [T, heads, d].
+    """
+    block_size = kv_cache.shape[2]
+    k_flat = kv_cache[0].flatten(0, 1)
+    v_flat = kv_cache[1].flatten(0, 1)
+    out = torch.empty_like(query)
+    decode_reqs = [i for i, n in enumerate(query_lens_cpu) if n == 1]
+    if decode_reqs:
+        if len(decode_reqs) == decode_reqs[-1] + 1:  # decodes first (the scheduler's order)
+            rows: torch.Tensor | slice = slice(0, len(decode_reqs))
+            reqs: torch.Tensor | slice = rows
+        else:
+            reqs = torch.tensor(decode_reqs, device=query.device)
+            rows = query_start_loc[reqs].to(torch.int64)
+        max_len = max(seq_lens_cpu[i] for i in decode_reqs)
+        out[rows] = _decode_attention(
+            query[rows], k_flat, v_flat, block_tables[reqs], seq_lens[reqs],
+            max_len, block_size, scale,
+        )
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu, strict=True)):
+        if q_len > 1:
+            out[start : start + q_len] = _prefill_attention(
+                query[start : start + q_len], k_flat, v_flat, block_tables[i], s_len,
+                block_size, scale,
+            )
+        start += q_len
+    return out

@@ -1,0 +1,157 @@
+"""The architecture numbers of a Llama-family model, read once from config.json or GGUF metadata.
+
+:class:`ModelConfig` is what the model, the loader, the KV-cache sizing and the engine agree on.
+It is frozen: nothing changes a model's shape after loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+    ``rope_scaling`` is None for plain RoPE, else a dict with ``rope_type`` in
+    :data:`SUPPORTED_ROPE_TYPES` and that type's parameters (Hugging Face's names).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias also sets o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"RoPE scaling '{rope_type}' is not supported (supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        architectures = raw.get("architectures") or ["LlamaForCausalLM"]
+        architecture = str(architectures[0])
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture '{architecture}' is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        # transformers 5 moves rope_theta and the scaling into "rope_parameters".
+        rope_params = dict(raw.get("rope_parameters") or {})
+        rope_theta = float(rope_params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = dict(raw.get("rope_scaling") or rope_params or {})
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = {}
+        if scaling and "original_max_position_embeddings" not in scaling:
+            scaling["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(raw.get("attention_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling or None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, meta: Mapping[str, Any], vocab_size: int, tied: bool
+    ) -> ModelConfig:
+        """Build from GGUF key/values (``general.architecture`` = llama or qwen2)."""
+        arch = str(meta.get("general.architecture", "llama"))
+        if arch not in ("llama", "qwen2"):
+            raise ValueError(f"GGUF architecture '{arch}' is not supported (llama, qwen2)")
+        hidden = int(meta[f"{arch}.embedding_length"])
+        heads = int(meta[f"{arch}.attention.head_count"])
+        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+        scaling: dict[str, Any] = {}
+        scaling_type = meta.get(f"{arch}.rope.scaling.type")
+        if scaling_type in ("linear", "yarn"):
+            scaling = {
+                "rope_type": scaling_type,
+                "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+                "original_max_position_embeddings": int(
+                    meta.get(
+                        f"{arch}.rope.scaling.original_context_length",
+                        meta[f"{arch}.context_length"],
+                    )
+                ),
+            }
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+            num_hidden_layers=int(meta[f"{arch}.block_count"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(meta[f"{arch}.context_length"]),
+            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling or None,
+            tie_word_embeddings=tied,
+            qkv_bias=arch == "qwen2",
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )

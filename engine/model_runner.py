@@ -1,0 +1,145 @@
+"""Turns a scheduler step into flat tensors, runs the model over the paged KV cache, and
+returns the logits of the rows to sample.
+
+One flattened batch per step: the scheduled tokens of every request (prefill chunks and
+decodes together) pass the linear layers as one ``[num_tokens, hidden]`` tensor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.model_loader import LoadedModel
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.request import Request
+    from engine.scheduler import SchedulerOutput
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * element
+
+
+def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:
+    """How many KV blocks fit the budget: the override, else the CPU budget
+    (``kv_cache_memory``), else on CUDA the free memory left under ``gpu_memory_utilization``.
+    """
+    if engine_config.num_gpu_blocks_override is not None:
+        return engine_config.num_gpu_blocks_override
+    per_block = kv_cache_bytes_per_block(loaded.config, engine_config.block_size, loaded.dtype)
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        reserved = total * (1 - engine_config.gpu_memory_utilization)
+        # Keep room for activations of one full step (hidden states, logits, MLP).
+        activation = engine_config.max_num_batched_tokens * 64 * 1024
+        budget = int(free - reserved - activation)
+    else:
+        budget = engine_config.kv_cache_memory_bytes
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
+            "raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    return blocks
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and runs one model step per scheduler output.
+
+    ``kv_caches`` holds one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``
+    (0 = K, 1 = V), on the model's device and dtype. ``cpu_kv_caches`` is the swap pool (same
+    layout, ``num_cpu_blocks`` blocks) used when preemption mode is ``swap``. Not thread-safe:
+    one step at a time.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        engine_config: EngineConfig,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int | None = None,
+    ) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = engine_config.block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        cfg = loaded.config
+        shape = (2, num_gpu_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        if num_cpu_blocks is None:
+            per_block = kv_cache_bytes_per_block(cfg, self.block_size, self.dtype)
+            swapping = engine_config.preemption_mode == "swap"
+            num_cpu_blocks = engine_config.swap_space_bytes // per_block if swapping else 0
+        self.num_cpu_blocks = num_cpu_blocks
+        cpu_shape = (2, num_cpu_blocks, *shape[2:])
+        pin = self.device.type == "cuda"
+        # torch.empty: the OS hands out pages only when a block is first swapped out.
+        self.cpu_kv_caches = [
+            torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin)
+            for _ in range(cfg.num_hidden_layers)
+        ] if num_cpu_blocks else []
+
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        """Run the scheduled tokens; return the requests that need a sampled token this step
+        (prefill complete, or a decode) and their logits ``[N, vocab]`` (float32), row ``i``
+        for the LAST scheduled token of request ``i``.
+        """
+        if not out.scheduled:
+            return [], torch.empty(0, self.config.vocab_size, device=self.device)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        to_sample: list[Request] = []
+        for req, num_new in out.scheduled:
+            start = req.num_computed_tokens
+            end = start + num_new
+            token_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            tables.append(out.block_tables[req.request_id])
+            if end == req.num_tokens:
+                to_sample.append(req)
+                sample_rows.append(len(token_ids) - 1)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, pos, self.kv_caches, meta)
+            if not to_sample:
+                return [], torch.empty(0, self.config.vocab_size, device=self.device)
+            rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return to_sample, logits
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy blocks device -> CPU (``(gpu_block, cpu_block)`` pairs), then CPU -> device
+        (``(cpu_block, gpu_block)`` pairs), in every layer."""
+        if (swap_out or swap_in) and not self.cpu_kv_caches:
+            raise RuntimeError("swap requested but this runner has no CPU swap space")
+        if swap_out:
+            src = torch.tensor([g for g, _ in swap_out], device=self.device)
+            dst = torch.tensor([c for _, c in swap_out])
+            for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches, strict=True):
+                cpu[:, dst] = gpu[:, src].to("cpu")
+        if swap_in:
+            src = torch.tensor([c for c, _ in swap_in])
+            dst = torch.tensor([g for _, g in swap_in], device=self.device)
+            for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches, strict=True):
+                gpu[:, dst] = cpu[:, src].to(self.device, non_blocking=True)
