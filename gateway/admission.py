@@ -1,0 +1,492 @@
+"""Admission: which buckets a request touches, what it reserves, and what the client is told.
+
+The policy half of rate limiting (the mechanism is :mod:`gateway.limiter`). For one request it
+builds the bucket set (tenant, key and model scopes; requests/min, tokens/min, concurrency,
+monthly budget), reserves tokens (exact prompt tokens + max_tokens, or a capped default),
+turns a refusal into a 429 in OpenAI's shape with an exact ``retry-after``, and writes OpenAI's
+``x-ratelimit-*`` headers. When Redis is unreachable it applies the configured policy and
+probes Redis in the background until it answers again.
+
+The dataplane calls, per request::
+
+    ticket = await admission.admit(principal, model, prompt_tokens, max_tokens)
+    try:
+        ...                                   # forward; add ticket.headers to the response
+        await admission.settle(ticket, prompt_tokens, completion_tokens)
+    finally:
+        await admission.release(ticket)       # no-op after settle; frees the slot otherwise
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import redis.exceptions
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
+from redis.asyncio import Redis
+
+from gateway.abuse import AbuseSettings
+from gateway.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
+from gateway.principal import Limits, Principal
+from portico.errors import RateLimitError, ServiceUnavailableError
+
+log = logging.getLogger("portico.admission")
+
+REDIS_DOWN = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
+PLAN_CACHE_SIZE = 4096
+CONCURRENCY_RETRY_MS = 1000
+
+
+class AdmissionSettings(BaseModel):
+    """Admission configuration (``admission:`` in the gateway config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # What to do while Redis is unreachable: `local` enforces limit / replicas in each replica,
+    # `open` admits everything, `closed` answers 503.
+    redis_down_policy: Literal["local", "open", "closed"] = "local"
+    replicas: int = Field(1, ge=1)  # gateway replicas sharing the Redis (for the local share)
+    slot_lease_seconds: float = Field(600.0, gt=0)  # a crashed replica's slots free after this
+    budget_key_ttl_seconds: int = Field(62 * 86400, ge=86400)  # keep last month's usage readable
+    redis_timeout_seconds: float = Field(0.5, gt=0)  # longest an admission waits on Redis
+    probe_interval_seconds: float = Field(1.0, gt=0)  # how often a down Redis is probed
+    abuse: AbuseSettings = AbuseSettings()
+
+
+class InsufficientQuotaError(RateLimitError):
+    """The tenant's monthly token budget is spent (OpenAI's ``insufficient_quota``)."""
+
+    error_type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+
+class LimitExceededError(RateLimitError):
+    """A rate or concurrency limit refused the request; ``limit`` and ``scope`` say which."""
+
+    def __init__(self, message: str, *, limit: str, scope: str, headers: dict[str, str]) -> None:
+        super().__init__(message, code="rate_limit_exceeded", headers=headers)
+        self.limit = limit
+        self.scope = scope
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    scope: str  # "tenant" | "key" | "model"
+    limit_name: str  # "requests_per_minute" | "tokens_per_minute" | ...
+    who: str  # for messages: "tenant 'acme'", "key 'k1' of tenant 'acme'", ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything about a (principal, model, month) that does not change per request."""
+
+    buckets: BucketSet
+    described: tuple[_Bucket, ...]  # parallel to buckets.keys
+    counts_tokens: tuple[bool, ...]  # per rate bucket: tokens/min (True) or requests/min
+    min_tokens_per_minute: int | None
+    max_tokens_default: int | None
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """An admitted request: what it reserved and where, until it is settled or released.
+
+    ``headers`` are the ``x-ratelimit-*`` headers for the response. Settling or releasing a
+    ticket twice does nothing the second time.
+    """
+
+    headers: dict[str, str]
+    reserved_tokens: int
+    _plan: _Plan | None
+    _limiter: Limiter | None
+    _slot_id: str
+    _done: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def format_duration(ms: int) -> str:
+    """A duration as OpenAI (Go's time.Duration) writes it: 20ms, 1s, 1.5s, 6m0s, 1h0m0s."""
+    if ms < 1000:
+        return f"{max(0, ms)}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0") if rest % 1000 else str(rest // 1000)
+    text = f"{seconds}s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    if hours:
+        text = f"{hours}h{text}"
+    return text
+
+
+def utc_month(epoch_s: float) -> str:
+    t = time.gmtime(epoch_s)
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}"
+
+
+class Admission:
+    """Decides whether a request may start, and accounts for it when it ends.
+
+    Limits hold exactly across replicas through :class:`RedisLimiter`; while Redis is down the
+    ``redis_down_policy`` applies (logged once per outage, counted in
+    ``portico_admission_degraded_total``, ``portico_admission_redis_up`` = 0) and admission
+    returns to Redis by itself once a background probe gets an answer.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        settings: AdmissionSettings,
+        *,
+        registry: CollectorRegistry | None = None,
+        limiter: Limiter | None = None,
+        local_limiter: Limiter | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self._redis = redis
+        self._shared = limiter or RedisLimiter(redis, budget_ttl_s=settings.budget_key_ttl_seconds)
+        self._local = local_limiter or LocalLimiter(share=1 / settings.replicas)
+        self._wall_clock = wall_clock
+        self._lease_us = int(settings.slot_lease_seconds * 1_000_000)
+        self._plans: dict[tuple[object, ...], _Plan] = {}
+        self._redis_up = True
+        self._last_probe = 0.0
+        self._probe: asyncio.Task[None] | None = None
+        registry = registry if registry is not None else CollectorRegistry()
+        self._up_gauge = Gauge(
+            "portico_admission_redis_up", "1 while admission reaches Redis", registry=registry
+        )
+        self._up_gauge.set(1)
+        self._degraded = Counter(
+            "portico_admission_degraded",
+            "Admissions decided without Redis, by policy",
+            ["policy"],
+            registry=registry,
+        )
+        self._rejected = Counter(
+            "portico_admission_rejected",
+            "Requests refused by admission, by scope and limit",
+            ["scope", "limit"],
+            registry=registry,
+        )
+
+    @property
+    def redis_up(self) -> bool:
+        return self._redis_up
+
+    # ----------------------------------------------------------------- the request path
+
+    async def admit(
+        self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
+    ) -> Ticket:
+        """Admit one request or raise.
+
+        Raises :class:`LimitExceededError` (429, ``retry-after``), :class:`InsufficientQuotaError`
+        (429, ``x-should-retry: false``) or ``ServiceUnavailableError`` (503, policy ``closed``
+        while Redis is down). A refused request is charged nothing.
+        """
+        plan = self._plan_for(principal, model)
+        slot_id = secrets.token_hex(8)
+        if plan.buckets.empty:
+            return Ticket({}, 0, None, None, slot_id)
+        reserved = self._reservation(plan, prompt_tokens, max_tokens)
+        costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
+        limiter = self._limiter_now()
+        if limiter is None:
+            return Ticket({}, 0, None, None, slot_id)
+        try:
+            decision = await self._acquire(limiter, plan, costs, slot_id)
+        except REDIS_DOWN as exc:
+            self._mark_down(exc)
+            limiter = self._limiter_now()
+            if limiter is None:
+                return Ticket({}, 0, None, None, slot_id)
+            decision = await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+        headers = self._headers(plan, decision)
+        if not decision.allowed:
+            self._refuse(plan, decision, costs, headers)
+        return Ticket(headers, reserved, plan, limiter, slot_id)
+
+    async def settle(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
+        """Settle the token reservation with the real usage and free the slot (one round trip).
+
+        Refunds what was reserved and not used, charges what was used beyond it (the bucket may
+        go into debt), charges the monthly budget. A stream cut short settles what it produced.
+        """
+        used = max(0, prompt_tokens) + max(0, completion_tokens)
+        await self._finish(ticket, used)
+
+    async def release(self, ticket: Ticket) -> None:
+        """Free the ticket's concurrency slot. Idempotent; a no-op after :meth:`settle`.
+
+        Call it on every path (``finally``). Without a settle the token reservation stays
+        charged (usage unknown) and nothing is charged to the monthly budget.
+        """
+        await self._finish(ticket, None)
+
+    async def aclose(self) -> None:
+        """Stop the background Redis probe, if one runs."""
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+            self._probe = None
+
+    # ----------------------------------------------------------------- internals
+
+    async def _finish(self, ticket: Ticket, used: int | None) -> None:
+        if ticket._done:
+            return
+        ticket._done = True
+        plan, limiter = ticket._plan, ticket._limiter
+        if plan is None or limiter is None:
+            return
+        if used is None:
+            deltas = [0] * len(plan.counts_tokens)
+            charges = [0] * len(plan.buckets.budget_keys)
+        else:
+            delta = used - ticket.reserved_tokens
+            deltas = [delta if tokens else 0 for tokens in plan.counts_tokens]
+            charges = [used] * len(plan.buckets.budget_keys)
+        try:
+            if limiter is self._shared:
+                async with asyncio.timeout(self.settings.redis_timeout_seconds):
+                    await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
+            else:
+                await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
+        except REDIS_DOWN as exc:
+            # The slot's lease frees it; the reservation stays charged. Nothing to tell the
+            # client, whose response is already on its way.
+            self._mark_down(exc)
+
+    async def _acquire(
+        self, limiter: Limiter, plan: _Plan, costs: list[int], slot_id: str
+    ) -> Decision:
+        if limiter is not self._shared:
+            return await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+        async with asyncio.timeout(self.settings.redis_timeout_seconds):
+            return await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+
+    def _limiter_now(self) -> Limiter | None:
+        """The limiter to use now: Redis, or the policy's fallback (None: admit unlimited)."""
+        if self._redis_up:
+            return self._shared
+        self._maybe_probe()
+        policy = self.settings.redis_down_policy
+        self._degraded.labels(policy).inc()
+        if policy == "closed":
+            raise ServiceUnavailableError(
+                "Rate limiting is unavailable (its store cannot be reached); try again shortly.",
+                code="rate_limiter_unavailable",
+                headers={"retry-after": "1"},
+            )
+        return self._local if policy == "local" else None
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if self._redis_up:
+            self._redis_up = False
+            self._last_probe = time.monotonic()
+            self._up_gauge.set(0)
+            log.warning(
+                "admission: Redis unreachable (%s: %s); policy %r until it answers again",
+                type(exc).__name__,
+                exc,
+                self.settings.redis_down_policy,
+            )
+
+    def _maybe_probe(self) -> None:
+        now = time.monotonic()
+        if self._probe is not None or now - self._last_probe < self.settings.probe_interval_seconds:
+            return
+        self._last_probe = now
+        self._probe = asyncio.get_running_loop().create_task(self._run_probe())
+
+    async def _run_probe(self) -> None:
+        try:
+            async with asyncio.timeout(self.settings.redis_timeout_seconds):
+                await self._redis.ping()
+        except REDIS_DOWN:
+            return
+        finally:
+            self._probe = None
+        self._redis_up = True
+        self._up_gauge.set(1)
+        log.warning("admission: Redis reachable again; limits are shared again")
+
+    def _reservation(self, plan: _Plan, prompt_tokens: int, max_tokens: int | None) -> int:
+        tpm = plan.min_tokens_per_minute
+        if max_tokens is None:
+            # The plan's default cap, lowered so that a request that fits the tokens/min limit
+            # with its prompt is never refused for a completion size the client did not ask for.
+            caps = [] if tpm is None else [tpm - prompt_tokens]
+            if plan.max_tokens_default is not None:
+                caps.append(plan.max_tokens_default)
+            max_tokens = max(0, min(caps)) if caps else 0
+        reserved = prompt_tokens + max_tokens
+        if tpm is not None and reserved > tpm:
+            self._rejected.labels("request", "tokens_per_minute").inc()
+            raise LimitExceededError(
+                f"Request too large: it needs {reserved} tokens ({prompt_tokens} prompt + "
+                f"{max_tokens} max_tokens) and the tokens_per_minute limit is {tpm}. "
+                "Shorten the prompt or lower max_tokens.",
+                limit="tokens_per_minute",
+                scope="request",
+                headers={"x-should-retry": "false"},
+            )
+        return reserved
+
+    def _refuse(
+        self, plan: _Plan, decision: Decision, costs: list[int], headers: dict[str, str]
+    ) -> None:
+        index = decision.failed if decision.failed is not None else 0
+        bucket = plan.described[index]
+        limit = plan.buckets.limits[index]
+        self._rejected.labels(bucket.scope, bucket.limit_name).inc()
+        n_rate = len(plan.buckets.rate_keys)
+        n_slot = len(plan.buckets.slot_keys)
+        if index >= n_rate + n_slot:
+            used = decision.budget_used[index - n_rate - n_slot]
+            raise InsufficientQuotaError(
+                f"You exceeded the monthly_token_budget of {bucket.who}: {used} of {limit} "
+                "tokens used this month (UTC). It renews at the start of next month.",
+                headers={**headers, "x-should-retry": "false"},
+            )
+        if index >= n_rate:
+            message = (
+                f"Rate limit reached for {bucket.who} on max_concurrency: limit {limit} "
+                "requests in flight. Please try again when one finishes."
+            )
+            retry_ms = max(decision.retry_after_ms, CONCURRENCY_RETRY_MS)
+        else:
+            retry_ms = decision.retry_after_ms
+            message = (
+                f"Rate limit reached for {bucket.who} on {bucket.limit_name}: limit {limit}, "
+                f"remaining {decision.remaining[index]}, requested {costs[index]}. "
+                f"Please try again in {format_duration(retry_ms)}."
+            )
+        retry_ms = max(1, retry_ms)
+        raise LimitExceededError(
+            message,
+            limit=bucket.limit_name,
+            scope=bucket.scope,
+            headers={
+                **headers,
+                "retry-after": str(math.ceil(retry_ms / 1000)),
+                "retry-after-ms": str(retry_ms),
+            },
+        )
+
+    @staticmethod
+    def _headers(plan: _Plan, decision: Decision) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers, from the tightest bucket of each kind."""
+        headers: dict[str, str] = {}
+        for kind, tokens in (("requests", False), ("tokens", True)):
+            best = -1
+            for i, counts in enumerate(plan.counts_tokens):
+                if counts == tokens and (
+                    best < 0 or decision.remaining[i] < decision.remaining[best]
+                ):
+                    best = i
+            if best >= 0:
+                headers[f"x-ratelimit-limit-{kind}"] = str(plan.buckets.rate_limits[best])
+                headers[f"x-ratelimit-remaining-{kind}"] = str(decision.remaining[best])
+                headers[f"x-ratelimit-reset-{kind}"] = format_duration(decision.reset_ms[best])
+        return headers
+
+    def _plan_for(self, principal: Principal, model: str) -> _Plan:
+        month = utc_month(self._wall_clock())
+        model_limits = principal.model_limits.get(model)
+        cache_key = (
+            principal.tenant_id,
+            principal.key_id,
+            model,
+            month,
+            principal.limits,
+            principal.key_limits,
+            model_limits,
+        )
+        plan = self._plans.get(cache_key)
+        if plan is None:
+            if len(self._plans) >= PLAN_CACHE_SIZE:
+                self._plans.clear()
+            plan = build_plan(principal, model, model_limits, month)
+            self._plans[cache_key] = plan
+        return plan
+
+
+def build_plan(principal: Principal, model: str, model_limits: Limits | None, month: str) -> _Plan:
+    """The bucket set of (principal, model) this month, with key names in their final form.
+
+    Keys share the hash tag ``{tenant}`` so one script can touch them all on a Redis Cluster.
+    """
+    tenant = principal.tenant_id
+    base = f"portico:rl:{{{tenant}}}"
+    scopes: list[tuple[str, str, str, Limits]] = [
+        ("tenant", f"{base}:t", f"tenant '{tenant}'", principal.limits)
+    ]
+    if principal.key_id is not None and principal.key_limits is not None:
+        scopes.append(
+            (
+                "key",
+                f"{base}:k:{principal.key_id}",
+                f"key '{principal.key_id}' of tenant '{tenant}'",
+                principal.key_limits,
+            )
+        )
+    if model_limits is not None:
+        scopes.append(
+            ("model", f"{base}:m:{model}", f"model '{model}' for tenant '{tenant}'", model_limits)
+        )
+    rate: list[tuple[str, int, _Bucket, bool]] = []
+    slots: list[tuple[str, int, _Bucket]] = []
+    budgets: list[tuple[str, int, _Bucket]] = []
+    for scope, prefix, who, limits in scopes:
+        if limits.requests_per_minute is not None:
+            bucket = _Bucket(scope, "requests_per_minute", who)
+            rate.append((f"{prefix}:rpm", limits.requests_per_minute, bucket, False))
+        if limits.tokens_per_minute is not None:
+            bucket = _Bucket(scope, "tokens_per_minute", who)
+            rate.append((f"{prefix}:tpm", limits.tokens_per_minute, bucket, True))
+        if limits.max_concurrency is not None:
+            bucket = _Bucket(scope, "max_concurrency", who)
+            slots.append((f"{prefix}:conc", limits.max_concurrency, bucket))
+        if limits.monthly_token_budget is not None:
+            bucket = _Bucket(scope, "monthly_token_budget", who)
+            budget_key = prefix.replace("portico:rl:", "portico:budget:", 1) + f":{month}"
+            budgets.append((budget_key, limits.monthly_token_budget, bucket))
+    tpms = [limit for _, limit, _, tokens in rate if tokens]
+    default_cap = principal.limits.max_tokens_default
+    if principal.key_limits is not None and principal.key_limits.max_tokens_default is not None:
+        default_cap = principal.key_limits.max_tokens_default
+    return _Plan(
+        buckets=BucketSet(
+            rate_keys=tuple(r[0] for r in rate),
+            rate_limits=tuple(r[1] for r in rate),
+            slot_keys=tuple(s[0] for s in slots),
+            slot_limits=tuple(s[1] for s in slots),
+            budget_keys=tuple(b[0] for b in budgets),
+            budget_limits=tuple(b[1] for b in budgets),
+            labels=tuple(f"{x[2].scope} {x[2].limit_name}" for x in (*rate, *slots, *budgets)),
+        ),
+        described=tuple(x[2] for x in (*rate, *slots, *budgets)),
+        counts_tokens=tuple(r[3] for r in rate),
+        min_tokens_per_minute=min(tpms) if tpms else None,
+        max_tokens_default=default_cap,
+    )
