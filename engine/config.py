@@ -1,0 +1,158 @@
+"""Engine flags: one dataclass, vLLM's flag names, shared by `portico engine` and `LLM(...)`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("recompute", "swap")
+
+_MEMORY_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}  # fmt: skip
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: str | int, flag: str = "--kv-cache-memory") -> int:
+    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB``, ``4g`` or a plain integer of bytes.
+
+    Binary units (KiB, MiB, GiB, TiB, and the bare K, M, G, T) are powers of 1024, decimal
+    ones (KB, MB, GB, TB) powers of 1000. Raises ValueError naming ``flag``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{flag} must be a size such as 2GiB, got {value!r}")
+    if isinstance(value, int):
+        number, unit = float(value), ""
+    else:
+        match = _MEMORY_RE.match(str(value))
+        if match is None or match.group(2).lower() not in _MEMORY_UNITS:
+            raise ValueError(f"{flag} must be a size such as 2GiB or 512MiB, got {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    num_bytes = int(number * _MEMORY_UNITS[unit])
+    if num_bytes <= 0:
+        raise ValueError(f"{flag} must be positive, got {value!r}")
+    return num_bytes
+
+
+@dataclass
+class EngineConfig:
+    """Every engine flag, with vLLM's names (``--max-num-seqs`` is ``max_num_seqs``).
+
+    Validated at construction: a bad value raises ValueError naming the flag. The model's
+    own numbers (layers, heads, context length) live in ``ModelConfig``; ``max_model_len``
+    here is only the user's cap (None: the model's).
+    """
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None  # None: the model spec as given
+    dtype: str = "auto"  # auto: bfloat16 on CUDA when supported, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0  # GiB of CPU memory for swapped-out KV blocks (mode "swap")
+    kv_cache_memory: str | int = "2GiB"  # KV budget on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
+    seed: int = 0
+    num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("--model must be a model alias, folder or .gguf path")
+        _check_choice("--dtype", self.dtype, DTYPES)
+        _check_choice("--device", self.device, DEVICES)
+        _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_int("--block-size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        _check_int("--max-num-seqs", self.max_num_seqs, 1)
+        _check_int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _check_int("--max-model-len", self.max_model_len, 1)
+        if self.num_gpu_blocks_override is not None:
+            _check_int("--num-gpu-blocks-override", self.num_gpu_blocks_override, 1)
+        _check_int("--seed", self.seed, 0)
+        _check_number("--swap-space", self.swap_space, 0.0, math.inf)
+        _check_number("--gpu-memory-utilization", self.gpu_memory_utilization, 0.0, 1.0)
+        if self.gpu_memory_utilization == 0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1], got 0")
+        parse_memory(self.kv_cache_memory)
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return parse_memory(self.kv_cache_memory)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * 2**30)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in ``"model": ...``."""
+        return self.served_model_name or self.model
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add every engine flag to ``parser`` (defaults are EngineConfig's)."""
+        d = EngineConfig()
+        bool_flag = argparse.BooleanOptionalAction
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model, help="model alias, HF folder or .gguf file")
+        g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
+        g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+        g.add_argument("--device", default=d.device, choices=DEVICES)
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="most requests running at once")  # fmt: skip
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one step")  # fmt: skip
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="context length cap (default: the model's)")  # fmt: skip
+        g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
+        g.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
+        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
+        g.add_argument("--swap-space", type=float, default=d.swap_space,
+                       help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                       help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="fix the number of KV blocks")  # fmt: skip
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """Build from parsed flags; attributes the namespace lacks keep their defaults."""
+        values: dict[str, Any] = {
+            f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
+        }
+        return cls(**values)
+
+
+def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_int(flag: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_number(flag: str, value: Any, low: float, high: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or math.isnan(value) or not low <= value <= high:
+        raise ValueError(f"{flag} must be a number in [{low:g}, {high:g}], got {value!r}")

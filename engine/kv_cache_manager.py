@@ -1,0 +1,241 @@
+"""Which KV blocks each request holds: prefix-cache lookup, slot allocation, free, and swap."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+_SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
+
+
+def kv_block_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
+) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    return num_layers * num_kv_heads * head_dim * 2 * block_size * dtype_bytes
+
+
+def num_blocks_for_budget(
+    budget_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype_bytes: int,
+) -> int:
+    """How many KV blocks fit in ``budget_bytes``."""
+    return budget_bytes // kv_block_bytes(num_layers, num_kv_heads, head_dim, block_size,
+                                          dtype_bytes)  # fmt: skip
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """SHA-256 of (parent hash, this block's token ids, extra keys): equal prefixes, equal hash.
+
+    The parent is a fixed 32 bytes and the tokens a fixed ``block_size`` * 8 bytes, so the
+    ``extra`` keys (domain-tagged, e.g. the cache salt) cannot be confused with either.
+    """
+    h = hashlib.sha256(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+@dataclass
+class KVCacheStats:
+    """A snapshot of the KV cache, read by the metrics exporters. Token counts are cumulative."""
+
+    num_gpu_blocks: int
+    num_used_gpu_blocks: int
+    usage: float  # num_used_gpu_blocks / num_gpu_blocks
+    num_cpu_blocks: int
+    num_used_cpu_blocks: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found cached
+
+
+class KVCacheManager:
+    """Maps requests to KV blocks of a :class:`BlockPool`; the policy-free half of scheduling.
+
+    Promises: a request's blocks cover ``block_ids[p // block_size]`` for every position it has
+    been given slots for; only full blocks whose KV has been computed are hashed into the prefix
+    cache; a prefix lookup never covers the last token of a request (it is always computed, so
+    there are logits to sample from). ``allocate_slots`` returns None instead of choosing a
+    victim: preemption is the scheduler's decision. With ``num_cpu_blocks`` > 0 it also keeps a
+    CPU pool for preemption by swapping. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        hash_seed: bytes | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        # A random root per process: hashes (and cache timing) are not predictable from outside.
+        self.root_hash = hash_seed if hash_seed is not None else os.urandom(32)
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_free = list(range(num_cpu_blocks - 1, -1, -1))
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}  # leading blocks already registered
+        self._req_cpu_blocks: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
+        """Extend ``request.block_hashes`` to its first ``num_blocks`` full blocks."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else self.root_hash
+            extra = b""
+            if i == 0 and request.cache_salt is not None:
+                extra = _SALT_TAG + request.cache_salt.encode()
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Cached blocks of the request's longest cached prefix, and how many tokens they hold.
+
+        Never the whole request: at most ``(num_tokens - 1) // block_size`` blocks.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(request, max_blocks)
+        hits: list[KVBlock] = []
+        cached = self.pool.cached
+        for i in range(max_blocks):
+            block = cached.get(request.block_hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        num_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_tokens
+        return hits, num_tokens
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks among its first ``num_computed_tokens`` tokens."""
+        if not self.enable_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_hashed_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._hash_full_blocks(request, num_full)
+        blocks = self._req_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_hashed_blocks[request.request_id] = num_full
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> list[KVBlock] | None:
+        """Give the request slots for ``num_new_tokens`` more tokens, or return None.
+
+        ``new_computed_blocks`` are prefix-cache hits from :meth:`get_computed_blocks`, taken
+        (referenced) together with the new blocks; on None nothing changed.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self._req_blocks[request.request_id] = []
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens)
+        num_new_blocks = num_needed - len(blocks) - len(new_computed_blocks)
+        # Hits sitting in the free queue stop being allocatable once we reference them.
+        num_free = self.pool.num_free - sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > num_free:
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            request.block_ids.extend(b.block_id for b in new_computed_blocks)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        request.block_ids.extend(b.block_id for b in new_blocks)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (GPU and CPU). Idempotent."""
+        blocks = self._req_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))  # tail first: evicted before the prefix
+        self._num_hashed_blocks.pop(request.request_id, None)
+        cpu_blocks = self._req_cpu_blocks.pop(request.request_id, None)
+        if cpu_blocks:
+            self._cpu_free.extend(cpu_blocks)
+        request.block_ids = []
+
+    # -- swap (preemption mode "swap") -------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the CPU pool: (gpu_block, cpu_block) pairs to copy.
+
+        The GPU blocks are freed at once; the model runner must copy them before this step's
+        forward pass writes anything. None (and no change) when the CPU pool is too small.
+        """
+        blocks = self._req_blocks.get(request.request_id, [])
+        if len(blocks) > len(self._cpu_free):
+            return None
+        cpu_ids = [self._cpu_free.pop() for _ in blocks]
+        pairs = [(b.block_id, c) for b, c in zip(blocks, cpu_ids, strict=True)]
+        self.free(request)
+        self._req_cpu_blocks[request.request_id] = cpu_ids
+        return pairs
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
+
+        Returns (cpu_block, gpu_block) pairs to copy before the step, or None if the GPU pool
+        lacks blocks (nothing changes). The CPU blocks are released.
+        """
+        cpu_ids = self._req_cpu_blocks[request.request_id]
+        num_needed = max(
+            self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens), len(cpu_ids)
+        )
+        if num_needed > self.pool.num_free:
+            return None
+        new_blocks = self.pool.get_new_blocks(num_needed)
+        self._req_blocks[request.request_id] = new_blocks
+        self._num_hashed_blocks.pop(request.request_id, None)  # re-registered after the step
+        request.block_ids = [b.block_id for b in new_blocks]
+        del self._req_cpu_blocks[request.request_id]
+        self._cpu_free.extend(cpu_ids)
+        return [(c, b.block_id) for c, b in zip(cpu_ids, new_blocks, strict=False)]
+
+    def num_swapped_blocks(self, request: Request) -> int:
+        return len(self._req_cpu_blocks.get(request.request_id, ()))
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_gpu_blocks=self.pool.num_blocks,
+            num_used_gpu_blocks=self.pool.num_used,
+            usage=self.pool.usage(),
+            num_cpu_blocks=self.num_cpu_blocks,
+            num_used_cpu_blocks=self.num_cpu_blocks - len(self._cpu_free),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )

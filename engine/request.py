@@ -1,0 +1,118 @@
+"""Per-request state shared by the scheduler, the KV cache manager and the engine loop."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Every status after SWAPPED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2  # preempted with its KV copied to the CPU pool; waits to be swapped back in
+    FINISHED_STOPPED = 3  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the context limit
+    FINISHED_ABORTED = 5  # client gone, or aborted by the engine
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``all_token_ids`` is prompt + output, kept as one list (appended to, never rebuilt) so
+    block hashing and recompute after preemption read it without copying. Only the scheduler
+    mutates ``status``, ``num_computed_tokens``, ``block_ids`` and the output; the engine loop
+    reads them. ``block_ids`` is the request's block table (absolute position ``p`` lives in
+    slot ``block_ids[p // block_size] * block_size + p % block_size``).
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "all_token_ids",
+        "output_token_ids",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "stop_reason",
+        "block_ids",
+        "block_hashes",
+        "num_preemptions",
+        "first_scheduled_time",
+        "first_token_time",
+        "finished_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens hit in the prefix cache at first schedule
+        self.stop_reason: int | str | None = None
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hash of each full block of all_token_ids
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # monotonic
+        self.first_token_time: float | None = None  # monotonic, set by the engine loop
+        self.finished_time: float | None = None  # monotonic
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.SWAPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason ("stop" | "length" | "abort"), None while unfinished."""
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,170 @@
+"""Sampling parameters of one request, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+class ParameterError(ValueError):
+    """Bad user input, naming the parameter (``param``) so the server can report it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParameterError(name, f"{name} must be a number, got {type(value).__name__}")
+    if math.isnan(value) or math.isinf(value):
+        raise ParameterError(name, f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        raise ParameterError(name, f"{name} must be an integer, got {type(value).__name__}")
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ParameterError(name, f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion.
+
+    Every field is checked in ``__post_init__``; a bad value raises :class:`ParameterError`
+    (a ``ValueError``) whose message starts with the parameter's name. After construction the
+    engine trusts the object and never re-checks it. ``stop`` may be given as one string; it is
+    stored as a list.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token (0 = only the chosen token)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ParameterError("n", f"n must be at least 1, got {self.n}")
+        _check_int("max_tokens", self.max_tokens, optional=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ParameterError(
+                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"
+            )
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ParameterError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParameterError(
+                "min_tokens",
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ParameterError(
+                "temperature", f"temperature must be >= 0, got {self.temperature}"
+            )
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ParameterError("top_k", f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        self.min_p = _check_float("min_p", self.min_p)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            _check_range(name, value, -2.0, 2.0)
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ParameterError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
+        _check_int("seed", self.seed, optional=True)
+        self.stop = self._checked_stop(self.stop)
+        self.stop_token_ids = self._checked_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterError(name, f"{name} must be a boolean")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check_int(name, value, optional=True)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ParameterError(
+                    name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}"
+                )
+        self.logit_bias = self._checked_logit_bias(self.logit_bias)
+
+    @staticmethod
+    def _checked_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ParameterError("stop", "stop must be a string or a list of strings")
+        if any(s == "" for s in stop):
+            raise ParameterError("stop", "stop must not contain empty strings")
+        return list(stop)
+
+    @staticmethod
+    def _checked_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ParameterError(
+                "stop_token_ids", "stop_token_ids must be a list of non-negative integers"
+            )
+        return list(ids)
+
+    @staticmethod
+    def _checked_logit_bias(bias: Any) -> dict[int, float]:
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise ParameterError("logit_bias", "logit_bias must map token ids to numbers")
+        checked: dict[int, float] = {}
+        for key, value in bias.items():
+            # JSON object keys are strings: OpenAI clients send {"50256": -100}.
+            token = int(key) if isinstance(key, str) and key.isdigit() else key
+            if not _is_int(token) or token < 0:
+                raise ParameterError("logit_bias", f"logit_bias key {key!r} is not a token id")
+            number = _check_float("logit_bias", value)
+            _check_range("logit_bias", number, -100.0, 100.0)
+            checked[token] = number
+        return checked
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
