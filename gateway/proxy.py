@@ -1,0 +1,293 @@
+"""Forwarding to a local engine pool: replica choice, retries before the first byte, SSE relay.
+
+``LocalUpstream.exchange`` runs the attempt loop: pick a replica (prefix affinity, least
+outstanding), send, and retry on connect errors, broken answers and the policy's statuses
+(502/503/504, engine 429) — with full-jitter backoff, a maximum number of attempts and an
+overall deadline — but only until the first byte is ready for the client. For a stream the
+first SSE event is read inside the loop, so an engine that dies before answering is retried
+like any other failure. Once an :class:`Exchange` is returned nothing is retried; a stream
+broken later ends with an error event and ``data: [DONE]``.
+
+Usage for settlement: the engine is always asked for ``stream_options.include_usage``; the
+usage event is read here and dropped from the relay when the client did not ask for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.fields import RequestFields
+from gateway.metrics import GatewayMetrics
+from gateway.pool import Pool, Replica
+from gateway.retry import RetryPolicy
+from portico.errors import ServiceUnavailableError, UpstreamError, error_body
+
+log = logging.getLogger("portico.gateway.proxy")
+
+try:
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_USAGE_MARKS = (b'"usage":{', b'"usage": {')
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts reported by the upstream (zero until it reports them)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reported: bool = False
+
+    def take(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            self.reported = True
+
+
+@dataclass(eq=False)
+class Exchange:
+    """An upstream answer whose first byte is ready: relay ``body`` or ``first`` + ``rest``.
+
+    ``upstream_s`` is the time spent waiting on upstreams so far (for the overhead header);
+    ``close`` must be awaited once the relay is over (it frees the replica).
+    """
+
+    status: int
+    content_type: str
+    body: bytes | None = None
+    first: bytes | None = None
+    rest: AsyncIterator[bytes] | None = None
+    usage: Usage = field(default_factory=Usage)
+    upstream_s: float = 0.0
+    attempts: int = 1
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+def error_event(message: str, code: str = "upstream_error") -> bytes:
+    """The SSE event that ends a stream the upstream broke, followed by ``[DONE]``."""
+    payload = _dumps(error_body(message, "upstream_error", None, code))
+    return b"data: " + payload + b"\n\n" + DONE_EVENT
+
+
+def upstream_body(raw: bytes, fields: RequestFields, model: str, cache_salt: str | None) -> bytes:
+    """The body sent to the engine: the client's bytes with the tenant's ``cache_salt``, the
+    upstream model name and ``stream_options.include_usage`` spliced in. The common case (no
+    alias, no client ``cache_salt``/``stream_options``) edits bytes without re-serializing."""
+    body = fields.body
+    if model == fields.model and "cache_salt" not in body and "stream_options" not in body:
+        extra = []
+        if cache_salt is not None:
+            extra.append(b'"cache_salt":' + _dumps(cache_salt))
+        if fields.stream:
+            extra.append(b'"stream_options":{"include_usage":true}')
+        if not extra:
+            return raw
+        end = raw.rstrip().rfind(b"}")
+        return raw[:end] + b"," + b",".join(extra) + b"}"
+    edited = dict(body)
+    edited["model"] = model
+    edited.pop("cache_salt", None)  # a client never picks its own salt
+    if cache_salt is not None:
+        edited["cache_salt"] = cache_salt
+    if fields.stream:
+        edited["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return _dumps(edited)
+
+
+def _take_usage(block: bytes, usage: Usage, keep_usage: bool) -> bytes:
+    """Read the usage event in ``block`` (one or more SSE events); drop it unless kept."""
+    if not any(mark in block for mark in _USAGE_MARKS):
+        return block
+    kept = []
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        if event.startswith(b"data: {") and any(mark in event for mark in _USAGE_MARKS):
+            try:
+                data = _loads(event[6:])
+            except ValueError:
+                data = None
+            if isinstance(data, dict):
+                usage.take(data.get("usage"))
+                if not keep_usage and not data.get("choices"):
+                    continue  # the usage-only event the client did not ask for
+        kept.append(event + b"\n\n")
+    return b"".join(kept)
+
+
+async def sse_blocks(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """Complete SSE events as they arrive (each yield holds one or more whole events)."""
+    buffer = b""
+    async for data in resp.aiter_raw():
+        buffer += data
+        cut = buffer.rfind(b"\n\n")
+        if cut < 0:
+            continue
+        yield buffer[: cut + 2]
+        buffer = buffer[cut + 2 :]
+    if buffer.strip():
+        yield buffer + b"\n\n"
+
+
+class LocalUpstream:
+    """A pool of engine replicas behind one model name; one shared HTTP client per replica."""
+
+    def __init__(self, pool: Pool, policy: RetryPolicy, metrics: GatewayMetrics) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+
+    async def exchange(
+        self,
+        path: str,
+        payload: bytes,
+        fields: RequestFields,
+        request_id: str,
+        prefix_key: bytes | None,
+    ) -> Exchange:
+        """Send until an answer's first byte is ready or the policy gives up."""
+        policy = self.policy
+        deadline = time.monotonic() + policy.deadline_s
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        tried: tuple[Replica, ...] = ()
+        waited = 0.0
+        attempt = 0
+        last_failure = "no healthy replica"
+        last_answer: Exchange | None = None
+        while True:
+            attempt += 1
+            replica = self.pool.pick(prefix_key, tried) or self.pool.pick(prefix_key)
+            if replica is not None:
+                started = time.monotonic()
+                replica.outstanding += 1
+                try:
+                    result = await self._attempt(replica, path, payload, headers, fields)
+                except (httpx.TransportError, _BrokenAnswer) as exc:
+                    self.pool.record_failure(replica)
+                    last_failure = f"{type(exc).__name__} from replica {replica.name}"
+                    reason = "connect" if isinstance(exc, httpx.ConnectError) else "broken"
+                else:
+                    result.upstream_s = waited + time.monotonic() - started
+                    result.attempts = attempt
+                    if not policy.retries_status(result.status):
+                        self.pool.record_success(replica)
+                        return result
+                    if result.status != 429:  # an engine that is busy is not failing
+                        self.pool.record_failure(replica)
+                    reason = str(result.status)
+                    last_failure = f"status {result.status} from replica {replica.name}"
+                    last_answer = result
+                waited += time.monotonic() - started
+                tried += (replica,)
+            else:
+                reason = "no_replica"
+            delay = policy.backoff(attempt)
+            if attempt >= policy.max_attempts or time.monotonic() + delay > deadline:
+                break
+            self.metrics.retries.labels(self.pool.name, reason).inc()
+            log.debug("request %s: retry %d after %s", request_id, attempt, last_failure)
+            await asyncio.sleep(delay)
+        if last_answer is not None:
+            return last_answer  # the upstream's own error answer, passed through
+        if reason == "no_replica":
+            raise ServiceUnavailableError(
+                f"No healthy replica of '{self.pool.name}' is available; try again shortly.",
+                code="no_healthy_replica", headers={"retry-after": "1"})
+        raise UpstreamError(
+            f"The model '{self.pool.name}' failed to answer after {attempt} attempt(s).",
+            code="upstream_unavailable")
+
+    async def _attempt(
+        self, replica: Replica, path: str, payload: bytes, headers: dict[str, str],
+        fields: RequestFields,
+    ) -> Exchange:
+        # The replica's outstanding count was raised by the caller; every path below that does
+        # not hand the open stream to ``close`` lowers it again.
+        try:
+            return await self._attempt_open(replica, path, payload, headers, fields)
+        except BaseException:
+            replica.outstanding -= 1
+            raise
+
+    async def _attempt_open(
+        self, replica: Replica, path: str, payload: bytes, headers: dict[str, str],
+        fields: RequestFields,
+    ) -> Exchange:
+        client = replica.client
+        resp = await client.send(
+            client.build_request("POST", path, content=payload, headers=headers), stream=True)
+        content_type = resp.headers.get("content-type", "application/json")
+        if not fields.stream or resp.status_code != 200:
+            try:
+                body = await resp.aread()
+            except httpx.HTTPError as exc:
+                raise _BrokenAnswer(str(exc)) from exc
+            finally:
+                await resp.aclose()
+            replica.outstanding -= 1
+            exchange = Exchange(resp.status_code, content_type, body=body)
+            if resp.status_code == 200:
+                try:
+                    exchange.usage.take(_loads(body).get("usage"))
+                except (ValueError, AttributeError):
+                    pass
+            return exchange
+        blocks = sse_blocks(resp)
+        try:
+            first = await anext(blocks)
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            await resp.aclose()
+            raise _BrokenAnswer(str(exc) or "empty stream") from exc
+        exchange = Exchange(200, content_type)
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                replica.outstanding -= 1
+                await blocks.aclose()
+                await resp.aclose()
+
+        exchange.first = _take_usage(first, exchange.usage, fields.wants_usage)
+        exchange.rest = self._relay(blocks, exchange.usage, fields.wants_usage, replica)
+        exchange.close = close
+        return exchange
+
+    async def _relay(
+        self, blocks: AsyncIterator[bytes], usage: Usage, keep_usage: bool, replica: Replica
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for block in blocks:
+                out = _take_usage(block, usage, keep_usage)
+                if out:
+                    yield out
+        except httpx.HTTPError as exc:
+            log.warning("stream from replica %s broke: %s", replica.name, exc)
+            self.pool.record_failure(replica)
+            yield error_event(f"The upstream stream broke: {type(exc).__name__}.")
+
+
+class _BrokenAnswer(Exception):
+    """The upstream failed before the first byte of its answer was ready (retryable)."""

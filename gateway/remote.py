@@ -1,0 +1,145 @@
+"""Remote upstreams (OpenAI, Anthropic, any OpenAI-compatible base URL) through ``litellm``.
+
+A remote tier answers in OpenAI's shape like a local pool does, so the rest of the gateway
+cannot tell them apart: ``RemoteUpstream.exchange`` has the same signature and the same retry
+rule (connect errors, timeouts, 429/502/503/504, only before the first byte) as
+:class:`gateway.proxy.LocalUpstream`. ``litellm`` is imported when the first remote upstream
+is built, with its model-price map taken from the package (it must not reach the network).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.fields import RequestFields
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import DONE_EVENT, Exchange, Usage, _dumps, error_event
+from gateway.retry import RetryPolicy
+from portico.errors import error_body, status_error_type
+
+log = logging.getLogger("portico.gateway.remote")
+
+# OpenAI request fields a remote upstream receives (the rest stays at the gateway).
+PASSED_FIELDS = (
+    "temperature", "top_p", "n", "stop", "max_tokens", "max_completion_tokens",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user",
+    "seed", "tools", "tool_choice", "response_format", "parallel_tool_calls", "echo", "suffix",
+    "best_of",
+)
+
+
+class RemoteSpec(BaseModel):
+    """One remote upstream (``remotes:`` in the gateway config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:/-]+$")  # the model clients name
+    model: str = Field(min_length=1)  # litellm's id: "openai/gpt-4o-mini", "anthropic/..."
+    api_base: str | None = None
+    api_key_env: str | None = None  # the environment variable holding the provider's key
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class RemoteUpstream:
+    """A remote provider reached through litellm, answering as the model ``spec.name``."""
+
+    def __init__(self, spec: RemoteSpec, policy: RetryPolicy, metrics: GatewayMetrics) -> None:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        import litellm
+
+        self.litellm = litellm
+        self.spec = spec
+        self.policy = policy
+        self.metrics = metrics
+        self.api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+
+    async def exchange(
+        self, path: str, payload: bytes, fields: RequestFields, request_id: str,
+        prefix_key: bytes | None,
+    ) -> Exchange:
+        started = time.monotonic()
+        deadline = started + self.policy.deadline_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                exchange = await self._attempt(fields, request_id)
+                exchange.upstream_s = time.monotonic() - started
+                exchange.attempts = attempt
+                return exchange
+            except Exception as exc:  # litellm maps every provider error to its own classes
+                status = int(getattr(exc, "status_code", 0) or 0)
+                retryable = status == 0 or self.policy.retries_status(status)
+                delay = self.policy.backoff(attempt)
+                if (not retryable or attempt >= self.policy.max_attempts
+                        or time.monotonic() + delay > deadline):
+                    return self._error_exchange(exc, status, attempt, started)
+                self.metrics.retries.labels(self.spec.name, str(status or "connect")).inc()
+                await asyncio.sleep(delay)
+
+    def _error_exchange(self, exc: Exception, status: int, attempt: int, started: float
+                        ) -> Exchange:
+        status = status if 400 <= status < 600 else 502
+        log.warning("remote %s failed after %d attempt(s): %s", self.spec.name, attempt, exc)
+        message = f"The remote upstream '{self.spec.name}' failed: {type(exc).__name__}."
+        body = _dumps(error_body(message, status_error_type(status), None, "upstream_error"))
+        return Exchange(status, "application/json", body=body, attempts=attempt,
+                        upstream_s=time.monotonic() - started)
+
+    async def _attempt(self, fields: RequestFields, request_id: str) -> Exchange:
+        kwargs: dict[str, Any] = {k: fields.body[k] for k in PASSED_FIELDS if k in fields.body}
+        kwargs.update(model=self.spec.model, stream=fields.stream, timeout=self.spec.timeout_s,
+                      num_retries=0, extra_headers={"x-request-id": request_id})
+        if self.spec.api_base:
+            kwargs["api_base"] = self.spec.api_base
+        if self.api_key:
+            kwargs["api_key"] = self.api_key
+        if fields.stream:
+            kwargs["stream_options"] = {"include_usage": True}
+        if fields.kind == "chat":
+            resp = await self.litellm.acompletion(messages=fields.messages, **kwargs)
+        else:
+            resp = await self.litellm.atext_completion(prompt=fields.prompt, **kwargs)
+        if not fields.stream:
+            data = resp.model_dump()
+            data["model"] = self.spec.name
+            exchange = Exchange(200, "application/json", body=_dumps(data))
+            exchange.usage.take(data.get("usage"))
+            return exchange
+        chunks = resp.__aiter__()
+        exchange = Exchange(200, "text/event-stream")
+        first = await anext(chunks)  # inside the retry loop: nothing reached the client yet
+        exchange.first = self._event(first, exchange.usage, fields.wants_usage) or b": ok\n\n"
+        exchange.rest = self._relay(chunks, exchange.usage, fields.wants_usage)
+        return exchange
+
+    def _event(self, chunk: Any, usage: Usage, keep_usage: bool) -> bytes:
+        data = chunk.model_dump(exclude_none=True)
+        data["model"] = self.spec.name
+        if data.get("usage"):
+            usage.take(data["usage"])
+            if not keep_usage:
+                if not data.get("choices"):
+                    return b""
+                data.pop("usage")
+        return b"data: " + _dumps(data) + b"\n\n"
+
+    async def _relay(self, chunks: AsyncIterator[Any], usage: Usage, keep_usage: bool
+                     ) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                event = self._event(chunk, usage, keep_usage)
+                if event:
+                    yield event
+        except Exception as exc:  # a provider error mid-stream: end the stream cleanly
+            log.warning("remote %s stream broke: %s", self.spec.name, exc)
+            yield error_event(f"The remote stream broke: {type(exc).__name__}.")
+            return
+        yield DONE_EVENT

@@ -1,0 +1,166 @@
+"""Which upstream serves a request: an explicit model, an alias, or ``auto`` by complexity.
+
+``Router.route`` returns a :class:`RouteDecision`; the proxy carries it out. For ``auto`` the
+router scores the request from cheap features — estimated prompt tokens (chars / 4: the tier,
+and so the tokenizer, is not known yet), max_tokens, user turns, fenced code blocks, tools, and
+configured keywords — as a weighted sum, and takes the first tier (in policy order) whose
+``max_score`` is at least the score and whose model the caller may use. The policy lives in
+``policies/routing.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.fields import RequestFields, prefix_text, prompt_text
+from gateway.principal import Principal
+from portico.errors import NotFoundError, PermissionDeniedError
+
+AUTO_MODEL = "auto"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Weights(_Strict):
+    """Score per unit of each feature."""
+
+    prompt_tokens: float = 0.001
+    max_tokens: float = 0.001
+    turns: float = 0.1
+    code_blocks: float = 1.0
+    tools: float = 1.0
+    keywords: float = 1.0
+
+
+class Tier(_Strict):
+    """A named destination: a local pool or remote upstream (by model name)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: str = Field(min_length=1)
+    max_score: float | None = None  # None: catches everything (the last tier)
+
+
+class RoutingPolicy(_Strict):
+    """Aliases, the ``auto`` tiers and scoring, and prefix-affinity numbers."""
+
+    aliases: dict[str, str] = {}
+    tiers: list[Tier] = []
+    weights: Weights = Weights()
+    keywords: list[str] = []
+    prefix_chars: int = Field(256, ge=0, le=100_000)
+    affinity_slack: int = Field(2, ge=0, le=10_000)
+
+
+def load_routing_policy(path: Path) -> RoutingPolicy:
+    """Read ``routing.yaml``; a missing file gives a policy with no aliases and no tiers."""
+    if not path.is_file():
+        return RoutingPolicy()
+    return RoutingPolicy.model_validate(yaml.safe_load(path.read_text()) or {})
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where to send a request and why (the ``x-portico-route`` header shows both)."""
+
+    tier: str
+    model: str  # the upstream's model name (a pool or a remote upstream)
+    reason: str
+    prefix_key: bytes | None
+
+    @property
+    def header(self) -> str:
+        return f"tier={self.tier}; model={self.model}; reason={self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """The inputs of the complexity score."""
+
+    prompt_tokens: int
+    max_tokens: int
+    turns: int
+    code_blocks: int
+    tools: int
+    keywords: int
+
+
+class Router:
+    """Routes requests over the models the gateway serves, under one routing policy."""
+
+    def __init__(self, policy: RoutingPolicy, models: set[str]) -> None:
+        unknown = [t.model for t in policy.tiers if t.model not in models]
+        unknown += [m for m in policy.aliases.values() if m not in models]
+        if unknown:
+            raise ValueError(f"routing policy names models that are not served: {unknown}")
+        self.policy = policy
+        self.models = models
+        self._keywords = [k.lower() for k in policy.keywords]
+
+    def visible_models(self, principal: Principal) -> list[str]:
+        names = [m for m in sorted(self.models) if principal.may_use(m)]
+        names += [a for a, m in sorted(self.policy.aliases.items()) if principal.may_use(m)]
+        if self.policy.tiers and any(principal.may_use(t.model) for t in self.policy.tiers):
+            names.append(AUTO_MODEL)
+        return names
+
+    def route(self, fields: RequestFields, principal: Principal) -> RouteDecision:
+        name = fields.model
+        if name == AUTO_MODEL and self.policy.tiers:
+            return self._route_auto(fields, principal)
+        if name in self.models:
+            model, reason = name, "explicit"
+        elif name in self.policy.aliases:
+            model, reason = self.policy.aliases[name], f"alias:{name}"
+        else:
+            raise NotFoundError(f"The model '{name}' does not exist.", param="model")
+        if not principal.may_use(model):
+            raise PermissionDeniedError(
+                f"Your plan does not allow the model '{name}'.", param="model",
+                code="model_not_allowed")
+        return RouteDecision("direct", model, reason, self._prefix_key(fields))
+
+    def features(self, fields: RequestFields) -> Features:
+        text = prompt_text(fields)
+        lowered = text.lower()
+        turns = sum(1 for m in fields.messages or () if m.get("role") == "user") or 1
+        return Features(
+            prompt_tokens=len(text) // 4,
+            max_tokens=fields.max_tokens or 0,
+            turns=turns,
+            code_blocks=text.count("```") // 2,
+            tools=fields.num_tools,
+            keywords=sum(1 for k in self._keywords if k in lowered),
+        )
+
+    def score(self, f: Features) -> float:
+        w = self.policy.weights
+        return (w.prompt_tokens * f.prompt_tokens + w.max_tokens * f.max_tokens
+                + w.turns * f.turns + w.code_blocks * f.code_blocks + w.tools * f.tools
+                + w.keywords * f.keywords)
+
+    def _route_auto(self, fields: RequestFields, principal: Principal) -> RouteDecision:
+        f = self.features(fields)
+        score = self.score(f)
+        allowed = [t for t in self.policy.tiers if principal.may_use(t.model)]
+        if not allowed:
+            raise PermissionDeniedError(
+                "Your plan allows none of the models 'auto' routes to.", param="model",
+                code="model_not_allowed")
+        tier = next((t for t in allowed if t.max_score is None or score <= t.max_score),
+                    allowed[-1])
+        reason = (f"auto score={score:.2f} (prompt_tokens~{f.prompt_tokens} "
+                  f"max_tokens={f.max_tokens} turns={f.turns} code={f.code_blocks} "
+                  f"tools={f.tools} keywords={f.keywords})")
+        return RouteDecision(tier.name, tier.model, reason, self._prefix_key(fields))
+
+    def _prefix_key(self, fields: RequestFields) -> bytes | None:
+        if not self.policy.prefix_chars:
+            return None
+        text = prefix_text(fields, self.policy.prefix_chars)
+        return text.encode() if text else None
