@@ -1,13 +1,30 @@
-"""The engine's step loop: requests in, one scheduler step + model step + sampling per call.
+"""The engine's step loop: requests in; one schedule + model step + sample per ``step()``.
 
-(Work in progress: the public API below is the contract of docs/internals.md.)
+``LLMEngine`` ties the parts together and keeps nothing they already keep: the scheduler owns
+the queues, the blocks and token-level stops (EOS, stop token ids, max_tokens); the runner owns
+the KV tensors; the sampler is stateless. The engine owns what is about *text*: one
+:class:`IncrementalDetokenizer` per completion, stop strings, and turning requests into
+:class:`RequestOutput` objects. A request with ``n > 1`` runs as ``n`` child requests with the
+same prompt (equal prompt blocks are shared by prefix caching); child ``i`` samples with
+``seed + i`` when a seed is given, so the children differ but each is reproducible.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import time
+from dataclasses import dataclass, field
 
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
+from engine.model_runner import ModelRunner, num_kv_blocks
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.registry import resolve
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import ParameterError, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 
 __all__ = [
@@ -19,44 +36,334 @@ __all__ = [
 ]
 
 
+@dataclass
+class _Completion:
+    """Engine-side state of one child request: its text and what was already reported."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+@dataclass
+class _Parent:
+    """One user request: its ``n`` completions and its timings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    metrics: RequestMetrics
+    num_finished: int = 0
+    touched: bool = field(default=False)
+
+
 class LLMEngine:
     """A synchronous engine: ``add_request`` queues, ``step`` runs one batch, ``abort`` frees.
 
-    Not thread-safe: one thread drives it (AsyncLLMEngine runs it in a dedicated thread).
+    Promises: ``add_request`` either raises ValueError (a ``ParameterError`` naming the
+    parameter) and changes nothing, or queues the request; every request eventually yields one
+    RequestOutput with ``finished=True`` (from ``step`` or ``abort``); a finished or aborted
+    request holds no KV block. Not thread-safe: one thread drives it (AsyncLLMEngine runs it in
+    a dedicated thread).
     """
 
-    config: Any
-    model_config: Any
-    tokenizer: Any
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        model_len = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} exceeds the model's context length "
+                f"({model_len})"
+            )
+        self.max_model_len = config.max_model_len or model_len
+        self.vocab_size = loaded.config.vocab_size
+        eos = set(loaded.config.eos_token_ids)
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        num_gpu_blocks = num_kv_blocks(loaded, config)
+        self.runner = ModelRunner(loaded, config, num_gpu_blocks)
+        self.scheduler = Scheduler(
+            config,
+            num_gpu_blocks,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
+        )
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self._parents: dict[str, _Parent] = {}
+        self._completions: dict[str, tuple[_Parent, _Completion]] = {}
+        self._counters: dict[str, int] = dict.fromkeys(
+            (
+                "num_prompt_tokens", "num_computed_prompt_tokens", "num_generation_tokens",
+                "num_steps", "finished_stop", "finished_length", "finished_abort",
+            ),
+            0,
+        )  # fmt: skip
 
     @classmethod
-    def from_config(cls, config: Any) -> LLMEngine:
-        raise NotImplementedError
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Resolve and load ``config.model`` on ``config.device`` and build the engine."""
+        device = choose_device(config.device)
+        loaded = load_model(resolve(config.model), choose_dtype(config.dtype, device), device)
+        return cls(config, loaded)
 
-    def check_request(self, prompt_token_ids: list[int], params: Any) -> None:
-        """Raise ValueError (naming the parameter) if the request can never run here."""
-        raise NotImplementedError
+    # ------------------------------------------------------------------ admission
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ParameterError (naming the parameter) if the request can never run here."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+            raise ParameterError("prompt", "prompt must contain at least one token")
+        for token in prompt_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise ParameterError("prompt", f"prompt token ids must be integers, got {token!r}")
+            if not 0 <= token < self.vocab_size:
+                raise ParameterError(
+                    "prompt",
+                    f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})",
+                )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias)),
+        ):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ParameterError(
+                    name,
+                    f"{name} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                )
+        self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
 
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: Any,
+        params: SamplingParams,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        raise NotImplementedError
+        """Queue a request (``n`` children). ValueError on bad input; nothing allocated then."""
+        self.check_request(prompt_token_ids, params)
+        if request_id in self._parents:
+            raise ParameterError("request_id", f"request_id {request_id!r} is already running")
+        child_ids = [request_id]
+        if params.n > 1:
+            child_ids = [f"{request_id}#{i}" for i in range(params.n)]
+        if any(cid in self._completions for cid in child_ids):
+            raise ParameterError("request_id", f"request_id {request_id!r} is already running")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        prompt = list(prompt_token_ids)
+        parent = _Parent(request_id, prompt, [], RequestMetrics(arrival_time=arrival))
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            req = Request(
+                child_id, prompt, child_params,
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+            )  # fmt: skip
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+            parent.completions.append(_Completion(index, req, detok, logprobs))
+        for completion in parent.completions:
+            self.scheduler.add_request(completion.request)
+            self._completions[completion.request.request_id] = (parent, completion)
+        self._parents[request_id] = parent
+        self._counters["num_prompt_tokens"] += len(prompt) * params.n
+
+    # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        raise NotImplementedError
+        """Schedule, run the model, sample, detokenize; return outputs of requests that moved."""
+        out = self.scheduler.schedule()
+        self._counters["num_steps"] += 1
+        if out.swap_out or out.swap_in:
+            self.runner.swap(out.swap_out, out.swap_in)
+        now = time.monotonic()
+        self._count_prefill(out)
+        for req, _ in out.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        if out.scheduled:
+            rows, logits = self.runner.execute(out)
+        else:
+            rows, logits = [], None
+        sampled: dict[str, int] = {}
+        row_logprobs: list[TokenLogprob | None] = []
+        if rows:
+            result = self.sampler.sample(logits, rows)  # type: ignore[arg-type]
+            sampled = {r.request_id: t for r, t in zip(rows, result.token_ids, strict=True)}
+            row_logprobs = result.logprobs
+        finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        now = time.monotonic()
+        touched: list[_Parent] = []
+        for req, lp in zip(rows, row_logprobs, strict=True):
+            parent, completion = self._completions[req.request_id]
+            self._on_token(parent, completion, sampled[req.request_id], lp, now, finished)
+            if not parent.touched:
+                parent.touched = True
+                touched.append(parent)
+        for req, _ in out.scheduled:  # finished without a token (e.g. the context limit)
+            if req.request_id in finished and req.request_id not in sampled:
+                parent, completion = self._completions[req.request_id]
+                self._finish(parent, completion, now)
+                if not parent.touched:
+                    parent.touched = True
+                    touched.append(parent)
+        self._counters["num_generation_tokens"] += len(sampled)
+        return [self._make_output(p) for p in touched]
 
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+    def _count_prefill(self, out: SchedulerOutput) -> None:
+        """Prefill work of this step: every scheduled token that is not a plain decode."""
+        num = 0
+        for req, n in out.scheduled:
+            decode = req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+            num += n - 1 if decode else n
+        self._counters["num_computed_prompt_tokens"] += num
+
+    def _on_token(
+        self,
+        parent: _Parent,
+        completion: _Completion,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+        finished: set[str],
+    ) -> None:
+        req = completion.request
+        metrics = parent.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if req.first_token_time is None:
+            req.first_token_time = now
+        metrics.last_token_time = now
+        if completion.logprobs is not None and logprob is not None:
+            completion.logprobs.append(logprob)
+        params = req.sampling_params
+        stopped_by_token = (
+            req.request_id in finished and req.status == RequestStatus.FINISHED_STOPPED
+        )
+        stop = completion.detokenizer.append(
+            token, decode=not stopped_by_token or params.include_stop_str_in_output
+        )
+        if stop is not None and req.request_id not in finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        if stop is not None or req.request_id in finished:
+            self._finish(parent, completion, now)
+
+    def _finish(self, parent: _Parent, completion: _Completion, now: float) -> None:
+        if completion.finish_reason is not None:
+            return
+        req = completion.request
+        detok = completion.detokenizer
+        if detok.stop_reason is not None:
+            completion.finish_reason, completion.stop_reason = "stop", detok.stop_reason
+        else:
+            detok.flush()
+            completion.finish_reason = req.finish_reason or "abort"
+            completion.stop_reason = req.stop_reason
+        self._counters[f"finished_{completion.finish_reason}"] += 1
+        parent.num_finished += 1
+        if parent.num_finished == len(parent.completions):
+            parent.metrics.finished_time = now
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        parent.touched = False
+        outputs = []
+        for c in parent.completions:
+            req = c.request
+            finished = c.finish_reason is not None
+            text = c.detokenizer.visible_text(finished)
+            token_ids = list(req.output_token_ids)
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=token_ids,
+                    text_delta=text[c.num_sent_chars :],
+                    token_ids_delta=token_ids[c.num_sent_tokens :],
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+            c.num_sent_chars = len(text)
+            c.num_sent_tokens = len(token_ids)
+        metrics = parent.metrics
+        metrics.first_scheduled_time = min(
+            (c.request.first_scheduled_time for c in parent.completions
+             if c.request.first_scheduled_time is not None),
+            default=None,
+        )  # fmt: skip
+        metrics.num_preemptions = sum(c.request.num_preemptions for c in parent.completions)
+        done = parent.num_finished == len(parent.completions)
+        if done:
+            self._parents.pop(parent.request_id, None)
+            for c in parent.completions:
+                self._completions.pop(c.request.request_id, None)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=done,
+            num_cached_tokens=max(c.request.num_cached_tokens for c in parent.completions),
+            metrics=dataclasses.replace(metrics),
+        )
+
+    # ------------------------------------------------------------------ abort, state
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request now: its blocks are freed before this returns.
+
+        Returns the request's final output (``finish_reason="abort"`` on the completions that
+        were still running), or None if the request is unknown or already finished.
+        """
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        now = time.monotonic()
+        for c in parent.completions:
+            if c.finish_reason is None:
+                self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)
+                self._finish(parent, c, now)
+        return self._make_output(parent)
 
     def has_unfinished(self) -> bool:
-        raise NotImplementedError
+        return bool(self._parents) or self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
 
     def stats(self) -> EngineStats:
-        raise NotImplementedError
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_swapped=s.num_swapped,
+            kv_cache_usage=s.kv_cache_usage,
+            num_free_blocks=s.num_gpu_blocks - s.num_used_gpu_blocks,
+            num_total_blocks=s.num_gpu_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            **self._counters,
+        )
+
