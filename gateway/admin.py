@@ -1,0 +1,156 @@
+"""The admin REST API under ``/admin/v1``: tenants, keys, plans, quota overrides, usage.
+
+Every route depends on :meth:`Authenticator.resolve_admin` (the admin key or an admin-role
+JWT); data-plane keys get 403. Bodies are pydantic models with ``extra="forbid"`` and strict
+types, so malformed JSON, wrong types and unknown fields are 400 in OpenAI's shape (the app
+must install :func:`portico.errors.install_error_handlers`; a body over the app's limit is
+413 from :class:`portico.errors.BodySizeLimitMiddleware`). A key secret appears in exactly
+one response: the one that creates it (create or rotate).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from datetime import date, datetime, timedelta, timezone
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request, Response, Security
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.auth import Authenticator
+from gateway.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
+
+log = logging.getLogger(__name__)
+
+TenantIdPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+KeyIdPath = Annotated[str, Path(pattern=r"^key-[0-9a-f]{16}$")]
+
+
+class KeyRotate(BaseModel):
+    """Body of ``POST .../keys/{key_id}/rotate``: how long the old secret keeps working."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 0
+
+
+def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
+    """The tenant record plus what it adds up to (effective limits, models, salt policy)."""
+    body = tenant.model_dump()
+    plan = store.plans.get(tenant.plan)
+    if plan is not None:
+        principal = store.principal_for(tenant)
+        body["effective"] = {
+            "limits": {k: getattr(principal.limits, k) for k in
+                       ("requests_per_minute", "tokens_per_minute", "max_concurrency",
+                        "monthly_token_budget", "max_tokens_default")},
+            "allowed_models": sorted(principal.allowed_models)
+            if principal.allowed_models is not None else None,
+            "shares_prefix_cache": (principal.cache_salt or "").startswith("shared:"),
+        }
+    return body
+
+
+def build_admin_router(store: TenantStore, authenticator: Authenticator) -> APIRouter:
+    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once."""
+
+
+    class AdminRoute(APIRoute):
+        """Authenticates before FastAPI reads the body, so an unauthenticated caller learns
+        nothing from validation errors (401/403 always come first)."""
+
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request) -> Response:
+                auth = request.headers.get("authorization")
+                request.state.admin = await authenticator.resolve_admin(auth)
+                return await handler(request)
+
+            return guarded
+
+    # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
+    router = APIRouter(prefix="/admin/v1", tags=["admin"], route_class=AdminRoute,
+                       dependencies=[Security(HTTPBearer(auto_error=False))])
+
+    def changed(action: str, **fields: str) -> None:
+        authenticator.invalidate()
+        log.info("admin: %s %s", action, " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    @router.get("/plans")
+    async def list_plans() -> dict[str, Any]:
+        return {"object": "list", "default": store.default_plan,
+                "data": [p.model_dump() for p in store.plans.values()]}
+
+    @router.post("/tenants", status_code=201)
+    async def create_tenant(spec: TenantCreate) -> dict[str, Any]:
+        tenant = await store.create_tenant(spec)
+        changed("create tenant", tenant=tenant.id)
+        return _tenant_view(store, tenant)
+
+    @router.get("/tenants")
+    async def list_tenants() -> dict[str, Any]:
+        return {"object": "list",
+                "data": [_tenant_view(store, t) for t in await store.list_tenants()]}
+
+    @router.get("/tenants/{tenant_id}")
+    async def get_tenant(tenant_id: TenantIdPath) -> dict[str, Any]:
+        return _tenant_view(store, await store.require_tenant(tenant_id))
+
+    @router.patch("/tenants/{tenant_id}")
+    async def update_tenant(tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
+        tenant = await store.update_tenant(tenant_id, patch)
+        changed("update tenant", tenant=tenant_id, fields=",".join(sorted(patch.model_fields_set)))
+        return _tenant_view(store, tenant)
+
+    @router.delete("/tenants/{tenant_id}", status_code=204)
+    async def delete_tenant(tenant_id: TenantIdPath) -> Response:
+        await store.delete_tenant(tenant_id)
+        changed("delete tenant", tenant=tenant_id)
+        return Response(status_code=204)
+
+    @router.post("/tenants/{tenant_id}/keys", status_code=201)
+    async def create_key(tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
+        key, secret = await store.create_key(tenant_id, spec)
+        changed("create key", tenant=tenant_id, key=key.id)
+        return {**key.public(), "key": secret}
+
+    @router.get("/tenants/{tenant_id}/keys")
+    async def list_keys(tenant_id: TenantIdPath) -> dict[str, Any]:
+        return {"object": "list", "data": [k.public() for k in await store.list_keys(tenant_id)]}
+
+    @router.get("/tenants/{tenant_id}/keys/{key_id}")
+    async def get_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+        return (await store.get_key(tenant_id, key_id)).public()
+
+    @router.post("/tenants/{tenant_id}/keys/{key_id}/revoke")
+    async def revoke_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+        key = await store.revoke_key(tenant_id, key_id)
+        changed("revoke key", tenant=tenant_id, key=key_id)
+        return key.public()
+
+    @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
+    async def rotate_key(
+        tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
+    ) -> dict[str, Any]:
+        grace = body.grace_seconds if body is not None else 0
+        key, secret = await store.rotate_key(tenant_id, key_id, grace)
+        changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
+        return {**key.public(), "key": secret, "replaces": key_id}
+
+    @router.get("/tenants/{tenant_id}/usage")
+    async def usage(
+        tenant_id: TenantIdPath,
+        start: Annotated[date | None, Query()] = None,
+        end: Annotated[date | None, Query()] = None,
+    ) -> dict[str, Any]:
+        await store.require_tenant(tenant_id)
+        today = datetime.now(timezone.utc).date()
+        end = end or today
+        start = start or end - timedelta(days=29)
+        return (await store.usage(tenant_id, start, end)).model_dump()
+
+    return router

