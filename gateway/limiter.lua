@@ -25,7 +25,7 @@
 --
 -- settle ARGV: op, now, n_rate, n_slot, n_budget,
 --              then per rate bucket: limit, delta (tokens used - tokens reserved: > 0 charges,
---              < 0 refunds); per budget: charge; then slot_id.
+--              < 0 refunds); per budget: charge; then slot_id, budget key TTL (seconds).
 --   KEYS: as for admit. returns {slots removed}
 
 local US_PER_MINUTE = 60000000
