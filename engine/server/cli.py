@@ -1,0 +1,96 @@
+"""``portico engine``: serve one model behind an OpenAI-compatible API (like ``vllm serve``).
+
+Flags: every engine flag of :class:`~engine.config.EngineConfig` (vLLM's names) plus the
+server's own: ``--host/--port`` or ``--uds``, ``--api-key`` (or ``PORTICO_ENGINE_API_KEY``),
+``--drain-timeout``, ``--max-body-bytes``, ``--health-stall-timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from engine.server.settings import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+)
+
+API_KEY_ENV = "PORTICO_ENGINE_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.config import EngineConfig
+
+    EngineConfig.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix socket instead of host:port")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="seconds SIGTERM waits for in-flight requests (default 30)")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (default 4 MiB)")
+    g.add_argument("--health-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                   help="seconds without engine progress, with work pending, before /health "
+                   "turns 503 (default 60)")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _check_server_args(args: argparse.Namespace) -> str | None:
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if args.drain_timeout < 0:
+        return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    if args.max_body_bytes < 1:
+        return f"--max-body-bytes must be >= 1, got {args.max_body_bytes}"
+    if args.health_stall_timeout <= 0:
+        return f"--health-stall-timeout must be > 0, got {args.health_stall_timeout}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from engine.registry import ModelNotFound
+    from engine.server.app import create_app
+    from engine.server.runner import serve
+    from engine.server.settings import ServerSettings
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _check_server_args(args)
+    if problem:
+        print(f"portico engine: {problem}", file=sys.stderr)
+        return 2
+    try:
+        config = EngineConfig.from_cli_args(args)
+        engine = AsyncLLMEngine.from_config(config)
+    except (ValueError, ModelNotFound) as exc:
+        print(f"portico engine: {exc}", file=sys.stderr)
+        return 2
+    settings = ServerSettings(
+        served_model_name=config.model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        stall_timeout_s=args.health_stall_timeout,
+    )
+    app = create_app(engine, settings)
+    return serve(
+        app,
+        app.state.drain,
+        host=args.host,
+        port=args.port,
+        uds=args.uds,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )

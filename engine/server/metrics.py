@@ -1,0 +1,177 @@
+"""Prometheus metrics of one served model, with vLLM's names so dashboards carry over.
+
+Each :class:`ServerMetrics` owns its :class:`~prometheus_client.CollectorRegistry` (no global
+registry): two apps in one process never share a series. Gauges and the engine's cumulative
+counters (prefix cache, preemptions) are read from :class:`~engine.stats.EngineStats` at scrape
+time; per-request counters and histograms are fed by :class:`RequestTracker` as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import RequestOutput
+from engine.stats import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ["model_name"]
+
+# vLLM's buckets, so histograms line up with existing dashboards.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """1-2-5 buckets up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+class EngineStatsCollector(Collector):
+    """Exposes an :class:`EngineStats` snapshot, taken at scrape time, as vLLM's series."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read_stats()
+        labels = [self.model_name]
+        gauges = (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             stats.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed "
+             "(queued or preempted).", stats.num_waiting + stats.num_swapped),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             stats.kv_cache_usage),
+        )
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=LABELS)
+            gauge.add_metric(labels, float(value))
+            yield gauge
+        counters = (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in number of cached tokens.",
+             stats.prefix_cache_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
+        )
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=LABELS)
+            counter.add_metric(labels, float(value))
+            yield counter
+
+
+class ServerMetrics:
+    """The metrics of one served model; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(
+        self, model_name: str, max_model_len: int, read_stats: Callable[[], EngineStats]
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=reg)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS,
+            registry=reg)
+        self.request_success = Counter(
+            "vllm:request_success", "Count of finished completions, by finish reason.",
+            LABELS + ["finished_reason"], registry=reg)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            LABELS, buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            LABELS, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency "
+            "in seconds.", LABELS, buckets=E2E_BUCKETS, registry=reg)
+        token_hist = token_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed, per request.",
+            LABELS, buckets=token_hist, registry=reg)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed, "
+            "per request.", LABELS, buckets=token_hist, registry=reg)
+        reg.register(EngineStatsCollector(model_name, read_stats))
+        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.request_prompt_tokens, self.request_generation_tokens):
+            family.labels(model_name)  # every series exists from the first scrape
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+
+    def track(self, num_prompt_tokens: int) -> RequestTracker:
+        """Start tracking one engine request (its prompt counts as processed from now)."""
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        return RequestTracker(self, num_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Feeds one request's outputs into the metrics: tokens, TTFT, inter-token gaps, finish.
+
+    Times are the server's ``time.monotonic()`` at the moment each output reaches it, which is
+    what a client sees. ``finish()`` is idempotent and records an unfinished request as aborted.
+    """
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.start = time.monotonic()
+        self.last_token_time: float | None = None
+        self.num_generated: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+        self.done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        model = m.model_name
+        new_tokens = 0
+        for choice in output.outputs:
+            new_tokens += len(choice.token_ids_delta)
+            self.num_generated[choice.index] = len(choice.token_ids)
+            if choice.finish_reason is not None and choice.index not in self.finish_reasons:
+                self.finish_reasons[choice.index] = choice.finish_reason
+                m.request_success.labels(model, choice.finish_reason).inc()
+        if new_tokens:
+            m.generation_tokens.labels(model).inc(new_tokens)
+            if self.last_token_time is None:
+                m.ttft.labels(model).observe(now - self.start)
+            else:
+                m.itl.labels(model).observe(now - self.last_token_time)
+            self.last_token_time = now
+
+    def finish(self, num_choices: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        model = m.model_name
+        for index in range(num_choices):
+            if index not in self.finish_reasons:
+                self.finish_reasons[index] = "abort"
+                m.request_success.labels(model, "abort").inc()
+        m.e2e.labels(model).observe(time.monotonic() - self.start)
+        m.request_prompt_tokens.labels(model).observe(self.num_prompt_tokens)
+        m.request_generation_tokens.labels(model).observe(sum(self.num_generated.values()))

@@ -1,0 +1,303 @@
+"""The OpenAI request bodies the engine server accepts, validated once at the edge.
+
+Every body is a strict pydantic model with ``extra="forbid"``: an unknown field is a 400 that
+names it, as OpenAI's API answers. Fields that OpenAI defines but this engine cannot honour yet
+(tools, response formats other than text, audio, ...) are listed in :data:`CHAT_UNSUPPORTED` /
+:data:`COMPLETION_UNSUPPORTED` with the values that are harmless (``None``, ``"none"``, ``[]``):
+any other value is a 400 naming the field, never a silent ignore.
+
+:func:`parse_body` is the one entry: raw bytes in, a typed request out, or an
+:class:`~portico.errors.InvalidRequestError` whose message names the first bad parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from portico.errors import InvalidRequestError
+
+MAX_N = 16
+MAX_STOP_SEQUENCES = 32
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 64
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class StrictModel(BaseModel):
+    """Base of every request body: unknown fields and loose type coercions are rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    """``stream_options``: OpenAI's ``include_usage`` (a final chunk carrying usage)."""
+
+    include_usage: bool = False
+
+
+class TextPart(StrictModel):
+    """A text content part of a chat message (the only part type this engine reads)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One chat turn. ``developer`` is OpenAI's newer name for ``system`` and is treated so."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content part type {kind!r} is not supported by this engine "
+                        "(only 'text' parts are)"
+                    )
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SamplingFields(StrictModel):
+    """The sampling parameters chat and completions share (OpenAI's plus vLLM's extras)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: Probability | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # annotations that change nothing the engine does
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # known to OpenAI, refused unless harmless (see CHAT_UNSUPPORTED)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
+    verbosity: Any = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens
+        )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: a prompt as a string, a list of strings, or token ids."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # known to OpenAI, refused unless harmless (see COMPLETION_UNSUPPORTED)
+    suffix: Any = None
+    best_of: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("the prompt must not be empty")
+            if isinstance(value[0], (str, list)) and len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(StrictModel):
+    """``POST /tokenize``: text (``prompt``) or chat ``messages``, as vLLM's endpoint takes."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in allowed
+
+
+def _only_text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+# field -> predicate "this value asks for nothing the engine cannot do"
+CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": _none_or([]),
+    "tool_choice": _none_or("none"),
+    "parallel_tool_calls": _none_or(True, False),
+    "functions": _none_or([]),
+    "function_call": _none_or("none"),
+    "response_format": _only_text_format,
+    "audio": _none_or(),
+    "modalities": _none_or(["text"]),
+    "prediction": _none_or(),
+    "reasoning_effort": _none_or(),
+    "web_search_options": _none_or(),
+    "store": _none_or(False),
+    "service_tier": _none_or("auto", "default"),
+    "verbosity": _none_or(),
+}
+COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": _none_or(""),
+    "best_of": _none_or(1),
+}
+
+RequestT = TypeVar("RequestT", bound=StrictModel)
+
+
+def parse_body(
+    model_cls: type[RequestT],
+    raw: bytes,
+    unsupported: dict[str, Callable[[Any], bool]] | None = None,
+) -> RequestT:
+    """Validate a raw JSON body into ``model_cls`` or raise a 400 naming the bad parameter."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequestError(
+            "We could not parse the JSON body of your request. The body must be a JSON object.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
+    for name, harmless in (unsupported or {}).items():
+        if name in data and not harmless(data[name]):
+            raise InvalidRequestError(
+                f"'{name}' is not supported by this engine yet.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise InvalidRequestError(message, param=param) from None
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "list[TextPart]", "none", "int", "float"):
+            continue  # pydantic's union-branch markers, not part of the parameter's path
+        elif "[" in part or part.startswith("function-"):
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """One short sentence for the most useful error of pydantic's list, and the parameter."""
+    errors = exc.errors(include_url=False, include_input=False)
+    # A union reports one error per branch; the one deepest in the input is the most telling.
+    first = max(errors, key=lambda e: len(e["loc"])) if errors else None
+    if first is None:
+        return "Invalid request body.", None
+    param = _param_path(tuple(first["loc"])) or None
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    if kind.endswith("_type") and sum(_param_path(tuple(e["loc"])) == param for e in errors) > 1:
+        return f"Invalid type for '{param}'.", param  # every branch of a union refused it
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param

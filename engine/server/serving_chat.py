@@ -1,0 +1,176 @@
+"""``POST /v1/chat/completions``: messages through the chat template, then one engine request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.outputs import CompletionOutput, TokenLogprob
+from engine.server import sse
+from engine.server.protocol import ChatCompletionRequest, ChatMessage
+from engine.server.serving_engine import (
+    EngineStreamingResponse,
+    OpenAIServing,
+    delta_logprobs,
+    random_id,
+    unless_disconnected,
+    usage,
+)
+from portico.errors import InvalidRequestError
+
+
+class ChatServing:
+    """Answers chat completions for one model, streaming or not, in OpenAI's exact shapes."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    def prompt_token_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render the conversation with the model's chat template and tokenize it."""
+        tokenizer = self.serving.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "This model has no chat template; use /v1/completions instead.",
+                param="messages",
+            )
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # jinja raises for conversations the template refuses
+            raise InvalidRequestError(
+                f"The chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        serving = self.serving
+        serving.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs requires logprobs to be true.", param="top_logprobs"
+            )
+        prompt = self.prompt_token_ids(req.messages)
+        max_tokens = serving.max_tokens_for(req.requested_max_tokens, len(prompt), "messages")
+        params = serving.sampling_params(req, max_tokens)
+        request_id = random_id("chatcmpl")
+        submitted = serving.submit_all([(prompt, params)], req, request_id)
+        outputs = serving.merge(submitted)
+        if req.stream:
+            return EngineStreamingResponse(
+                self.stream(req, request_id, len(prompt), outputs), submitted
+            )
+        body = await unless_disconnected(self.collect(req, request_id, len(prompt), outputs),
+                                         request)
+        return JSONResponse(body)
+
+    async def collect(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        outputs: AsyncIterator[tuple[int, Any]],
+    ) -> dict[str, Any]:
+        final: dict[int, CompletionOutput] = {}
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        num_cached = 0
+        async for _, out in outputs:
+            num_cached = out.num_cached_tokens
+            for choice in out.outputs:
+                final[choice.index] = choice
+                logprobs.setdefault(choice.index, []).extend(delta_logprobs(choice))
+        choices = []
+        for index in sorted(final):
+            c = final[index]
+            choices.append({
+                "index": index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(logprobs[index]) if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": self.serving.created(),
+            "model": self.serving.model_name,
+            "choices": choices,
+            "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in final.values()),
+                           num_cached),
+        }
+
+    async def stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        outputs: AsyncIterator[tuple[int, Any]],
+    ) -> AsyncIterator[bytes]:
+        created = self.serving.created()
+        include_usage = req.include_usage
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.serving.model_name,
+                "choices": choices,
+            }
+            if include_usage:
+                body["usage"] = None
+            body.update(extra)
+            return sse.event(body)
+
+        def choice(index: int, delta: dict[str, Any], finish: str | None = None,
+                   logprobs: Any = None) -> dict[str, Any]:
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+        for index in range(req.n):
+            yield chunk([choice(index, {"role": "assistant", "content": ""})])
+        num_tokens: dict[int, int] = {}
+        num_cached = 0
+        try:
+            async for _, out in outputs:
+                num_cached = out.num_cached_tokens
+                for c in out.outputs:
+                    num_tokens[c.index] = len(c.token_ids)
+                    if c.text_delta or (req.logprobs and c.token_ids_delta):
+                        logprobs = self.logprobs(delta_logprobs(c)) if req.logprobs else None
+                        yield chunk([choice(c.index, {"content": c.text_delta},
+                                            logprobs=logprobs)])
+                    if c.finish_reason is not None:
+                        yield chunk([choice(c.index, {}, c.finish_reason)])
+        except Exception as exc:
+            yield sse.error_event(exc)
+            yield sse.DONE
+            return
+        if include_usage:
+            yield chunk([], usage=usage(num_prompt_tokens, sum(num_tokens.values()), num_cached))
+        yield sse.DONE
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """OpenAI's chat ``logprobs`` object for these tokens."""
+        serving = self.serving
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = serving.token_text(token_id)
+            return {"token": text, "logprob": serving.logprob_value(logprob),
+                    "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                dict(item(e.token_id, e.logprob),
+                     top_logprobs=[item(tid, lp) for tid, lp in e.top_logprobs])
+                for e in entries
+            ]
+        }

@@ -1,0 +1,372 @@
+"""What chat and completions share: the model check, prompt limits, sampling parameters, and
+running engine requests with metrics, disconnect handling and error mapping.
+
+:class:`OpenAIServing` turns an already-validated request into engine calls. It raises
+:class:`~portico.errors.APIError` subclasses only; the app maps those to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.server import sse
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from portico.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
+
+T = TypeVar("T")
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+def effective_max_model_len(engine: AsyncLLMEngine) -> int:
+    """The context length requests are checked against: the user's cap or the model's."""
+    model_len = int(engine.model_config.max_position_embeddings)
+    cap = getattr(engine.config, "max_model_len", None)
+    return min(model_len, cap) if cap else model_len
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    """Shared machinery of the OpenAI endpoints for one served model."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = effective_max_model_len(engine)
+        self.vocab_size = max(int(engine.model_config.vocab_size), len(self.tokenizer))
+        self._token_text: dict[int, str] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ validation
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise NotFoundError(
+                f"The model '{name}' does not exist. This server serves '{self.model_name}'.",
+                param="model",
+            )
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        for token in ids:
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"Token id {token} is out of range: the vocabulary has {self.vocab_size} "
+                    "tokens.",
+                    param=param,
+                )
+
+    def max_tokens_for(self, requested: int | None, num_prompt_tokens: int, what: str) -> int:
+        """Tokens the completion may use, or a 400 saying what was asked and what fits."""
+        limit = self.max_model_len
+        if requested is None:
+            if num_prompt_tokens >= limit:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"{what} has {num_prompt_tokens} tokens, which leaves no room for a "
+                    "completion. Please reduce the length of the input.",
+                    param="messages" if what == "messages" else "prompt",
+                    code="context_length_exceeded",
+                )
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                f"{what}, {requested} in the completion). Please reduce the length of the "
+                f"{what} or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        max_tokens: int,
+    ) -> SamplingParams:
+        logit_bias: dict[int, float] = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias"
+                )
+            logit_bias[int(key)] = value
+        self.check_token_ids(list(logit_bias), "logit_bias")
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        try:
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                seed=req.seed,
+                stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [],
+                ignore_eos=req.ignore_eos,
+                logprobs=req.num_logprobs,
+                logit_bias=logit_bias,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
+
+    # ------------------------------------------------------------------ generation
+
+    def submit_all(
+        self,
+        prompts: list[tuple[list[int], SamplingParams]],
+        req: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+    ) -> list[EngineRequest]:
+        """Queue one engine request per prompt, all or none (a refusal aborts the others)."""
+        submitted: list[EngineRequest] = []
+        try:
+            for index, (ids, params) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                submitted.append(self.submit(rid, ids, params, req))
+        except BaseException:
+            for engine_request in submitted:
+                engine_request.close()
+            raise
+        return submitted
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        req: ChatCompletionRequest | CompletionRequest,
+    ) -> EngineRequest:
+        """Queue one engine request now (so bad input fails before any response byte)."""
+        try:
+            stream = self.engine.generate(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
+        except EngineDeadError:
+            raise ServiceUnavailableError("The engine is not running.") from None
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
+        return EngineRequest(self, request_id, stream, len(prompt_token_ids), params.n)
+
+    async def merge(
+        self, requests: list[EngineRequest]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several engine requests as they come: (request index, output)."""
+        if len(requests) == 1:
+            async for out in requests[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, engine_request: EngineRequest) -> None:
+            try:
+                async for out in engine_request:
+                    queue.put_nowait((index, out))
+            except Exception as exc:
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for engine_request in requests:
+                engine_request.close()
+
+    def release(self, engine_request: EngineRequest) -> None:
+        """Abort a never-iterated request and consume its stream so the engine forgets it."""
+
+        async def drain() -> None:
+            await self.engine.abort(engine_request.request_id)
+            with contextlib.suppress(Exception):
+                async for _ in engine_request.stream:
+                    pass
+
+        task = asyncio.ensure_future(drain())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ helpers
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def logprob_value(value: float) -> float:
+        return max(value, LOGPROB_FLOOR)
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+
+class EngineRequest:
+    """One queued engine request: iterate it once for its outputs; ``close()`` releases it.
+
+    Leaving the iteration early, or closing a request that was never iterated (the client left
+    before the response started), aborts it in the engine so its KV blocks are freed at the
+    next step boundary. Metrics are fed as outputs arrive.
+    """
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        request_id: str,
+        stream: AsyncIterator[RequestOutput],
+        num_prompt_tokens: int,
+        num_choices: int,
+    ) -> None:
+        self.serving = serving
+        self.request_id = request_id
+        self.stream = stream
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_choices = num_choices
+        self.started = False
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        self.started = True
+        tracker = self.serving.metrics.track(self.num_prompt_tokens)
+        try:
+            async for output in self.stream:
+                tracker.observe(output)
+                self.finished = output.finished
+                if any(c.finish_reason == "abort" for c in output.outputs):
+                    raise ServiceUnavailableError(
+                        "The request was aborted by the engine (it is shutting down).",
+                        code="request_aborted",
+                    )
+                yield output
+        except EngineDeadError:
+            raise ServiceUnavailableError(
+                "The engine stopped while generating this response.", code="engine_dead"
+            ) from None
+        finally:
+            tracker.finish(self.num_choices)
+            if not self.finished:
+                await self.serving.engine.abort(self.request_id)
+                with contextlib.suppress(Exception):
+                    await self.stream.aclose()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Release a request whose outputs will not be read (idempotent)."""
+        if self.started or self.finished:
+            return
+        self.started = True
+        self.serving.release(self)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
+    """Await ``work``, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected
+
+
+def delta_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
+    """The logprobs of the tokens this step added (whether the engine's list is cumulative or
+    holds only the step's tokens)."""
+    entries = choice.logprobs or []
+    count = len(choice.token_ids_delta)
+    if len(entries) == len(choice.token_ids) and len(entries) != count:
+        return entries[len(entries) - count:]
+    return entries
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that releases its engine requests however the response ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], requests: list[EngineRequest]) -> None:
+        super().__init__(content, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self.engine_requests = requests
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            for engine_request in self.engine_requests:
+                engine_request.close()

@@ -1,0 +1,24 @@
+"""What the engine server needs besides the engine: names, limits, credentials, timeouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_STALL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Settings of one engine server process (frozen: read once at startup).
+
+    ``api_key`` None means no authentication. ``stall_timeout_s`` is how long the engine loop
+    may go without progress while requests are pending before ``/health`` reports it stalled.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
