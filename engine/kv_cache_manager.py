@@ -122,10 +122,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_tokens
-        return hits, num_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was admitted (a retried admission is counted once)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks among its first ``num_computed_tokens`` tokens."""

@@ -90,9 +90,7 @@ class SamplingParams:
             )
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
-            raise ParameterError(
-                "temperature", f"temperature must be >= 0, got {self.temperature}"
-            )
+            raise ParameterError("temperature", f"temperature must be >= 0, got {self.temperature}")
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
@@ -121,9 +119,7 @@ class SamplingParams:
             value = getattr(self, name)
             _check_int(name, value, optional=True)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ParameterError(
-                    name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}"
-                )
+                raise ParameterError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         self.logit_bias = self._checked_logit_bias(self.logit_bias)
 
     @staticmethod

@@ -150,17 +150,168 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        raise NotImplementedError
+        """Plan one step: running requests first (oldest first), then waiting ones."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        # Reserve a token for every running decode so an older prefill chunk cannot starve them.
+        num_pending_decodes = sum(
+            1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
+        )
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                num_pending_decodes -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - num_pending_decodes)
+                if num_new <= 0:
+                    i += 1
+                    continue
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # the request itself was preempted: nothing newer is left to run
+            (decodes if remaining == 1 else prefills).append((req, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests, in (priority, arrival) order, unless this step preempted.
+        while (
+            not out.num_preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0][-1]
+            if req.status == RequestStatus.SWAPPED:
+                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+                pairs = self.kv.swap_in(req, num_new) if num_new else None
+                if pairs is None:
+                    break
+                out.swap_in.extend(pairs)
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
+                if not num_new or self.kv.allocate_slots(req, num_new, hits) is None:
+                    break
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+                req.num_computed_tokens = num_hit_tokens
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
+                    req.num_cached_tokens = num_hit_tokens
+            heapq.heappop(self.waiting)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=self._order_of)
+            (decodes if num_new == 1 else prefills).append((req, num_new))
+            budget -= num_new
+
+        out.scheduled = decodes + prefills
+        out.block_tables = {r.request_id: r.block_ids for r, _ in out.scheduled}
+        return out
+
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """How many of a prefill's ``num_tokens`` to run now (0: not this step)."""
+        if num_tokens <= budget or self.config.enable_chunked_prefill:
+            return min(num_tokens, budget)
+        # Without chunked prefill a prefill runs whole. Only one longer than the whole budget
+        # (a preempted request's prompt + output) is split, or it could never run again.
+        return budget if budget == self.config.max_num_batched_tokens else 0
+
+    def _order_of(self, request: Request) -> tuple[int, float, int]:
+        return self._order[request.request_id]
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Slots for a running request, preempting the newest running ones until they fit.
+
+        False if ``req`` itself had to go (it was the newest).
+        """
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self.running.pop()  # the newest: lowest priority, latest arrival
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the device: swap its KV out, else drop it to recompute."""
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        request.num_preemptions += 1
+        pairs = self.kv.swap_out(request) if self.config.preemption_mode == "swap" else None
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            request.status = RequestStatus.SWAPPED
+        else:  # recompute: output kept; prompt + output is prefilled again (prefix cache helps)
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+        # Back at its original place: ahead of everything that arrived after it.
+        heapq.heappush(self.waiting, (*self._order[request.request_id], request))
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results; return the requests that finished in it."""
-        raise NotImplementedError
+        """Apply a step's results; return the requests that finished in it.
+
+        ``sampled`` maps request id -> token for the requests whose chunk reached their last
+        token (a partial prefill chunk takes no token even if one is given).
+        """
+        finished: list[Request] = []
+        for req, num_new in out.scheduled:
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += num_new
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is None or req.num_computed_tokens < req.num_tokens:
+                continue
+            req.append_output_token(token)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        """Token-level stops (stop strings are the detokenizer's); sets ``stop_reason``."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= self.max_model_len or (
+            params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def finish_request(
         self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
     ) -> None:
         """End a request now (abort, or a stop string) and free its blocks. Unknown id: no-op."""
-        raise NotImplementedError
+        if status <= RequestStatus.SWAPPED:
+            raise ValueError(f"{status.name} is not a finished status")
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)  # O(n) on a rare path (abort / stop string)
+        else:
+            self.waiting = [item for item in self.waiting if item[-1] is not req]
+            heapq.heapify(self.waiting)
+        req.stop_reason = stop_reason
+        self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        del self._order[req.request_id]
 
     @property
     def stats(self) -> SchedulerStats:
@@ -177,6 +328,3 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
         )
-
-
-_ = (bisect, time)
