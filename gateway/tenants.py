@@ -66,7 +66,7 @@ class LimitsSpec(BaseModel):
     max_tokens_default: Count | None = None
 
     def to_limits(self) -> Limits:
-        return Limits(**self.model_dump())
+        return Limits(**self.model_dump(include=set(LimitsSpec.model_fields)))
 
     def over(self, base: Limits) -> Limits:
         """``base`` with every number this spec sets put on top."""
