@@ -62,7 +62,9 @@ class AdmissionSettings(BaseModel):
     replicas: int = Field(1, ge=1)  # gateway replicas sharing the Redis (for the local share)
     slot_lease_seconds: float = Field(600.0, gt=0)  # a crashed replica's slots free after this
     budget_key_ttl_seconds: int = Field(62 * 86400, ge=86400)  # keep last month's usage readable
-    redis_timeout_seconds: float = Field(0.5, gt=0)  # longest an admission waits on Redis
+    # Longest an admission or settle waits on Redis before treating it as down. Keep it well
+    # above queueing delays under load: a timeout switches to the down policy.
+    redis_timeout_seconds: float = Field(2.0, gt=0)
     probe_interval_seconds: float = Field(1.0, gt=0)  # how often a down Redis is probed
     abuse: AbuseSettings = AbuseSettings()
 
@@ -214,6 +216,14 @@ class Admission:
             return Ticket({}, 0, None, None, slot_id)
         try:
             decision = await self._acquire(limiter, plan, costs, slot_id)
+        except redis.exceptions.MaxConnectionsError as exc:
+            # The client's pool is exhausted: this replica is overloaded, Redis is not down.
+            # Falling back to local buckets here would admit beyond the shared limit.
+            raise ServiceUnavailableError(
+                "The gateway is overloaded; try again shortly.",
+                code="rate_limiter_busy",
+                headers={"retry-after": "1"},
+            ) from exc
         except REDIS_DOWN as exc:
             self._mark_down(exc)
             limiter = self._limiter_now()
@@ -271,6 +281,8 @@ class Admission:
                     await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
             else:
                 await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
+        except redis.exceptions.MaxConnectionsError:
+            log.warning("admission: Redis pool exhausted; a slot waits for its lease to end")
         except REDIS_DOWN as exc:
             # The slot's lease frees it; the reservation stays charged. Nothing to tell the
             # client, whose response is already on its way.

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from gateway.limiter import Limiter, LocalLimiter, RedisLimiter
 from gateway.principal import Limits, Principal
@@ -31,9 +31,17 @@ class FakeClock:
 
 
 def make_redis(url: str) -> Redis:
-    return Redis.from_url(
-        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+    """A client configured as the gateway should configure its own: short socket timeouts (a
+    dead Redis fails fast) and a blocking pool (a burst queues for a connection instead of
+    failing with MaxConnectionsError)."""
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=32,
+        timeout=None,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
     )
+    return Redis.from_pool(pool)
 
 
 @pytest.fixture
