@@ -68,6 +68,9 @@ def build_admin_router(store: TenantStore, authenticator: Authenticator) -> APIR
             async def guarded(request: Request) -> Response:
                 auth = request.headers.get("authorization")
                 request.state.admin = await authenticator.resolve_admin(auth)
+                # Read (and cache) the body here, outside FastAPI's body parsing, which turns
+                # any exception — BodySizeLimitMiddleware's 413 signal included — into a 400.
+                await request.body()
                 return await handler(request)
 
             return guarded
