@@ -45,6 +45,11 @@ def make_redis(url: str) -> Redis:
 
 
 @pytest.fixture
+def redis_client_factory() -> Callable[[str], Redis]:
+    return make_redis
+
+
+@pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[Redis]:
     client = make_redis(redis_url)
     yield client
