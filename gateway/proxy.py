@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from starlette.responses import Response
 
 from gateway.fields import RequestFields
 from gateway.metrics import GatewayMetrics
@@ -291,3 +292,64 @@ class LocalUpstream:
 
 class _BrokenAnswer(Exception):
     """The upstream failed before the first byte of its answer was ready (retryable)."""
+
+
+class RelayResponse(Response):
+    """An ASGI response that relays an :class:`Exchange` stream chunk by chunk, unbuffered.
+
+    A client that disconnects cancels the relay at once (a watcher waits on ``receive``); the
+    upstream response is then closed — the engine sees the disconnect and aborts — and
+    ``on_close`` (settle or release) runs on every path.
+    """
+
+    def __init__(
+        self, exchange: Exchange, headers: list[tuple[bytes, bytes]],
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:
+        # A Response subclass so FastAPI hands it to the server untouched; Response.__init__
+        # is not called: there is no body to render.
+        self.status_code = exchange.status
+        self.background = None
+        self.exchange = exchange
+        self.raw_headers = headers
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # type: ignore[override]
+        task = asyncio.current_task()
+        disconnected = finishing = False
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    disconnected = True
+                    if not finishing and task is not None:
+                        task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        exchange = self.exchange
+        try:
+            await send({"type": "http.response.start", "status": exchange.status,
+                        "headers": self.raw_headers})
+            if exchange.first:
+                await send({"type": "http.response.body", "body": exchange.first,
+                            "more_body": True})
+            if exchange.rest is not None:
+                async for block in exchange.rest:
+                    await send({"type": "http.response.body", "body": block, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not disconnected or task is None:
+                raise
+            task.uncancel()
+            log.info("client disconnected mid-stream; upstream request closed")
+        finally:
+            finishing = True
+            watcher.cancel()
+            try:
+                if exchange.close is not None:
+                    await exchange.close()
+            finally:
+                await self.on_close()

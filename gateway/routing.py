@@ -104,7 +104,8 @@ class Router:
 
     def visible_models(self, principal: Principal) -> list[str]:
         names = [m for m in sorted(self.models) if principal.may_use(m)]
-        names += [a for a, m in sorted(self.policy.aliases.items()) if principal.may_use(m)]
+        names += [a for a, m in sorted(self.policy.aliases.items())
+                  if principal.may_use(m) or principal.may_use(a)]
         if self.policy.tiers and any(principal.may_use(t.model) for t in self.policy.tiers):
             names.append(AUTO_MODEL)
         return names
@@ -119,7 +120,7 @@ class Router:
             model, reason = self.policy.aliases[name], f"alias:{name}"
         else:
             raise NotFoundError(f"The model '{name}' does not exist.", param="model")
-        if not principal.may_use(model):
+        if not (principal.may_use(model) or principal.may_use(name)):  # plans may name aliases
             raise PermissionDeniedError(
                 f"Your plan does not allow the model '{name}'.", param="model",
                 code="model_not_allowed")

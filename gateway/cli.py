@@ -1,0 +1,73 @@
+"""``portico serve``: the gateway and the engines it supervises, from one config file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+
+ADMIN_KEY_FILENAME = "admin_key"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", type=Path, default=None,
+                        help="gateway config (YAML); default: serve smollm2-135m as 'smollm2' "
+                             "with one engine and the embedded Redis")
+    parser.add_argument("--host", default=None, help="override listen.host")
+    parser.add_argument("--port", type=int, default=None, help="override listen.port")
+    parser.add_argument("--log-level", default=None,
+                        choices=["debug", "info", "warning", "error"], help="override log_level")
+
+
+def _first_start_admin_key(config: object) -> Path | None:
+    """With no admin key configured anywhere, generate one under the data dir (mode 0600)."""
+    auth = config.auth  # type: ignore[attr-defined]
+    if auth.admin_key_file is not None or os.environ.get("PORTICO_ADMIN_KEY"):
+        return None
+    data_dir: Path = config.redis.data_dir  # type: ignore[attr-defined]
+    path = data_dir / ADMIN_KEY_FILENAME
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("sk-admin-" + secrets.token_urlsafe(32) + "\n")
+    auth.admin_key_file = path
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+        if args.host is not None:
+            config.listen.host = args.host
+        if args.port is not None:
+            config.listen.port = args.port
+        if args.log_level is not None:
+            config.log_level = args.log_level
+    except ConfigError as exc:
+        print(f"portico serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
+    key_file = _first_start_admin_key(config)
+    scheme = "https" if config.tls is not None else "http"
+    base = f"{scheme}://{config.listen.host}:{config.listen.port}"
+    if key_file is not None:
+        print(f"admin key: {key_file.resolve()} (or set PORTICO_ADMIN_KEY)\n"
+              f"create a tenant and an API key:\n"
+              f"  export PORTICO_ADMIN_KEY=$(cat {key_file})\n"
+              f"  curl -s -X POST {base}/admin/v1/tenants -H \"authorization: Bearer "
+              f"$PORTICO_ADMIN_KEY\" -d '{{\"id\": \"acme\", \"name\": \"Acme\"}}'\n"
+              f"  curl -s -X POST {base}/admin/v1/tenants/acme/keys -H \"authorization: Bearer "
+              f"$PORTICO_ADMIN_KEY\" -d '{{}}'   # the secret is shown once",
+              file=sys.stderr, flush=True)
+    from gateway.app import create_app
+    from gateway.server import serve
+
+    return serve(create_app(config), config)

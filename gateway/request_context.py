@@ -1,0 +1,110 @@
+"""Per-request bookkeeping at the outermost edge of the gateway (a pure ASGI middleware).
+
+It stamps the arrival time, takes or creates ``x-request-id``, counts requests in flight, and
+on the way out adds ``x-request-id`` and ``x-portico-overhead-ms`` to every response and
+records the request metrics. Overhead is the time from arrival to the response start minus the
+time spent waiting on upstreams (``ctx.upstream_s``, set by the handler): for a stream, the
+response starts when the first chunk is ready, so it is the gateway's share of the first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.metrics import GatewayMetrics
+
+CTX_KEY = "portico.ctx"
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the edge knows about one request; the handler fills in labels as it learns them."""
+
+    arrival: float
+    request_id: str
+    tenant: str = ""
+    model: str = ""
+    tier: str = ""
+    upstream_s: float = 0.0
+
+
+class InFlight:
+    """Requests being handled now; ``wait_idle`` returns when none is left (for the drain)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= MAX_REQUEST_ID_CHARS and text.isprintable():
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+class RequestContextMiddleware:
+    """Wraps the app: request id, overhead header, in-flight count, request metrics."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, in_flight: InFlight) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.in_flight = in_flight
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ctx = RequestContext(time.perf_counter(), _request_id(scope))
+        scope[CTX_KEY] = ctx
+        metrics = self.metrics
+        status = 500
+        first_byte = False
+
+        async def edge_send(message: Message) -> None:
+            nonlocal status, first_byte
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                overhead = max(0.0, time.perf_counter() - ctx.arrival - ctx.upstream_s)
+                metrics.overhead.observe(overhead)
+                headers = list(message.get("headers", ()))
+                headers.append((b"x-request-id", ctx.request_id.encode("latin-1")))
+                headers.append((b"x-portico-overhead-ms", b"%.3f" % (overhead * 1000)))
+                message = {**message, "headers": headers}
+            elif not first_byte and message.get("body"):
+                first_byte = True
+                metrics.ttfb.labels(ctx.tier).observe(time.perf_counter() - ctx.arrival)
+            await send(message)
+
+        self.in_flight.enter()
+        metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, edge_send)
+        finally:
+            self.in_flight.leave()
+            metrics.in_flight.dec()
+            if scope["path"].startswith("/v1/"):
+                metrics.requests.labels(ctx.tenant, ctx.model, ctx.tier, str(status)).inc()
+                metrics.latency.labels(ctx.tier).observe(time.perf_counter() - ctx.arrival)
