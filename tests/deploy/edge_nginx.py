@@ -15,11 +15,24 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+import trustme
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "nginx" / "portico.conf.template"
 PLACEHOLDER = re.compile(r"\$\{(PORTICO_[A-Z0-9_]+)\}")
+
+
+@dataclass(frozen=True)
+class EdgePKI:
+    """A test CA and a server certificate for ``localhost`` / 127.0.0.1 signed by it."""
+
+    ca: trustme.CA
+    cert: Path  # leaf + chain, PEM
+    key: Path
+    ca_cert: Path
 
 
 def nginx_binary() -> str:

@@ -1,0 +1,69 @@
+"""Fixtures of the deployment tests: private nginx directories, a test CA, external tools.
+
+The tools (nginx, promtool, docker-compose) are real binaries from Debian's packages. Outside
+CI a missing one skips its tests; in CI (``CI`` set) it fails them, because CI installs them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trustme
+from edge_nginx import EdgePKI
+
+IN_CI = bool(os.environ.get("CI"))
+
+
+def require_tool(name: str, package: str) -> str:
+    """Path of ``name`` on PATH; skip (outside CI) or fail (in CI) when it is missing."""
+    found = shutil.which(name)
+    if found is None:
+        message = f"{name} is not installed (apt-get install {package})"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return require_tool("promtool", "prometheus")
+
+
+@pytest.fixture(scope="session")
+def docker_compose() -> str:
+    return require_tool("docker-compose", "docker-compose")
+
+
+@pytest.fixture
+def edge_dir() -> Iterator[Path]:
+    """A private nginx prefix directory that nginx's workers can enter.
+
+    Run as root, nginx's workers drop to ``nobody``; pytest's own temp folders are 0700, so
+    the workers could not reach their temp files there. This folder is 0755 (its files are
+    a throwaway test CA's), and is removed afterwards.
+    """
+    path = Path(tempfile.mkdtemp(prefix="portico-edge-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def test_pki(tmp_path_factory: pytest.TempPathFactory) -> EdgePKI:
+    folder = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost", "127.0.0.1")
+    cert, key, ca_cert = folder / "fullchain.pem", folder / "privkey.pem", folder / "ca.pem"
+    leaf.private_key_pem.write_to_path(str(key))
+    for i, blob in enumerate(leaf.cert_chain_pems):
+        blob.write_to_path(str(cert), append=i > 0)
+    ca.cert_pem.write_to_path(str(ca_cert))
+    return EdgePKI(ca=ca, cert=cert, key=key, ca_cert=ca_cert)
