@@ -141,6 +141,7 @@ async def run_bench(url: str, n: int, concurrency: int) -> dict[str, Any]:
     try:
         await redis.flushall()
         await sequential(admission, min(200, n))  # warm up: script loaded, connections open
+        await redis.config_resetstat()
         result = {
             "redis_url": url,
             "redis_version": (await redis.info("server"))["redis_version"],
@@ -148,6 +149,11 @@ async def run_bench(url: str, n: int, concurrency: int) -> dict[str, Any]:
             "sequential": await sequential(admission, n),
             "concurrent": await concurrent(admission, n, concurrency),
         }
+        # the script's own cost inside Redis, apart from the client and the network
+        stats = await redis.info("commandstats")
+        result["redis_evalsha_usec_per_call"] = stats.get("cmdstat_evalsha", {}).get(
+            "usec_per_call"
+        )
         # the in-process limiter the `local` policy falls back to, on the same path
         local = Admission(redis, AdmissionSettings(), limiter=LocalLimiter())
         result["local_limiter_sequential"] = await sequential(local, n)
