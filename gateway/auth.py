@@ -135,11 +135,13 @@ class Authenticator:
         jwt: JWTVerifier | None = None,
         cache_ttl_seconds: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.jwt = jwt
         self.cache_ttl_seconds = cache_ttl_seconds
-        self._clock = clock
+        self._clock = clock  # cache ages
+        self._wall_clock = wall_clock  # key expiry and revocation times (unix seconds)
         # Compare digests, not the keys: equal lengths, and the admin key is not kept around.
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         self._keys: dict[str, _Cached] = {}
@@ -180,13 +182,13 @@ class Authenticator:
         digest = self.store.digest(secret)
         now = self._clock()
         cached = self._keys.get(digest)
-        if cached is not None and now < cached.until and time.time() < cached.expires_at:
+        if cached is not None and now < cached.until and self._wall_clock() < cached.expires_at:
             return cached.principal
         found = await self.store.lookup_key(secret)
         if found is None:
             raise AuthenticationError(_BAD_KEY)
         key, tenant = found
-        if not key.is_active(time.time()) or tenant is None:
+        if not key.is_active(self._wall_clock()) or tenant is None:
             raise AuthenticationError("This API key has been revoked or has expired.")
         _check_enabled(tenant)
         principal = self.store.principal_for(tenant, key)
