@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -64,7 +64,7 @@ class FreeBlockQueue:
         self._tail.prev = block
         self.num_free += 1
 
-    def __iter__(self):  # head (next to evict) to tail; for tests and debugging
+    def __iter__(self) -> Iterator[KVBlock]:  # head (next to evict) first; tests, debugging
         block = self._head.next
         while block is not None and block is not self._tail:
             yield block
