@@ -163,19 +163,21 @@ class KVCacheManager:
         blocks = self._req_blocks.get(request.request_id)
         if blocks is None:
             blocks = self._req_blocks[request.request_id] = []
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_needed = self.num_blocks_for_tokens(num_computed + num_new_tokens)
-        num_new_blocks = num_needed - len(blocks) - len(new_computed_blocks)
-        # Hits sitting in the free queue stop being allocatable once we reference them.
-        num_free = self.pool.num_free - sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > num_free:
-            return None
-        if new_computed_blocks:
+        num_hits = len(new_computed_blocks)
+        num_tokens = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        num_new_blocks = -(-num_tokens // self.block_size) - len(blocks) - num_hits
+        if num_hits:
+            # Hits sitting in the free queue stop being allocatable once we reference them.
+            num_free = self.pool.num_free - sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > num_free:
+                return None
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             request.block_ids.extend(b.block_id for b in new_computed_blocks)
         if num_new_blocks <= 0:
             return []
+        if num_new_blocks > self.pool.num_free:
+            return None
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         request.block_ids.extend(b.block_id for b in new_blocks)
