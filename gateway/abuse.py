@@ -86,13 +86,15 @@ class AbuseGuard:
         socket_timeout: float = 0.25,
     ) -> None:
         self.settings = settings
+        # handed to redis-py as keyword arguments (slowapi annotates them as str; they are not)
+        storage_options: dict[str, Any] = {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": socket_timeout,
+        }
         self.limiter = Limiter(
             key_func=get_remote_address,
             storage_uri=limits_storage_uri(redis_url),
-            storage_options={
-                "socket_timeout": socket_timeout,
-                "socket_connect_timeout": socket_timeout,
-            },
+            storage_options=storage_options,
             strategy="moving-window",
             key_prefix="portico:abuse",
             headers_enabled=False,

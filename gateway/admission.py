@@ -59,14 +59,18 @@ class AdmissionSettings(BaseModel):
     # What to do while Redis is unreachable: `local` enforces limit / replicas in each replica,
     # `open` admits everything, `closed` answers 503.
     redis_down_policy: Literal["local", "open", "closed"] = "local"
-    replicas: int = Field(1, ge=1)  # gateway replicas sharing the Redis (for the local share)
-    slot_lease_seconds: float = Field(600.0, gt=0)  # a crashed replica's slots free after this
-    budget_key_ttl_seconds: int = Field(62 * 86400, ge=86400)  # keep last month's usage readable
+    # gateway replicas sharing the Redis (each enforces 1/replicas of a limit under `local`)
+    replicas: int = Field(default=1, ge=1)
+    # a concurrency slot frees itself after this, so a crashed replica cannot hold it forever
+    slot_lease_seconds: float = Field(default=600.0, gt=0)
+    # how long a month's budget counter lives after its last charge (last month stays readable)
+    budget_key_ttl_seconds: int = Field(default=62 * 86400, ge=86400)
     # Longest an admission or settle waits on Redis before treating it as down. Keep it well
     # above queueing delays under load: a timeout switches to the down policy.
-    redis_timeout_seconds: float = Field(2.0, gt=0)
-    probe_interval_seconds: float = Field(1.0, gt=0)  # how often a down Redis is probed
-    abuse: AbuseSettings = AbuseSettings()
+    redis_timeout_seconds: float = Field(default=2.0, gt=0)
+    # while Redis is down, a background PING at most this often finds out when it is back
+    probe_interval_seconds: float = Field(default=1.0, gt=0)
+    abuse: AbuseSettings = Field(default_factory=AbuseSettings)
 
 
 class InsufficientQuotaError(RateLimitError):
@@ -487,6 +491,7 @@ def build_plan(principal: Principal, model: str, model_limits: Limits | None, mo
     default_cap = principal.limits.max_tokens_default
     if principal.key_limits is not None and principal.key_limits.max_tokens_default is not None:
         default_cap = principal.key_limits.max_tokens_default
+    described = [r[2] for r in rate] + [s[2] for s in slots] + [b[2] for b in budgets]
     return _Plan(
         buckets=BucketSet(
             rate_keys=tuple(r[0] for r in rate),
@@ -495,9 +500,9 @@ def build_plan(principal: Principal, model: str, model_limits: Limits | None, mo
             slot_limits=tuple(s[1] for s in slots),
             budget_keys=tuple(b[0] for b in budgets),
             budget_limits=tuple(b[1] for b in budgets),
-            labels=tuple(f"{x[2].scope} {x[2].limit_name}" for x in (*rate, *slots, *budgets)),
+            labels=tuple(f"{d.scope} {d.limit_name}" for d in described),
         ),
-        described=tuple(x[2] for x in (*rate, *slots, *budgets)),
+        described=tuple(described),
         counts_tokens=tuple(r[3] for r in rate),
         min_tokens_per_minute=min(tpms) if tpms else None,
         max_tokens_default=default_cap,

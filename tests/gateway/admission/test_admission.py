@@ -19,7 +19,7 @@ from gateway.admission import (
     utc_month,
 )
 from gateway.principal import Limits, Principal
-from portico.errors import RateLimitError
+from portico.errors import RateLimitError, ServiceUnavailableError
 
 MakePrincipal = Callable[..., Principal]
 
@@ -306,3 +306,32 @@ async def test_storm_of_1000_requests_admits_at_most_the_limit_plus_refill(
     elapsed_s = (end_s - start_s) + (end_us - start_us) / 1e6
     admitted = sum(results)
     assert 100 <= admitted <= 100 + int(100 * elapsed_s / 60) + 1
+
+
+async def test_production_path_takes_time_from_redis(
+    admission: Admission, redis_client: Redis, make_principal: MakePrincipal
+) -> None:
+    who = make_principal(requests_per_minute=10)
+    before_s, before_us = await redis_client.time()
+    await admission.admit(who, "m", 1, 1)
+    after_s, after_us = await redis_client.time()
+    stamp = int(await redis_client.hget("portico:rl:{acme}:t:rpm", "s"))
+    assert before_s * 1_000_000 + before_us <= stamp <= after_s * 1_000_000 + after_us
+
+
+async def test_pool_exhaustion_is_503_not_an_outage(
+    redis_url: str, make_principal: MakePrincipal
+) -> None:
+    # A non-blocking pool of one connection, held by someone else: the pool is exhausted.
+    client = Redis.from_url(redis_url, max_connections=1)
+    admission = Admission(client, AdmissionSettings(), registry=CollectorRegistry())
+    who = make_principal(requests_per_minute=10)
+    held = await client.connection_pool.get_connection()
+    try:
+        with pytest.raises(ServiceUnavailableError) as info:
+            await admission.admit(who, "m", 1, 1)
+        assert info.value.code == "rate_limiter_busy"
+        assert admission.redis_up  # no switch to the fallback: that would over-admit
+    finally:
+        await client.connection_pool.release(held)
+        await client.aclose()
