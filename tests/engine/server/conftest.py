@@ -1,0 +1,23 @@
+"""Fixtures of the engine server tests: a real `portico engine` process per test module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_server_process import EngineProcess
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                  ) -> Iterator[EngineProcess]:
+    """A real engine on a loopback port with an API key (shared by a test module)."""
+    logs = tmp_path_factory.mktemp("engine-logs")
+    server = EngineProcess(tiny_llama_dir, logs / "engine.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0, server.logs()
