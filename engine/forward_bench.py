@@ -1,0 +1,81 @@
+"""Forward-only decode speed of the model runner: ``python -m engine.forward_bench``.
+
+Measures tokens per second of pure decode steps (every request has one new token and a
+context of ``context_len`` tokens in the paged cache) at the given batch sizes, through
+:class:`~engine.attention.AttentionMetadata` and the model, without scheduler or sampler.
+Reusable from benchmarks: :func:`measure_decode`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
+from engine.registry import resolve
+
+
+def measure_decode(
+    loaded: LoadedModel, batch_size: int, context_len: int = 128, steps: int = 8,
+    block_size: int = 16,
+) -> float:
+    """Decode tokens per second (forward + logits of every row) at ``batch_size``."""
+    cfg = loaded.config
+    blocks_per_seq = -(-(context_len + steps + 1) // block_size)
+    num_blocks = batch_size * blocks_per_seq + 1
+    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [
+        torch.randn(shape, device=loaded.device).to(loaded.dtype)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    # Interleave the requests' blocks so tables are not contiguous, as in a busy engine.
+    tables = [[1 + i + b * batch_size for b in range(blocks_per_seq)] for i in range(batch_size)]
+    ids = torch.randint(0, cfg.vocab_size, (batch_size,), device=loaded.device)
+
+    def step(seq_len: int) -> None:
+        meta = AttentionMetadata.build(
+            [1] * batch_size, [seq_len] * batch_size, tables, block_size, loaded.device
+        )
+        pos = torch.full((batch_size,), seq_len - 1, device=loaded.device)
+        hidden = loaded.model(ids, pos, caches, meta)
+        loaded.model.compute_logits(hidden)
+
+    with torch.inference_mode():
+        step(context_len)  # warm-up
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(steps):
+            step(context_len + 1 + i)
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    return batch_size * steps / elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = choose_device(args.device)
+    loaded = load_model(resolve(args.model), choose_dtype(args.dtype, device), device)
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        tps = measure_decode(loaded, batch, args.context_len, args.steps)
+        print(f"{loaded.name} {loaded.dtype} {device} threads={torch.get_num_threads()} "
+              f"batch={batch} context={args.context_len}: {tps:.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

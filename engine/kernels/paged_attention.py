@@ -1,0 +1,138 @@
+"""Triton kernel: causal attention of each request's new tokens to its paged context.
+
+Twin of :func:`engine.kernels.reference.paged_attention_ref` (same signature, same result).
+It serves prefill chunks and decodes alike. One program handles ``BLOCK_M`` query tokens of
+one request and one query head; it walks the request's context ``BLOCK_N`` positions at a time,
+finds each position's slot through the block table (so the cache's block size is independent
+of the tile size), and keeps an online softmax in float32. GQA: query head ``h`` reads KV head
+``h // (heads // kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    v_offset,  # elements from the K half of the cache to its V half
+    bt_stride,  # elements between rows of block_tables
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        kv_head = head // GROUP
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < HEAD_DIM
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(
+            q_ptr + q_rows[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        q_pos = seq_len - q_len + offs_m  # absolute positions of these queries
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys past the last query of this tile are masked for every row: stop there.
+        end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+        for start in range(0, end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
+            block = tl.load(
+                block_tables_ptr + req * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0
+            ).to(tl.int64)
+            slots = block * BLOCK_SIZE + offs_n % BLOCK_SIZE
+            kv_off = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            scores = tl.where(allowed, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A row with no allowed key yet keeps m = -inf; guard exp(-inf - -inf).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    query_lens_cpu: list[int],
+    seq_lens_cpu: list[int],
+) -> torch.Tensor:
+    """Attention of each request's new tokens ([T, heads, d]) to its paged context."""
+    tokens, heads, head_dim = query.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(query)
+    if tokens == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    block_m = 16
+    max_query_len = max(query_lens_cpu)
+    grid = (len(query_lens_cpu), heads, triton.cdiv(max_query_len, block_m))
+    _paged_attention_kernel[grid](
+        query,
+        kv_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        block_tables.stride(0),
+        NUM_KV_HEADS=kv_heads,
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=16,
+    )
+    return out
