@@ -78,7 +78,16 @@ class Scheduler:
         hash_seed: bytes | None = None,
     ) -> None:
         self.config = config
-        self.max_model_len = max_model_len
+        # The context limit: the model's, or what the whole KV pool holds if that is less, so
+        # a request running alone always fits (no livelock) and max_tokens=None is bounded.
+        capacity = num_gpu_blocks * config.block_size
+        self.max_model_len = min(max_model_len, capacity)
+        self._limit_text = (
+            f"this model's maximum context length is {max_model_len} tokens"
+            if max_model_len <= capacity
+            else f"the KV cache holds at most {capacity} tokens per request "
+            "(raise --kv-cache-memory)"
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(
             num_gpu_blocks,
@@ -105,25 +114,14 @@ class Scheduler:
         if prompt_len >= self.max_model_len:
             raise ParameterError(
                 "prompt",
-                f"prompt is {prompt_len} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens, including at least one generated token",
+                f"prompt is {prompt_len} tokens; {self._limit_text}, including at least one "
+                "generated token",
             )
-        total = prompt_len + (max_tokens or self.max_model_len - prompt_len)
-        if total > self.max_model_len:
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
             raise ParameterError(
                 "max_tokens",
-                f"this model's maximum context length is {self.max_model_len} tokens; you "
-                f"requested {total} ({prompt_len} in the prompt, {max_tokens} in max_tokens)",
-            )
-        # The last sampled token's KV is never written: total - 1 tokens need slots.
-        num_blocks = self.kv.num_blocks_for_tokens(total - 1)
-        pool_blocks = self.kv.pool.num_blocks
-        if num_blocks > pool_blocks:
-            raise ParameterError(
-                "max_tokens",
-                f"prompt + max_tokens = {total} tokens needs {num_blocks} KV blocks; the KV "
-                f"cache holds {pool_blocks} ({pool_blocks * self.config.block_size} tokens). "
-                "Lower max_tokens or raise --kv-cache-memory",
+                f"{self._limit_text}; you requested {prompt_len + max_tokens} tokens "
+                f"({prompt_len} in the prompt, {max_tokens} in max_tokens)",
             )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and prompt_len > budget:

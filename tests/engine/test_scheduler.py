@@ -244,13 +244,22 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full() -> None:
 
 
 def test_a_request_larger_than_the_pool_is_refused_upfront() -> None:
-    sched, _ = make_scheduler(num_blocks=4, max_model_len=100)  # 16 token slots
-    sched.check_fits(10, 7)  # 16 tokens written at most: fits exactly
+    sched, model = make_scheduler(num_blocks=4, max_model_len=100)  # 16 token slots
+    assert sched.max_model_len == 16
+    sched.check_fits(10, 6)
     with pytest.raises(ParameterError) as info:
-        sched.check_fits(10, 8)
-    assert info.value.param == "max_tokens" and "KV blocks" in str(info.value)
-    with pytest.raises(ParameterError, match="max_tokens"):
-        sched.check_fits(10, None)  # None: up to the context limit, which the pool cannot hold
+        sched.check_fits(10, 7)
+    assert info.value.param == "max_tokens" and "--kv-cache-memory" in str(info.value)
+    with pytest.raises(ParameterError, match="^prompt is 16 tokens; the KV cache"):
+        sched.check_fits(16, None)
+
+
+def test_unbounded_max_tokens_stops_at_what_the_pool_holds() -> None:
+    sched, model = make_scheduler(num_blocks=4, max_model_len=100)
+    req = add(sched, "a", [1, 2, 3], params=SamplingParams(max_tokens=None, ignore_eos=True))
+    run_all(sched, model)
+    assert req.num_tokens == 16 and req.finish_reason == "length"
+    assert_no_leaks(sched)
 
 
 def test_context_limit_guards() -> None:
