@@ -105,7 +105,9 @@ def parse_fields(raw: bytes, kind: str) -> RequestFields:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or not prompt:
             raise _bad("Missing required parameter: 'prompt'.", "prompt")
-    tools = body.get("tools") or body.get("functions") or []
+    tools = body.get("tools")
+    if tools is None:
+        tools = body.get("functions") or []
     if not isinstance(tools, list):
         raise _bad("Invalid value for 'tools': must be an array.", "tools")
     options = body.get("stream_options")

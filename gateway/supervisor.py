@@ -91,7 +91,7 @@ class Supervisor:
     def snapshot(self) -> list[dict[str, object]]:
         return [
             {"name": p.name, "state": p.state, "pid": p.pid, "restarts": p.restarts,
-             "up": p.replica.available}
+             "up": p.replica.available, "outstanding": p.replica.outstanding}
             for p in self.processes
         ]
 

@@ -1,0 +1,78 @@
+"""Request fields: one parse, 400 in OpenAI's shape for bad input, body edits for the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.fields import parse_fields
+from gateway.proxy import Usage, _take_usage, upstream_body
+from portico.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
+    (b'{"model": "m", "messages": []}', "messages"),
+    (b'{"model": "m", "messages": ["x"]}', "messages.0"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}', "max_tokens"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "9"}', "max_tokens"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "tools": {}}', "tools"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "stream_options": 3}', "stream_options"),
+])
+def test_bad_chat_bodies_are_400_naming_the_parameter(raw: bytes, param: str | None) -> None:
+    with pytest.raises(InvalidRequestError) as exc:
+        parse_fields(raw, "chat")
+    assert exc.value.status_code == 400
+    assert exc.value.param == param
+
+
+def test_completion_needs_a_prompt() -> None:
+    with pytest.raises(InvalidRequestError) as exc:
+        parse_fields(b'{"model": "m"}', "completion")
+    assert exc.value.param == "prompt"
+    f = parse_fields(b'{"model": "m", "prompt": "hi", "max_tokens": 4}', "completion")
+    assert (f.prompt, f.max_tokens, f.stream) == ("hi", 4, False)
+
+
+def test_fast_path_splices_salt_and_usage_request_without_reserializing() -> None:
+    raw = b'{"model": "m", "stream": true,  "messages": [{"role": "user", "content": "x"}]}  '
+    f = parse_fields(raw, "chat")
+    out = upstream_body(raw, f, "m", "salt-1")
+    assert out.startswith(raw.rstrip()[:-1])  # the client's bytes, untouched
+    body = json.loads(out)
+    assert body["cache_salt"] == "salt-1"
+    assert body["stream_options"] == {"include_usage": True}
+    assert not f.wants_usage
+
+
+def test_non_stream_without_salt_forwards_the_original_bytes() -> None:
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
+    assert upstream_body(raw, parse_fields(raw, "chat"), "m", None) is raw
+
+
+def test_client_cache_salt_is_replaced_and_alias_rewritten() -> None:
+    raw = json.dumps({"model": "alias", "cache_salt": "someone-else", "stream": True,
+                      "stream_options": {"include_usage": False},
+                      "messages": [{"role": "user", "content": "x"}]}).encode()
+    body = json.loads(upstream_body(raw, parse_fields(raw, "chat"), "real", "mine"))
+    assert body["model"] == "real"
+    assert body["cache_salt"] == "mine"
+    assert body["stream_options"] == {"include_usage": True}
+    body = json.loads(upstream_body(raw, parse_fields(raw, "chat"), "real", None))
+    assert "cache_salt" not in body
+
+
+def test_usage_event_is_read_and_dropped_unless_asked_for() -> None:
+    block = (b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n'
+             b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}\n\n'
+             b"data: [DONE]\n\n")
+    usage = Usage()
+    out = _take_usage(block, usage, keep_usage=False)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (3, 5, True)
+    assert b"prompt_tokens" not in out and out.endswith(b"data: [DONE]\n\n")
+    assert out.startswith(b'data: {"choices": [{"delta"')
+    assert _take_usage(block, Usage(), keep_usage=True) == block

@@ -1,0 +1,104 @@
+"""Router: explicit models, aliases, ``auto`` by complexity score, authorization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.fields import parse_fields
+from gateway.principal import Limits, Principal
+from gateway.routing import Router, RoutingPolicy
+from portico.errors import NotFoundError, PermissionDeniedError
+
+POLICY = RoutingPolicy.model_validate({
+    "aliases": {"fast": "small-model"},
+    "tiers": [
+        {"name": "small", "model": "small-model", "max_score": 1.0},
+        {"name": "medium", "model": "medium-model", "max_score": 3.0},
+        {"name": "large", "model": "remote-model"},
+    ],
+    "weights": {"prompt_tokens": 0.001, "max_tokens": 0.001, "turns": 0.1, "code_blocks": 1.0,
+                "tools": 1.0, "keywords": 1.0},
+    "keywords": ["prove", "step by step"],
+})
+MODELS = {"small-model", "medium-model", "remote-model"}
+
+
+def principal(allowed: set[str] | None = None) -> Principal:
+    return Principal(tenant_id="acme", plan="p", limits=Limits(),
+                     allowed_models=frozenset(allowed) if allowed is not None else None)
+
+
+def chat(model: str, content: str, **extra: object):  # type: ignore[no-untyped-def]
+    body = {"model": model, "messages": [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": content}], **extra}
+    return parse_fields(json.dumps(body).encode(), "chat")
+
+
+def test_explicit_model_and_alias_route_directly() -> None:
+    router = Router(POLICY, MODELS)
+    d = router.route(chat("medium-model", "hi"), principal())
+    assert (d.tier, d.model, d.reason) == ("direct", "medium-model", "explicit")
+    d = router.route(chat("fast", "hi"), principal())
+    assert (d.model, d.reason) == ("small-model", "alias:fast")
+    assert d.header.startswith("tier=direct; model=small-model; reason=alias:fast")
+
+
+def test_auto_short_prompt_takes_the_small_tier() -> None:
+    d = Router(POLICY, MODELS).route(chat("auto", "hello", max_tokens=50), principal())
+    assert (d.tier, d.model) == ("small", "small-model")
+    assert d.reason.startswith("auto score=")
+
+
+def test_auto_code_and_keywords_climb_tiers() -> None:
+    router = Router(POLICY, MODELS)
+    code = "fix this:\n```python\nprint(1)\n```\n"
+    assert router.route(chat("auto", code + "prove it"), principal()).tier == "medium"
+    d = router.route(chat("auto", code * 3 + "prove it step by step", max_tokens=2000),
+                     principal())
+    assert (d.tier, d.model) == ("large", "remote-model")
+    f = router.features(chat("auto", code * 3 + "prove it step by step", max_tokens=2000))
+    assert (f.code_blocks, f.keywords, f.max_tokens, f.turns) == (3, 2, 2000, 1)
+
+
+def test_auto_counts_tools_and_turns() -> None:
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(2)]
+    fields = chat("auto", "call it", tools=tools)
+    assert Router(POLICY, MODELS).features(fields).tools == 2
+    assert Router(POLICY, MODELS).route(fields, principal()).tier == "medium"
+
+
+def test_auto_skips_tiers_the_plan_does_not_allow() -> None:
+    d = Router(POLICY, MODELS).route(chat("auto", "hi"), principal({"medium-model"}))
+    assert d.model == "medium-model"
+    with pytest.raises(PermissionDeniedError):
+        Router(POLICY, MODELS).route(chat("auto", "hi"), principal({"other"}))
+
+
+def test_unknown_model_is_404_and_forbidden_model_is_403() -> None:
+    router = Router(POLICY, MODELS)
+    with pytest.raises(NotFoundError) as exc:
+        router.route(chat("nope", "hi"), principal())
+    assert exc.value.status_code == 404 and exc.value.param == "model"
+    with pytest.raises(PermissionDeniedError) as denied:
+        router.route(chat("medium-model", "hi"), principal({"small-model"}))
+    assert denied.value.status_code == 403
+
+
+def test_visible_models_follow_the_plan() -> None:
+    router = Router(POLICY, MODELS)
+    assert router.visible_models(principal({"small-model"})) == ["small-model", "fast", "auto"]
+    assert router.visible_models(principal({"x"})) == []
+
+
+def test_prefix_key_is_the_system_prompt_start() -> None:
+    router = Router(POLICY, MODELS)
+    a = router.route(chat("fast", "question one"), principal()).prefix_key
+    b = router.route(chat("fast", "question two"), principal()).prefix_key
+    assert a == b == b"be brief"
+
+
+def test_policy_naming_an_unserved_model_is_rejected() -> None:
+    with pytest.raises(ValueError, match="not served"):
+        Router(POLICY, {"small-model"})
