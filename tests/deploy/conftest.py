@@ -6,11 +6,13 @@ CI a missing one skips its tests; in CI (``CI`` set) it fails them, because CI i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
@@ -40,8 +42,8 @@ def docker_compose() -> str:
     return require_tool("docker-compose", "docker-compose")
 
 
-@pytest.fixture
-def edge_dir() -> Iterator[Path]:
+@contextlib.contextmanager
+def private_edge_dir() -> Iterator[Path]:
     """A private nginx prefix directory that nginx's workers can enter.
 
     Run as root, nginx's workers drop to ``nobody``; pytest's own temp folders are 0700, so
@@ -56,6 +58,12 @@ def edge_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def edge_dir() -> Iterator[Path]:
+    with private_edge_dir() as path:
+        yield path
+
+
 @pytest.fixture(scope="session")
 def test_pki(tmp_path_factory: pytest.TempPathFactory) -> EdgePKI:
     folder = tmp_path_factory.mktemp("pki")
@@ -67,3 +75,18 @@ def test_pki(tmp_path_factory: pytest.TempPathFactory) -> EdgePKI:
         blob.write_to_path(str(cert), append=i > 0)
     ca.cert_pem.write_to_path(str(ca_cert))
     return EdgePKI(ca=ca, cert=cert, key=key, ca_cert=ca_cert)
+
+
+@pytest.fixture(scope="session")
+def gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> Iterator[Any]:
+    """A real ``portico serve`` supervising the gated engine, on the session's Redis."""
+    from gateway_process import GatewayProcess
+
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    process = GatewayProcess(tmp_path_factory.mktemp("gateway"), redis_server.url)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()

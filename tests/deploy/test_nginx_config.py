@@ -8,14 +8,19 @@ test_nginx_gateway.py.
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import ssl
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from edge_nginx import TEMPLATE, EdgeNginx, EdgePKI, default_values, free_port, render
+from gateway_process import GATED_ENGINE
 
 pytestmark = pytest.mark.nginx
 
@@ -161,3 +166,61 @@ def test_a_caller_request_id_is_kept_and_a_missing_one_is_minted(
         minted = client.get(url)
     assert kept.headers["x-request-id"] == "caller-id-1"
     assert len(minted.headers["x-request-id"]) == 32
+
+
+@pytest.fixture
+def gated_engine(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The gated engine on a loopback port (address, gate folder), for nginx alone."""
+    port = free_port()
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(GATED_ENGINE), "--port", str(port), "--gate-dir", str(gates)],
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the gated engine did not start") from None
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}", gates
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_nginx_alone_relays_sse_unbuffered(
+    edge_dir: Path, test_pki: EdgePKI, gated_engine: tuple[str, Path]
+) -> None:
+    # The gateway marks its streams `x-accel-buffering: no`; this upstream does not, so only
+    # the edge config's own `proxy_buffering off` keeps "first" from waiting in nginx until
+    # the upstream has finished (it finishes only once this client has seen "first").
+    address, gates = gated_engine
+    nginx = _edge(edge_dir, test_pki)
+    nginx.values["PORTICO_GATEWAY_ADDR"] = address
+    nginx.start()
+    gate = "gate-" + secrets.token_hex(6)
+    body = {"model": "gated", "messages": [], "stream": True, "gate": gate}
+    words = []
+    try:
+        with httpx.Client(verify=_client_context(test_pki), timeout=120) as client:
+            url = f"https://localhost:{nginx.https_port}/v1/chat/completions"
+            with client.stream("POST", url, json=body) as r:
+                assert r.headers.get("x-accel-buffering") is None
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    if delta.get("content"):
+                        words.append(delta["content"])
+                        if len(words) == 1:
+                            (gates / gate).touch()
+    finally:
+        nginx.stop()
+    assert words[0] == "first"
+    assert words[1].startswith(" released")
