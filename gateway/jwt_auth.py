@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,8 +100,9 @@ class JWKSCache:
     """
 
     def __init__(self, url: str, cache_seconds: float, cooldown_seconds: float,
-                 timeout_seconds: float) -> None:
+                 timeout_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url
+        self._clock = clock
         self.cache_seconds = cache_seconds
         self.cooldown_seconds = cooldown_seconds
         self._client = httpx.AsyncClient(timeout=timeout_seconds, follow_redirects=False)
@@ -113,7 +114,7 @@ class JWKSCache:
 
     async def get(self, kid: str) -> tuple[jwt.PyJWK, str | None] | None:
         """The key ``kid`` and the ``alg`` its JWK declares (None if it declares none)."""
-        now = time.monotonic()
+        now = self._clock()
         if self._fetched_at is None or now - self._fetched_at > self.cache_seconds:
             await self._refresh()
         key = self._keys.get(kid)
@@ -123,14 +124,14 @@ class JWKSCache:
         return key
 
     async def _refresh(self) -> None:
-        started = time.monotonic()
+        started = self._clock()
         async with self._lock:
             if self._attempted_at is not None and (
-                self._attempted_at >= started
-                or time.monotonic() - self._attempted_at < self.cooldown_seconds
+                self._attempted_at > started
+                or self._clock() - self._attempted_at < self.cooldown_seconds
             ):
                 return  # someone refreshed while we waited, or we are inside the cool-down
-            self._attempted_at = time.monotonic()
+            self._attempted_at = self._clock()
             self.num_fetches += 1
             try:
                 resp = await self._client.get(self.url)
@@ -150,7 +151,7 @@ class JWKSCache:
                 except jwt.PyJWTError:
                     continue  # a key type we cannot use; the others still work
             self._keys = keys
-            self._fetched_at = time.monotonic()
+            self._fetched_at = self._clock()
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -159,7 +160,8 @@ class JWKSCache:
 class JWTVerifier:
     """Verifies bearer JWTs against :class:`JWTSettings` (see the module docstring)."""
 
-    def __init__(self, settings: JWTSettings, env: Mapping[str, str]) -> None:
+    def __init__(self, settings: JWTSettings, env: Mapping[str, str],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._pem_key: RSAPublicKey | EllipticCurvePublicKey | None = None
         self._pem_family: str | None = None
@@ -177,7 +179,8 @@ class JWTVerifier:
             self._hmac_secret = _read_hmac_secret(settings.hmac_secret_file, env)
         self._jwks = (
             JWKSCache(settings.jwks_url, settings.jwks_cache_seconds,
-                      settings.jwks_refresh_cooldown_seconds, settings.jwks_timeout_seconds)
+                      settings.jwks_refresh_cooldown_seconds, settings.jwks_timeout_seconds,
+                      clock)
             if settings.jwks_url else None
         )
 
