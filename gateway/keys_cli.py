@@ -1,0 +1,183 @@
+"""``portico keys``: manage tenants and API keys through the gateway's admin API.
+
+A thin httpx client of ``/admin/v1``; it never touches Redis itself. The admin credential
+comes from ``--admin-key-file``, ``--admin-key`` or ``$PORTICO_ADMIN_KEY`` (prefer the file or
+the environment: arguments show up in ``ps``). Every command prints the API's JSON answer;
+``keys create`` and ``keys rotate`` print the new secret, which is shown only this once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+URL_ENV = "PORTICO_URL"
+ADMIN_KEY_ENV = "PORTICO_ADMIN_KEY"
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+_LIMIT_FLAGS = {
+    "requests_per_minute": "--rpm",
+    "tokens_per_minute": "--tpm",
+    "max_concurrency": "--max-concurrency",
+    "monthly_token_budget": "--monthly-token-budget",
+    "max_tokens_default": "--max-tokens-default",
+}
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    for field, flag in _LIMIT_FLAGS.items():
+        p.add_argument(flag, dest=field, type=int, metavar="N",
+                       help=f"override {field.replace('_', ' ')}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None,
+                        help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})")
+    parser.add_argument("--admin-key", default=None,
+                        help=f"admin key (default ${ADMIN_KEY_ENV}; prefer --admin-key-file)")
+    parser.add_argument("--admin-key-file", type=Path, default=None,
+                        help="file holding the admin key")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    sub = parser.add_subparsers(dest="keys_command", metavar="COMMAND", required=True)
+
+    tenants = sub.add_parser("tenants", help="create, list, show, update, delete tenants")
+    tsub = tenants.add_subparsers(dest="tenants_command", metavar="ACTION", required=True)
+    p = tsub.add_parser("create", help="create a tenant")
+    p.add_argument("tenant_id")
+    p.add_argument("--name", default=None, help="display name (default: the id)")
+    p.add_argument("--plan", default=None, help="plan name (default: the default plan)")
+    p.add_argument("--allowed-model", dest="allowed_models", action="append", default=None,
+                   help="a model the tenant may use (repeat); default: the plan's list")
+    p.add_argument("--share-prefix-cache", action="store_true", default=None)
+    _add_limit_flags(p)
+    tsub.add_parser("list", help="list tenants")
+    p = tsub.add_parser("show", help="show one tenant")
+    p.add_argument("tenant_id")
+    p = tsub.add_parser("update", help="change plan, name, models, limits, disabled flag")
+    p.add_argument("tenant_id")
+    p.add_argument("--name", default=None)
+    p.add_argument("--plan", default=None)
+    p.add_argument("--allowed-model", dest="allowed_models", action="append", default=None)
+    state = p.add_mutually_exclusive_group()
+    state.add_argument("--disable", dest="disabled", action="store_const", const=True)
+    state.add_argument("--enable", dest="disabled", action="store_const", const=False)
+    _add_limit_flags(p)
+    p = tsub.add_parser("delete", help="delete a tenant and all its keys")
+    p.add_argument("tenant_id")
+
+    p = sub.add_parser("create", help="create an API key (the secret is printed once)")
+    p.add_argument("tenant_id")
+    p.add_argument("--name", default=None)
+    p.add_argument("--expires-in", dest="expires_in_seconds", type=int, default=None,
+                   metavar="SECONDS")
+    p.add_argument("--scope", dest="scopes", action="append", default=None)
+    p = sub.add_parser("list", help="list a tenant's keys")
+    p.add_argument("tenant_id")
+    p = sub.add_parser("revoke", help="revoke a key now")
+    p.add_argument("tenant_id")
+    p.add_argument("key_id")
+    p = sub.add_parser("rotate", help="new secret for a key; the old one is revoked")
+    p.add_argument("tenant_id")
+    p.add_argument("key_id")
+    p.add_argument("--grace", dest="grace_seconds", type=int, default=0, metavar="SECONDS",
+                   help="keep the old secret working this long")
+    p = sub.add_parser("usage", help="a tenant's usage per day and model")
+    p.add_argument("tenant_id")
+    p.add_argument("--start", default=None, help="YYYY-MM-DD (default: 29 days before end)")
+    p.add_argument("--end", default=None, help="YYYY-MM-DD (default: today, UTC)")
+    sub.add_parser("plans", help="list the plans")
+
+
+def _limits(args: argparse.Namespace) -> dict[str, int]:
+    return {f: getattr(args, f) for f in _LIMIT_FLAGS if getattr(args, f, None) is not None}
+
+
+def _seg(value: str) -> str:
+    """One URL path segment: an id can never climb to another admin route."""
+    return quote(value, safe="")
+
+
+def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
+                                                dict[str, str] | None]:
+    """(method, path, JSON body, query) for the parsed command."""
+    cmd = args.keys_command
+    if cmd == "tenants":
+        action = args.tenants_command
+        if action == "list":
+            return "GET", "/admin/v1/tenants", None, None
+        if action == "show":
+            return "GET", f"/admin/v1/tenants/{_seg(args.tenant_id)}", None, None
+        if action == "delete":
+            return "DELETE", f"/admin/v1/tenants/{_seg(args.tenant_id)}", None, None
+        body: dict[str, Any] = {}
+        for field in ("name", "plan", "allowed_models", "share_prefix_cache", "disabled"):
+            if getattr(args, field, None) is not None:
+                body[field] = getattr(args, field)
+        if _limits(args):
+            body["overrides"] = _limits(args)
+        if action == "create":
+            body = {"id": args.tenant_id, "name": args.name or args.tenant_id, **body}
+            return "POST", "/admin/v1/tenants", body, None
+        return "PATCH", f"/admin/v1/tenants/{_seg(args.tenant_id)}", body, None
+    base = f"/admin/v1/tenants/{_seg(getattr(args, 'tenant_id', ''))}"
+    if cmd == "create":
+        body = {k: getattr(args, k) for k in ("name", "expires_in_seconds", "scopes")
+                if getattr(args, k) is not None}
+        return "POST", f"{base}/keys", body, None
+    if cmd == "list":
+        return "GET", f"{base}/keys", None, None
+    if cmd == "revoke":
+        return "POST", f"{base}/keys/{_seg(args.key_id)}/revoke", None, None
+    if cmd == "rotate":
+        grace = {"grace_seconds": args.grace_seconds}
+        return "POST", f"{base}/keys/{_seg(args.key_id)}/rotate", grace, None
+    if cmd == "usage":
+        query = {k: getattr(args, k) for k in ("start", "end") if getattr(args, k)}
+        return "GET", f"{base}/usage", None, query
+    return "GET", "/admin/v1/plans", None, None
+
+
+def _admin_key(args: argparse.Namespace) -> str | None:
+    if args.admin_key_file is not None:
+        return args.admin_key_file.read_text().strip()
+    return args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    try:
+        key = _admin_key(args)
+    except OSError as exc:
+        print(f"error: cannot read the admin key file: {exc.strerror}", file=sys.stderr)
+        return 2
+    if not key:
+        print(f"error: no admin key: pass --admin-key-file or set ${ADMIN_KEY_ENV}",
+              file=sys.stderr)
+        return 2
+    url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+    method, path, body, query = _request(args)
+    try:
+        with httpx.Client(base_url=url, timeout=args.timeout) as client:
+            resp = client.request(method, path, json=body, params=query,
+                                  headers={"Authorization": f"Bearer {key}"})
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach {url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    if resp.status_code >= 400:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:200]
+        print(f"error ({resp.status_code}): {message}", file=sys.stderr)
+        return 1
+    if resp.status_code != 204:
+        print(json.dumps(resp.json(), indent=2, sort_keys=True))
+    if args.keys_command in ("create", "rotate"):
+        print("Store this key now: it will not be shown again.", file=sys.stderr)
+    return 0

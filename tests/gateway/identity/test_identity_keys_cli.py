@@ -1,0 +1,147 @@
+"""``portico keys`` end to end: the real CLI (portico.cli.main) against the admin API served by
+uvicorn on 127.0.0.1, over the embedded Redis."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from identity_app import ADMIN_KEY, build_app
+from starlette.routing import Mount
+
+from gateway.auth import AuthSettings, open_identity
+from gateway.store import StoreSettings
+from portico.cli import main
+
+
+class Gateway:
+    """The identity test app served by uvicorn in a thread; Redis opened in its lifespan."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.identity = None
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            ident = await open_identity(StoreSettings(data_dir=data_dir), AuthSettings(),
+                                        {"PORTICO_ADMIN_KEY": ADMIN_KEY})
+            self.identity = ident
+            # The app's middleware stack is already built: mount the test app whole.
+            app.router.routes.append(Mount("/", app=build_app(ident.authenticator)))
+            yield
+            await ident.aclose()
+
+        app = FastAPI(lifespan=lifespan)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        for _ in range(2000):
+            if self.server.started:
+                return
+            time.sleep(0.01)
+        raise RuntimeError("gateway did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[Gateway]:
+    gw = Gateway(tmp_path / "data")
+    gw.start()
+    yield gw
+    gw.stop()
+
+
+def keys(gw: Gateway, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["keys", "--url", gw.url, *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_manages_tenants_and_keys(
+    gateway: Gateway, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("PORTICO_ADMIN_KEY", ADMIN_KEY)
+    code, out, _ = keys(gateway, capsys, "tenants", "create", "acme", "--plan", "standard",
+                        "--rpm", "99")
+    assert code == 0 and json.loads(out)["effective"]["limits"]["requests_per_minute"] == 99
+    code, out, _ = keys(gateway, capsys, "tenants", "list")
+    assert [t["id"] for t in json.loads(out)["data"]] == ["acme"]
+
+    code, out, err = keys(gateway, capsys, "create", "acme", "--name", "ci")
+    created = json.loads(out)
+    secret = created["key"]
+    assert code == 0 and secret.startswith("sk-") and "not be shown again" in err
+    who = httpx.get(f"{gateway.url}/v1/whoami", headers={"Authorization": f"Bearer {secret}"})
+    assert who.status_code == 200 and who.json()["tenant_id"] == "acme"
+
+    code, out, _ = keys(gateway, capsys, "list", "acme")
+    listed = json.loads(out)["data"]
+    assert [k["id"] for k in listed] == [created["id"]] and secret not in out
+
+    code, out, _ = keys(gateway, capsys, "rotate", "acme", created["id"])
+    rotated = json.loads(out)
+    assert code == 0 and rotated["key"] != secret
+    code, out, _ = keys(gateway, capsys, "revoke", "acme", rotated["id"])
+    assert code == 0 and json.loads(out)["status"] == "revoked"
+    who = httpx.get(f"{gateway.url}/v1/whoami",
+                    headers={"Authorization": f"Bearer {rotated['key']}"})
+    assert who.status_code == 401
+
+    code, out, _ = keys(gateway, capsys, "tenants", "update", "acme", "--disable")
+    assert code == 0 and json.loads(out)["disabled"] is True
+    code, out, _ = keys(gateway, capsys, "usage", "acme", "--start", "2020-01-01",
+                        "--end", "2020-01-02")
+    assert code == 0 and json.loads(out)["totals"]["requests"] == 0
+    code, out, _ = keys(gateway, capsys, "plans")
+    assert code == 0 and json.loads(out)["default"] == "free"
+
+    # The admin key from a file works too, and the environment is not needed.
+    monkeypatch.delenv("PORTICO_ADMIN_KEY")
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    code, out, _ = keys(gateway, capsys, "--admin-key-file", str(key_file), "tenants", "show",
+                        "acme")
+    assert code == 0 and json.loads(out)["id"] == "acme"
+    code, out, _ = keys(gateway, capsys, "--admin-key-file", str(key_file), "tenants",
+                        "delete", "acme")
+    assert code == 0 and out == ""
+
+
+def test_cli_reports_errors(
+    gateway: Gateway, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PORTICO_ADMIN_KEY", raising=False)
+    code, _, err = keys(gateway, capsys, "tenants", "list")
+    assert code == 2 and "no admin key" in err
+    code, _, err = keys(gateway, capsys, "--admin-key", "wrong-admin-key-123", "tenants", "list")
+    assert code == 1 and "401" in err and "wrong-admin-key-123" not in err
+    code, _, err = keys(gateway, capsys, "--admin-key", ADMIN_KEY, "list", "nobody")
+    assert code == 1 and "404" in err
+    code, _, err = keys(gateway, capsys, "--admin-key", ADMIN_KEY, "tenants", "create", "x",
+                        "--plan", "platinum")
+    assert code == 1 and "Unknown plan" in err
+    # A path-like id stays one path segment (404), never another admin route.
+    code, _, err = keys(gateway, capsys, "--admin-key", ADMIN_KEY, "list", "../../plans")
+    assert code == 1
+    code = main(["keys", "--url", "http://127.0.0.1:9", "--admin-key", ADMIN_KEY, "plans"])
+    assert code == 1 and "cannot reach" in capsys.readouterr().err
