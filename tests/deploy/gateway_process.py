@@ -36,8 +36,9 @@ ROUTING = {
 class GatewayProcess:
     """``portico serve`` on a loopback port; ``start`` returns once ``/ready`` says 200."""
 
-    def __init__(self, workdir: Path, redis_url: str) -> None:
+    def __init__(self, workdir: Path, redis_url: str, *, redis_url_in_env: bool = False) -> None:
         self.workdir = workdir
+        self.redis_url_in_env = redis_url_in_env  # as compose passes it: PORTICO_REDIS_URL
         self.gate_dir = workdir / "gates"
         self.port = free_port()
         self.admin_key = "sk-admin-" + secrets.token_urlsafe(24)
@@ -61,7 +62,7 @@ class GatewayProcess:
         self.gate_dir.mkdir(parents=True, exist_ok=True)
         config = {
             "listen": {"host": "127.0.0.1", "port": self.port},
-            "redis": {"url": self.redis_url, "data_dir": str(self.workdir / "data")},
+            "redis": {"data_dir": str(self.workdir / "data")},
             "policies_dir": str(policies),
             "runtime_dir": str(self.workdir / "run"),
             "engines": [{
@@ -74,6 +75,8 @@ class GatewayProcess:
             }],
             "drain_timeout_s": 5,
         }
+        if not self.redis_url_in_env:
+            config["redis"]["url"] = self.redis_url  # type: ignore[index]
         path = self.workdir / "portico.yaml"
         path.write_text(yaml.safe_dump(config))
         return path
@@ -82,6 +85,9 @@ class GatewayProcess:
         config = self.write_config()
         env = dict(os.environ, PORTICO_ADMIN_KEY=self.admin_key,
                    PORTICO_KEY_HASH_SECRET=secrets.token_hex(32))
+        env.pop("PORTICO_REDIS_URL", None)
+        if self.redis_url_in_env:
+            env["PORTICO_REDIS_URL"] = self.redis_url
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "portico.cli", "serve", "--config", str(config)],
