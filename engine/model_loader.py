@@ -152,8 +152,10 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedToken
     reader = GGUFReader(str(path))
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        array = dequantize(t.data, t.tensor_type)
-        tensors[t.name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as views of the mapped file
+            array = array.copy()
+        tensors[t.name] = torch.from_numpy(array)
     meta = _gguf_metadata(reader)
     tied = "output.weight" not in tensors
     cfg = ModelConfig.from_gguf_metadata(
