@@ -9,7 +9,8 @@ gives up after ``--gate-timeout`` seconds and sends ``"gate-timeout"`` instead, 
 buffers the stream shows up as a wrong final word, never as a hung test.
 
 Every completion echoes the ``x-request-id`` it received, so the tests can follow one id from
-the client through nginx and the gateway to the engine.
+the client through nginx and the gateway to the engine. ``/metrics`` is the real engine
+server's exposition (``engine.server.metrics.ServerMetrics``), with vLLM's names.
 
     python gated_engine.py (--uds PATH | --port N) --gate-dir DIR [--served-model-name NAME]
 """
@@ -29,6 +30,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.stats import EngineStats
+
 
 def _chunk(model: str, created: int, delta: dict[str, str], finish: str | None) -> bytes:
     event = {
@@ -44,6 +48,11 @@ def _chunk(model: str, created: int, delta: dict[str, str], finish: str | None) 
 def build_app(model: str, gate_dir: Path, gate_timeout_s: float) -> Starlette:
     async def ok(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    metrics = ServerMetrics(model, 2048, EngineStats)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
@@ -87,6 +96,7 @@ def build_app(model: str, gate_dir: Path, gate_timeout_s: float) -> Starlette:
 
     return Starlette(routes=[
         Route("/health", ok), Route("/ready", ok), Route("/v1/models", models),
+        Route("/metrics", metrics_endpoint),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ])
 
