@@ -16,6 +16,7 @@ from datetime import date, datetime, timedelta, timezone
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response, Security
+from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
@@ -155,5 +156,11 @@ def build_admin_router(store: TenantStore, authenticator: Authenticator) -> APIR
         end = end or today
         start = start or end - timedelta(days=29)
         return (await store.usage(tenant_id, start, end)).model_dump()
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        """This API's own OpenAPI document (also part of the gateway's /openapi.json)."""
+        return get_openapi(title="Portico admin API", version="1",
+                           routes=[r for r in router.routes if r.path != "/admin/v1/openapi.json"])
 
     return router

@@ -247,6 +247,10 @@ def display_form(secret: str) -> str:
     return f"{secret[:3]}...{secret[-4:]}"
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _add(target: UsageCounters, prompt: int, completion: int, requests: int) -> None:
     target.requests += requests
     target.prompt_tokens += prompt
@@ -321,7 +325,7 @@ class TenantStore:
         return tenant
 
     async def list_tenants(self) -> list[Tenant]:
-        ids = sorted(m.decode() for m in await self.redis.smembers(f"{PREFIX}tenants"))
+        ids = sorted(_text(m) for m in await self.redis.smembers(f"{PREFIX}tenants"))
         if not ids:
             return []
         raws = await self.redis.mget([f"{PREFIX}tenant:{i}" for i in ids])
@@ -369,7 +373,7 @@ class TenantStore:
         stays until it expires."""
         await self.require_tenant(tenant_id)
         members = await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")
-        keys = await self._get_keys([m.decode() for m in members])
+        keys = await self._get_keys([_text(m) for m in members])
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(f"{PREFIX}tenant:{tenant_id}", f"{PREFIX}tenant_keys:{tenant_id}")
         pipe.srem(f"{PREFIX}tenants", tenant_id)
@@ -411,7 +415,8 @@ class TenantStore:
 
     async def list_keys(self, tenant_id: str) -> list[ApiKey]:
         await self.require_tenant(tenant_id)
-        ids = [m.decode() for m in await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")]
+        members = await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")
+        ids = [_text(m) for m in members]
         return sorted(await self._get_keys(ids), key=lambda k: (k.created, k.id))
 
     async def get_key(self, tenant_id: str, key_id: str) -> ApiKey:

@@ -229,6 +229,11 @@ async def test_openapi_documents_the_admin_api(client: httpx.AsyncClient) -> Non
     assert "/admin/v1/tenants" in paths
     assert "/admin/v1/tenants/{tenant_id}/keys/{key_id}/rotate" in paths
     assert "/admin/v1/tenants/{tenant_id}/usage" in paths
+    own = await client.get("/admin/v1/openapi.json", headers=A)
+    assert own.status_code == 200
+    assert set(own.json()["paths"]) == {p for p in paths if p.startswith("/admin/v1/")}
+    assert "TenantCreate" in own.json()["components"]["schemas"]
+    assert_openai_error(await client.get("/admin/v1/openapi.json"), 401)
 
 
 async def test_state_survives_a_restart_of_the_embedded_redis(tmp_path: Path) -> None:
