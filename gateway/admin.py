@@ -11,7 +11,7 @@ one response: the one that creates it (create or rotate).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import date, datetime, timedelta, timezone
 from typing import Annotated, Any
 
@@ -55,8 +55,18 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
     return body
 
 
-def build_admin_router(store: TenantStore, authenticator: Authenticator) -> APIRouter:
-    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once."""
+def build_admin_router(
+    store: TenantStore,
+    authenticator: Authenticator,
+    *,
+    before_auth: Callable[[Request], Awaitable[None]] | None = None,
+) -> APIRouter:
+    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once.
+
+    ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
+    checked, so failed guesses count too; router-level ``dependencies`` would run only after
+    a successful authentication.
+    """
 
 
     class AdminRoute(APIRoute):
@@ -67,6 +77,8 @@ def build_admin_router(store: TenantStore, authenticator: Authenticator) -> APIR
             handler = super().get_route_handler()
 
             async def guarded(request: Request) -> Response:
+                if before_auth is not None:
+                    await before_auth(request)
                 auth = request.headers.get("authorization")
                 request.state.admin = await authenticator.resolve_admin(auth)
                 # Read (and cache) the body here, outside FastAPI's body parsing, which turns
@@ -161,6 +173,7 @@ def build_admin_router(store: TenantStore, authenticator: Authenticator) -> APIR
     async def openapi() -> dict[str, Any]:
         """This API's own OpenAPI document (also part of the gateway's /openapi.json)."""
         return get_openapi(title="Portico admin API", version="1",
-                           routes=[r for r in router.routes if r.path != "/admin/v1/openapi.json"])
+                           routes=[r for r in router.routes
+                                   if getattr(r, "path", "") != "/admin/v1/openapi.json"])
 
     return router

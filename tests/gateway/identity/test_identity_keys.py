@@ -286,3 +286,30 @@ async def test_build_app_over_second_authenticator_shares_state(identity) -> Non
         resp = await c.post("/admin/v1/tenants", headers=A, json={"id": "z", "name": "Z"})
         assert resp.status_code == 201
     assert await identity.store.get_tenant("z") is not None
+
+
+async def test_before_auth_hook_runs_before_the_credential_check(identity) -> None:
+    """The per-address admin limit (the dataplane's abuse guard) must see failed guesses."""
+    from fastapi import FastAPI, Request
+
+    from gateway.admin import build_admin_router
+    from portico.errors import RateLimitError, install_error_handlers
+
+    seen: list[str] = []
+
+    async def limit(request: Request) -> None:
+        seen.append(request.headers.get("authorization", ""))
+        if len(seen) > 3:
+            raise RateLimitError("Too many admin requests from this address.")
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(build_admin_router(identity.store, identity.authenticator,
+                                          before_auth=limit))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        for _ in range(3):
+            assert_openai_error(await c.get("/admin/v1/tenants", headers=bearer("guess" * 4)),
+                                401)
+        assert_openai_error(await c.get("/admin/v1/tenants", headers=A), 429)
+    assert len(seen) == 4
