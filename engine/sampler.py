@@ -90,6 +90,7 @@ class Sampler:
                 self._generator.manual_seed(self._seed)
         return self._generator
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample from ``logits`` (``[N, vocab]`` float, modified in place) for ``rows``."""
         params = [r.sampling_params for r in rows]
