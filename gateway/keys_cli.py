@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key-file", type=Path, default=None,
                         help="file holding the admin key")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    parser.add_argument("--ca-file", type=Path, default=None,
+                        help="CA bundle that signed the gateway's TLS certificate (https URLs)")
+    parser.add_argument("--client-cert", type=Path, default=None,
+                        help="client certificate (PEM) when the admin API requires one")
+    parser.add_argument("--client-key", type=Path, default=None,
+                        help="private key (PEM) of --client-cert, if not in the same file")
     sub = parser.add_subparsers(dest="keys_command", metavar="COMMAND", required=True)
 
     tenants = sub.add_parser("tenants", help="create, list, show, update, delete tenants")
@@ -148,6 +155,14 @@ def _admin_key(args: argparse.Namespace) -> str | None:
     return args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
 
 
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
+    if args.client_cert is not None:
+        ctx.load_cert_chain(str(args.client_cert),
+                            str(args.client_key) if args.client_key else None)
+    return ctx
+
+
 def run(args: argparse.Namespace) -> int:
     import httpx
 
@@ -163,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
     url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
     method, path, body, query = _request(args)
     try:
-        with httpx.Client(base_url=url, timeout=args.timeout) as client:
+        tls = _tls_context(args)
+    except (OSError, ssl.SSLError) as exc:
+        print(f"error: cannot load the TLS files: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with httpx.Client(base_url=url, timeout=args.timeout, verify=tls) as client:
             resp = client.request(method, path, json=body, params=query,
                                   headers={"Authorization": f"Bearer {key}"})
     except httpx.HTTPError as exc:

@@ -26,11 +26,12 @@ from portico.cli import main
 class Gateway:
     """The identity test app served by uvicorn in a thread; Redis opened in its lifespan."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, **tls: object) -> None:
         self.data_dir = data_dir
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.sock.getsockname()[1]}"
         self.identity = None
 
         @asynccontextmanager
@@ -44,7 +45,7 @@ class Gateway:
             await ident.aclose()
 
         app = FastAPI(lifespan=lifespan)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **tls))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 
@@ -145,3 +146,33 @@ def test_cli_reports_errors(
     assert code == 1
     code = main(["keys", "--url", "http://127.0.0.1:9", "--admin-key", ADMIN_KEY, "plans"])
     assert code == 1 and "cannot reach" in capsys.readouterr().err
+
+
+def test_cli_over_tls_with_a_client_certificate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """https with a private CA, and a gateway that requires a client certificate."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    client_cert = ca.issue_cert("portico-admin")
+    ca_file, server_pem, client_pem = (tmp_path / n for n in ("ca.pem", "srv.pem", "cli.pem"))
+    ca.cert_pem.write_to_path(str(ca_file))
+    server_cert.private_key_and_cert_chain_pem.write_to_path(str(server_pem))
+    client_cert.private_key_and_cert_chain_pem.write_to_path(str(client_pem))
+    gw = Gateway(tmp_path / "data", ssl_certfile=str(server_pem), ssl_ca_certs=str(ca_file),
+                 ssl_cert_reqs=ssl.CERT_REQUIRED)
+    gw.start()
+    try:
+        base = ["--admin-key", ADMIN_KEY, "--ca-file", str(ca_file)]
+        code, out, _ = keys(gw, capsys, *base, "--client-cert", str(client_pem), "plans")
+        assert code == 0 and json.loads(out)["default"] == "free"
+        code, _, err = keys(gw, capsys, *base, "plans")  # no client certificate
+        assert code == 1 and "cannot reach" in err
+        code, _, err = keys(gw, capsys, "--admin-key", ADMIN_KEY, "plans")  # unknown CA
+        assert code == 1 and "cannot reach" in err
+    finally:
+        gw.stop()
