@@ -98,7 +98,8 @@ class OpenAIServing:
                 f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
                 f"{what}, {requested} in the completion). Please reduce the length of the "
                 f"{what} or completion.",
-                param="max_tokens",
+                param=("max_tokens" if num_prompt_tokens < limit
+                       else "messages" if what == "messages" else "prompt"),
                 code="context_length_exceeded",
             )
         return requested
