@@ -127,6 +127,8 @@ class Tenant(BaseModel):
     model_limits: dict[str, LimitsSpec] = Field(default_factory=dict)
     share_prefix_cache: bool | None = None
     created: int = 0
+    uid: str = ""  # random per creation: a key of a deleted tenant never works for a new
+    # tenant that reuses the id (keys record the uid they were made under)
 
 
 class TenantCreate(BaseModel):
@@ -176,6 +178,7 @@ class ApiKey(BaseModel):
     scopes: list[str] = Field(default_factory=list)
     limits: LimitsSpec | None = None
     replaced_by: str | None = None
+    tenant_uid: str = ""
 
     def is_active(self, now: float) -> bool:
         if self.revoked_at is not None and self.revoked_at <= now:
@@ -185,7 +188,7 @@ class ApiKey(BaseModel):
     def public(self, now: float | None = None) -> dict[str, Any]:
         """The record as the admin API shows it: no digest, plus a computed status."""
         now = time.time() if now is None else now
-        body = self.model_dump(exclude={"digest"})
+        body = self.model_dump(exclude={"digest", "tenant_uid"})
         if self.revoked_at is not None and self.revoked_at <= now:
             body["status"] = "revoked"
         elif self.expires_at is not None and now >= self.expires_at:
@@ -304,6 +307,7 @@ class TenantStore:
         tenant = Tenant(
             id=spec.id or "t-" + secrets.token_hex(6),
             created=int(time.time()),
+            uid=secrets.token_hex(8),
             **spec.model_dump(exclude={"id", "plan"}),
             plan=self._plan(spec.plan),
         )
@@ -385,7 +389,7 @@ class TenantStore:
 
     async def create_key(self, tenant_id: str, spec: KeyCreate) -> tuple[ApiKey, str]:
         """Create a key for the tenant; returns the record and the secret (shown once)."""
-        await self.require_tenant(tenant_id)
+        tenant = await self.require_tenant(tenant_id)
         secret = new_key_secret()
         now = int(time.time())
         key = ApiKey(
@@ -398,6 +402,7 @@ class TenantStore:
             expires_at=now + spec.expires_in_seconds if spec.expires_in_seconds else None,
             scopes=list(dict.fromkeys(spec.scopes)),
             limits=spec.limits,
+            tenant_uid=tenant.uid,
         )
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(f"{PREFIX}key:{key.id}", key.model_dump_json())
@@ -471,8 +476,9 @@ class TenantStore:
         return new, secret
 
     async def lookup_key(self, secret: str) -> tuple[ApiKey, Tenant | None] | None:
-        """The key record for ``secret`` and its tenant (None if the tenant is gone), in one
-        round trip. None when no key has this secret."""
+        """The key record for ``secret`` and its tenant (None if the tenant is gone, or was
+        re-created under the same id since), in one round trip. None when no key has this
+        secret."""
         digest = self.digest(secret)
         found = await self._lookup(keys=[f"{PREFIX}keyhash:{digest}"], args=[PREFIX])
         if not found or not found[0]:
@@ -481,6 +487,8 @@ class TenantStore:
         if not hmac.compare_digest(key.digest, digest):
             return None
         tenant = Tenant.model_validate_json(found[1]) if found[1] else None
+        if tenant is not None and not hmac.compare_digest(tenant.uid, key.tenant_uid):
+            tenant = None  # the key outlived its tenant (deleted, id reused): an orphan
         return key, tenant
 
     # ------------------------------------------------------------------ principals

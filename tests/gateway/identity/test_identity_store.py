@@ -185,3 +185,21 @@ def test_no_generated_secret_is_world_readable(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert (tmp_path / "key_hash_secret").stat().st_mode & 0o077 == 0
+
+
+async def test_orphan_key_never_serves_a_recreated_tenant(store: TenantStore) -> None:
+    """A key that outlived its tenant (a create_key racing a delete) stays dead when the id
+    is reused: keys are bound to the tenant's per-creation uid."""
+    from gateway.auth import Authenticator
+    from portico.errors import AuthenticationError
+
+    await store.create_tenant(TenantCreate(id="acme", name="Acme"))
+    _, secret = await store.create_key("acme", KeyCreate())
+    # what the race leaves behind: the tenant record gone, its key still indexed
+    await store.redis.delete("portico:tenant:acme")
+    await store.redis.srem("portico:tenants", "acme")
+    await store.create_tenant(TenantCreate(id="acme", name="New Acme"))
+    found = await store.lookup_key(secret)
+    assert found is not None and found[1] is None
+    with pytest.raises(AuthenticationError):
+        await Authenticator(store).resolve(f"Bearer {secret}")
