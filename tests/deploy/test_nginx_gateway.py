@@ -9,8 +9,11 @@ sees it, request ids travel end to end, and the gateway's own errors reach clien
 from __future__ import annotations
 
 import secrets
+import signal
 import ssl
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -149,3 +152,40 @@ def test_a_burst_over_limit_req_is_refused_by_nginx(
     assert "x-portico-overhead-ms" not in refused.headers
     # The refused requests never reached the gateway: it counted exactly the three it served.
     assert _requests_seen(gateway, tenant) == {"200": 3.0}
+
+
+def test_drain_through_the_edge_finishes_streams_and_refuses_new_work(
+    tmp_path: Path, redis_url: str, test_pki: EdgePKI
+) -> None:
+    gateway = GatewayProcess(tmp_path, redis_url)
+    gateway.start()
+    try:
+        key = gateway.create_key("drain-" + secrets.token_hex(4))
+        edge_gen = _edge_in_front(gateway, test_pki)
+        edge = next(edge_gen)
+        try:
+            client = _client(edge, test_pki, key)
+            gate = "gate-" + secrets.token_hex(6)
+            stream = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+                extra_body={"gate": gate})
+            with stream:
+                chunks = iter(stream)
+                assert next(chunks).choices[0].delta.content == "first"
+                assert gateway.proc is not None
+                gateway.proc.send_signal(signal.SIGTERM)  # the drain starts mid-stream
+                while httpx.get(gateway.url + "/ready").status_code != 503:
+                    time.sleep(0.05)
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": "late"}])
+                (gateway.gate_dir / gate).touch()
+                rest = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finally:
+            edge_gen.close()
+        assert refused.value.status_code == 503
+        assert refused.value.response.json()["error"]["code"] == "draining"  # the gateway's answer
+        assert rest.startswith(" released")
+        assert gateway.proc.wait(timeout=60) == 0  # drained, then exited cleanly
+    finally:
+        gateway.stop()
