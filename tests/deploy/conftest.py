@@ -77,9 +77,10 @@ def test_pki(tmp_path_factory: pytest.TempPathFactory) -> EdgePKI:
     return EdgePKI(ca=ca, cert=cert, key=key, ca_cert=ca_cert)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> Iterator[Any]:
-    """A real ``portico serve`` supervising the gated engine, on the session's Redis."""
+    """A real ``portico serve`` supervising the gated engine, on the session's Redis; one per
+    test module, so it does not outlive the tests that use it."""
     from gateway_process import GatewayProcess
 
     if redis_server.proc is None or redis_server.proc.poll() is not None:
