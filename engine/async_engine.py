@@ -75,7 +75,7 @@ class AsyncLLMEngine:
 
     async def start(self) -> None:
         """Start the engine thread (idempotent)."""
-        if self._thread is not None:
+        if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="portico-engine", daemon=True)
@@ -121,7 +121,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its output stream. ValueError on bad input."""
-        if self._thread is None:
+        if self._loop is None:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
@@ -181,12 +181,11 @@ class AsyncLLMEngine:
                     commands = list(self._commands)
                     self._commands.clear()
                 self._apply(commands)
-                if self.engine.has_unfinished():
-                    outputs = self.engine.step()
-                    self._stats = self.engine.stats()
-                    if outputs:
-                        self.last_progress = time.monotonic()
-                        self._deliver(outputs)
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                self._stats = self.engine.stats()
+                if outputs:
+                    self.last_progress = time.monotonic()
+                    self._deliver(outputs)
         except BaseException as exc:  # the loop must report, not vanish
             self._error = exc
             self._call_soon(self._fail_all, EngineDeadError(f"engine loop crashed: {exc!r}"))
