@@ -8,6 +8,8 @@ import httpx
 import pytest
 from identity_app import MAX_BODY_BYTES, admin_headers, assert_openai_error
 
+from gateway.store import StoreSettings
+
 A = admin_headers()
 JSON_A = {**A, "Content-Type": "application/json"}
 KEY_ID = "key-0123456789abcdef"
@@ -20,6 +22,12 @@ BODY_ENDPOINTS = [
     ("POST", "/admin/v1/tenants/acme/keys/{key}/rotate", {"grace_seconds": 1.5},
      {"grace": 10}),
 ]
+
+
+@pytest.fixture
+def store_settings(redis_url: str, tmp_path) -> StoreSettings:
+    """Input validation does not depend on the backend: the session's redis-server only."""
+    return StoreSettings(url=redis_url, data_dir=tmp_path / "data")
 
 
 @pytest.fixture
