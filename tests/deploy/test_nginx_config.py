@@ -70,7 +70,9 @@ def test_render_refuses_a_missing_value() -> None:
         render(TEMPLATE.read_text(), {"PORTICO_HTTP_PORT": "80"})
 
 
-@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3])
+@pytest.mark.parametrize(
+    "version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3], ids=["tls1.2", "tls1.3"]
+)
 def test_tls_1_2_and_1_3_are_accepted(
     edge: EdgeNginx, test_pki: EdgePKI, version: ssl.TLSVersion
 ) -> None:
