@@ -263,6 +263,8 @@ def parse_body(
                 param=name,
                 code="unsupported_parameter",
             )
+    # OpenAI treats an explicit null as "not given": every field falls back to its default.
+    data = {key: value for key, value in data.items() if value is not None}
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
