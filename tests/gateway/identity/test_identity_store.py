@@ -10,12 +10,17 @@ import psutil
 import pytest
 import redis
 import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.auth import AuthSettings, load_admin_key, load_key_hash_secret
 from gateway.store import StoreSettings, close_redis, open_redis
 from gateway.tenants import (
+    ApiKey,
     KeyCreate,
     LimitsSpec,
+    Plan,
+    Tenant,
     TenantCreate,
     TenantPatch,
     TenantStore,
@@ -203,3 +208,40 @@ async def test_orphan_key_never_serves_a_recreated_tenant(store: TenantStore) ->
     assert found is not None and found[1] is None
     with pytest.raises(AuthenticationError):
         await Authenticator(store).resolve(f"Bearer {secret}")
+
+
+_counts = st.one_of(st.none(), st.integers(min_value=0, max_value=10**9))
+_limits = st.builds(LimitsSpec, requests_per_minute=_counts, tokens_per_minute=_counts,
+                    max_concurrency=_counts, monthly_token_budget=_counts,
+                    max_tokens_default=_counts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan_limits=_limits, overrides=_limits, key_limits=st.one_of(st.none(), _limits),
+       plan_models=st.one_of(st.none(), st.lists(st.sampled_from("abc"), unique=True)),
+       tenant_models=st.one_of(st.none(), st.lists(st.sampled_from("abc"), unique=True)),
+       plan_shares=st.booleans(), tenant_shares=st.one_of(st.none(), st.booleans()))
+def test_principal_merges_plan_and_tenant(
+    plan_limits: LimitsSpec, overrides: LimitsSpec, key_limits: LimitsSpec | None,
+    plan_models: list[str] | None, tenant_models: list[str] | None, plan_shares: bool,
+    tenant_shares: bool | None,
+) -> None:
+    """Every tenant override wins over the plan, every unset one inherits it; the tenant's
+    model list and sharing flag replace the plan's when set."""
+    plan = Plan(**plan_limits.model_dump(), name="p", allowed_models=plan_models,
+                share_prefix_cache=plan_shares)
+    store = TenantStore(aioredis.Redis(), SECRET, {"p": plan})
+    tenant = Tenant(id="t", name="T", plan="p", overrides=overrides,
+                    allowed_models=tenant_models, share_prefix_cache=tenant_shares)
+    key = ApiKey(id="key-1", tenant_id="t", display="sk-...x", digest="d", created=0,
+                 limits=key_limits)
+    p = store.principal_for(tenant, key)
+    for field in LimitsSpec.model_fields:
+        override = getattr(overrides, field)
+        expected = override if override is not None else getattr(plan_limits, field)
+        assert getattr(p.limits, field) == expected
+    models = tenant_models if tenant_models is not None else plan_models
+    assert p.allowed_models == (frozenset(models) if models is not None else None)
+    shares = tenant_shares if tenant_shares is not None else plan_shares
+    assert (p.cache_salt == "shared:p") is shares
+    assert p.key_limits == (key_limits.to_limits() if key_limits is not None else None)
