@@ -20,6 +20,9 @@ Then, with the generator on the other core (``--client-cpus``):
 3. **Saturation**: ``wrk`` (closed loop, one thread) against the upstream directly and against
    the gateway, streaming and not; and the Python generator's own ceiling against the upstream.
 
+Tenants on the plan ``open`` (no limit at all) also run at the first rate, so the cost of the
+limits shows apart from the rest of the gateway.
+
     python -m load.gateway_bench --quick --out load/results/gateway.json --plot-dir docs/img
 """
 
@@ -183,7 +186,8 @@ def write_gateway_files(workdir: Path, port: int, redis_url: str,
                "keywords": [], "prefix_chars": 256}
     (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
     plans = workdir / "plans.yaml"
-    plans.write_text(yaml.safe_dump({"default_plan": "bench", "plans": {"bench": BENCH_PLAN}}))
+    plans.write_text(yaml.safe_dump({"default_plan": "bench", "plans": {
+        "bench": BENCH_PLAN, "open": {"share_prefix_cache": False}}}))
     fake = [sys.executable, "-m", "load.fake_upstream", "--uds", "{uds}", "--model", "{name}"]
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -248,8 +252,8 @@ class BenchTenant:
 
 
 def create_tenants(base_url: str, admin_key: str, num_tenants: int, keys_per_tenant: int,
-                   prefix: str = "bench", requests_per_minute: int | None = None
-                   ) -> list[BenchTenant]:
+                   prefix: str = "bench", requests_per_minute: int | None = None,
+                   plan: str = "bench") -> list[BenchTenant]:
     """``num_tenants`` tenants with ``keys_per_tenant`` keys each, through ``/admin/v1``."""
     out = []
     overrides = {"requests_per_minute": requests_per_minute} if requests_per_minute else {}
@@ -258,7 +262,7 @@ def create_tenants(base_url: str, admin_key: str, num_tenants: int, keys_per_ten
         for i in range(num_tenants):
             tenant_id = f"{prefix}-{i}-{secrets.token_hex(3)}"
             r = admin.post("/admin/v1/tenants", json={"id": tenant_id, "name": tenant_id,
-                                                      "plan": "bench", "overrides": overrides})
+                                                      "plan": plan, "overrides": overrides})
             r.raise_for_status()
             keys = []
             for _ in range(keys_per_tenant):
@@ -399,18 +403,24 @@ def run_wrk(url: str, shots: Sequence[Shot], duration_s: float, connections: int
 
 
 def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenant],
-               rate: float, duration_s: float, rounds: int) -> dict[str, Any]:
-    """Direct and gateway at ``rate`` req/s, alternating ``rounds`` times; samples pooled."""
+               rate: float, duration_s: float, rounds: int,
+               open_tenants: Sequence[BenchTenant] = ()) -> dict[str, Any]:
+    """Direct and gateway at ``rate`` req/s, alternating ``rounds`` times; samples pooled.
+
+    With ``open_tenants`` (no limits), a third side ``gateway_limits_off`` runs in each round.
+    """
     num = max(1, round(rate * duration_s))
-    direct_shots = build_shots(f"127.0.0.1:{direct_port}", tenants)
-    gateway_shots = build_shots(f"127.0.0.1:{gw.port}", tenants)
-    runs: dict[str, list[Sample]] = {"direct": [], "gateway": []}
-    cpu = 0.0
+    sides = {"direct": (direct_port, build_shots(f"127.0.0.1:{direct_port}", tenants)),
+             "gateway": (gw.port, build_shots(f"127.0.0.1:{gw.port}", tenants))}
+    if open_tenants:
+        sides["gateway_limits_off"] = (gw.port, build_shots(f"127.0.0.1:{gw.port}", open_tenants))
+    runs: dict[str, list[Sample]] = {side: [] for side in sides}
+    cpu = dict.fromkeys(sides, 0.0)
     for _ in range(rounds):
-        runs["direct"] += run_async(open_loop("127.0.0.1", direct_port, direct_shots, rate, num))
-        before = cpu_seconds(gw.pid)
-        runs["gateway"] += run_async(open_loop("127.0.0.1", gw.port, gateway_shots, rate, num))
-        cpu += cpu_seconds(gw.pid) - before
+        for side, (port, shots) in sides.items():
+            before = cpu_seconds(gw.pid)
+            runs[side] += run_async(open_loop("127.0.0.1", port, shots, rate, num))
+            cpu[side] += cpu_seconds(gw.pid) - before
     out: dict[str, Any] = {"rate": rate, "requests_per_side": num * rounds, "rounds": rounds}
     for side, samples in runs.items():
         errors = [s for s in samples if s.status != 200]
@@ -420,10 +430,16 @@ def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenan
         out[side]["send_lag_p99_ms"] = percentiles([s.lag_s for s in samples])["p99"]
     out["overhead"] = {label: overhead(out["direct"][label], out["gateway"][label])
                        for label in ("json", "stream")}
+    if open_tenants:
+        out["limits_cost"] = {label: overhead(out["gateway_limits_off"][label],
+                                              out["gateway"][label])
+                              for label in ("json", "stream")}
     reported = [s.overhead_ms for s in runs["gateway"] if s.overhead_ms is not None]
     out["gateway_reported_overhead_ms"] = percentiles([v / 1000 for v in reported])
-    served = sum(1 for s in runs["gateway"] if s.status == 200)
-    out["gateway_cpu_ms_per_request"] = cpu * 1000 / served if served else None
+    for side in sides:
+        if side != "direct":
+            served = sum(1 for s in runs[side] if s.status == 200)
+            out[side]["cpu_ms_per_request"] = cpu[side] * 1000 / served if served else None
     out["_samples"] = runs  # for the plots; dropped before writing JSON
     return out
 
@@ -524,8 +540,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    for rpm in args.limited_rpm]
         warm = build_shots(f"127.0.0.1:{gw.port}", tenants)
         run_async(closed_loop("127.0.0.1", gw.port, warm, 8, num_requests=400))
+        unlimited = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant,
+                                   "open", plan="open")
         result["fixed_rate"] = [fixed_rate(direct_port, gw, tenants, rate, args.duration,
-                                           args.rounds) for rate in args.rates]
+                                           args.rounds, unlimited if i == 0 else ())
+                                for i, rate in enumerate(args.rates)]
         result["rate_limits"] = limits_under_load(gw.port, tenants, limited, args.rates[0],
                                                   args.duration, args.hammer)
         result["saturation"] = saturation(direct_port, gw, tenants, args.wrk_duration,

@@ -143,13 +143,19 @@ def test_a_30_per_minute_tenant_hammered_with_100_is_held_to_its_bucket(
 def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gb.GatewayHandle, int]) -> None:
     gw, direct = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 2, prefix="fr")
-    out = gb.fixed_rate(direct, gw, tenants, rate=40.0, duration_s=0.5, rounds=2)
-    assert out["direct"]["errors"] == 0 and out["gateway"]["errors"] == 0
+    unlimited = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 1, "op",
+                                  plan="open")
+    out = gb.fixed_rate(direct, gw, tenants, rate=40.0, duration_s=0.5, rounds=2,
+                        open_tenants=unlimited)
     assert out["requests_per_side"] == 40
+    for side in ("direct", "gateway", "gateway_limits_off"):
+        assert out[side]["errors"] == 0
+        assert out[side]["json"]["count"] + out[side]["stream"]["count"] == 40
     for label in ("json", "stream"):
         assert set(out["overhead"][label]) == {"median_ms", "p90_ms", "p99_ms"}
-        assert out["direct"][label]["count"] + out["gateway"][label]["count"] > 0
-    assert out["gateway_cpu_ms_per_request"] > 0
+        assert set(out["limits_cost"][label]) == {"median_ms", "p90_ms", "p99_ms"}
+    assert out["gateway"]["cpu_ms_per_request"] > 0
+    assert "cpu_ms_per_request" not in out["direct"]
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
