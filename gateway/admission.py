@@ -40,15 +40,34 @@ from portico.errors import RateLimitError, ServiceUnavailableError
 
 log = logging.getLogger("portico.admission")
 
-REDIS_DOWN = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    ConnectionError,
-    TimeoutError,
-    OSError,
-)
+# Everything redis-py raises when a command did not get its answer.
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+FailureKind = Literal["busy", "slow", "down"]
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    """What a failed Redis call says about Redis.
+
+    ``busy``: this replica got no connection from its own pool (``MaxConnectionsError``, or a
+    ``BlockingConnectionPool`` wait that timed out): the replica is overloaded, Redis is not
+    known to be down, and falling back to local buckets would admit beyond the shared limit.
+    ``slow``: a socket timed out (connecting or reading): Redis is down, or this replica is too
+    loaded to read its answer in time; a PING decides. ``down``: refused, reset, socket gone.
+    """
+    if isinstance(exc, redis.exceptions.MaxConnectionsError):
+        return "busy"
+    if isinstance(exc, redis.exceptions.ConnectionError) and isinstance(
+        exc.__cause__, TimeoutError
+    ):
+        return "busy"
+    if isinstance(exc, redis.exceptions.TimeoutError | TimeoutError):
+        return "slow"
+    return "down"
+
+
 PLAN_CACHE_SIZE = 4096
 CONCURRENCY_RETRY_MS = 1000
+BUSY_LOG_INTERVAL_S = 60.0
 
 
 class AdmissionSettings(BaseModel):
@@ -65,9 +84,9 @@ class AdmissionSettings(BaseModel):
     slot_lease_seconds: float = Field(default=600.0, gt=0)
     # how long a month's budget counter lives after its last charge (last month stays readable)
     budget_key_ttl_seconds: int = Field(default=62 * 86400, ge=86400)
-    # Longest an admission or settle waits on Redis before treating it as down. Keep it well
-    # above queueing delays under load: a timeout switches to the down policy.
-    redis_timeout_seconds: float = Field(default=2.0, gt=0)
+    # How long a PING may take before Redis counts as down. Admissions themselves wait as long
+    # as the client's socket_timeout / socket_connect_timeout allow: set those small.
+    probe_timeout_seconds: float = Field(default=1.0, gt=0)
     # while Redis is down, a background PING at most this often finds out when it is back
     probe_interval_seconds: float = Field(default=1.0, gt=0)
     abuse: AbuseSettings = Field(default_factory=AbuseSettings)
@@ -105,6 +124,7 @@ class _Plan:
     counts_tokens: tuple[bool, ...]  # per rate bucket: tokens/min (True) or requests/min
     min_tokens_per_minute: int | None
     max_tokens_default: int | None
+    closed: _Bucket | None  # a rate or concurrency limit of 0: nothing is ever admitted
 
 
 @dataclass(slots=True, eq=False)
@@ -187,6 +207,12 @@ class Admission:
             ["policy"],
             registry=registry,
         )
+        self._busy = Counter(
+            "portico_admission_busy",
+            "Admissions and settlements that got no timely turn on Redis (503, Redis not down)",
+            registry=registry,
+        )
+        self._last_busy_log = -math.inf
         self._rejected = Counter(
             "portico_admission_rejected",
             "Requests refused by admission, by scope and limit",
@@ -213,22 +239,30 @@ class Admission:
         slot_id = secrets.token_hex(8)
         if plan.buckets.empty:
             return Ticket({}, 0, None, None, slot_id)
+        if plan.closed is not None:
+            self._rejected.labels(plan.closed.scope, plan.closed.limit_name).inc()
+            raise LimitExceededError(
+                f"The {plan.closed.limit_name} limit of {plan.closed.who} is 0: "
+                "no request is admitted.",
+                limit=plan.closed.limit_name,
+                scope=plan.closed.scope,
+                headers={"x-should-retry": "false"},
+            )
         reserved = self._reservation(plan, prompt_tokens, max_tokens)
         costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
         limiter = self._limiter_now()
         if limiter is None:
             return Ticket({}, 0, None, None, slot_id)
         try:
-            decision = await self._acquire(limiter, plan, costs, slot_id)
-        except redis.exceptions.MaxConnectionsError as exc:
-            # The client's pool is exhausted: this replica is overloaded, Redis is not down.
-            # Falling back to local buckets here would admit beyond the shared limit.
-            raise ServiceUnavailableError(
-                "The gateway is overloaded; try again shortly.",
-                code="rate_limiter_busy",
-                headers={"retry-after": "1"},
-            ) from exc
-        except REDIS_DOWN as exc:
+            decision = await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+        except REDIS_ERRORS as exc:
+            if failure_kind(exc) != "down":
+                self._note_busy(exc)
+                raise ServiceUnavailableError(
+                    "The gateway is overloaded; try again shortly.",
+                    code="rate_limiter_busy",
+                    headers={"retry-after": "1"},
+                ) from exc
             self._mark_down(exc)
             limiter = self._limiter_now()
             if limiter is None:
@@ -280,25 +314,14 @@ class Admission:
             deltas = [delta if tokens else 0 for tokens in plan.counts_tokens]
             charges = [used] * len(plan.buckets.budget_keys)
         try:
-            if limiter is self._shared:
-                async with asyncio.timeout(self.settings.redis_timeout_seconds):
-                    await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
+            await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
+        except REDIS_ERRORS as exc:
+            # Not settled: the reservation stays charged and the slot's lease frees it. Nothing
+            # to tell the client, whose response is already on its way.
+            if failure_kind(exc) == "down":
+                self._mark_down(exc)
             else:
-                await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
-        except redis.exceptions.MaxConnectionsError:
-            log.warning("admission: Redis pool exhausted; a slot waits for its lease to end")
-        except REDIS_DOWN as exc:
-            # The slot's lease frees it; the reservation stays charged. Nothing to tell the
-            # client, whose response is already on its way.
-            self._mark_down(exc)
-
-    async def _acquire(
-        self, limiter: Limiter, plan: _Plan, costs: list[int], slot_id: str
-    ) -> Decision:
-        if limiter is not self._shared:
-            return await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
-        async with asyncio.timeout(self.settings.redis_timeout_seconds):
-            return await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+                self._note_busy(exc)
 
     def _limiter_now(self) -> Limiter | None:
         """The limiter to use now: Redis, or the policy's fallback (None: admit unlimited)."""
@@ -315,6 +338,20 @@ class Admission:
             )
         return self._local if policy == "local" else None
 
+    def _note_busy(self, exc: BaseException) -> None:
+        self._busy.inc()
+        if failure_kind(exc) == "slow":
+            self._start_probe()  # down, or only slow? a PING decides
+        now = time.monotonic()
+        if now - self._last_busy_log >= BUSY_LOG_INTERVAL_S:
+            self._last_busy_log = now
+            log.warning(
+                "admission: no timely answer from Redis (%s: %s); answering 503 (size the "
+                "Redis connection pool and socket timeouts for the load)",
+                type(exc).__name__,
+                exc,
+            )
+
     def _mark_down(self, exc: BaseException) -> None:
         if self._redis_up:
             self._redis_up = False
@@ -328,23 +365,28 @@ class Admission:
             )
 
     def _maybe_probe(self) -> None:
-        now = time.monotonic()
-        if self._probe is not None or now - self._last_probe < self.settings.probe_interval_seconds:
-            return
-        self._last_probe = now
-        self._probe = asyncio.get_running_loop().create_task(self._run_probe())
+        if time.monotonic() - self._last_probe >= self.settings.probe_interval_seconds:
+            self._start_probe()
+
+    def _start_probe(self) -> None:
+        if self._probe is None:
+            self._last_probe = time.monotonic()
+            self._probe = asyncio.get_running_loop().create_task(self._run_probe())
 
     async def _run_probe(self) -> None:
+        """PING Redis once: mark it down if it fails, up again if it answers."""
         try:
-            async with asyncio.timeout(self.settings.redis_timeout_seconds):
+            async with asyncio.timeout(self.settings.probe_timeout_seconds):
                 await self._redis.ping()
-        except REDIS_DOWN:
+        except (*REDIS_ERRORS, TimeoutError) as exc:
+            self._mark_down(exc)
             return
         finally:
             self._probe = None
-        self._redis_up = True
-        self._up_gauge.set(1)
-        log.warning("admission: Redis reachable again; limits are shared again")
+        if not self._redis_up:
+            self._redis_up = True
+            self._up_gauge.set(1)
+            log.warning("admission: Redis reachable again; limits are shared again")
 
     def _reservation(self, plan: _Plan, prompt_tokens: int, max_tokens: int | None) -> int:
         tpm = plan.min_tokens_per_minute
@@ -506,4 +548,6 @@ def build_plan(principal: Principal, model: str, model_limits: Limits | None, mo
         counts_tokens=tuple(r[3] for r in rate),
         min_tokens_per_minute=min(tpms) if tpms else None,
         max_tokens_default=default_cap,
+        closed=next((r[2] for r in rate if r[1] <= 0), None)
+        or next((s[2] for s in slots if s[1] <= 0), None),
     )

@@ -14,7 +14,10 @@
 --   budget        STRING portico:budget:{tenant}:<scope>:<YYYY-MM>   tokens used this month
 --
 -- Token bucket: capacity = the per-minute limit (the burst), refilled at limit/60 per second.
--- Idle keys expire (PEXPIRE) once the bucket would be full again, so an absent key means full.
+-- Idle keys expire once the bucket would be full again, so an absent key means full. Expiry is
+-- set with PEXPIREAT on the script's own clock: in production that is Redis TIME, the clock
+-- Redis expires keys by, so it equals a PEXPIRE of the time to refill; under a test clock that
+-- runs ahead of real time, a key never vanishes before the script's time says it is full.
 --
 -- admit ARGV: op, now, n_rate, n_slot, n_budget,
 --             then per rate bucket: limit, cost; per slot set: max; per budget: limit;
@@ -69,7 +72,7 @@ end
 
 local function store(key, level, limit)
   redis.call('HSET', key, 't', string.format('%.17g', level), 's', string.format('%d', now))
-  redis.call('PEXPIRE', key, math.floor(until_full_us(level, limit) / 1000) + 1)
+  redis.call('PEXPIREAT', key, math.floor((now + until_full_us(level, limit)) / 1000) + 1)
 end
 
 if op == 'admit' then
@@ -127,7 +130,7 @@ if op == 'admit' then
     for j = 1, n_slot do
       local key = KEYS[n_rate + j]
       redis.call('ZADD', key, now + lease_us, slot_id)
-      redis.call('PEXPIRE', key, math.floor(lease_us / 1000) + 1000)
+      redis.call('PEXPIREAT', key, math.floor((now + lease_us) / 1000) + 1000)
       in_use[j] = in_use[j] + 1
     end
   end

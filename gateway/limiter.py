@@ -83,7 +83,11 @@ class Decision:
 
 
 class Limiter(Protocol):
-    """The admission mechanism. Implementations are safe to share across asyncio tasks."""
+    """The admission mechanism. Implementations are safe to share across asyncio tasks.
+
+    Rate and slot limits must be positive (a limit of 0 is the caller's to refuse up front);
+    costs and charges are non-negative integers, deltas any integers.
+    """
 
     async def acquire(
         self, buckets: BucketSet, costs: Sequence[int], slot_id: str, lease_us: int
@@ -200,6 +204,11 @@ class LocalLimiter:
     def _scaled(self, limit: int) -> float:
         return limit * self._share
 
+    def _slot_cap(self, limit: int) -> int:
+        # A share of a concurrency limit rounds down but never to 0 slots: with 1 slot and 2
+        # replicas, each replica must still be able to serve one request.
+        return 0 if limit <= 0 else max(1, math.floor(self._scaled(limit)))
+
     def _level(self, key: str, capacity: float, now: int) -> float:
         state = self._buckets.get(key)
         if state is None:
@@ -236,7 +245,7 @@ class LocalLimiter:
         slot_failed: int | None = None
         for j, (key, limit) in enumerate(zip(buckets.slot_keys, buckets.slot_limits, strict=True)):
             in_use.append(len(self._live_slots(key, now)))
-            if in_use[j] >= max(1, math.floor(self._scaled(limit))) and slot_failed is None:
+            if in_use[j] >= self._slot_cap(limit) and slot_failed is None:
                 slot_failed = n_rate + j
         used: list[int] = []
         budget_failed: int | None = None

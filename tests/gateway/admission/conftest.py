@@ -12,22 +12,28 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from gateway.limiter import Limiter, LocalLimiter, RedisLimiter
 from gateway.principal import Limits, Principal
 
-REDIS_TIMEOUT_S = 0.5
+# A stopped Redis is found at once whatever these are (its socket is gone); they only bound
+# how long a test can hang, and must not fire on a merely loaded machine.
+CONNECT_TIMEOUT_S = 2.0
+SOCKET_TIMEOUT_S = 5.0
 
 
 class FakeClock:
-    """Real time plus an offset that tests push forward: time jumps on demand, never runs slower
-    than real time. Redis expires keys in real time, so a clock that lagged real time could see
-    a bucket vanish (full) before its own time said it had refilled."""
+    """A clock that moves only when a test moves it, set a day ahead of real time.
+
+    Ahead, because Redis expires keys by its own real clock: the limiter sets expiry on the
+    script's clock (PEXPIREAT), so with this clock no key vanishes while a test runs, and every
+    number a test sees is exact, never shifted by how long the machine took.
+    """
 
     def __init__(self) -> None:
-        self.offset_us = 0
+        self.now_us = time.time_ns() // 1000 + 86_400_000_000
 
     def __call__(self) -> int:
-        return time.time_ns() // 1000 + self.offset_us
+        return self.now_us
 
     def advance(self, seconds: float) -> None:
-        self.offset_us += int(seconds * 1_000_000)
+        self.now_us += int(seconds * 1_000_000)
 
 
 def make_redis(url: str) -> Redis:
@@ -38,8 +44,8 @@ def make_redis(url: str) -> Redis:
         url,
         max_connections=32,
         timeout=None,
-        socket_timeout=REDIS_TIMEOUT_S,
-        socket_connect_timeout=REDIS_TIMEOUT_S,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
     )
     return Redis.from_pool(pool)
 
@@ -59,6 +65,12 @@ async def redis_client(redis_url: str) -> AsyncIterator[Redis]:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def clock_factory() -> Callable[[], FakeClock]:
+    """For tests that need a fresh clock per hypothesis example."""
+    return FakeClock
 
 
 @pytest.fixture(params=["redis", "local"])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+import redis.exceptions
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from gateway.admission import (
     Admission,
@@ -18,6 +20,7 @@ from gateway.admission import (
     format_duration,
     utc_month,
 )
+from gateway.limiter import LUA_SOURCE
 from gateway.principal import Limits, Principal
 from portico.errors import RateLimitError, ServiceUnavailableError
 
@@ -305,6 +308,7 @@ async def test_storm_of_1000_requests_admits_at_most_the_limit_plus_refill(
     end_s, end_us = await redis_client.time()
     elapsed_s = (end_s - start_s) + (end_us - start_us) / 1e6
     admitted = sum(results)
+    assert admission.redis_up  # every decision was Redis's
     assert 100 <= admitted <= 100 + int(100 * elapsed_s / 60) + 1
 
 
@@ -335,3 +339,73 @@ async def test_pool_exhaustion_is_503_not_an_outage(
     finally:
         await client.connection_pool.release(held)
         await client.aclose()
+
+
+async def test_a_zero_limit_refuses_without_touching_redis(
+    admission: Admission, redis_client: Redis, make_principal: MakePrincipal
+) -> None:
+    who = make_principal(
+        requests_per_minute=100, model_limits={"gpu-big": Limits(max_concurrency=0)}
+    )
+    with pytest.raises(LimitExceededError) as info:
+        await admission.admit(who, "gpu-big", 1, 1)
+    assert (info.value.scope, info.value.limit) == ("model", "max_concurrency")
+    assert info.value.headers["x-should-retry"] == "false"
+    assert await redis_client.keys("*") == []
+
+
+BUSY_REDIS_LUA = """
+local t = redis.call('TIME')
+local until_us = t[1] * 1000000 + t[2] + tonumber(ARGV[1])
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] >= until_us
+return 1
+"""
+
+
+async def test_no_free_connection_in_time_is_503_busy_not_an_outage(
+    redis_url: str, make_principal: MakePrincipal
+) -> None:
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=1, timeout=0.1)
+    client = Redis.from_pool(pool)
+    admission = Admission(client, AdmissionSettings(), registry=CollectorRegistry())
+    who = make_principal(requests_per_minute=10)
+    held = await pool.get_connection()  # every connection of this replica is in use
+    try:
+        with pytest.raises(ServiceUnavailableError) as info:
+            await admission.admit(who, "m", 1, 1)
+        assert info.value.code == "rate_limiter_busy"
+        assert admission.redis_up  # no switch to the fallback: that would over-admit
+    finally:
+        await pool.release(held)
+    await admission.release(await admission.admit(who, "m", 1, 1))
+    await client.aclose()
+
+
+async def test_redis_that_stops_answering_is_found_down_by_a_probe(
+    redis_url: str, redis_client: Redis, make_principal: MakePrincipal
+) -> None:
+    # socket_timeout fires on an open connection: Redis is not answering (or we are slow)
+    slow_client = Redis.from_url(redis_url, socket_timeout=0.5)
+    settings = AdmissionSettings(probe_timeout_seconds=0.5)
+    admission = Admission(slow_client, settings, registry=CollectorRegistry())
+    who = make_principal(requests_per_minute=10)
+    await redis_client.script_load(LUA_SOURCE)
+    for _ in range(20):  # open the slow client's connection while Redis is idle
+        with contextlib.suppress(redis.exceptions.TimeoutError):
+            await slow_client.ping()
+            break
+    blocker = asyncio.create_task(redis_client.eval(BUSY_REDIS_LUA, 0, 4_000_000))
+    await asyncio.sleep(0.05)  # Redis runs a 4 s script: it answers nobody
+    with pytest.raises(ServiceUnavailableError) as info:  # cannot tell yet: 503, and a PING
+        await admission.admit(who, "m", 1, 1)
+    assert info.value.code == "rate_limiter_busy"
+    for _ in range(300):
+        if not admission.redis_up:
+            break
+        await asyncio.sleep(0.01)
+    assert not admission.redis_up  # the PING timed out too: Redis is down
+    ticket = await admission.admit(who, "m", 1, 1)  # decided by the local fallback
+    assert ticket.headers["x-ratelimit-remaining-requests"] == "9"  # a fresh local bucket
+    await blocker
+    await admission.aclose()
+    await slow_client.aclose()

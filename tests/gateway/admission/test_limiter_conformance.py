@@ -1,7 +1,7 @@
 """The conformance suite every Limiter implementation passes: Redis (limiter.lua) and local.
 
-Both run on the same fake clock (real time plus jumps the test makes), so every number here is
-exact up to the refill of the few milliseconds the test itself takes (less than one token).
+Both run on the same fake clock, which moves only when a test moves it, so every number here
+is exact: how long the machine takes does not enter.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ async def test_burst_is_the_per_minute_limit(limiter: Limiter) -> None:
     refused = await limiter.acquire(bs, [1], "x", LEASE_US)
     assert not refused.allowed
     assert refused.failed == 0
-    # One request refills in 60/100 s = 600 ms, minus the little real time the test took.
-    assert 0 < refused.retry_after_ms <= 600
+    assert refused.retry_after_ms == 600  # one request refills in 60/100 s
     assert refused.remaining == (0,)
 
 
@@ -61,8 +60,7 @@ async def test_refill_is_limit_over_sixty_per_second(limiter: Limiter, clock) ->
     bs = buckets(rpm=100)
     assert await admit_many(limiter, bs, 100) == 100
     clock.advance(30)  # half a minute: 50 requests' worth
-    admitted = await admit_many(limiter, bs, 80)
-    assert 50 <= admitted <= 51
+    assert await admit_many(limiter, bs, 80) == 50
 
 
 async def test_bucket_never_holds_more_than_its_capacity(limiter: Limiter, clock) -> None:
@@ -77,7 +75,7 @@ async def test_retry_after_is_exact(limiter: Limiter, clock) -> None:
     assert (await limiter.acquire(bs, [6000], "a", LEASE_US)).allowed
     refused = await limiter.acquire(bs, [3000], "b", LEASE_US)
     assert not refused.allowed
-    assert 29_900 <= refused.retry_after_ms <= 30_000
+    assert refused.retry_after_ms == 30_000
     clock.advance(29)
     assert not (await limiter.acquire(bs, [3000], "c", LEASE_US)).allowed
     clock.advance(1)
@@ -108,8 +106,7 @@ async def test_all_buckets_are_charged_when_admitted(limiter: Limiter) -> None:
     assert decision.allowed
     assert decision.remaining == (9, 600)
     # reset: time until full again (1 request: 6 s; 400 tokens at 1000/min: 24 s)
-    assert 5_990 <= decision.reset_ms[0] <= 6_000
-    assert 23_990 <= decision.reset_ms[1] <= 24_000
+    assert decision.reset_ms == (6_000, 24_000)
 
 
 async def test_concurrency_slots_free_on_settle(limiter: Limiter) -> None:
@@ -156,7 +153,7 @@ async def test_unused_tokens_are_refunded(limiter: Limiter) -> None:
     assert (await limiter.acquire(bs, [600], "a", LEASE_US)).remaining == (400,)
     await limiter.settle(bs, [-500], [], "a")  # used 100 of the 600 reserved
     probe = await limiter.acquire(bs, [1], "b", LEASE_US)
-    assert 899 <= probe.remaining[0] <= 900
+    assert probe.remaining == (899,)
 
 
 async def test_a_refund_never_fills_past_capacity(limiter: Limiter, clock) -> None:
@@ -172,10 +169,10 @@ async def test_usage_beyond_the_reservation_is_debt(limiter: Limiter, clock) -> 
     bs = buckets(tpm=600)  # 10 tokens per second
     assert (await limiter.acquire(bs, [600], "a", LEASE_US)).allowed
     await limiter.settle(bs, [300], [], "a")  # used 300 more than reserved: level -300
-    clock.advance(30)  # +300: back to about 0
+    clock.advance(30)  # +300: back to 0
     refused = await limiter.acquire(bs, [10], "b", LEASE_US)
     assert not refused.allowed
-    assert 900 <= refused.retry_after_ms <= 1000
+    assert refused.retry_after_ms == 1000
     clock.advance(30)
     assert (await limiter.acquire(bs, [300], "c", LEASE_US)).allowed
     assert not (await limiter.acquire(bs, [2], "d", LEASE_US)).allowed
@@ -200,7 +197,6 @@ async def test_requests_admitted_over_a_window_never_exceed_capacity_plus_refill
     start_us = clock()
     for _ in range(40):
         admitted += await admit_many(limiter, bs, 1 + limit // 10)
-        # the window so far, on the limiter's own clock (jumps plus the real time taken)
         window_s = (clock() - start_us) / 1e6
         assert admitted <= limit + limit * window_s / 60
         clock.advance(0.75)  # 30 s of jumps in all
