@@ -184,7 +184,7 @@ class Authenticator:
         cached = self._keys.get(digest)
         if cached is not None and now < cached.until and self._wall_clock() < cached.expires_at:
             return cached.principal
-        found = await self.store.lookup_key(secret)
+        found = await self.store.lookup_digest(digest)
         if found is None:
             raise AuthenticationError(_BAD_KEY)
         key, tenant = found

@@ -479,7 +479,10 @@ class TenantStore:
         """The key record for ``secret`` and its tenant (None if the tenant is gone, or was
         re-created under the same id since), in one round trip. None when no key has this
         secret."""
-        digest = self.digest(secret)
+        return await self.lookup_digest(self.digest(secret))
+
+    async def lookup_digest(self, digest: str) -> tuple[ApiKey, Tenant | None] | None:
+        """:meth:`lookup_key` for a digest already computed with :meth:`digest`."""
         found = await self._lookup(keys=[f"{PREFIX}keyhash:{digest}"], args=[PREFIX])
         if not found or not found[0]:
             return None
