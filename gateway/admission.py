@@ -84,9 +84,10 @@ class AdmissionSettings(BaseModel):
     slot_lease_seconds: float = Field(default=600.0, gt=0)
     # how long a month's budget counter lives after its last charge (last month stays readable)
     budget_key_ttl_seconds: int = Field(default=62 * 86400, ge=86400)
-    # How long a PING may take before Redis counts as down. Admissions themselves wait as long
-    # as the client's socket_timeout / socket_connect_timeout allow: set those small.
-    probe_timeout_seconds: float = Field(default=1.0, gt=0)
+    # How long the PING that decides whether Redis is down may take. Admissions themselves
+    # wait as long as the client's socket_timeout / socket_connect_timeout allow: set those
+    # small (a wait for a free pool connection is overload, not an outage).
+    redis_timeout_seconds: float = Field(default=2.0, gt=0)
     # while Redis is down, a background PING at most this often finds out when it is back
     probe_interval_seconds: float = Field(default=1.0, gt=0)
     abuse: AbuseSettings = Field(default_factory=AbuseSettings)
@@ -376,7 +377,7 @@ class Admission:
     async def _run_probe(self) -> None:
         """PING Redis once: mark it down if it fails, up again if it answers."""
         try:
-            async with asyncio.timeout(self.settings.probe_timeout_seconds):
+            async with asyncio.timeout(self.settings.redis_timeout_seconds):
                 await self._redis.ping()
         except (*REDIS_ERRORS, TimeoutError) as exc:
             self._mark_down(exc)

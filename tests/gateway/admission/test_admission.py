@@ -386,7 +386,7 @@ async def test_redis_that_stops_answering_is_found_down_by_a_probe(
 ) -> None:
     # socket_timeout fires on an open connection: Redis is not answering (or we are slow)
     slow_client = Redis.from_url(redis_url, socket_timeout=0.5)
-    settings = AdmissionSettings(probe_timeout_seconds=0.5)
+    settings = AdmissionSettings(redis_timeout_seconds=0.5)
     admission = Admission(slow_client, settings, registry=CollectorRegistry())
     who = make_principal(requests_per_minute=10)
     await redis_client.script_load(LUA_SOURCE)

@@ -31,7 +31,7 @@ def build(client: Redis, policy: str, replicas: int = 1) -> tuple[Admission, Col
         redis_down_policy=policy,
         replicas=replicas,
         probe_interval_seconds=PROBE_INTERVAL_S,
-        probe_timeout_seconds=0.5,
+        redis_timeout_seconds=0.5,
     )
     return Admission(client, settings, registry=registry), registry
 
