@@ -98,7 +98,8 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         process = [_needs_processing(r.sampling_params, len(r.output_token_ids)) for r in rows]
         if all(greedy) and not any(process) and not want_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            # max().indices: the first maximum, like argmax, and faster on CPU.
+            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
 
         logits = logits.float()
         for i, row in enumerate(rows):
@@ -111,7 +112,7 @@ class Sampler:
         logprobs_out: list[TokenLogprob | None] = [None] * len(rows)
         logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
 
-        token_ids = logits.argmax(dim=-1)
+        token_ids = logits.max(dim=-1).indices
         random_idx = [i for i, g in enumerate(greedy) if not g]
         if random_idx:
             idx = torch.tensor(random_idx, device=logits.device)
