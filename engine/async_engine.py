@@ -48,8 +48,8 @@ class AsyncLLMEngine:
     order and ends after the one with ``finished=True``; leaving the stream early (break,
     cancellation, client disconnect) aborts the request, whose blocks are freed at the next step
     boundary. ``is_alive`` turns False if the loop crashes; ``last_progress`` is the monotonic
-    time of the last step that produced output, or of the last moment the loop was idle (an idle
-    engine is not a stuck one).
+    time the last step returned, or of the last moment the loop was idle (an idle engine is not
+    a stuck one).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -183,8 +183,10 @@ class AsyncLLMEngine:
                 self._apply(commands)
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
                 self._stats = self.engine.stats()
+                # A step that returned is progress (a prefill chunk yields no output); a hung
+                # step never returns, which is what a stall check must see.
+                self.last_progress = time.monotonic()
                 if outputs:
-                    self.last_progress = time.monotonic()
                     self._deliver(outputs)
         except BaseException as exc:  # the loop must report, not vanish
             self._error = exc
