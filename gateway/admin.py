@@ -20,9 +20,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 
 from gateway.auth import Authenticator
 from gateway.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
+from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,13 @@ def build_admin_router(
                 # Read (and cache) the body here, outside FastAPI's body parsing, which turns
                 # any exception — BodySizeLimitMiddleware's 413 signal included — into a 400.
                 await request.body()
-                return await handler(request)
+                try:
+                    return await handler(request)
+                except RedisError as exc:
+                    log.warning("admin: Redis unavailable (%s)", type(exc).__name__)
+                    raise ServiceUnavailableError(
+                        "The gateway's store is unavailable; retry shortly.",
+                        headers={"retry-after": "1"}) from None
 
             return guarded
 

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 
 from gateway.jwt_auth import JWTSettings, JWTVerifier
 from gateway.principal import Limits, Principal
 from gateway.store import EmbeddedRedis, StoreSettings, close_redis, open_redis
 from gateway.tenants import Tenant, TenantStore, load_plans
-from portico.errors import AuthenticationError, PermissionDeniedError
+from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 
 __all__ = [
     "ADMIN_KEY_ENV", "KEY_HASH_SECRET_ENV", "AuthSettings", "Authenticator", "Identity",
@@ -184,7 +185,10 @@ class Authenticator:
         cached = self._keys.get(digest)
         if cached is not None and now < cached.until and self._wall_clock() < cached.expires_at:
             return cached.principal
-        found = await self.store.lookup_digest(digest)
+        try:
+            found = await self.store.lookup_digest(digest)
+        except RedisError as exc:
+            raise _store_down(exc) from None
         if found is None:
             raise AuthenticationError(_BAD_KEY)
         key, tenant = found
@@ -203,7 +207,10 @@ class Authenticator:
         hit = self._tenants.get(tenant_id)
         if hit is not None and now < hit[1]:
             return hit[0]
-        tenant = await self.store.get_tenant(tenant_id)
+        try:
+            tenant = await self.store.get_tenant(tenant_id)
+        except RedisError as exc:
+            raise _store_down(exc) from None
         if self.cache_ttl_seconds > 0:
             if len(self._tenants) >= MAX_CACHE_ENTRIES:
                 self._tenants.clear()
@@ -260,6 +267,13 @@ def _bearer(authorization: str | None) -> str:
     if len(token) > MAX_CREDENTIAL_CHARS or any(c.isspace() for c in token):
         raise AuthenticationError(_BAD_KEY)
     return token
+
+
+def _store_down(exc: RedisError) -> ServiceUnavailableError:
+    """Fail closed but say why: a credential cannot be checked while Redis is unreachable."""
+    log.warning("credential check failed: Redis unavailable (%s)", type(exc).__name__)
+    return ServiceUnavailableError("Authentication is temporarily unavailable; retry shortly.",
+                                   headers={"retry-after": "1"})
 
 
 def _check_enabled(tenant: Tenant) -> None:

@@ -313,3 +313,30 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
                                 401)
         assert_openai_error(await c.get("/admin/v1/tenants", headers=A), 429)
     assert len(seen) == 4
+
+
+async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None:
+    """With Redis down a credential cannot be checked: 503 (never a 500, never a pass), on the
+    data plane and on the admin API; when Redis is back, the same key works again."""
+    from gateway.auth import AuthSettings, open_identity
+    from gateway.store import StoreSettings
+
+    ident = await open_identity(StoreSettings(url=private_redis.url, data_dir=tmp_path),
+                                AuthSettings(key_cache_ttl_seconds=0),
+                                {"PORTICO_ADMIN_KEY": ADMIN_KEY})
+    try:
+        transport = httpx.ASGITransport(app=build_app(ident.authenticator))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            await c.post("/admin/v1/tenants", headers=A, json={"id": "acme", "name": "Acme"})
+            secret = (await c.post("/admin/v1/tenants/acme/keys", headers=A, json={})).json()
+            private_redis.stop()
+            resp = await c.get("/v1/whoami", headers=bearer(secret["key"]))
+            assert assert_openai_error(resp, 503)["type"] == "service_unavailable"
+            assert resp.headers["retry-after"] == "1"
+            assert_openai_error(await c.get("/admin/v1/tenants", headers=A), 503)
+            private_redis.start()  # empty again (no persistence): recreate and retry
+            await c.post("/admin/v1/tenants", headers=A, json={"id": "acme", "name": "Acme"})
+            again = (await c.post("/admin/v1/tenants/acme/keys", headers=A, json={})).json()
+            assert (await c.get("/v1/whoami", headers=bearer(again["key"]))).status_code == 200
+    finally:
+        await ident.aclose()
