@@ -1,0 +1,342 @@
+"""``make bench``: the standard comparisons on this machine, in one go, into docs/benchmarks.md.
+
+Sections (each runs on its own; a failure is written into the report and the next one runs):
+
+* ``engine_offline`` — the engine against transformers static batching (``load/engine_bench.py``);
+* ``engine_served`` — ``portico engine`` serving smollm2-135m in bf16, the serve bench at
+  concurrency 1, 16 and 64 on one synthetic workload (TTFT/TPOT percentiles);
+* ``prefix_caching`` — the same engine with prefix caching on and off on the shared-prefix
+  workload (TTFT p50 ratio);
+* ``gateway`` — the gateway in front of the fake upstream against the upstream directly
+  (``load/gateway_bench.py``);
+* ``admission`` — what admission costs per request against Redis (``load/admission_bench.py``).
+
+    python -m load.standard --quick            # ~10-15 minutes
+    python -m load.standard                    # the full sizes (longer)
+    python -m load.standard --only gateway     # rerun one section, keep the others' results
+
+Results go to ``docs/bench/results.json`` and the report to ``docs/benchmarks.md`` (plots under
+``docs/img/``); the report is rendered from the JSON by :func:`render_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from load.standard_report import render_report
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("engine_offline", "engine_served", "prefix_caching", "gateway", "admission")
+SERVED_MODEL = "smollm2-135m"
+SERVED_NAME = "smollm2"
+ENGINE_FLAGS = ("--dtype", "bfloat16", "--kv-cache-memory", "2GiB", "--max-num-seqs", "64",
+                "--max-model-len", "2048")
+TARGET_ENGINE_SPEEDUP = 3.0
+TARGET_PREFIX_RATIO = 3.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each section's workload is (``--quick`` or full)."""
+
+    served_prompt_len: tuple[int, int]
+    served_output_len: tuple[int, int]
+    served_requests: dict[int, int]  # concurrency -> number of requests
+    prefix_groups: int
+    prefix_per_group: int
+    prefix_output_len: int
+    admission_requests: int
+    engine_timeout_s: float
+
+
+QUICK = Sizes((16, 128), (16, 32), {1: 4, 16: 16, 64: 64}, 4, 3, 4, 1000, 420)
+FULL = Sizes((16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800)
+
+
+class SectionSkipped(Exception):
+    """A section cannot run here (a missing module or tool); the report says why."""
+
+
+# ---------------------------------------------------------------- running sections
+
+
+def run_section(name: str, command: str, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one section; never raises (a failure becomes ``status: failed`` with the error)."""
+    start = time.monotonic()
+    load_before = os.getloadavg()[0]
+    out: dict[str, Any] = {"command": command}
+    try:
+        out["result"] = body()
+        out["status"] = "ok"
+    except SectionSkipped as exc:
+        out["status"], out["error"] = "skipped", str(exc)
+    except Exception as exc:  # the report records any failure and the run goes on
+        out["status"] = "failed"
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        traceback.print_exc()
+    out["seconds"] = round(time.monotonic() - start, 1)
+    out["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    print(f"[standard] {name}: {out['status']} in {out['seconds']:.0f} s", flush=True)
+    return out
+
+
+def run_json_module(module: str, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
+    """``python -m module argv... --out tmp.json`` in a child process; its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, "-m", module, *argv, "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=timeout_s)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{module} exited {proc.returncode}: "
+                               f"{(proc.stderr or proc.stdout)[-1500:]}")
+        return dict(json.loads(out.read_text()))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_command(port: int, extra: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "portico.cli", "engine", "--model", SERVED_MODEL,
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            *ENGINE_FLAGS, *extra]
+
+
+def shell_command(cmd: Sequence[str]) -> str:
+    """``cmd`` as a user would type it (``portico`` instead of ``python -m portico.cli``)."""
+    words = list(cmd)
+    if words[:3] == [sys.executable, "-m", "portico.cli"]:
+        words = ["portico", *words[3:]]
+    elif words[:2] == [sys.executable, "-m"]:
+        words = ["python", "-m", *words[2:]]
+    return " ".join(words)
+
+
+@contextlib.contextmanager
+def engine_server(extra: Sequence[str], timeout_s: float) -> Iterator[str]:
+    """A ``portico engine`` process, ready; yields its ``/v1`` base URL."""
+    import httpx
+
+    port = free_port()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(engine_command(port, extra), cwd=REPO_ROOT,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-1500:]
+                    raise RuntimeError(f"portico engine exited {proc.returncode}: {tail}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"portico engine not ready in {timeout_s:.0f} s")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.5)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+
+
+def serve(base_url: str, requests: Sequence[Any], concurrency: int
+          ) -> tuple[dict[str, Any], list[Any]]:
+    from load import serve_bench
+
+    return asyncio.run(serve_bench.run_benchmark(
+        base_url, SERVED_NAME, requests, max_concurrency=concurrency,
+        extra_body={"ignore_eos": True}, progress=False))
+
+
+def warm_up(base_url: str) -> None:
+    """Two short requests, so first-call costs stay out of the numbers."""
+    from load import datasets
+
+    serve(base_url, datasets.synthetic(2, (16, 32), (4, 4), seed=99), 2)
+
+
+# ---------------------------------------------------------------- the sections
+
+
+def engine_offline(sizes: Sizes, quick: bool) -> dict[str, Any]:
+    if importlib.util.find_spec("load.engine_bench") is None:
+        raise SectionSkipped("load/engine_bench.py is not in the tree yet")
+    helptext = subprocess.run([sys.executable, "-m", "load.engine_bench", "--help"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120).stdout
+    argv = ["--quick"] if quick and "--quick" in helptext else []
+    if "--out" not in helptext:
+        raise SectionSkipped("load/engine_bench.py has no --out option to read results from")
+    return run_json_module("load.engine_bench", argv, sizes.engine_timeout_s)
+
+
+def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
+    from load import datasets
+    from load.report import plot_latency_cdfs
+
+    runs, per_run = [], {}
+    most = max(sizes.served_requests.values())
+    workload = datasets.synthetic(most, sizes.served_prompt_len, sizes.served_output_len, seed=0)
+    with engine_server(["--enable-prefix-caching"], sizes.engine_timeout_s) as base_url:
+        warm_up(base_url)
+        for concurrency, num in sorted(sizes.served_requests.items()):
+            summary, results = serve(base_url, workload[:num], concurrency)
+            runs.append({"concurrency": concurrency} | summary)
+            per_run[f"concurrency {concurrency}"] = results
+    plot = plot_latency_cdfs(per_run, img_dir / "engine_served_cdf.png")
+    return {"runs": runs, "plots": [str(plot)], "workload": {
+        "dataset": "synthetic", "prompt_len": sizes.served_prompt_len,
+        "output_len": sizes.served_output_len, "seed": 0}}
+
+
+def prefix_caching(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
+    from load import datasets
+    from load.report import plot_latency_cdfs
+
+    workload = datasets.shared_prefix(num_groups=sizes.prefix_groups,
+                                      requests_per_group=sizes.prefix_per_group,
+                                      prefix_len=512, suffix_len=32,
+                                      output_len=sizes.prefix_output_len)
+    out: dict[str, Any] = {"workload": {"groups": sizes.prefix_groups,
+                                        "requests_per_group": sizes.prefix_per_group,
+                                        "prefix_len": 512, "suffix_len": 32,
+                                        "output_len": sizes.prefix_output_len,
+                                        "concurrency": sizes.prefix_groups}}
+    per_run = {}
+    for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
+        with engine_server([flag], sizes.engine_timeout_s) as base_url:
+            warm_up(base_url)
+            summary, results = serve(base_url, workload, sizes.prefix_groups)
+        out[label] = summary
+        per_run[f"prefix caching {label}"] = results
+    on, off = out["on"]["ttft_ms"]["median"], out["off"]["ttft_ms"]["median"]
+    out["ttft_p50_ratio"] = off / on if on else None
+    out["plots"] = [str(plot_latency_cdfs(per_run, img_dir / "prefix_caching_cdf.png"))]
+    return out
+
+
+def gateway(quick: bool, img_dir: Path) -> dict[str, Any]:
+    argv = (["--quick"] if quick else []) + ["--plot-dir", str(img_dir)]
+    return run_json_module("load.gateway_bench", argv, 900 if quick else 3600)
+
+
+def admission(sizes: Sizes) -> dict[str, Any]:
+    return run_json_module("load.admission_bench", ["--requests", str(sizes.admission_requests)],
+                           600)
+
+
+def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
+    """The command that reproduces each section on its own."""
+    q = " --quick" if quick else ""
+    served = []
+    for c, n in sorted(sizes.served_requests.items()):
+        served.append(
+            f"portico bench serve --base-url http://127.0.0.1:8000/v1 --model {SERVED_NAME} "
+            f"--dataset synthetic --num-requests {n} --max-concurrency {c} --prompt-len "
+            f"{sizes.served_prompt_len[0]} {sizes.served_prompt_len[1]} --output-len "
+            f"{sizes.served_output_len[0]} {sizes.served_output_len[1]}")
+    engine = shell_command(engine_command(8000))
+    return {
+        "engine_offline": f"python -m load.engine_bench{q}",
+        "engine_served": f"{engine} --enable-prefix-caching &\n" + "\n".join(served),
+        "prefix_caching": (
+            f"{engine} --enable-prefix-caching   # then again with --no-enable-prefix-caching\n"
+            f"python -m load.standard{q} --only prefix_caching   # shared-prefix workload: "
+            f"{sizes.prefix_groups} groups x {sizes.prefix_per_group}, 512-token prefix, "
+            f"concurrency {sizes.prefix_groups}"),
+        "gateway": f"python -m load.gateway_bench{q} --plot-dir docs/img",
+        "admission": f"python -m load.admission_bench --requests {sizes.admission_requests}",
+    }
+
+
+def run_all(only: Sequence[str], quick: bool, img_dir: Path) -> dict[str, dict[str, Any]]:
+    sizes = QUICK if quick else FULL
+    commands = section_commands(quick, sizes)
+    bodies: dict[str, Callable[[], dict[str, Any]]] = {
+        "engine_offline": lambda: engine_offline(sizes, quick),
+        "engine_served": lambda: engine_served(sizes, img_dir),
+        "prefix_caching": lambda: prefix_caching(sizes, img_dir),
+        "gateway": lambda: gateway(quick, img_dir),
+        "admission": lambda: admission(sizes),
+    }
+    return {name: run_section(name, commands[name], bodies[name]) for name in only}
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    return {"cpu": model, "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch_version, "commit": commit, "platform": platform.platform()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m load.standard",
+                                     description="the standard benchmarks into docs/benchmarks.md")
+    parser.add_argument("--quick", action="store_true", help="small sizes (~10-15 minutes)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="run these sections; the others keep their last results")
+    parser.add_argument("--results", type=Path, default=REPO_ROOT / "docs/bench/results.json")
+    parser.add_argument("--report", type=Path, default=REPO_ROOT / "docs/benchmarks.md")
+    parser.add_argument("--img-dir", type=Path, default=REPO_ROOT / "docs/img")
+    args = parser.parse_args(argv)
+    previous: dict[str, Any] = {}
+    if set(args.only) != set(SECTIONS) and args.results.exists():
+        previous = json.loads(args.results.read_text())
+    started = datetime.now(timezone.utc)
+    sections = run_all(args.only, args.quick, args.img_dir)
+    for section in sections.values():
+        section["mode"] = "quick" if args.quick else "full"
+        section["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    results = {
+        "machine": machine(),
+        "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "mode": "quick" if args.quick else "full",
+        "sections": {**previous.get("sections", {}), **sections},
+    }
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    args.report.write_text(render_report(results, args.report.parent))
+    print(f"[standard] wrote {args.report} and {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
