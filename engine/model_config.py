@@ -88,6 +88,11 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        window = raw.get("sliding_window")
+        if window and raw.get("use_sliding_window", True) and int(window) < max_positions:
+            # No sliding-window attention here: cap the context where full attention is exact.
+            max_positions = int(window)
         attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=architecture,
@@ -98,7 +103,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling or None,

@@ -109,17 +109,21 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
     _assert_matches_transformers(folder)
 
 
-def test_qwen2_qkv_bias_and_untied_head_match_transformers(
-    tiny_llama_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("architecture", ["Qwen2", "Mistral"])
+def test_qwen2_and_mistral_match_transformers(
+    architecture: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
+    """Qwen2 adds q/k/v biases; both are saved with an untied head and a sliding window."""
+    import transformers
     from conftest import TINY_LLAMA_CONFIG
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    folder = tmp_path / "qwen2"
+    folder = tmp_path / architecture
     params = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k != "tie_word_embeddings"}
-    config = Qwen2Config(vocab_size=49152, tie_word_embeddings=False, **params)
+    config_cls = getattr(transformers, f"{architecture}Config")
+    model_cls = getattr(transformers, f"{architecture}ForCausalLM")
+    config = config_cls(vocab_size=49152, tie_word_embeddings=False, sliding_window=512, **params)
     torch.manual_seed(5)
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.3 if "embed" in name else 0.08)  # biases too: make them matter
@@ -128,7 +132,10 @@ def test_qwen2_qkv_bias_and_untied_head_match_transformers(
         if "token" in f.name or f.name.endswith((".txt", ".jinja")):
             shutil.copy(f, folder / f.name)
     loaded = load_model(resolve(str(folder)))
-    assert loaded.config.qkv_bias and loaded.model.lm_head is not None
+    assert loaded.config.qkv_bias == (architecture == "Qwen2")
+    assert loaded.model.lm_head is not None
+    if architecture == "Mistral":  # full attention is exact only inside the window
+        assert loaded.config.max_position_embeddings == 512
     _assert_matches_transformers(folder)
 
 
