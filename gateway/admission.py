@@ -184,7 +184,7 @@ class Admission:
         *,
         registry: CollectorRegistry | None = None,
         limiter: Limiter | None = None,
-        local_limiter: Limiter | None = None,
+        local_limiter: LocalLimiter | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -194,6 +194,8 @@ class Admission:
         self._wall_clock = wall_clock
         self._lease_us = int(settings.slot_lease_seconds * 1_000_000)
         self._plans: dict[tuple[object, ...], _Plan] = {}
+        # Budget counters as Redis last reported them, to seed the local fallback with.
+        self._budgets_seen: dict[str, int] = {}
         self._redis_up = True
         self._last_probe = 0.0
         self._probe: asyncio.Task[None] | None = None
@@ -269,6 +271,8 @@ class Admission:
             if limiter is None:
                 return Ticket({}, 0, None, None, slot_id)
             decision = await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+        if decision.budget_used and limiter is self._shared:
+            self._remember_budgets(plan.buckets.budget_keys, decision.budget_used)
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
@@ -316,6 +320,10 @@ class Admission:
             charges = [used] * len(plan.buckets.budget_keys)
         try:
             await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
+            if charges and limiter is self._shared:
+                seen = self._budgets_seen
+                for key, charge in zip(plan.buckets.budget_keys, charges, strict=True):
+                    seen[key] = seen.get(key, 0) + charge
         except REDIS_ERRORS as exc:
             # Not settled: the reservation stays charged and the slot's lease frees it. Nothing
             # to tell the client, whose response is already on its way.
@@ -353,8 +361,16 @@ class Admission:
                 exc,
             )
 
+    def _remember_budgets(self, keys: tuple[str, ...], used: tuple[int, ...]) -> None:
+        if len(self._budgets_seen) >= PLAN_CACHE_SIZE:
+            self._budgets_seen.clear()
+        for key, value in zip(keys, used, strict=True):
+            self._budgets_seen[key] = value
+
     def _mark_down(self, exc: BaseException) -> None:
         if self._redis_up:
+            for key, used in self._budgets_seen.items():
+                self._local.seed_budget(key, used)
             self._redis_up = False
             self._last_probe = time.monotonic()
             self._up_gauge.set(0)

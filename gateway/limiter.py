@@ -305,6 +305,14 @@ class LocalLimiter:
             if charge > 0:
                 self._budgets[key] = self._budgets.get(key, 0) + charge
 
+    def seed_budget(self, key: str, used: int) -> None:
+        """Start budget ``key`` from ``used`` tokens spent by all replicas (last seen in Redis).
+
+        This replica then spends at most its share of what is left, so an outage does not hand
+        a tenant its budget again. Never lowers what this replica has counted itself.
+        """
+        self._budgets[key] = max(self._budgets.get(key, 0), math.ceil(used * self._share))
+
     def _maybe_sweep(self, now: int) -> None:
         """Every 4096 operations, drop buckets that have refilled (absent means full)."""
         self._ops += 1

@@ -10,7 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from gateway.admission import Admission, AdmissionSettings, LimitExceededError, Ticket
+from gateway.admission import (
+    Admission,
+    AdmissionSettings,
+    InsufficientQuotaError,
+    LimitExceededError,
+    Ticket,
+)
 from gateway.principal import Principal
 from portico.errors import ServiceUnavailableError
 
@@ -153,4 +159,25 @@ async def test_down_redis_costs_one_failed_call_not_one_per_request(
     for _ in range(50):
         await try_admit(admission, who)
     assert calls == 0  # requests go straight to the fallback; only the probe touches Redis
+    await admission.aclose()
+
+
+async def test_an_outage_does_not_hand_a_spent_budget_back(
+    private_redis, down_client: Redis, make_principal: MakePrincipal
+) -> None:  # type: ignore[no-untyped-def]
+    admission, _ = build(down_client, "local", replicas=2)
+    who = make_principal(monthly_token_budget=1000)
+    ticket = await admission.admit(who, "m", 500, 100)
+    await admission.settle(ticket, 500, 300)  # 800 of 1000 spent, in Redis
+    ticket = await admission.admit(who, "m", 1, 1)  # Redis reports 800 used
+    await admission.release(ticket)
+
+    private_redis.stop()
+    # 200 are left in all; this replica may spend its half of that: 100
+    ticket = await admission.admit(who, "m", 50, 10)
+    await admission.settle(ticket, 50, 40)  # 90 of its 100
+    ticket = await admission.admit(who, "m", 5, 5)
+    await admission.settle(ticket, 5, 5)  # 100: its share is spent
+    with pytest.raises(InsufficientQuotaError):
+        await admission.admit(who, "m", 1, 1)
     await admission.aclose()
