@@ -235,8 +235,10 @@ class Admission:
         """Admit one request or raise.
 
         Raises :class:`LimitExceededError` (429, ``retry-after``), :class:`InsufficientQuotaError`
-        (429, ``x-should-retry: false``) or ``ServiceUnavailableError`` (503, policy ``closed``
-        while Redis is down). A refused request is charged nothing.
+        (429, ``x-should-retry: false``) or ``ServiceUnavailableError`` (503: code
+        ``rate_limiter_unavailable`` under policy ``closed`` while Redis is down,
+        ``rate_limiter_busy`` when this replica got no timely answer from Redis). A refused
+        request is charged nothing.
         """
         plan = self._plan_for(principal, model)
         slot_id = secrets.token_hex(8)
