@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_MESSAGE_CHARS = 500
@@ -135,7 +136,6 @@ def install_error_handlers(app: Any) -> None:
     """Map APIError, FastAPI's validation errors and HTTP errors to OpenAI's shape (never 422)."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     async def on_api_error(request: Any, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
@@ -146,8 +146,9 @@ def install_error_handlers(app: Any) -> None:
 
     async def on_http(request: Any, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        code = "request_too_large" if exc.status_code == 413 else None
         return JSONResponse(
-            error_body(detail, status_error_type(exc.status_code)),
+            error_body(detail, status_error_type(exc.status_code), code=code),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
@@ -190,7 +191,7 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -226,5 +227,10 @@ class BodySizeLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive`` mid-body. An HTTPException, so that a framework that reads the
+    body for a route (FastAPI wraps other errors into a 400 "error parsing the body") re-raises
+    it and the handlers answer 413; the middleware answers 413 itself when nothing did."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"Request body too large: the limit is {max_bytes} bytes.")
