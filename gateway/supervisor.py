@@ -130,7 +130,7 @@ class Supervisor:
             if self.on_restart is not None:
                 self.on_restart(proc)
             delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (failures - 1))
-            log.warning("engine %s exited; restart %d in %.1f s", proc.name, proc.restarts, delay)
+            log.warning("engine %s exited; restart %d in %.2f s", proc.name, proc.restarts, delay)
             await asyncio.sleep(delay)
 
     async def _run_once(self, proc: EngineProcess) -> bool:
