@@ -621,7 +621,7 @@ def without_samples(result: dict[str, Any]) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="portico bench gateway", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="short phases (about 1-2 minutes)")
-    p.add_argument("--rates", type=float, nargs="+", default=[200.0, 500.0])
+    p.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0, 500.0])
     p.add_argument("--duration", type=float, default=15.0, help="seconds per side per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tenants", type=int, default=8)
@@ -640,7 +640,7 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser().parse_args(argv)
     if args.quick:
-        args.rates = [200.0]
+        args.rates = [50.0, 200.0]
         args.duration = min(args.duration, 5.0)
         args.rounds = min(args.rounds, 2)
         args.wrk_duration = min(args.wrk_duration, 5.0)

@@ -135,6 +135,10 @@ class ConnectionPool:
                 conn.close()
             sample.error = f"{type(exc).__name__}: {exc}"[:200]
             return
+        except asyncio.CancelledError:  # timed out mid-answer: the connection is unusable
+            if conn is not None:
+                conn.close()
+            raise
         if conn.reusable:
             self.idle.append(conn)
 
@@ -144,12 +148,23 @@ class ConnectionPool:
         self.idle.clear()
 
 
+async def _send_within(pool: ConnectionPool, shot: Shot, sample: Sample, timeout_s: float
+                       ) -> None:
+    try:
+        await asyncio.wait_for(pool.send(shot, sample), timeout_s)
+    except asyncio.TimeoutError:
+        sample.status = 0
+        sample.error = f"no full answer in {timeout_s:g} s"
+
+
 async def open_loop(host: str, port: int, shots: Sequence[Shot], rate: float,
-                    num_requests: int, gaps: Sequence[float] | None = None) -> list[Sample]:
+                    num_requests: int, gaps: Sequence[float] | None = None,
+                    timeout_s: float = 30.0) -> list[Sample]:
     """Send ``num_requests`` (cycling through ``shots``) at ``rate`` per second.
 
     ``gaps`` (seconds before each send, e.g. :func:`load.datasets.arrival_gaps`) replaces the
-    even spacing. Samples come back in send order.
+    even spacing. A request without its full answer after ``timeout_s`` counts as failed
+    (status 0), so an overloaded server cannot stall the run. Samples come in send order.
     """
     if rate <= 0 or not shots:
         raise ValueError("open_loop needs a positive rate and at least one shot")
@@ -166,7 +181,7 @@ async def open_loop(host: str, port: int, shots: Sequence[Shot], rate: float,
             await asyncio.sleep(delay)
         sample = Sample(shot.label, shot.tenant, 0, lag_s=time.perf_counter() - scheduled)
         samples.append(sample)
-        tasks.append(asyncio.create_task(pool.send(shot, sample)))
+        tasks.append(asyncio.create_task(_send_within(pool, shot, sample, timeout_s)))
     await asyncio.gather(*tasks)
     pool.close()
     return samples

@@ -27,6 +27,26 @@ TARGET_ENGINE_SPEEDUP = 3.0
 TARGET_PREFIX_RATIO = 3.0
 
 
+HOW = """## How these numbers are taken
+
+- `make bench` runs `python -m load.standard` (full sizes); `python -m load.standard --quick`
+  runs every section small (about 10-15 minutes on 2 cores); `--only SECTION...` reruns some
+  sections and keeps the others' last results. Each section is also a command of its own
+  (`portico bench serve|gateway|admission|engine`), given above each table.
+- **Served engine and prefix caching**: `load/serve_bench.py` streams `/v1/completions` with
+  token-id prompts and `ignore_eos`, so prompt and output lengths are exact; TTFT is the time
+  to the first token, TPOT the time per output token after it. Two warm-up requests run first.
+- **Gateway**: `load/gateway_bench.py`. "Direct" is the same fake upstream
+  (`load/fake_upstream.py`, ~28k req/s on a core) on loopback TCP; the gateway reaches its fake
+  engines over Unix sockets, supervised like real engines. The fixed-rate load is open loop
+  (each request leaves at its scheduled time whatever the earlier ones do, so a slow answer
+  cannot hide queueing); direct and gateway alternate in rounds so both see the same machine.
+  Added latency = gateway percentile minus direct percentile at the same rate. Saturation uses
+  `wrk` (closed loop) with a Lua script cycling through the same requests and keys. The
+  gateway's CPU time comes from `/proc/<pid>/stat`.
+- Nothing is extrapolated: a section that failed shows its error and no numbers."""
+
+
 def _flatten(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(value, Mapping):
         for key, item in value.items():
@@ -306,4 +326,4 @@ def render_report(results: Mapping[str, Any], report_dir: Path = Path("docs")) -
     ]
     body = [render_section(name, sections[name], report_dir)
             for name in TITLES if name in sections]
-    return "\n\n".join(head + body) + "\n"
+    return "\n\n".join(head + body + [HOW]) + "\n"
