@@ -59,11 +59,12 @@ class IncrementalDetokenizer:
             return str(self._backend.decode(ids, skip_special_tokens=self._skip_special))
         return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))
 
-    def append(self, token_id: int, *, decode: bool = True) -> str | None:
+    def append(self, token_id: int, *, decode: bool = True, check_stop: bool = True) -> str | None:
         """Add one sampled token; return the stop string it completed, if any.
 
         ``decode=False`` records the token without adding its text (a stop token or EOS whose
-        text is not wanted in the output).
+        text is not wanted in the output). ``check_stop=False`` skips the stop-string search
+        (before ``min_tokens``, as vLLM does).
         """
         if self.stop_reason is not None:
             return self.stop_reason
@@ -79,7 +80,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         previous_len = len(self.text)
         self.text += delta
-        return self._find_stop(previous_len)
+        return self._find_stop(previous_len) if check_stop else None
 
     def flush(self) -> None:
         """At the end of a completion: add text still held back (an incomplete character)."""

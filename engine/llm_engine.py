@@ -131,6 +131,8 @@ class LLMEngine:
                     "prompt",
                     f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})",
                 )
+        if params.prompt_logprobs is not None:
+            raise ParameterError("prompt_logprobs", "prompt_logprobs is not supported")
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", list(params.logit_bias)),
@@ -262,7 +264,9 @@ class LLMEngine:
             req.request_id in finished and req.status == RequestStatus.FINISHED_STOPPED
         )
         stop = completion.detokenizer.append(
-            token, decode=not stopped_by_token or params.include_stop_str_in_output
+            token,
+            decode=not stopped_by_token or params.include_stop_str_in_output,
+            check_stop=req.num_output_tokens >= params.min_tokens,
         )
         if stop is not None and req.request_id not in finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)

@@ -78,6 +78,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         (prompt(200), SamplingParams(max_tokens=100), "max_tokens"),  # beyond the context
         (prompt(10), SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
         (prompt(10), SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+        (prompt(10), SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
     ],
 )
 def test_bad_input_raises_naming_the_parameter_and_allocates_nothing(
@@ -258,6 +259,12 @@ def test_stop_string_ends_the_request_and_is_excluded(tiny: LoadedModel) -> None
                        include_stop_str_in_output=True),
     )[0].outputs[0]
     assert kept.text == free.text[: cut + len(stop)]
+    late = llm.generate(
+        [prompt(10)],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                       min_tokens=20),
+    )[0].outputs[0]
+    assert len(late.token_ids) >= 20  # stop strings wait for min_tokens, as in vLLM
     assert_no_blocks_held(llm.engine)
 
 
