@@ -12,13 +12,15 @@ from load.admission_bench import main
 
 def test_bench_writes_percentiles_for_admit_and_settle(redis_url: str, tmp_path: Path) -> None:
     out = tmp_path / "admission.json"
-    redis.Redis.from_url(redis_url).set("someone:else", "1")
-    assert (
-        main(
-            ["--redis-url", redis_url, "--requests", "40", "--concurrency", "4", "--out", str(out)]
-        )
-        == 0
-    )
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set("someone:else", "1")
+        argv = ["--redis-url", redis_url, "--requests", "40", "--concurrency", "4"]
+        assert main([*argv, "--out", str(out)]) == 0
+        # it cleans up after itself, and only its own keys: --redis-url may be a Redis in use
+        assert client.keys("*") == [b"someone:else"]
+    finally:
+        client.close()
     result = json.loads(out.read_text())
     for section in ("sequential", "local_limiter_sequential"):
         for op in ("admit", "settle_and_release"):
@@ -28,9 +30,3 @@ def test_bench_writes_percentiles_for_admit_and_settle(redis_url: str, tmp_path:
     assert result["concurrent"]["admit_latency"]["samples"] == 40
     assert result["concurrent"]["requests_per_second"] > 0
     assert result["redis_evalsha_usec_per_call"] > 0
-    # it cleans up after itself, and only its own keys: --redis-url may be a Redis in use
-    client = redis.Redis.from_url(redis_url)
-    try:
-        assert client.keys("*") == [b"someone:else"]
-    finally:
-        client.close()
