@@ -6,17 +6,15 @@ CI a missing one skips its tests; in CI (``CI`` set) it fails them, because CI i
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trustme
-from edge_nginx import EdgePKI
+from edge_nginx import EdgePKI, private_edge_dir
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -40,22 +38,6 @@ def promtool() -> str:
 @pytest.fixture(scope="session")
 def docker_compose() -> str:
     return require_tool("docker-compose", "docker-compose")
-
-
-@contextlib.contextmanager
-def private_edge_dir() -> Iterator[Path]:
-    """A private nginx prefix directory that nginx's workers can enter.
-
-    Run as root, nginx's workers drop to ``nobody``; pytest's own temp folders are 0700, so
-    the workers could not reach their temp files there. This folder is 0755 (its files are
-    a throwaway test CA's), and is removed afterwards.
-    """
-    path = Path(tempfile.mkdtemp(prefix="portico-edge-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,13 +8,15 @@ at the private directory, so its pid file, temp files and logs never touch the s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,22 @@ class EdgePKI:
     cert: Path  # leaf + chain, PEM
     key: Path
     ca_cert: Path
+
+
+@contextlib.contextmanager
+def private_edge_dir() -> Iterator[Path]:
+    """A private nginx prefix directory that nginx's workers can enter.
+
+    Run as root, nginx's workers drop to ``nobody``; pytest's own temp folders are 0700, so
+    the workers could not reach their temp files there. This folder is 0755 (its files are
+    a throwaway test CA's), and is removed afterwards.
+    """
+    path = Path(tempfile.mkdtemp(prefix="portico-edge-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def nginx_binary() -> str:

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import private_edge_dir
-from edge_nginx import EdgeNginx, EdgePKI, default_values
+from edge_nginx import EdgeNginx, EdgePKI, default_values, private_edge_dir
 from gateway_process import MODEL, GatewayProcess
 from prometheus_client.parser import text_string_to_metric_families
 
