@@ -25,7 +25,7 @@ from gateway.abuse import AbuseGuard
 from gateway.admin import build_admin_router
 from gateway.admission import Admission, InsufficientQuotaError, LimitExceededError, Ticket
 from gateway.auth import Identity, open_identity
-from gateway.config import EngineSpec, GatewayConfig
+from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
 from gateway.fields import parse_fields
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, Replica
@@ -199,7 +199,8 @@ class Gateway:
         processes = self._build_local(retry, routing.affinity_slack)
         for spec in config.remotes:
             self.upstreams[spec.name] = RemoteUpstream(spec, retry, self.metrics)
-        self.router = Router(routing, set(self.upstreams))
+        self.router = Router(routing, set(self.upstreams),
+                             strict=config.policies_dir.resolve() != PACKAGED_POLICIES)
         self.supervisor = Supervisor(
             processes, backoff_base_s=config.supervisor.backoff_base_s,
             backoff_max_s=config.supervisor.backoff_max_s,

@@ -10,6 +10,7 @@ configured keywords — as a weighted sum, and takes the first tier (in policy o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from gateway.principal import Principal
 from portico.errors import NotFoundError, PermissionDeniedError
 
 AUTO_MODEL = "auto"
+log = logging.getLogger("portico.gateway.routing")
 
 
 class _Strict(BaseModel):
@@ -93,11 +95,19 @@ class Features:
 class Router:
     """Routes requests over the models the gateway serves, under one routing policy."""
 
-    def __init__(self, policy: RoutingPolicy, models: set[str]) -> None:
+    def __init__(self, policy: RoutingPolicy, models: set[str], *, strict: bool = True) -> None:
+        """``strict``: a tier or alias naming a model that is not served is an error; otherwise
+        (the packaged default policy in front of a user's own models) it is dropped and logged."""
         unknown = [t.model for t in policy.tiers if t.model not in models]
         unknown += [m for m in policy.aliases.values() if m not in models]
-        if unknown:
+        if unknown and strict:
             raise ValueError(f"routing policy names models that are not served: {unknown}")
+        if unknown:
+            log.warning("routing policy: ignoring tiers/aliases of models not served: %s",
+                        sorted(set(unknown)))
+            policy = policy.model_copy(update={
+                "tiers": [t for t in policy.tiers if t.model in models],
+                "aliases": {a: m for a, m in policy.aliases.items() if m in models}})
         self.policy = policy
         self.models = models
         self._keywords = [k.lower() for k in policy.keywords]

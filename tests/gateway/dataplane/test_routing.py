@@ -102,3 +102,9 @@ def test_prefix_key_is_the_system_prompt_start() -> None:
 def test_policy_naming_an_unserved_model_is_rejected() -> None:
     with pytest.raises(ValueError, match="not served"):
         Router(POLICY, {"small-model"})
+
+
+def test_lenient_router_drops_tiers_of_models_not_served() -> None:
+    router = Router(POLICY, {"small-model"}, strict=False)
+    assert [t.name for t in router.policy.tiers] == ["small"]
+    assert router.policy.aliases == {"fast": "small-model"}
