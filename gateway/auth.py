@@ -314,7 +314,7 @@ async def open_identity(
         log.warning("no admin key (%s) and no JWT: the admin API refuses every request",
                     ADMIN_KEY_ENV)
     try:
-        redis, embedded = await open_redis(store.url, store.data_dir)
+        redis, embedded = await open_redis(store.url, store.data_dir, store)
     except BaseException:
         if verifier is not None:
             await verifier.aclose()

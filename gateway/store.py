@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -37,6 +37,11 @@ class StoreSettings(BaseModel):
     url: str | None = None
     data_dir: Path = Path(".portico")
     plans_file: Path | None = None
+    # A blocking pool: a burst larger than the pool waits briefly for a connection instead of
+    # failing; small socket timeouts so a dead Redis host cannot stall requests.
+    max_connections: int = Field(256, ge=1, le=10_000)
+    pool_timeout_s: float = Field(2.0, gt=0)
+    socket_timeout_s: float = Field(1.0, gt=0)
 
     @field_validator("url")
     @classmethod
@@ -117,7 +122,7 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
 
 
 async def open_redis(
-    url: str | None, data_dir: Path
+    url: str | None, data_dir: Path, settings: StoreSettings | None = None
 ) -> tuple[aioredis.Redis, EmbeddedRedis | None]:
     """Connect to ``url``, or start the embedded Redis in ``data_dir`` and connect to it.
 
@@ -129,7 +134,15 @@ async def open_redis(
         embedded = await asyncio.to_thread(EmbeddedRedis, data_dir)
         url = embedded.url
         log.info("started embedded Redis in %s", data_dir)
-    client = aioredis.Redis.from_url(url)
+    tuning = settings or StoreSettings()
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=tuning.max_connections,
+        timeout=tuning.pool_timeout_s,
+        socket_connect_timeout=tuning.socket_timeout_s,
+        socket_timeout=tuning.socket_timeout_s,
+    )
+    client = aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
     try:
         await client.ping()
     except Exception:
