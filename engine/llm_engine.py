@@ -60,6 +60,9 @@ class _Parent:
     metrics: RequestMetrics
     num_finished: int = 0
     touched: bool = field(default=False)
+    # Children 1..n-1 wait here until child 0's prompt is computed, so that with prefix caching
+    # they find the prompt's full blocks cached instead of each computing it again.
+    pending: list[_Completion] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -185,8 +188,12 @@ class LLMEngine:
             )
             logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
             parent.completions.append(_Completion(index, req, detok, logprobs))
+        share_prompt = params.n > 1 and self.config.enable_prefix_caching
         for completion in parent.completions:
-            self.scheduler.add_request(completion.request)
+            if share_prompt and completion.index > 0:
+                parent.pending.append(completion)
+            else:
+                self.scheduler.add_request(completion.request)
             self._completions[completion.request.request_id] = (parent, completion)
         self._parents[request_id] = parent
         self._counters["num_prompt_tokens"] += len(prompt) * params.n
@@ -252,6 +259,7 @@ class LLMEngine:
     ) -> None:
         req = completion.request
         metrics = parent.metrics
+        self._release_pending(parent)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         if req.first_token_time is None:
@@ -273,7 +281,14 @@ class LLMEngine:
         if stop is not None or req.request_id in finished:
             self._finish(parent, completion, now)
 
+    def _release_pending(self, parent: _Parent) -> None:
+        """Child 0's prompt is computed (and cached): start its siblings."""
+        for sibling in parent.pending:
+            self.scheduler.add_request(sibling.request)
+        parent.pending.clear()
+
     def _finish(self, parent: _Parent, completion: _Completion, now: float) -> None:
+        self._release_pending(parent)
         if completion.finish_reason is not None:
             return
         req = completion.request
@@ -344,6 +359,7 @@ class LLMEngine:
         if parent is None:
             return None
         now = time.monotonic()
+        parent.pending.clear()  # never handed to the scheduler: nothing to free
         for c in parent.completions:
             if c.finish_reason is None:
                 self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)

@@ -219,11 +219,25 @@ def test_n_children_share_the_prompt_and_differ(tiny: LoadedModel) -> None:
     params = SamplingParams(n=3, temperature=5.0, seed=5, max_tokens=12, ignore_eos=True)
     out = LLM.from_engine(engine).generate([prompt(40)], params)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
+    # The prompt's 2 full blocks were computed once; each sibling computed only the rest.
+    assert out.num_cached_tokens == 32
+    assert engine.stats().num_computed_prompt_tokens == 40 + 2 * (40 - 32)
     texts = [tuple(c.token_ids) for c in out.outputs]
     assert len(set(texts)) == 3
     assert all(len(t) == 12 for t in texts)
     again = LLM.from_engine(make_engine(tiny)).generate([prompt(40)], params)[0]
     assert [tuple(c.token_ids) for c in again.outputs] == texts
+    assert_no_blocks_held(engine)
+
+
+def test_aborting_a_parent_ends_all_its_children(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("fan", prompt(40), params)
+    engine.step()
+    out = engine.abort("fan")
+    assert out is not None and out.finished
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
     assert_no_blocks_held(engine)
 
 
