@@ -58,3 +58,8 @@ def test_serve_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "engines.0.replicas" in proc.stderr
+
+
+def test_the_example_config_is_valid() -> None:
+    config = load_config(REPO_ROOT / "portico.example.yaml")
+    assert config.engines[0].name == "smollm2"
