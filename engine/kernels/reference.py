@@ -31,52 +31,60 @@ def write_kv_cache_ref(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def _context_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions 0..length-1 for each row of ``block_tables`` -> [B, length]."""
-    pos = torch.arange(length, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size].to(torch.int64)
-    return blocks * block_size + pos % block_size
+def _gather_context(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions 0..ceil(length / block_size) * block_size - 1 of each table row.
+
+    Copies whole blocks (one contiguous row of ``block_size * kv_heads * d`` per block), which
+    is about twice as fast on CPU as gathering token by token. Returns two
+    ``[B, padded_len, kv_heads, d]`` tensors; positions past a request's length are garbage
+    for the caller to mask.
+    """
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    num_ctx_blocks = -(-length // block_size)
+    ids = block_tables[:, :num_ctx_blocks].reshape(-1).to(torch.int64)
+    shape = (block_tables.shape[0], num_ctx_blocks * block_size, kv_heads, head_dim)
+    keys = kv_cache[0].view(num_blocks, -1).index_select(0, ids).view(shape)
+    values = kv_cache[1].view(num_blocks, -1).index_select(0, ids).view(shape)
+    return keys, values
 
 
 def _decode_attention(
     query: torch.Tensor,  # [B, heads, d], one new token per request
-    k_flat: torch.Tensor,  # [slots, kv_heads, d]
-    v_flat: torch.Tensor,
+    kv_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks]
     seq_lens: torch.Tensor,  # [B]
     max_len: int,
-    block_size: int,
     scale: float,
 ) -> torch.Tensor:
     batch, heads, head_dim = query.shape
-    kv_heads = k_flat.shape[1]
-    slots = _context_slots(block_tables, max_len, block_size)  # [B, L]
-    keys = k_flat[slots].transpose(1, 2)  # [B, kv_heads, L, d]
-    values = v_flat[slots].transpose(1, 2)
+    kv_heads = kv_cache.shape[3]
+    keys, values = _gather_context(kv_cache, block_tables, max_len)  # [B, L, kv_heads, d]
+    length = keys.shape[1]
     # GQA without copying K/V: the heads sharing a KV head become that head's query rows.
     q = query.view(batch, kv_heads, heads // kv_heads, head_dim)
-    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None].to(torch.int64)
+    valid = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None].to(torch.int64)
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=valid[:, None, None, :], scale=scale
-    )
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )  # fmt: skip
     return out.reshape(batch, heads, head_dim)
 
 
 def _prefill_attention(
     query: torch.Tensor,  # [q_len, heads, d]: the last q_len positions of the context
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
+    kv_cache: torch.Tensor,
     block_table: torch.Tensor,  # [max_blocks]
     seq_len: int,
-    block_size: int,
     scale: float,
 ) -> torch.Tensor:
     q_len, heads, head_dim = query.shape
-    kv_heads = k_flat.shape[1]
-    slots = _context_slots(block_table[None, :], seq_len, block_size)[0]
+    kv_heads = kv_cache.shape[3]
+    keys, values = _gather_context(kv_cache, block_table[None, :], seq_len)
+    keys = keys[0, :seq_len].transpose(0, 1)  # [kv_heads, L, d]
+    values = values[0, :seq_len].transpose(0, 1)
     group = heads // kv_heads
-    keys = k_flat[slots].transpose(0, 1)  # [kv_heads, L, d]
-    values = v_flat[slots].transpose(0, 1)
     if group > 1:
         keys = keys.repeat_interleave(group, dim=0)
         values = values.repeat_interleave(group, dim=0)
@@ -107,9 +115,6 @@ def paged_attention_ref(
     tokens of request ``i`` are the last ``query_lens_cpu[i]`` of its ``seq_lens_cpu[i]``
     context positions, already written to ``kv_cache``. Returns [T, heads, d].
     """
-    block_size = kv_cache.shape[2]
-    k_flat = kv_cache[0].flatten(0, 1)
-    v_flat = kv_cache[1].flatten(0, 1)
     out = torch.empty_like(query)
     decode_reqs = [i for i, n in enumerate(query_lens_cpu) if n == 1]
     if decode_reqs:
@@ -121,15 +126,13 @@ def paged_attention_ref(
             rows = query_start_loc[reqs].to(torch.int64)
         max_len = max(seq_lens_cpu[i] for i in decode_reqs)
         out[rows] = _decode_attention(
-            query[rows], k_flat, v_flat, block_tables[reqs], seq_lens[reqs],
-            max_len, block_size, scale,
+            query[rows], kv_cache, block_tables[reqs], seq_lens[reqs], max_len, scale
         )
     start = 0
     for i, (q_len, s_len) in enumerate(zip(query_lens_cpu, seq_lens_cpu, strict=True)):
         if q_len > 1:
             out[start : start + q_len] = _prefill_attention(
-                query[start : start + q_len], k_flat, v_flat, block_tables[i], s_len,
-                block_size, scale,
+                query[start : start + q_len], kv_cache, block_tables[i], s_len, scale
             )
         start += q_len
     return out

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_step
 from engine.model_config import ModelConfig
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RopeAngles, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +46,8 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeAngles,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -56,7 +55,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         # Rotate queries and keys together: one RoPE call per layer.
-        qk = rotary(positions, qkv[:, :qk_width].view(tokens, -1, self.head_dim))
+        qk = rope.rotate(qkv[:, :qk_width].view(tokens, -1, self.head_dim))
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_step(q, k, v, kv_cache, meta, self.scale)
@@ -89,13 +88,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeAngles,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -135,8 +133,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the ``[T]`` flattened tokens at ``positions``; returns hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, self.rotary_emb, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ Cos/sin tables are precomputed in float32 for every position the model accepts.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -100,9 +101,20 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * attention_factor).to(device)
         self.sin = (freqs.sin() * attention_factor).to(device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ([T, heads, d]) by ``positions`` ([T]); returns a new tensor."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, d / 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
+        """Cos/sin rows for ``positions`` ([T]), once per step, shared by every layer."""
+        return RopeAngles(
+            self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        )
+
+
+class RopeAngles(NamedTuple):
+    """Cos and sin ([T, 1, d / 2]) of one step's positions, in the model's dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ([T, heads, d], rotate-half layout); returns a new tensor."""
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
