@@ -11,6 +11,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 
 from engine.server.settings import (
@@ -57,7 +58,13 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _stop_while_loading(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace) -> int:
+    # A supervisor may stop us while the model loads: that is a clean stop, not a crash.
+    signal.signal(signal.SIGTERM, _stop_while_loading)
     from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
     from engine.registry import ModelNotFound

@@ -54,7 +54,7 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving
-        serving.check_model(req.model)
+        serving.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true.", param="top_logprobs"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,13 +39,15 @@ class CompletionServing:
 
     def prompts(self, req: CompletionRequest) -> list[Prompt]:
         tokenizer = self.serving.tokenizer
-        raw = req.prompt
-        if isinstance(raw, str):
-            raw = [raw]
-        elif raw and isinstance(raw[0], int):
-            raw = [raw]  # type: ignore[list-item]
+        items: list[str | list[int]]
+        if isinstance(req.prompt, str):
+            items = [req.prompt]
+        elif req.prompt and isinstance(req.prompt[0], int):
+            items = [cast(list[int], req.prompt)]  # one prompt of token ids
+        else:
+            items = list(cast(list[str | list[int]], req.prompt))
         prompts = []
-        for index, item in enumerate(raw):
+        for index, item in enumerate(items):
             if isinstance(item, str):
                 ids = list(tokenizer.encode(item, add_special_tokens=True))
                 if not ids:
@@ -53,13 +55,13 @@ class CompletionServing:
                 prompts.append(Prompt(ids, item))
             else:
                 self.serving.check_token_ids(item, f"prompt[{index}]")
-                text = tokenizer.decode(item) if req.echo else ""
+                text = str(tokenizer.decode(item)) if req.echo else ""
                 prompts.append(Prompt(list(item), text))
         return prompts
 
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         serving = self.serving
-        serving.check_model(req.model)
+        serving.check_request(req)
         if req.echo and req.logprobs is not None:
             raise InvalidRequestError(
                 "echo together with logprobs (prompt logprobs) is not supported by this "

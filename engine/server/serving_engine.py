@@ -63,6 +63,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ validation
 
+    def check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """Checks that span fields (the model's own checks were done by pydantic)."""
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequestError(
+                "stream_options can only be given when stream is true.", param="stream_options"
+            )
+
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise NotFoundError(
@@ -133,7 +141,7 @@ class OpenAIServing:
                     1.0 if req.repetition_penalty is None else req.repetition_penalty
                 ),
                 seed=req.seed,
-                stop=req.stop or [],
+                stop=[req.stop] if isinstance(req.stop, str) else req.stop or [],
                 stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs,
@@ -239,11 +247,11 @@ class OpenAIServing:
     # ------------------------------------------------------------------ helpers
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
+        cached = self._token_text.get(token_id)
+        if cached is None:
+            cached = str(self.tokenizer.decode([token_id]))
+            self._token_text[token_id] = cached
+        return cached
 
     @staticmethod
     def logprob_value(value: float) -> float:

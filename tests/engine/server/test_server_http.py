@@ -109,6 +109,8 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("top_logprobs too many", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ("stream wrong type", {"stream": "yes"}, "stream"),
+    ("stream_options without stream", {"stream_options": {"include_usage": True}},
+     "stream_options"),
     ("stream_options wrong type", {"stream_options": {"include_usage": "y"}},
      "stream_options.include_usage"),
     ("stream_options unknown field", {"stream_options": {"foo": True}}, "stream_options.foo"),
