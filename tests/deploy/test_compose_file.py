@@ -110,8 +110,10 @@ def test_gateway_is_healthchecked_drains_and_runs_unprivileged(resolved: dict[st
         assert gw.get("user") in (None, "10001:10001")  # the image's non-root user
         assert gw["depends_on"]["redis"]["condition"] == "service_healthy"
         assert "ports" not in gw  # reached through nginx only
+        assert gw["init"] is True
     gpu = resolved["services"]["gateway-gpu"]
     assert gpu["profiles"] == ["gpu"]
+    assert gpu["build"]["args"]["WITH_TRITON_TOOLCHAIN"] == "true"
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert "gateway" in gpu["networks"]["backend"]["aliases"]
 
