@@ -8,6 +8,7 @@ test_nginx_gateway.py.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import socket
 import ssl
@@ -109,7 +110,7 @@ def test_http2_is_negotiated(edge: EdgeNginx, test_pki: EdgePKI) -> None:
 
 def test_plain_http_redirects_to_https(edge: EdgeNginx) -> None:
     r = httpx.get(f"http://127.0.0.1:{edge.http_port}/v1/models?x=1", headers={"host": "localhost"})
-    assert r.status_code == 301
+    assert r.status_code == 308  # method-preserving: a POST is redirected as a POST
     assert r.headers["location"] == f"https://localhost:{edge.https_port}/v1/models?x=1"
 
 
@@ -166,8 +167,11 @@ def test_a_caller_request_id_is_kept_and_a_missing_one_is_minted(
         url = f"https://localhost:{edge.https_port}/v1/models"
         kept = client.get(url, headers={"x-request-id": "caller-id-1"})
         minted = client.get(url)
+        odd = client.get(url, headers={"x-request-id": "two words"})
+        too_long = client.get(url, headers={"x-request-id": "a" * 129})
     assert kept.headers["x-request-id"] == "caller-id-1"
-    assert len(minted.headers["x-request-id"]) == 32
+    for r in (minted, odd, too_long):
+        assert re.fullmatch("[0-9a-f]{32}", r.headers["x-request-id"])
 
 
 @pytest.fixture
