@@ -6,12 +6,14 @@
 # For production use a real certificate: docs/deployment.md, "TLS certificates".
 set -eu
 name="${1:-localhost}"
+san="DNS:localhost,IP:127.0.0.1"
+[ "$name" = localhost ] || san="DNS:${name},${san}"
 cd "$(dirname "$0")"
 mkdir -p certs
 umask 077
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 30 \
   -subj "/CN=${name}" \
-  -addext "subjectAltName=DNS:${name},DNS:localhost,IP:127.0.0.1" \
+  -addext "subjectAltName=${san}" \
   -keyout certs/privkey.pem -out certs/fullchain.pem
 # nginx-unprivileged reads them as uid 101, so both are world-readable: fine for a throwaway
 # development key, never for a real one (give that one to uid 101 with mode 0400).

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from edge_nginx import TEMPLATE, EdgeNginx, EdgePKI, default_values, free_port, render
+from edge_nginx import REPO_ROOT, TEMPLATE, EdgeNginx, EdgePKI, default_values, free_port, render
 from gateway_process import GATED_ENGINE
 
 pytestmark = pytest.mark.nginx
@@ -230,3 +230,21 @@ def test_nginx_alone_relays_sse_unbuffered(
         nginx.stop()
     assert words[0] == "first"
     assert words[1].startswith(" released")
+
+
+def test_dev_certificate_script_makes_a_pair_nginx_serves(edge_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "make-dev-cert.sh"
+    script.write_bytes((REPO_ROOT / "deploy/compose/make-dev-cert.sh").read_bytes())
+    script.chmod(0o755)
+    made = subprocess.run([str(script), "llm.test"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    cert, key = tmp_path / "certs/fullchain.pem", tmp_path / "certs/privkey.pem"
+    nginx = EdgeNginx(edge_dir, default_values(edge_dir, cert, key, f"127.0.0.1:{free_port()}"))
+    nginx.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(cert))  # self-signed: it is its own CA
+        with _handshake(nginx.https_port, ctx) as tls:
+            assert tls.getpeercert()["subjectAltName"] == (
+                ("DNS", "llm.test"), ("DNS", "localhost"), ("IP Address", "127.0.0.1"))
+    finally:
+        nginx.stop()
