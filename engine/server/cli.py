@@ -105,4 +105,5 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
         access_log=args.access_log,
+        cut_in_flight=engine.shutdown,
     )

@@ -4,7 +4,9 @@ uvicorn's handler closes the listening socket and then waits for connections, wh
 SSE streams of a draining engine short of their end and re-raises the signal afterwards (a
 non-zero exit). :class:`DrainingServer` instead flips the app's :class:`DrainState` (``/ready``
 turns 503, new requests get 503), waits up to the drain timeout for in-flight requests to
-finish, then lets uvicorn stop; the process exits 0. A second SIGTERM or SIGINT stops at once.
+finish, then lets uvicorn stop; the process exits 0. Requests still running at the timeout are
+cut by ``cut_in_flight`` (the engine's shutdown: streams end with an error event). A second
+SIGTERM or SIGINT stops at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
 
 import uvicorn
@@ -24,14 +26,23 @@ from engine.server.drain import DrainState
 
 logger = logging.getLogger("portico.engine.server")
 
+CUT_GRACE_S = 5.0  # after the drain timeout, time for cut requests to send their last bytes
+
 
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose SIGTERM/SIGINT start a drain instead of an immediate stop."""
 
-    def __init__(self, config: uvicorn.Config, drain: DrainState, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: DrainState,
+        drain_timeout_s: float,
+        cut_in_flight: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain = drain
         self.drain_timeout_s = drain_timeout_s
+        self.cut_in_flight = cut_in_flight
         self._drain_task: asyncio.Task[None] | None = None
 
     @contextlib.contextmanager
@@ -62,6 +73,10 @@ class DrainingServer(uvicorn.Server):
         else:
             logger.warning("drain timeout: %d request(s) still in flight are cut",
                            self.drain.in_flight)
+            if self.cut_in_flight is not None:
+                # Streams then end with an error event and [DONE] instead of a torn connection.
+                await self.cut_in_flight()
+                await self.drain.wait_idle(CUT_GRACE_S)
         self.should_exit = True
 
 
@@ -90,6 +105,7 @@ def serve(
     drain_timeout_s: float = 30.0,
     log_level: str = "info",
     access_log: bool = False,
+    cut_in_flight: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
     """Serve ``app`` until a signal drains it; returns the process exit code."""
     config = uvicorn.Config(
@@ -101,7 +117,7 @@ def serve(
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = DrainingServer(config, drain, drain_timeout_s)
+    server = DrainingServer(config, drain, drain_timeout_s, cut_in_flight)
     sockets = [bind_unix_socket(uds)] if uds else None
     try:
         server.run(sockets=sockets)

@@ -98,3 +98,25 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_work_and_exits_0(
     server.stop()
     with pytest.raises(httpx.TransportError), server.client() as client:
         client.get("/health")
+
+
+@pytest.mark.slow
+def test_drain_timeout_cuts_streams_with_an_error_event_and_exits_0(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    server = EngineProcess(tiny_llama_dir, tmp_path / "engine.log",
+                           extra=["--max-model-len", "1024", "--drain-timeout", "0"])
+    try:
+        server.wait_ready()
+        stream = Stream(server)
+        stream.start()
+        assert stream.started.wait(WAIT_S) and stream.error is None
+        server.proc.send_signal(signal.SIGTERM)
+        stream.join(WAIT_S)
+        assert stream.error is None, stream.error
+        assert stream.events[-1] == "data: [DONE]"
+        error = json.loads(stream.events[-2][len("data: "):])["error"]
+        assert error["type"] == "service_unavailable" and error["message"]
+        assert server.proc.wait(timeout=WAIT_S) == 0, server.logs()
+    finally:
+        server.stop()
