@@ -63,10 +63,16 @@ class Sizes:
     prefix_output_len: int
     admission_requests: int
     engine_timeout_s: float
+    engine_bench_args: tuple[str, ...]  # load/engine_bench.py (offline, vs transformers)
 
 
-QUICK = Sizes((16, 128), (16, 32), {1: 4, 16: 16, 64: 64}, 4, 4, 4, 1000, 420)
-FULL = Sizes((16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800)
+ENGINE_BENCH_DEVICE = ("--device", "cpu", "--dtype", "bfloat16", "--max-num-seqs", "64",
+                       "--hf-batch-size", "64")
+QUICK = Sizes((16, 128), (16, 32), {1: 4, 16: 16, 64: 64}, 4, 4, 4, 1000, 420,
+              (*ENGINE_BENCH_DEVICE, "--num-requests", "64", "--max-prompt", "128",
+               "--max-output", "64", "--single-stream-tokens", "32"))
+FULL = Sizes((16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800,
+             ENGINE_BENCH_DEVICE)
 
 
 class SectionSkipped(Exception):
@@ -96,11 +102,12 @@ def run_section(name: str, command: str, body: Callable[[], dict[str, Any]]) -> 
     return out
 
 
-def run_json_module(module: str, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
+def run_json_module(module: str, argv: Sequence[str], timeout_s: float, out_flag: str = "--out"
+                    ) -> dict[str, Any]:
     """``python -m module argv... --out tmp.json`` in a child process; its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [sys.executable, "-m", module, *argv, "--out", str(out)]
+        cmd = [sys.executable, "-m", module, *argv, out_flag, str(out)]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=timeout_s)
         if proc.returncode != 0 or not out.exists():
@@ -185,15 +192,11 @@ def warm_up(base_url: str) -> None:
 # ---------------------------------------------------------------- the sections
 
 
-def engine_offline(sizes: Sizes, quick: bool) -> dict[str, Any]:
+def engine_offline(sizes: Sizes) -> dict[str, Any]:
     if importlib.util.find_spec("load.engine_bench") is None:
         raise SectionSkipped("load/engine_bench.py is not in the tree yet")
-    helptext = subprocess.run([sys.executable, "-m", "load.engine_bench", "--help"],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120).stdout
-    argv = ["--quick"] if quick and "--quick" in helptext else []
-    if "--out" not in helptext:
-        raise SectionSkipped("load/engine_bench.py has no --out option to read results from")
-    return run_json_module("load.engine_bench", argv, sizes.engine_timeout_s)
+    return run_json_module("load.engine_bench", sizes.engine_bench_args,
+                           sizes.engine_timeout_s * 2, out_flag="--output")
 
 
 def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
@@ -269,7 +272,7 @@ def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
             f"{sizes.served_output_len[0]} {sizes.served_output_len[1]}")
     engine = shell_command(engine_command(8000))
     return {
-        "engine_offline": f"python -m load.engine_bench{q}",
+        "engine_offline": "python -m load.engine_bench " + " ".join(sizes.engine_bench_args),
         "engine_served": f"{engine} --enable-prefix-caching &\n" + "\n".join(served),
         "prefix_caching": (
             f"{engine} --enable-prefix-caching   # then again with --no-enable-prefix-caching\n"
@@ -285,7 +288,7 @@ def run_all(only: Sequence[str], quick: bool, img_dir: Path) -> dict[str, dict[s
     sizes = QUICK if quick else FULL
     commands = section_commands(quick, sizes)
     bodies: dict[str, Callable[[], dict[str, Any]]] = {
-        "engine_offline": lambda: engine_offline(sizes, quick),
+        "engine_offline": lambda: engine_offline(sizes),
         "engine_served": lambda: engine_served(sizes, img_dir),
         "prefix_caching": lambda: prefix_caching(sizes, img_dir),
         "gateway": lambda: gateway(quick, img_dir),

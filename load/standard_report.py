@@ -121,6 +121,26 @@ def _ms(d: Mapping[str, Any] | None, key: str) -> Any:
 
 
 def _engine_offline(result: Mapping[str, Any]) -> list[str]:
+    if "portico" in result:
+        w = result.get("workload", {})
+        rows = [{"system": name, "elapsed s": r.get("elapsed_s", ""),
+                 "output tok/s": r.get("output_tokens_per_s", ""),
+                 "total tok/s": r.get("total_tokens_per_s", "")}
+                for name, r in (("portico engine (continuous batching, paged KV)",
+                                 result["portico"]),
+                                ("transformers generate, static batches",
+                                 result.get("transformers", {})))]
+        single = result.get("single_stream", {})
+        return [f"Workload: {w.get('num_requests')} requests, prompts {w.get('prompt_len')} "
+                f"tokens, outputs {w.get('output_len')} tokens (EOS ignored; "
+                f"{w.get('num_output_tokens')} output tokens in all), seed {w.get('seed')}; "
+                f"{result.get('device')} {result.get('dtype')}, {result.get('threads')} torch "
+                f"threads, engine {result.get('engine_config')}.",
+                markdown_table(rows, ["system", "elapsed s", "output tok/s", "total tok/s"]),
+                f"Speedup (output tokens/s): **{result['speedup']}x**." if "speedup" in result
+                else "transformers was not run (no speedup).",
+                f"Single stream: {single.get('decode_tokens_per_s')} tokens/s decode, TTFT "
+                f"{single.get('ttft_s')} s." if single else ""]
     runs = result.get("runs")
     if isinstance(runs, list) and runs and all(isinstance(r, Mapping) for r in runs):
         columns = [k for k in runs[0] if not isinstance(runs[0][k], (Mapping, list))]

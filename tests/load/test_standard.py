@@ -167,3 +167,22 @@ def test_one_real_section_into_a_report_keeping_earlier_results(tmp_path: Path) 
     text = report.read_text()
     assert "| admit, one at a time (Redis Lua, all limits on) |" in text
     assert "**This section failed**" not in text
+
+
+def test_engine_bench_results_render_side_by_side() -> None:
+    results = _results()
+    results["sections"]["engine_offline"]["result"] = {
+        "device": "cpu", "dtype": "bfloat16", "threads": 2,
+        "workload": {"num_requests": 64, "prompt_len": [16, 128], "output_len": [16, 64],
+                     "num_output_tokens": 2500, "seed": 0},
+        "portico": {"elapsed_s": 50.0, "output_tokens_per_s": 50.0, "total_tokens_per_s": 140.0},
+        "transformers": {"elapsed_s": 125.0, "output_tokens_per_s": 20.0,
+                         "total_tokens_per_s": 56.0},
+        "speedup": 2.5, "single_stream": {"decode_tokens_per_s": 9.5, "ttft_s": 0.2},
+        "targets": {"speedup_at_least_3x": False}}
+    text = render_report(results)
+    assert "| portico engine (continuous batching, paged KV) | 50.00 | 50.00 | 140.0 |" in text
+    assert "| transformers generate, static batches | 125.0 | 20.00 | 56.00 |" in text
+    assert "Speedup (output tokens/s): **2.5x**" in text
+    assert "2.50x (`speedup`) | **not met**" in text
+    assert "--dtype bfloat16" in standard.section_commands(True, standard.QUICK)["engine_offline"]
