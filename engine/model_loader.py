@@ -3,25 +3,33 @@
 ``load_model(source, dtype, device)`` returns a :class:`LoadedModel`: our
 :class:`~engine.models.llama.LlamaForCausalLM` with merged q/k/v and gate/up weights, its
 :class:`~engine.model_config.ModelConfig`, and the tokenizer (``AutoTokenizer``; for GGUF the
-tokenizer stored in the file). GGUF tensors are dequantized at load (``gguf.quants``) and the
-row permutation that llama.cpp's converter applies to Llama q/k weights is undone.
+tokenizer stored in the file). GGUF tensors are dequantized at load (:mod:`engine.gguf_file`,
+``gguf.quants``) and the row permutation that llama.cpp's converter applies to Llama q/k
+weights is undone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.gguf_file import GGUFFile
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.registry import ModelNotFound, ModelSource
+from engine.registry import ModelNotFound, ModelSource, models_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,12 +129,6 @@ def _load_hf(folder: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedToken
 # --------------------------------------------------------------------------- GGUF
 
 
-def _gguf_metadata(reader: Any) -> dict[str, Any]:
-    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-            "tokenizer.ggml.merges")
-    return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
-
-
 def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (interleaved -> Hugging Face's rotate-half order)."""
     rows, cols = weight.shape[0], weight.shape[1:]
@@ -146,17 +148,9 @@ _GGUF_NAMES = {
 
 
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedTokenizerBase]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if not array.flags.writeable:  # F32 tensors come back as views of the mapped file
-            array = array.copy()
-        tensors[t.name] = torch.from_numpy(array)
-    meta = _gguf_metadata(reader)
+    gguf = GGUFFile(path)
+    tensors = {name: torch.from_numpy(array) for name, array in gguf.iter_tensors()}
+    meta = gguf.metadata
     tied = "output.weight" not in tensors
     cfg = ModelConfig.from_gguf_metadata(
         meta, vocab_size=tensors["token_embd.weight"].shape[0], tied=tied
@@ -183,8 +177,41 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedToken
         state[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up])
         for ours_suffix, theirs in ((v, k) for k, v in _GGUF_NAMES.items()):
             state[p + ours_suffix] = tensors.pop(blk + theirs)
+    return cfg, state, _gguf_tokenizer(path)
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    """Where the tokenizer converted from ``path`` is kept, keyed by file identity."""
+    import transformers
+
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return models_dir().parent / "tokenizers" / f"{path.stem}-{key}"
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in a GGUF file.
+
+    Converting it (transformers parses the whole file again) costs seconds at every engine
+    start, so the converted tokenizer is saved once as a Hugging Face tokenizer folder and
+    loaded from there afterwards. A cache that cannot be written is skipped.
+    """
+    cache = _tokenizer_cache_dir(path)
+    if (cache / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return cfg, state, tokenizer
+    staging: Path | None = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
+        tokenizer.save_pretrained(str(staging))
+        os.replace(staging, cache)  # atomic: readers see a whole folder or none
+    except OSError as exc:  # read-only home, or another process stored it first
+        log.debug("tokenizer cache %s not written: %s", cache, exc)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tokenizer
 
 
 # --------------------------------------------------------------------------- entry point

@@ -128,3 +128,29 @@ def test_device_and_dtype_choice() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             choose_device("cuda")
+
+
+def test_gguf_tokenizer_is_converted_once_then_read_from_cache(
+    smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import _gguf_tokenizer, _tokenizer_cache_dir
+
+    monkeypatch.setenv("PORTICO_MODELS_DIR", str(tmp_path / "models"))
+    cache = _tokenizer_cache_dir(smollm2_gguf)
+    assert cache.is_relative_to(tmp_path) and not cache.exists()
+    first = _gguf_tokenizer(smollm2_gguf)
+    assert (cache / "tokenizer_config.json").is_file()
+    second = _gguf_tokenizer(smollm2_gguf)  # from the cache folder
+    direct = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    chat = [{"role": "user", "content": "Héllo <|im_end|> 日本 🎉"}]
+    for tok in (first, second):
+        for text in ("Hello world", "  spaces\n\ttabs", "<|im_start|>user\nhi<|im_end|>"):
+            assert tok(text)["input_ids"] == direct(text)["input_ids"]
+        assert tok.apply_chat_template(chat, tokenize=False) == direct.apply_chat_template(
+            chat, tokenize=False
+        )
+        assert (tok.eos_token_id, tok.bos_token_id, len(tok)) == (
+            direct.eos_token_id, direct.bos_token_id, len(direct)
+        )  # fmt: skip
