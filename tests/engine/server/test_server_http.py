@@ -347,3 +347,34 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(engine_server: EngineProce
     generated = (metric(after, "vllm:generation_tokens_total")
                  - metric(before, "vllm:generation_tokens_total"))
     assert generated < LONG["max_tokens"]
+
+
+def test_streaming_many_prompts_and_choices_indexes_every_choice(http: httpx.Client) -> None:
+    body = dict(COMPLETION, prompt=["one", "two"], n=2, max_tokens=3, stream=True, echo=True,
+                ignore_eos=True, logprobs=1)
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 400  # echo with logprobs is refused, not silently ignored
+    body.pop("logprobs")
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    choices = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    texts: dict[int, str] = {}
+    for c in choices:
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    finishes = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"]}
+    assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+    assert texts[0].startswith("one") and texts[3].startswith("two")
+
+
+def test_streaming_chat_logprobs_come_with_each_delta(http: httpx.Client) -> None:
+    body = dict(CHAT, max_tokens=3, stream=True, logprobs=True, top_logprobs=2, ignore_eos=True)
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    deltas = [c["choices"][0] for c in chunks if c["choices"][0]["logprobs"]]
+    entries = [e for d in deltas for e in d["logprobs"]["content"]]
+    assert len(entries) == 3
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert "".join(e["token"] for e in entries) == "".join(
+        d["delta"]["content"] for d in deltas)
