@@ -38,6 +38,7 @@ from gateway.retry import RetryPolicy, load_retry_policy
 from gateway.routing import Router, load_routing_policy
 from gateway.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.tls import AdminClientCertGuard
+from gateway.transport import LeanTransport
 from portico.errors import (
     AuthenticationError,
     BodySizeLimitMiddleware,
@@ -232,7 +233,7 @@ class Gateway:
                 name = f"{spec.name}-{i}"
                 uds = self.runtime_dir / f"{name}.sock"
                 client = httpx.AsyncClient(
-                    transport=httpx.AsyncHTTPTransport(uds=str(uds)),
+                    transport=LeanTransport(uds=str(uds)),
                     base_url="http://engine",
                     timeout=httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s),
                     limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),

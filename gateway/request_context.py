@@ -10,8 +10,8 @@ response starts when the first chunk is ready, so it is the gateway's share of t
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -62,7 +62,7 @@ def _request_id(scope: Scope) -> str:
             if 0 < len(text) <= MAX_REQUEST_ID_CHARS and text.isprintable():
                 return text
             break
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 class RequestContextMiddleware:
