@@ -47,7 +47,7 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._data = np.memmap(self.path, mode="r")
-        self._buf = memoryview(self._data)
+        self._buf = memoryview(self._data)  # type: ignore[arg-type]
         if len(self._data) < 24 or bytes(self._buf[:4]) != GGUF_MAGIC:
             raise ValueError(f"'{self.path}' is not a GGUF file (bad magic)")
         version, num_tensors, num_kv = struct.unpack_from("<IQQ", self._buf, 4)

@@ -84,6 +84,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (Hugging Face's rotate-half layout) to query and key heads in one call."""
 
+    cos: torch.Tensor  # [max_positions, d / 2] float32 buffers
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
