@@ -21,6 +21,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.server import metrics as metrics_module
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.drain import DrainMiddleware, DrainState
+from engine.server.engine_requests import ClientDisconnected
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
     CHAT_UNSUPPORTED,
@@ -33,11 +34,7 @@ from engine.server.protocol import (
 )
 from engine.server.serving_chat import ChatServing
 from engine.server.serving_completions import CompletionServing
-from engine.server.serving_engine import (
-    ClientDisconnected,
-    OpenAIServing,
-    effective_max_model_len,
-)
+from engine.server.serving_engine import OpenAIServing, effective_max_model_len
 from engine.server.settings import ServerSettings
 from portico import __version__
 from portico.errors import (

@@ -10,13 +10,12 @@ from starlette.responses import JSONResponse, Response
 
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.server import sse
+from engine.server.engine_requests import EngineStreamingResponse, merge, unless_disconnected
 from engine.server.protocol import ChatCompletionRequest, ChatMessage
 from engine.server.serving_engine import (
-    EngineStreamingResponse,
     OpenAIServing,
     delta_logprobs,
     random_id,
-    unless_disconnected,
     usage,
 )
 from portico.errors import InvalidRequestError
@@ -64,7 +63,7 @@ class ChatServing:
         params = serving.sampling_params(req, max_tokens)
         request_id = random_id("chatcmpl")
         submitted = serving.submit_all([(prompt, params)], req, request_id)
-        outputs = serving.merge(submitted)
+        outputs = merge(submitted)
         if req.stream:
             return EngineStreamingResponse(
                 self.stream(req, request_id, len(prompt), outputs), submitted

@@ -11,13 +11,12 @@ from starlette.responses import JSONResponse, Response
 
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.server import sse
+from engine.server.engine_requests import EngineStreamingResponse, merge, unless_disconnected
 from engine.server.protocol import CompletionRequest
 from engine.server.serving_engine import (
-    EngineStreamingResponse,
     OpenAIServing,
     delta_logprobs,
     random_id,
-    unless_disconnected,
     usage,
 )
 from portico.errors import InvalidRequestError
@@ -78,7 +77,7 @@ class CompletionServing:
             jobs.append((prompt.token_ids, serving.sampling_params(req, max_tokens)))
         request_id = random_id("cmpl")
         submitted = serving.submit_all(jobs, req, request_id)
-        outputs = serving.merge(submitted)
+        outputs = merge(submitted)
         if req.stream:
             return EngineStreamingResponse(self.stream(req, request_id, prompts, outputs),
                                            submitted)

@@ -1,5 +1,5 @@
 """What chat and completions share: the model check, prompt limits, sampling parameters, and
-running engine requests with metrics, disconnect handling and error mapping.
+submitting engine requests with error mapping.
 
 :class:`OpenAIServing` turns an already-validated request into engine calls. It raises
 :class:`~portico.errors.APIError` subclasses only; the app maps those to HTTP.
@@ -8,19 +8,14 @@ running engine requests with metrics, disconnect handling and error mapping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
-
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.server import sse
+from engine.server.engine_requests import EngineRequest
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from portico.errors import (
@@ -29,12 +24,7 @@ from portico.errors import (
     ServiceUnavailableError,
 )
 
-T = TypeVar("T")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the response was complete."""
 
 
 def effective_max_model_len(engine: AsyncLLMEngine) -> int:
@@ -57,7 +47,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = effective_max_model_len(engine)
-        self.vocab_size = max(int(engine.model_config.vocab_size), len(self.tokenizer))
+        self.vocab_size = int(engine.model_config.vocab_size)  # rows of the embedding
         self._token_text: dict[int, str] = {}
         self._background: set[asyncio.Task[None]] = set()
 
@@ -192,57 +182,8 @@ class OpenAIServing:
             raise ServiceUnavailableError("The engine is not running.") from None
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
-        return EngineRequest(self, request_id, stream, len(prompt_token_ids), params.n)
-
-    async def merge(
-        self, requests: list[EngineRequest]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several engine requests as they come: (request index, output)."""
-        if len(requests) == 1:
-            async for out in requests[0]:
-                yield 0, out
-            return
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-
-        async def pump(index: int, engine_request: EngineRequest) -> None:
-            try:
-                async for out in engine_request:
-                    queue.put_nowait((index, out))
-            except Exception as exc:
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for engine_request in requests:
-                engine_request.close()
-
-    def release(self, engine_request: EngineRequest) -> None:
-        """Abort a never-iterated request and consume its stream so the engine forgets it."""
-
-        async def drain() -> None:
-            await self.engine.abort(engine_request.request_id)
-            with contextlib.suppress(Exception):
-                async for _ in engine_request.stream:
-                    pass
-
-        task = asyncio.ensure_future(drain())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        return EngineRequest(self.engine, self.metrics, request_id, stream,
+                             len(prompt_token_ids), params.n, self._background)
 
     # ------------------------------------------------------------------ helpers
 
@@ -262,89 +203,6 @@ class OpenAIServing:
         return int(time.time())
 
 
-class EngineRequest:
-    """One queued engine request: iterate it once for its outputs; ``close()`` releases it.
-
-    Leaving the iteration early, or closing a request that was never iterated (the client left
-    before the response started), aborts it in the engine so its KV blocks are freed at the
-    next step boundary. Metrics are fed as outputs arrive.
-    """
-
-    def __init__(
-        self,
-        serving: OpenAIServing,
-        request_id: str,
-        stream: AsyncIterator[RequestOutput],
-        num_prompt_tokens: int,
-        num_choices: int,
-    ) -> None:
-        self.serving = serving
-        self.request_id = request_id
-        self.stream = stream
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_choices = num_choices
-        self.started = False
-        self.finished = False
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        self.started = True
-        tracker = self.serving.metrics.track(self.num_prompt_tokens)
-        try:
-            async for output in self.stream:
-                tracker.observe(output)
-                self.finished = output.finished
-                if any(c.finish_reason == "abort" for c in output.outputs):
-                    raise ServiceUnavailableError(
-                        "The request was aborted by the engine (it is shutting down).",
-                        code="request_aborted",
-                    )
-                yield output
-        except EngineDeadError:
-            raise ServiceUnavailableError(
-                "The engine stopped while generating this response.", code="engine_dead"
-            ) from None
-        finally:
-            tracker.finish(self.num_choices)
-            if not self.finished:
-                await self.serving.engine.abort(self.request_id)
-                with contextlib.suppress(Exception):
-                    await self.stream.aclose()  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        """Release a request whose outputs will not be read (idempotent)."""
-        if self.started or self.finished:
-            return
-        self.started = True
-        self.serving.release(self)
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Return when the client disconnects (the body has already been read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
-    """Await ``work``, cancelling it (and so aborting its engine requests) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientDisconnected
-
-
 def delta_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
     """The logprobs of the tokens this step added (whether the engine's list is cumulative or
     holds only the step's tokens)."""
@@ -362,20 +220,3 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached: int) -
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached},
     }
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """An SSE response that releases its engine requests however the response ends."""
-
-    def __init__(self, content: AsyncIterator[bytes], requests: list[EngineRequest]) -> None:
-        super().__init__(content, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-        self.engine_requests = requests
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            for engine_request in self.engine_requests:
-                engine_request.close()
