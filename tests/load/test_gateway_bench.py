@@ -15,19 +15,20 @@ import pytest
 
 from gateway.config import load_config
 from load import gateway_bench as gb
+from load import gateway_stack as gs
 from load.open_loop import Sample, closed_loop, open_loop, run_async
 
 
 def test_config_is_valid_and_pins_the_fake_engines(tmp_path: Path) -> None:
-    path = gb.write_gateway_files(tmp_path, 8123, "unix:///tmp/r.sock", upstream_cpus=None)
+    path = gs.write_gateway_files(tmp_path, 8123, "unix:///tmp/r.sock", upstream_cpus=None)
     config = load_config(path)
-    assert [e.name for e in config.engines] == list(gb.MODELS)
+    assert [e.name for e in config.engines] == list(gs.MODELS)
     assert config.listen.port == 8123 and config.redis.url == "unix:///tmp/r.sock"
     assert all("{uds}" in e.command for e in config.engines if e.command)
     assert config.redis.plans_file is not None
     assert "bench" in config.redis.plans_file.read_text()
     if shutil.which("taskset"):
-        pinned = load_config(gb.write_gateway_files(tmp_path, 8123, "unix:///r", upstream_cpus="1"))
+        pinned = load_config(gs.write_gateway_files(tmp_path, 8123, "unix:///r", upstream_cpus="1"))
         assert pinned.engines[0].command is not None
         assert pinned.engines[0].command[1:3] == ["-c", "1"]
 
@@ -67,9 +68,9 @@ def test_rate_limit_check_bounds() -> None:
 def test_shots_cover_every_key_model_kind_and_mode() -> None:
     tenants = [gb.BenchTenant("a", ("sk-1", "sk-2")), gb.BenchTenant("b", ("sk-3",))]
     shots = gb.build_shots("127.0.0.1:1", tenants)
-    assert len(shots) == 3 * len(gb.MODELS) * 2 * 2
+    assert len(shots) == 3 * len(gs.MODELS) * 2 * 2
     assert {s.label for s in shots} == {"json", "stream"}
-    assert sum(b"Bearer sk-3" in s.raw for s in shots) == len(gb.MODELS) * 4
+    assert sum(b"Bearer sk-3" in s.raw for s in shots) == len(gs.MODELS) * 4
     head, _, body = shots[0].raw.partition(b"\r\n\r\n")
     assert f"content-length: {len(body)}".encode() in head.lower()
     assert json.loads(body)["stream"] == (shots[0].label == "stream")
@@ -83,18 +84,18 @@ def test_wrk_script_holds_each_request() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[gb.GatewayHandle, int]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[gs.GatewayHandle, int]]:
     """redis-server, the direct fake upstream and a gateway with two fake engines, unpinned."""
     workdir = tmp_path_factory.mktemp("gwbench")
     with contextlib.ExitStack() as es:
-        redis_url = es.enter_context(gb.redis_server(workdir, None))
-        direct = es.enter_context(gb.direct_upstream(workdir, None))
-        gw = es.enter_context(gb.gateway(workdir, redis_url, None, None))
+        redis_url = es.enter_context(gs.redis_server(workdir, None))
+        direct = es.enter_context(gs.direct_upstream(workdir, None))
+        gw = es.enter_context(gs.gateway(workdir, redis_url, None, None))
         yield gw, direct
 
 
 def test_tenants_and_keys_are_made_through_the_admin_api(
-        stack: tuple[gb.GatewayHandle, int]) -> None:
+        stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, _ = stack
     base = f"http://127.0.0.1:{gw.port}"
     tenants = gb.create_tenants(base, gw.admin_key, 2, 2, prefix="adm")
@@ -108,7 +109,7 @@ def test_tenants_and_keys_are_made_through_the_admin_api(
 
 
 def test_every_shot_is_served_through_the_gateway_and_directly(
-        stack: tuple[gb.GatewayHandle, int]) -> None:
+        stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, direct = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 2, 1, prefix="mix")
     for port in (gw.port, direct):
@@ -119,7 +120,7 @@ def test_every_shot_is_served_through_the_gateway_and_directly(
         assert all((s.overhead_ms is not None) == (port == gw.port) for s in samples)
 
 
-def test_bad_key_is_refused_not_counted(stack: tuple[gb.GatewayHandle, int]) -> None:
+def test_bad_key_is_refused_not_counted(stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, _ = stack
     shots = gb.build_shots(f"127.0.0.1:{gw.port}", [gb.BenchTenant("x", ("sk-not-a-key",))])
     samples, _ = run_async(closed_loop("127.0.0.1", gw.port, shots, 2, num_requests=4))
@@ -127,7 +128,7 @@ def test_bad_key_is_refused_not_counted(stack: tuple[gb.GatewayHandle, int]) -> 
 
 
 def test_a_30_per_minute_tenant_hammered_with_100_is_held_to_its_bucket(
-        stack: tuple[gb.GatewayHandle, int]) -> None:
+        stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, _ = stack
     base = f"http://127.0.0.1:{gw.port}"
     bench = gb.create_tenants(base, gw.admin_key, 1, 2, prefix="bg")
@@ -140,7 +141,7 @@ def test_a_30_per_minute_tenant_hammered_with_100_is_held_to_its_bucket(
     assert result["ok"] and result["background_errors"] == 0
 
 
-def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gb.GatewayHandle, int]) -> None:
+def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, direct = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 2, prefix="fr")
     unlimited = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 1, "op",
@@ -159,7 +160,7 @@ def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gb.GatewayHand
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
-def test_wrk_saturation_counts_only_successes(stack: tuple[gb.GatewayHandle, int],
+def test_wrk_saturation_counts_only_successes(stack: tuple[gs.GatewayHandle, int],
                                               tmp_path: Path) -> None:
     gw, _ = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 1, prefix="wrk")

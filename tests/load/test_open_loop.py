@@ -8,13 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from load import gateway_bench as gb
+from load import gateway_stack as gs
 from load.open_loop import Shot, build_request, closed_loop, open_loop, run_async
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    with gb.direct_upstream(tmp_path_factory.mktemp("openloop"), None) as port:
+    with gs.direct_upstream(tmp_path_factory.mktemp("openloop"), None) as port:
         yield port
 
 
@@ -48,7 +48,7 @@ def test_timeouts_and_refused_connections_are_failed_samples(upstream: int) -> N
     samples = run_async(open_loop("127.0.0.1", upstream, slow, 100.0, 2, timeout_s=0.2))
     assert [s.status for s in samples] == [0, 0]
     assert all("no full answer" in s.error for s in samples)
-    closed = gb.free_port()
+    closed = gs.free_port()
     samples, _ = run_async(closed_loop("127.0.0.1", closed, [_shot(closed, False)], 2,
                                        num_requests=3))
     assert len(samples) == 3 and all(s.status == 0 and s.error for s in samples)
