@@ -18,6 +18,7 @@ from engine.server.settings import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_STALL_TIMEOUT_S,
+    ServerSettings,
 )
 
 API_KEY_ENV = "PORTICO_ENGINE_API_KEY"
@@ -58,6 +59,17 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def server_settings(args: argparse.Namespace, model_name: str) -> ServerSettings:
+    """The server's settings from parsed flags (``--api-key`` wins over the environment)."""
+    return ServerSettings(
+        served_model_name=model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        stall_timeout_s=args.health_stall_timeout,
+    )
+
+
 def _stop_while_loading(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -65,33 +77,31 @@ def _stop_while_loading(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     # A supervisor may stop us while the model loads: that is a clean stop, not a crash.
     signal.signal(signal.SIGTERM, _stop_while_loading)
-    from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
-    from engine.registry import ModelNotFound
-    from engine.server.app import create_app
-    from engine.server.runner import serve
-    from engine.server.settings import ServerSettings
+    from engine.registry import ModelNotFound, resolve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = _check_server_args(args)
-    if problem:
-        print(f"portico engine: {problem}", file=sys.stderr)
-        return 2
     try:
+        if problem:
+            raise ValueError(problem)
         config = EngineConfig.from_cli_args(args)
+        resolve(config.model)  # fail fast, before the heavy imports
+    except (ValueError, ModelNotFound) as exc:
+        print(f"portico engine: {exc}", file=sys.stderr)
+        return 2
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.server.app import create_app
+    from engine.server.runner import serve
+
+    try:
         engine = AsyncLLMEngine.from_config(config)
     except (ValueError, ModelNotFound) as exc:
         print(f"portico engine: {exc}", file=sys.stderr)
         return 2
-    settings = ServerSettings(
-        served_model_name=config.model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout,
-        stall_timeout_s=args.health_stall_timeout,
-    )
-    app = create_app(engine, settings)
+    app = create_app(engine, server_settings(args, config.model_name))
     # Like vLLM: move the model's long-lived objects out of the collector's reach, so neither
     # serving-time collections nor the one at exit walk them again.
     gc.collect()
