@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.sampling_params import ParameterError
 from engine.stats import EngineStats
 
 
@@ -60,7 +61,9 @@ class AsyncLLMEngine:
         self.last_progress = time.monotonic()
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Condition()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # request_id -> (its queue, its arrival time): outputs of an earlier request that
+        # used the same id (aborted, not yet reaped) carry another arrival time and are dropped.
+        self._streams: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], float]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -126,13 +129,13 @@ class AsyncLLMEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise ParameterError("request_id", f"request_id {request_id!r} is already running")
         self.engine.check_request(prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue
+        arrival = time.monotonic()
+        self._streams[request_id] = (queue, arrival)
         self._send(
-            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt,
-                 time.monotonic())
+            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt, arrival)
         )
         return self._stream(request_id, queue)
 
@@ -156,7 +159,9 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self._send(_Abort(request_id))
-            self._streams.pop(request_id, None)
+            entry = self._streams.get(request_id)
+            if entry is not None and entry[0] is queue:
+                del self._streams[request_id]
 
     # ------------------------------------------------------------------ engine thread
 
@@ -229,10 +234,14 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ asyncio side
 
     def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        queue, arrival = entry
+        if isinstance(item, RequestOutput) and item.metrics.arrival_time != arrival:
+            return  # the end of an earlier request with the same id
+        queue.put_nowait(item)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for queue in self._streams.values():
+        for queue, _ in self._streams.values():
             queue.put_nowait(exc)

@@ -96,6 +96,20 @@ async def test_leaving_the_stream_aborts_and_frees_blocks(engine: AsyncLLMEngine
     assert engine.num_unfinished == 0
 
 
+async def test_an_id_reused_right_after_leaving_gets_its_own_output(
+    engine: AsyncLLMEngine,
+) -> None:
+    stream = engine.generate("same", prompt(30), LONG)
+    await stream.__anext__()
+    await stream.aclose()  # abort queued, not yet applied by the engine thread
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = await collect(engine.generate("same", prompt(8), params))
+    final = outs[-1].outputs[0]
+    assert (final.finish_reason, len(final.token_ids)) == ("length", 5)
+    assert outs[-1].prompt_token_ids == prompt(8)
+    await wait_idle(engine)
+
+
 async def test_cancelled_consumer_aborts_the_request(engine: AsyncLLMEngine) -> None:
     started = asyncio.Event()
 
