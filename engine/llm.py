@@ -68,7 +68,9 @@ class LLM:
         the tokenizer's chat template."""
         if not messages:
             raise ValueError("messages must not be empty")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations: list[Any] = (
+            [messages] if isinstance(messages[0], dict) else list(messages)
+        )
         prompts: list[Prompt] = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(

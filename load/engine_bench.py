@@ -110,6 +110,7 @@ def single_stream(engine: LLMEngine, prompt: list[int], num_tokens: int) -> dict
 def load_hf(source: ModelSource, dtype: torch.dtype, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
+    model: Any
     if source.format == "gguf":
         model = AutoModelForCausalLM.from_pretrained(
             str(source.path.parent), gguf_file=source.path.name, dtype=dtype
