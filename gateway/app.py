@@ -191,7 +191,7 @@ class Gateway:
     async def start(self, env: Mapping[str, str] | None) -> None:
         config = self.config
         self.identity = await open_identity(config.redis, config.auth, env)
-        redis_url = config.redis.url or self.identity.embedded.url  # type: ignore[union-attr]
+        redis_url = self.identity.redis_url
         self.admission = Admission(self.identity.redis, config.admission,
                                    registry=self.metrics.registry)
         self.guard = AbuseGuard(redis_url, config.admission.abuse, registry=self.metrics.registry)

@@ -286,15 +286,31 @@ class Identity:
     the tenant store and the authenticator. ``aclose()`` releases them in order."""
 
     def __init__(self, redis: aioredis.Redis, embedded: EmbeddedRedis | None,
-                 store: TenantStore, authenticator: Authenticator) -> None:
+                 store: TenantStore, authenticator: Authenticator, redis_url: str) -> None:
         self.redis = redis
         self.embedded = embedded
+        self.redis_url = redis_url  # the server actually used (configured, env or embedded)
         self.store = store
         self.authenticator = authenticator
 
     async def aclose(self) -> None:
         await self.authenticator.aclose()
         await close_redis(self.redis, self.embedded)
+
+
+REDIS_URL_ENV = "PORTICO_REDIS_URL"
+
+
+def redis_url(store: StoreSettings, env: Mapping[str, str]) -> str | None:
+    """``redis.url`` from the config, else ``$PORTICO_REDIS_URL`` (compose passes the URL with
+    its password this way, keeping it out of portico.yaml), else None: the embedded Redis."""
+    if store.url:
+        return store.url
+    from_env = env.get(REDIS_URL_ENV) or None
+    if from_env is not None:
+        # the same scheme check the config applies to redis.url
+        return StoreSettings(url=from_env).url
+    return None
 
 
 async def open_identity(
@@ -313,8 +329,9 @@ async def open_identity(
     if admin_key is None and not (auth.jwt is not None):
         log.warning("no admin key (%s) and no JWT: the admin API refuses every request",
                     ADMIN_KEY_ENV)
+    url = redis_url(store, env)
     try:
-        redis, embedded = await open_redis(store.url, store.data_dir, store)
+        redis, embedded = await open_redis(url, store.data_dir, store)
     except BaseException:
         if verifier is not None:
             await verifier.aclose()
@@ -322,4 +339,5 @@ async def open_identity(
     tenants = TenantStore(redis, key_secret, plans)
     authenticator = Authenticator(tenants, admin_key=admin_key, jwt=verifier,
                                   cache_ttl_seconds=auth.key_cache_ttl_seconds)
-    return Identity(redis, embedded, tenants, authenticator)
+    used_url = url if embedded is None else embedded.url
+    return Identity(redis, embedded, tenants, authenticator, used_url)

@@ -161,11 +161,6 @@ def test_dockerignore_keeps_secrets_and_the_venv_out_of_the_build() -> None:
     assert {".git", ".venv", "deploy/compose/.env", "deploy/compose/certs"} <= ignored
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: gateway/store.py does not read PORTICO_REDIS_URL yet; compose needs it "
-    "(remove this marker once it does)",
-)
 def test_gateway_takes_redis_from_the_environment_as_compose_passes_it(
     tmp_path: Path, redis_url: str
 ) -> None:
