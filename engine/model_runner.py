@@ -117,6 +117,11 @@ class ModelRunner:
             if end == req.num_tokens:
                 to_sample.append(req)
                 sample_rows.append(len(token_ids) - 1)
+        if max(seq_lens) > self.config.max_position_embeddings:
+            raise ValueError(
+                f"a sequence of {max(seq_lens)} tokens exceeds the model's context of "
+                f"{self.config.max_position_embeddings} positions"
+            )
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -148,3 +148,13 @@ def test_kv_cache_sizing(tiny: LoadedModel, tiny_llama_dir: Path) -> None:
     assert num_kv_blocks(tiny, EngineConfig(model=model, num_gpu_blocks_override=7)) == 7
     with pytest.raises(ValueError, match="holds no block"):
         num_kv_blocks(tiny, EngineConfig(model=model, kv_cache_memory=100))
+
+
+def test_sequence_past_the_model_context_is_rejected(
+    tiny: LoadedModel, tiny_llama_dir: Path
+) -> None:
+    runner = ModelRunner(tiny, EngineConfig(model=str(tiny_llama_dir), block_size=256), 6)
+    req = Request("long", [1] * 1025, SamplingParams())  # the tiny model knows 1024 positions
+    out = SchedulerOutput(scheduled=[(req, 1025)], block_tables={"long": [1, 2, 3, 4, 5]})
+    with pytest.raises(ValueError, match="exceeds the model's context of 1024"):
+        runner.execute(out)
