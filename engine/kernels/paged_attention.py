@@ -37,6 +37,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for a float32 cache; "tf32" holds bf16/fp16 K/V exactly
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -73,7 +74,7 @@ def _paged_attention_kernel(
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             scores = tl.where(allowed, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -82,7 +83,7 @@ def _paged_attention_kernel(
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -130,9 +131,10 @@ def paged_attention_triton(
         NUM_KV_HEADS=kv_heads,
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=16,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out
