@@ -75,6 +75,7 @@ def _stop_while_loading(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM has drained the server, exit (0 after a drain)."""
     # A supervisor may stop us while the model loads: that is a clean stop, not a crash.
     signal.signal(signal.SIGTERM, _stop_while_loading)
     from engine.config import EngineConfig
@@ -102,11 +103,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"portico engine: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, server_settings(args, config.model_name))
-    # Like vLLM: move the model's long-lived objects out of the collector's reach, so neither
-    # serving-time collections nor the one at exit walk them again.
+    # Like vLLM: move the model's long-lived objects out of the collector's reach, so
+    # serving-time collections do not walk them again and again.
     gc.collect()
     gc.freeze()
-    return serve(
+    code = serve(
         app,
         app.state.drain,
         host=args.host,
@@ -117,3 +118,10 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         cut_in_flight=engine.shutdown,
     )
+    # Everything is shut down (engine loop joined, socket removed). Tearing the interpreter
+    # down would only spend seconds collecting the model's objects and make Triton's bindings
+    # report them as leaks, so leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
