@@ -16,7 +16,14 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from portico.errors import InvalidRequestError
 
@@ -54,6 +61,23 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: str | None = None  # in replayed assistant turns; history, not instructions
+    tool_calls: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_absent(cls, value: Any) -> Any:
+        # Clients replay a response's message object, which carries refusal/audio/... = null.
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if v is not None}
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calls in messages are not supported by this engine yet")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod

@@ -136,6 +136,9 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
     ("message unknown field", {"messages": [{"role": "user", "content": "x", "foo": 1}]},
      "messages[0].foo"),
+    ("tool calls in a message", {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+        {"role": "user", "content": "x"}]}, "messages[0].tool_calls"),
     ("unknown field", {"foo": 1}, "foo"),
     ("model missing", {"model": None}, "model"),
     ("unsupported tools", {"tools": [{"type": "function", "function": {"name": "f"}}]},

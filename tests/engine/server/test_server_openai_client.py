@@ -41,6 +41,13 @@ def test_chat_completion_returns_text_and_usage(client: openai.OpenAI) -> None:
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
 
+def test_a_replayed_assistant_message_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4)
+    history = [*USER, first.choices[0].message, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=4)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
 def test_max_tokens_cut_reports_length(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
         model=MODEL_NAME, messages=USER, max_completion_tokens=5, extra_body={"ignore_eos": True}
