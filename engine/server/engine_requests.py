@@ -55,10 +55,11 @@ class EngineRequest:
         self.background = background
         self.started = False
         self.finished = False
+        self.tracker = metrics.track(num_prompt_tokens)  # latencies count from submission
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         self.started = True
-        tracker = self.metrics.track(self.num_prompt_tokens)
+        tracker = self.tracker
         try:
             async for output in self.stream:
                 tracker.observe(output)
@@ -85,6 +86,7 @@ class EngineRequest:
         if self.started or self.finished:
             return
         self.started = True
+        self.tracker.finish(self.num_choices)
         task = asyncio.ensure_future(self._abort_and_drain())
         self.background.add(task)
         task.add_done_callback(self.background.discard)
