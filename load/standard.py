@@ -106,14 +106,25 @@ def run_json_module(module: str, argv: Sequence[str], timeout_s: float, out_flag
                     ) -> dict[str, Any]:
     """``python -m module argv... --out tmp.json`` in a child process; its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
+        out, log = Path(tmp) / "out.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, "-m", module, *argv, out_flag, str(out)]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=timeout_s)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{module} exited {proc.returncode}: "
-                               f"{(proc.stderr or proc.stdout)[-1500:]}")
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=sink,
+                                    stderr=subprocess.STDOUT)
+            try:
+                code = proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+                raise RuntimeError(f"{module} did not finish in {timeout_s:.0f} s; its output "
+                                   f"so far:\n{_tail(log)}") from None
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"{module} exited {code}:\n{_tail(log)}")
         return dict(json.loads(out.read_text()))
+
+
+def _tail(log: Path, num_chars: int = 1500) -> str:
+    return log.read_text(errors="replace")[-num_chars:]
 
 
 def free_port() -> int:

@@ -186,3 +186,12 @@ def test_engine_bench_results_render_side_by_side() -> None:
     assert "Speedup (output tokens/s): **2.5x**" in text
     assert "2.50x (`speedup`) | **not met**" in text
     assert "--dtype bfloat16" in standard.section_commands(True, standard.QUICK)["engine_offline"]
+
+
+def test_a_child_benchmark_that_fails_or_hangs_becomes_an_error_with_its_output() -> None:
+    import pytest
+
+    with pytest.raises(RuntimeError, match="exited 2:(.|\n)*unrecognized arguments: --bogus"):
+        standard.run_json_module("load.admission_bench", ["--bogus"], 120)
+    with pytest.raises(RuntimeError, match="did not finish in 3 s(.|\n)*listening"):
+        standard.run_json_module("load.fake_upstream", ["--port", "0"], 3, out_flag="--model")
