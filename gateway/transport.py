@@ -131,6 +131,7 @@ class _Body(httpx.AsyncByteStream):
         self.pool = pool
         self.timeout = timeout
         self.done = False
+        self.released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self.conn
@@ -148,8 +149,9 @@ class _Body(httpx.AsyncByteStream):
         self.done = True
 
     async def aclose(self) -> None:
-        reusable = self.done and self.conn.keep_alive
-        self.pool.release(self.conn, reusable)
+        if not self.released:  # a connection goes back to the pool once, never twice
+            self.released = True
+            self.pool.release(self.conn, self.done and self.conn.keep_alive)
 
 
 class LeanTransport(httpx.AsyncBaseTransport):

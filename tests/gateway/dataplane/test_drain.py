@@ -15,7 +15,7 @@ from tests.gateway.dataplane.harness import GatewayProcess, tiny_engine
 pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 16
-MAX_TOKENS = 120
+MAX_TOKENS = 400
 
 
 def test_sigterm_lets_16_streams_finish_refuses_new_requests_and_exits_0(
@@ -31,7 +31,7 @@ def test_sigterm_lets_16_streams_finish_refuses_new_requests_and_exits_0(
         headers = {"authorization": f"Bearer {key}"}
         body = {"model": "tiny", "prompt": "Count slowly", "max_tokens": MAX_TOKENS,
                 "ignore_eos": True, "stream": True}
-        first_chunk = threading.Barrier(NUM_STREAMS + 1, timeout=300)
+        started = threading.Semaphore(0)
         outcomes: list[object] = []
 
         def stream() -> None:
@@ -43,17 +43,20 @@ def test_sigterm_lets_16_streams_finish_refuses_new_requests_and_exits_0(
                         if line.startswith("data:"):
                             events.append(line)
                             if len(events) == 1:
-                                first_chunk.wait()
+                                started.release()
                     finish = json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"]
                     errors = sum('"error"' in e for e in events)
                     outcomes.append((resp.status_code, finish, errors, events[-1]))
             except Exception as exc:  # recorded and asserted below
                 outcomes.append(exc)
+                started.release()
 
         threads = [threading.Thread(target=stream) for _ in range(NUM_STREAMS)]
         for t in threads:
             t.start()
-        first_chunk.wait()  # every stream is in flight
+        for _ in range(NUM_STREAMS):  # every stream is in flight
+            assert started.acquire(timeout=300), gw.log()
+        assert not outcomes, outcomes  # none has finished (or failed) yet
         assert gw.proc is not None
         gw.proc.send_signal(signal.SIGTERM)
 
