@@ -55,6 +55,7 @@ class EngineRequest:
         self.background = background
         self.started = False
         self.finished = False
+        self.closed = False
         self.tracker = metrics.track(num_prompt_tokens)  # latencies count from submission
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -82,12 +83,21 @@ class EngineRequest:
                     await self.stream.aclose()  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        """Release a request whose outputs will not be read (idempotent)."""
-        if self.started or self.finished:
+        """Release the request if it has not finished (idempotent, safe from any path).
+
+        A request never iterated is aborted and its stream drained here; one abandoned midway
+        is aborted too, without waiting for its iterator to be garbage-collected.
+        """
+        if self.finished or self.closed:
             return
-        self.started = True
-        self.tracker.finish(self.num_choices)
-        task = asyncio.ensure_future(self._abort_and_drain())
+        self.closed = True
+        if self.started:
+            work: Awaitable[None] = self.engine.abort(self.request_id)
+        else:
+            self.started = True
+            self.tracker.finish(self.num_choices)
+            work = self._abort_and_drain()
+        task = asyncio.ensure_future(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
