@@ -195,3 +195,14 @@ def test_a_child_benchmark_that_fails_or_hangs_becomes_an_error_with_its_output(
         standard.run_json_module("load.admission_bench", ["--bogus"], 120)
     with pytest.raises(RuntimeError, match="did not finish in 3 s(.|\n)*listening"):
         standard.run_json_module("load.fake_upstream", ["--port", "0"], 3, out_flag="--model")
+
+
+def test_portico_bench_delegates_to_gateway_and_standard() -> None:
+    import subprocess
+    import sys
+
+    for name, flag in (("gateway", "--rates"), ("standard", "--only")):
+        out = subprocess.run([sys.executable, "-m", "portico.cli", "bench", name, "--help"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert flag in out.stdout and "--quick" in out.stdout
