@@ -219,6 +219,19 @@ def test_oversized_body_is_a_413(http: httpx.Client) -> None:
     assert error["code"] == "request_too_large"
 
 
+def test_oversized_chunked_body_without_length_is_a_413(http: httpx.Client) -> None:
+    def chunks():  # no Content-Length: the limit must be counted as the body arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(5 * 1024):
+            yield b"x" * 1024
+        yield b'"}'
+
+    resp = http.post("/v1/completions", content=chunks(),
+                     headers={"content-type": "application/json"})
+    assert "content-length" not in resp.request.headers
+    assert_openai_error(resp, 413)
+
+
 def test_unknown_model_is_a_404(http: httpx.Client) -> None:
     error = assert_openai_error(http.post("/v1/completions", json=dict(COMPLETION, model="x")),
                                 404, "model")
