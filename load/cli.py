@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--plot", default=None, help="PNG path for the latency CDFs")
 
     for name, module, help_text in _delegated():
-        p = sub.add_parser(name, help=help_text, add_help=False)
+        # prefix_chars="+": every argument, "--help" and "--quick" first included, is handed
+        # to the benchmark's own parser (argparse's REMAINDER refuses a leading option).
+        p = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="+")
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(_module=module)
 
