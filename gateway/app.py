@@ -232,13 +232,11 @@ class Gateway:
             for i in range(spec.replicas):
                 name = f"{spec.name}-{i}"
                 uds = self.runtime_dir / f"{name}.sock"
-                client = httpx.AsyncClient(
-                    transport=LeanTransport(uds=str(uds)),
-                    base_url="http://engine",
-                    timeout=httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s),
-                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-                )
-                replica = Replica(name, client)
+                transport = LeanTransport(uds=str(uds))
+                timeout = httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s)
+                client = httpx.AsyncClient(transport=transport, base_url="http://engine",
+                                           timeout=timeout)
+                replica = Replica(name, client, transport, timeout.as_dict())
                 replicas.append(replica)
                 processes.append(EngineProcess(
                     name, self._argv(spec, name, uds), replica, socket_path=uds,

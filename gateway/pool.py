@@ -28,10 +28,18 @@ log = logging.getLogger("portico.gateway.pool")
 
 @dataclass(eq=False)
 class Replica:
-    """One engine process as the data plane sees it; ``client`` is its one shared HTTP pool."""
+    """One engine process as the data plane sees it.
+
+    ``client`` is its one HTTP client (health probes, readiness); ``transport`` is that client's
+    own transport — the same connection pool — which the proxy calls directly on the hot path,
+    skipping the client's per-request cookie, redirect and URL-merging work (the engine sets no
+    cookies and sends no redirects). ``timeouts`` are httpx's timeout extension for those calls.
+    """
 
     name: str
     client: httpx.AsyncClient
+    transport: httpx.AsyncBaseTransport | None = None
+    timeouts: dict[str, float | None] = field(default_factory=dict)
     up: bool = False  # set by the supervisor (process running and ready)
     outstanding: int = 0
     consecutive_failures: int = 0

@@ -15,6 +15,7 @@ usage event is read here and dropped from the relay when the client did not ask 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -235,9 +236,15 @@ class LocalUpstream:
         self, replica: Replica, path: str, payload: bytes, headers: dict[str, str],
         fields: RequestFields,
     ) -> Exchange:
-        client = replica.client
-        resp = await client.send(
-            client.build_request("POST", path, content=payload, headers=headers), stream=True)
+        if replica.transport is not None:
+            request = httpx.Request("POST", _engine_url(path), headers=headers, content=payload,
+                                    extensions={"timeout": replica.timeouts})
+            resp = await replica.transport.handle_async_request(request)
+        else:
+            client = replica.client
+            resp = await client.send(
+                client.build_request("POST", path, content=payload, headers=headers),
+                stream=True)
         content_type = resp.headers.get("content-type", "application/json")
         if not fields.stream or resp.status_code != 200:
             try:
@@ -288,6 +295,11 @@ class LocalUpstream:
             log.warning("stream from replica %s broke: %s", replica.name, exc)
             self.pool.record_failure(replica)
             yield error_event(f"The upstream stream broke: {type(exc).__name__}.")
+
+
+@functools.lru_cache(maxsize=16)
+def _engine_url(path: str) -> httpx.URL:
+    return httpx.URL("http://engine" + path)  # parsed once per path
 
 
 class _BrokenAnswer(Exception):
