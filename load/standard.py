@@ -65,6 +65,9 @@ class Sizes:
     admission_requests: int
     engine_timeout_s: float
     engine_bench_args: tuple[str, ...]  # load/engine_bench.py (offline, vs transformers)
+    # torch threads of served engines (OMP_NUM_THREADS); None: torch's default. On a machine
+    # shared with other work, more threads than free cores stall every step on OpenMP barriers.
+    engine_threads: int | None = None
 
 
 ENGINE_BENCH_DEVICE = ("--device", "cpu", "--dtype", "bfloat16", "--max-num-seqs", "64",
@@ -72,7 +75,7 @@ ENGINE_BENCH_DEVICE = ("--device", "cpu", "--dtype", "bfloat16", "--max-num-seqs
 QUICK = Sizes((16, 128), (16, 32), {1: 4, 16: 16, 64: 64}, 4, 4, 4, 1000, 450,
               (*ENGINE_BENCH_DEVICE, "--num-requests", "64", "--max-prompt", "64",
                "--min-output", "8", "--max-output", "16", "--single-stream-tokens", "8",
-               "--threads", "1"))
+               "--threads", "1"), engine_threads=1)
 FULL = Sizes((16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800,
              ENGINE_BENCH_DEVICE)
 
@@ -154,13 +157,17 @@ def shell_command(cmd: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def engine_server(extra: Sequence[str], timeout_s: float) -> Iterator[str]:
+def engine_server(extra: Sequence[str], timeout_s: float, threads: int | None = None
+                  ) -> Iterator[str]:
     """A ``portico engine`` process, ready; yields its ``/v1`` base URL."""
     import httpx
 
     port = free_port()
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(engine_command(port, extra), cwd=REPO_ROOT,
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        proc = subprocess.Popen(engine_command(port, extra), cwd=REPO_ROOT, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + timeout_s
@@ -219,7 +226,8 @@ def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
     runs, per_run = [], {}
     most = max(sizes.served_requests.values())
     workload = datasets.synthetic(most, sizes.served_prompt_len, sizes.served_output_len, seed=0)
-    with engine_server(["--enable-prefix-caching"], sizes.engine_timeout_s) as base_url:
+    with engine_server(["--enable-prefix-caching"], sizes.engine_timeout_s,
+                       sizes.engine_threads) as base_url:
         warm_up(base_url)
         for concurrency, num in sorted(sizes.served_requests.items()):
             summary, results = serve(base_url, workload[:num], concurrency)
@@ -250,7 +258,7 @@ def prefix_caching(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
                                         "concurrency": 1}}
     per_run = {}
     for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
-        with engine_server([flag], sizes.engine_timeout_s) as base_url:
+        with engine_server([flag], sizes.engine_timeout_s, sizes.engine_threads) as base_url:
             warm_up(base_url)
             summary, results = serve(base_url, workload, 1)
         summary["ttft_ms_repeats"] = percentiles(
@@ -284,6 +292,8 @@ def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
             f"{sizes.served_prompt_len[0]} {sizes.served_prompt_len[1]} --output-len "
             f"{sizes.served_output_len[0]} {sizes.served_output_len[1]}")
     engine = shell_command(engine_command(8000))
+    if sizes.engine_threads:
+        engine = f"OMP_NUM_THREADS={sizes.engine_threads} {engine}"
     return {
         "engine_offline": "python -m load.engine_bench " + " ".join(sizes.engine_bench_args),
         "engine_served": f"{engine} --enable-prefix-caching &\n" + "\n".join(served),
