@@ -22,20 +22,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"], help="override log_level")
 
 
-def _first_start_admin_key(config: object) -> Path | None:
-    """With no admin key configured anywhere, generate one under the data dir (mode 0600)."""
+def _first_start_admin_key(config: object) -> tuple[Path, bool] | None:
+    """With no admin key configured anywhere, use one generated under the data dir (mode
+    0600). Returns (path, created now) or None when a key is configured."""
     auth = config.auth  # type: ignore[attr-defined]
     if auth.admin_key_file is not None or os.environ.get("PORTICO_ADMIN_KEY"):
         return None
     data_dir: Path = config.redis.data_dir  # type: ignore[attr-defined]
     path = data_dir / ADMIN_KEY_FILENAME
-    if not path.exists():
+    created = not path.exists()
+    if created:
         data_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("sk-admin-" + secrets.token_urlsafe(32) + "\n")
     auth.admin_key_file = path
-    return path
+    return path, created
+
+
+def _print_first_start(key_file: Path, base: str) -> None:
+    admin = '-H "authorization: Bearer $PORTICO_ADMIN_KEY" -H "content-type: application/json"'
+    tenant = '{"id": "acme", "name": "Acme"}'
+    print(f"admin key generated: {key_file.resolve()} (set PORTICO_ADMIN_KEY to use your own)\n"
+          f"create a tenant and an API key:\n"
+          f"  export PORTICO_ADMIN_KEY=$(cat {key_file.resolve()})\n"
+          f"  curl -s {base}/admin/v1/tenants {admin} -d '{tenant}'\n"
+          f"  curl -s {base}/admin/v1/tenants/acme/keys {admin} -d '{{}}'   # shows the key once",
+          file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,18 +68,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
-    key_file = _first_start_admin_key(config)
+    generated = _first_start_admin_key(config)
     scheme = "https" if config.tls is not None else "http"
     base = f"{scheme}://{config.listen.host}:{config.listen.port}"
-    if key_file is not None:
-        print(f"admin key: {key_file.resolve()} (or set PORTICO_ADMIN_KEY)\n"
-              f"create a tenant and an API key:\n"
-              f"  export PORTICO_ADMIN_KEY=$(cat {key_file})\n"
-              f"  curl -s -X POST {base}/admin/v1/tenants -H \"authorization: Bearer "
-              f"$PORTICO_ADMIN_KEY\" -d '{{\"id\": \"acme\", \"name\": \"Acme\"}}'\n"
-              f"  curl -s -X POST {base}/admin/v1/tenants/acme/keys -H \"authorization: Bearer "
-              f"$PORTICO_ADMIN_KEY\" -d '{{}}'   # the secret is shown once",
-              file=sys.stderr, flush=True)
+    if generated is not None:
+        key_file, created = generated
+        if created:
+            _print_first_start(key_file, base)
+        else:
+            print(f"admin key: {key_file.resolve()}", file=sys.stderr, flush=True)
     from gateway.app import create_app
     from gateway.server import serve
 

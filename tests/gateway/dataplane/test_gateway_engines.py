@@ -76,6 +76,21 @@ def test_chat_streaming_and_not_give_the_same_greedy_text(
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
+def test_admission_reserves_exactly_the_engines_prompt_tokens(gateway: GatewayProcess) -> None:
+    # A fresh tenant's tokens/min bucket is full: what the response says is left is the limit
+    # minus the reservation, prompt tokens as the gateway counted them plus max_tokens.
+    _, key = gateway.create_tenant("standard")
+    raw = oa(gateway, key).chat.completions.with_raw_response.create(
+        model="tiny", max_tokens=7, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    usage = raw.parse().usage
+    assert usage is not None
+    limit = int(raw.headers["x-ratelimit-limit-tokens"])
+    reserved = limit - int(raw.headers["x-ratelimit-remaining-tokens"])
+    assert reserved == usage.prompt_tokens + 7
+
+
 def test_completions_and_models(gateway: GatewayProcess, key: str) -> None:
     client = oa(gateway, key)
     raw = client.completions.with_raw_response.create(model="tiny", prompt="Once upon",
