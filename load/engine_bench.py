@@ -223,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
         "portico": portico,
         "single_stream": single,
     }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")  # kept if the baseline is interrupted
     if not args.skip_hf:
         del engine
         hf_model = load_hf(source, dtype, device)
@@ -235,8 +238,6 @@ def run(args: argparse.Namespace) -> int:
         "speedup_at_least_3x": result.get("speedup", 0.0) >= TARGET_SPEEDUP,
         "single_stream_at_least_50_tok_s": single["decode_tokens_per_s"] >= TARGET_SINGLE_STREAM,
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
