@@ -4,6 +4,10 @@ Measures tokens per second of pure decode steps (every request has one new token
 context of ``context_len`` tokens in the paged cache) at the given batch sizes, through
 :class:`~engine.attention.AttentionMetadata` and the model, without scheduler or sampler.
 Reusable from benchmarks: :func:`measure_decode`.
+
+On a CPU shared with other busy processes, run with ``OMP_WAIT_POLICY=PASSIVE`` (or
+``--threads 1``): OpenMP's default spin-waiting made each op up to 15x slower here when the
+second core was taken, while passive waiting costs little when it is free.
 """
 
 from __future__ import annotations
