@@ -244,11 +244,14 @@ class Gateway:
             pool = Pool(spec.name, replicas, slack=slack,
                         eject_after_failures=retry.eject_after_failures,
                         eject_cooldown_s=retry.eject_cooldown_s,
-                        on_eject=lambda r, n=spec.name: self.metrics.ejections.labels(
-                            n, r.name).inc())
+                        on_eject=self._count_ejection)
             self.pools.append(pool)
             self.upstreams[spec.name] = LocalUpstream(pool, retry, self.metrics)
         return processes
+
+    def _count_ejection(self, replica: Replica) -> None:
+        pool = replica.name.rsplit("-", 1)[0]
+        self.metrics.ejections.labels(pool, replica.name).inc()
 
     @staticmethod
     def _argv(spec: EngineSpec, name: str, uds: Path) -> list[str]:

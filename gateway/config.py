@@ -36,7 +36,7 @@ class ListenConfig(_Strict):
     """Where the gateway accepts connections."""
 
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)  # 0: any free port (tests)
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (tests)
 
 
 class TLSConfig(_Strict):
@@ -68,40 +68,41 @@ class EngineSpec(_Strict):
     ``{name}`` in it are filled in per replica (another OpenAI-compatible server can be used).
     """
 
-    name: str = Field(DEFAULT_MODEL_NAME, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str = Field(default=DEFAULT_MODEL_NAME, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     model: str = DEFAULT_MODEL_SPEC  # alias, HF folder or .gguf path (engine.registry)
-    replicas: int = Field(1, ge=1, le=64)
+    replicas: int = Field(default=1, ge=1, le=64)
     args: list[str] = []  # extra engine flags: ["--max-num-seqs", "64", ...]
     command: list[str] | None = None
     env: dict[str, str] = {}
-    startup_timeout_s: float = Field(600.0, gt=0)
+    startup_timeout_s: float = Field(default=600.0, gt=0)
     count_tokens_with: Literal["tokenizer", "estimate"] = "tokenizer"
 
 
 class SupervisorConfig(_Strict):
     """Restart backoff of crashed engines."""
 
-    backoff_base_s: float = Field(0.5, gt=0, le=60)
-    backoff_max_s: float = Field(30.0, gt=0, le=3600)
-    stable_after_s: float = Field(30.0, gt=0)
-    stop_timeout_s: float = Field(30.0, gt=0, le=3600)  # engines' own drain, after the gateway's
+    backoff_base_s: float = Field(default=0.5, gt=0, le=60)
+    backoff_max_s: float = Field(default=30.0, gt=0, le=3600)
+    stable_after_s: float = Field(default=30.0, gt=0)
+    # the engines' own drain, after the gateway's
+    stop_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
 
 class GatewayConfig(_Strict):
     """The whole configuration of one gateway process."""
 
-    listen: ListenConfig = ListenConfig()
+    listen: ListenConfig = Field(default_factory=ListenConfig)
     tls: TLSConfig | None = None
-    redis: StoreSettings = StoreSettings()
-    auth: AuthSettings = AuthSettings()
-    admission: AdmissionSettings = AdmissionSettings()
+    redis: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])
     remotes: list[RemoteSpec] = []
     policies_dir: Path = PACKAGED_POLICIES  # routing.yaml, retry.yaml (plans: redis.plans_file)
     runtime_dir: Path | None = None  # engine sockets; None: a private temporary folder
-    supervisor: SupervisorConfig = SupervisorConfig()
-    drain_timeout_s: float = Field(30.0, ge=0, le=3600)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
 

@@ -19,7 +19,7 @@ try:  # orjson parses 2-3x faster; optional
     _loads = orjson.loads
     _DecodeError: tuple[type[Exception], ...] = (orjson.JSONDecodeError,)
 except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
+    _loads = json.loads  # type: ignore[assignment]
     _DecodeError = (ValueError,)
 
 

@@ -19,7 +19,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +138,7 @@ def _take_usage(block: bytes, usage: Usage, keep_usage: bool) -> bytes:
     return b"".join(kept)
 
 
-async def sse_blocks(resp: httpx.Response) -> AsyncIterator[bytes]:
+async def sse_blocks(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
     """Complete SSE events as they arrive (each yield holds one or more whole events)."""
     buffer = b""
     async for data in resp.aiter_raw():

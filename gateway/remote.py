@@ -44,7 +44,7 @@ class RemoteSpec(BaseModel):
     model: str = Field(min_length=1)  # litellm's id: "openai/gpt-4o-mini", "anthropic/..."
     api_base: str | None = None
     api_key_env: str | None = None  # the environment variable holding the provider's key
-    timeout_s: float = Field(60.0, gt=0, le=3600)
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
 
 
 class RemoteUpstream:

@@ -21,15 +21,17 @@ class RetryPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_attempts: int = Field(3, ge=1, le=10)
-    base_backoff_s: float = Field(0.05, ge=0, le=10)
-    max_backoff_s: float = Field(1.0, ge=0, le=60)
-    deadline_s: float = Field(30.0, gt=0, le=3600)  # overall, from the first attempt
-    connect_timeout_s: float = Field(2.0, gt=0, le=60)
-    read_timeout_s: float = Field(600.0, gt=0, le=3600)  # between bytes of an upstream answer
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    base_backoff_s: float = Field(default=0.05, ge=0, le=10)
+    max_backoff_s: float = Field(default=1.0, ge=0, le=60)
+    deadline_s: float = Field(default=30.0, gt=0, le=3600)  # overall, from the first attempt
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    # the longest silence between bytes of an upstream answer
+    read_timeout_s: float = Field(default=600.0, gt=0, le=3600)
     retry_on_status: frozenset[int] = frozenset({429, 502, 503, 504})
-    eject_after_failures: int = Field(3, ge=1, le=100)  # consecutive failures of one replica
-    eject_cooldown_s: float = Field(5.0, gt=0, le=3600)
+    # consecutive failed attempts of one replica that eject it
+    eject_after_failures: int = Field(default=3, ge=1, le=100)
+    eject_cooldown_s: float = Field(default=5.0, gt=0, le=3600)
 
     def backoff(self, retry_number: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry ``retry_number`` (1-based), full jitter."""

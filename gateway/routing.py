@@ -55,8 +55,8 @@ class RoutingPolicy(_Strict):
     tiers: list[Tier] = []
     weights: Weights = Weights()
     keywords: list[str] = []
-    prefix_chars: int = Field(256, ge=0, le=100_000)
-    affinity_slack: int = Field(2, ge=0, le=10_000)
+    prefix_chars: int = Field(default=256, ge=0, le=100_000)
+    affinity_slack: int = Field(default=2, ge=0, le=10_000)
 
 
 def load_routing_policy(path: Path) -> RoutingPolicy:

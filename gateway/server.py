@@ -16,6 +16,7 @@ import os
 import signal
 import ssl
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -76,9 +77,9 @@ class DrainingServer(uvicorn.Server):
                     os.kill(proc.pid, signal.SIGKILL)
 
 
-def uvicorn_config(app: object, config: GatewayConfig) -> uvicorn.Config:
+def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
     """uvicorn settings from the gateway config: listen address, TLS, lean HTTP stack."""
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     tls = config.tls
     if tls is not None:
         kwargs.update(
@@ -95,9 +96,9 @@ def uvicorn_config(app: object, config: GatewayConfig) -> uvicorn.Config:
     )
 
 
-def serve(app: object, config: GatewayConfig) -> int:
+def serve(app: Any, config: GatewayConfig) -> int:
     """Run until shut down; 0 after a drain, 1 when forced by a second signal."""
-    gateway: Gateway = app.state.gateway  # type: ignore[attr-defined]
+    gateway: Gateway = app.state.gateway
     server = DrainingServer(uvicorn_config(app, config), gateway, config.drain_timeout_s)
     server.run()
     if server.forced:
