@@ -30,7 +30,7 @@ TARGET_PREFIX_RATIO = 3.0
 HOW = """## How these numbers are taken
 
 - `make bench` runs `python -m load.standard` (full sizes); `python -m load.standard --quick`
-  runs every section small (about 10-15 minutes on 2 cores); `--only SECTION...` reruns some
+  runs every section small (15-25 minutes on 2 shared cores); `--only SECTION...` reruns some
   sections and keeps the others' last results. Each section is also a command of its own
   (`portico bench serve|gateway|admission|engine`), given above each table.
 - **Served engine and prefix caching**: `load/serve_bench.py` streams `/v1/completions` with
@@ -81,7 +81,8 @@ def targets(sections: Mapping[str, Any]) -> list[dict[str, Any]]:
         sec = sections.get(name)
         if sec is None:
             return "section not run"
-        return f"{sec['status']}: {sec.get('error', '')}"[:160]
+        first_line = (sec.get("error") or "").strip().split("\n")[0]
+        return f"{sec['status']}: {first_line}"[:160]
 
     sec = sections.get("engine_offline", {})
     target = f"engine >= {TARGET_ENGINE_SPEEDUP:g}x transformers static batching, output tokens/s"
@@ -203,11 +204,11 @@ def _gateway(result: Mapping[str, Any]) -> list[str]:
                 rows.append({"side": side, "requests": label, "count": int(d["count"]),
                              "p50 ms": d["median"], "p90 ms": d["p90"], "p99 ms": d["p99"],
                              "errors": run[side]["errors"],
-                             "gateway CPU ms/req": run[side].get("cpu_ms_per_request", "")})
+                             "gateway CPU ms/req (side)": run[side].get("cpu_ms_per_request", "")})
         parts.append(f"**At {run['rate']:g} requests/s** ({run['requests_per_side']} requests "
                      "per side):")
         parts.append(markdown_table(rows, ["side", "requests", "count", "p50 ms", "p90 ms",
-                                           "p99 ms", "errors", "gateway CPU ms/req"]))
+                                           "p99 ms", "errors", "gateway CPU ms/req (side)"]))
         added = [{"what": f"gateway - direct ({label})", "p50 ms": o["median_ms"],
                   "p90 ms": o["p90_ms"], "p99 ms": o["p99_ms"]}
                  for label, o in run["overhead"].items()]
