@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import openai
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.fields import RequestFields
@@ -54,6 +56,7 @@ class RemoteUpstream:
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         import litellm
 
+        litellm.suppress_debug_info = True  # no "Give Feedback" banner in the gateway's log
         self.litellm = litellm
         self.spec = spec
         self.policy = policy
@@ -75,7 +78,7 @@ class RemoteUpstream:
                 exchange.attempts = attempt
                 return exchange
             except Exception as exc:  # litellm maps every provider error to its own classes
-                status = int(getattr(exc, "status_code", 0) or 0)
+                status = self._status_of(exc)
                 retryable = status == 0 or self.policy.retries_status(status)
                 delay = self.policy.backoff(attempt)
                 if (not retryable or attempt >= self.policy.max_attempts
@@ -83,6 +86,22 @@ class RemoteUpstream:
                     return self._error_exchange(exc, status, attempt, started)
                 self.metrics.retries.labels(self.spec.name, str(status or "connect")).inc()
                 await asyncio.sleep(delay)
+
+    def _status_of(self, exc: Exception) -> int:
+        """The provider's HTTP status, or 0 when it was never reached (connect error, timeout).
+
+        litellm reports an unreachable provider as a 500 ("Connection error") or 408; the cause
+        chain still holds the transport error, which is what decides."""
+        unreached = (self.litellm.APIConnectionError, self.litellm.Timeout, httpx.TransportError,
+                     openai.APIConnectionError)
+        cause: BaseException | None = exc
+        for _ in range(8):
+            if cause is None:
+                break
+            if isinstance(cause, unreached):
+                return 0
+            cause = cause.__cause__ or cause.__context__
+        return int(getattr(exc, "status_code", 0) or 0)
 
     def _error_exchange(self, exc: Exception, status: int, attempt: int, started: float
                         ) -> Exchange:

@@ -21,6 +21,7 @@ from tests.gateway.dataplane.harness import (
     ADMIN_KEY,
     GatewayProcess,
     fake_engine_command,
+    free_port,
     live_slots,
     wait_until,
 )
@@ -242,3 +243,25 @@ def test_health_ready_and_metrics_show_the_engines(gateway: GatewayProcess) -> N
                  'portico_gateway_engine_up{engine="fake-0"} 1.0',
                  "portico_gateway_requests_in_flight"):
         assert name in metrics
+
+
+def test_unreachable_remote_is_retried_then_502(module_tmp: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    gw = GatewayProcess(module_tmp / "dead", {
+        "redis": {"url": redis_server.url},
+        "engines": [{"name": "fake", "command": fake_engine_command()}],
+        "remotes": [{"name": "gone", "model": "openai/gone", "api_base": dead,
+                     "api_key_env": "HOME", "timeout_s": 5}],
+    }, {}, RETRY)
+    gw.start(timeout=120)
+    try:
+        _, key = gw.create_tenant("standard")
+        resp = httpx.post(gw.base_url + "/v1/chat/completions", timeout=60,
+                          headers={"authorization": f"Bearer {key}"},
+                          json={"model": "gone", "messages": [{"role": "user", "content": "x"}]})
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "upstream_error"
+        metrics = httpx.get(gw.base_url + "/metrics").text
+        assert 'portico_gateway_retries_total{reason="connect",upstream="gone"} 2.0' in metrics
+    finally:
+        gw.terminate()
