@@ -90,6 +90,33 @@ def test_reference_attention_matches_per_token_oracle(
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_decodes_in_small_chunks_equal_one_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunking the batched decode (to keep gathered K/V in cache) changes nothing."""
+    from engine.kernels import reference
+
+    torch.manual_seed(0)
+    q_lens, s_lens = [1, 1, 1, 1, 1, 4], [9, 3, 17, 1, 12, 6]
+    tables = [[5, 2, 7], [1], [3, 8, 9, 4, 10], [6], [11, 12, 13], [14, 15]]
+    meta = AttentionMetadata.build(q_lens, s_lens, tables, 4)
+    cache = torch.randn(2, 16, 4, 2, 8)
+    q = torch.randn(sum(q_lens), 4, 8)
+    args = (q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.35,
+            q_lens, s_lens)  # fmt: skip
+    whole = paged_attention_ref(*args)
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", 1)  # one request per chunk
+    torch.testing.assert_close(paged_attention_ref(*args), whole, atol=1e-6, rtol=1e-6)
+    # A prefill first: the decodes are not rows 0..n-1 any more (the index path).
+    meta2 = AttentionMetadata.build(
+        [q_lens[5]] + q_lens[:5], [s_lens[5]] + s_lens[:5], [tables[5]] + tables[:5], 4
+    )
+    q2 = torch.cat([q[5:], q[:5]])
+    out2 = paged_attention_ref(
+        q2, cache, meta2.block_tables, meta2.query_start_loc, meta2.seq_lens, 0.35,
+        meta2.query_lens_cpu, meta2.seq_lens_cpu,
+    )  # fmt: skip
+    torch.testing.assert_close(torch.cat([out2[4:], out2[:4]]), whole, atol=1e-6, rtol=1e-6)
+
+
 def test_dispatcher_runs_reference_on_cpu() -> None:
     meta = AttentionMetadata.build([2, 1], [2, 3], [[1], [2]], 4)
     cache_a = torch.zeros(2, 3, 4, 1, 8)
