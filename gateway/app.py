@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import tempfile
@@ -170,10 +171,11 @@ class Gateway:
         assert admission is not None and self.identity is not None
         usage = exchange.usage
         try:
-            if usage.reported:
-                await admission.settle(ticket, usage.prompt_tokens, usage.completion_tokens)
-                await self.identity.store.record_usage(
-                    principal.tenant_id, model, usage.prompt_tokens, usage.completion_tokens)
+            if usage.reported:  # two independent round trips, run together
+                await asyncio.gather(
+                    admission.settle(ticket, usage.prompt_tokens, usage.completion_tokens),
+                    self.identity.store.record_usage(
+                        principal.tenant_id, model, usage.prompt_tokens, usage.completion_tokens))
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
         finally:
@@ -218,6 +220,10 @@ class Gateway:
         self.counter = PromptCounter(tokenizers)
         if not all_ready:
             log.error("not every engine became ready in %.0f s; serving what is up", timeout)
+        # Everything loaded so far lives as long as the process: keep the cyclic collector from
+        # rescanning it (tokenizers, litellm, pydantic models) on every full collection.
+        gc.collect()
+        gc.freeze()
 
     def _build_local(self, retry: RetryPolicy, slack: int) -> list[EngineProcess]:
         if self.config.runtime_dir is not None:
