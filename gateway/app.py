@@ -312,8 +312,11 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
         finally:
             await gw.stop()
 
+    # FastAPI's native OpenTelemetry checks its providers on every request; the gateway
+    # exports its own Prometheus metrics, so that check is turned off.
     app = FastAPI(title="Portico gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.gateway = gw
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
