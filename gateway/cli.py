@@ -51,6 +51,21 @@ def _print_first_start(key_file: Path, base: str) -> None:
           file=sys.stderr, flush=True)
 
 
+def _missing_models(config: object) -> list[str]:
+    """``engines.N.model: ...`` for every engine model that is not on this machine."""
+    from engine import registry
+
+    missing = []
+    for i, spec in enumerate(config.engines):  # type: ignore[attr-defined]
+        if spec.command is not None:
+            continue  # a custom engine command resolves its own model
+        try:
+            registry.resolve(spec.model)
+        except registry.ModelNotFound as exc:
+            missing.append(f"engines.{i}.model: {exc}")
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway.config import ConfigError, load_config
 
@@ -64,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
             config.log_level = args.log_level
     except ConfigError as exc:
         print(f"portico serve: {exc}", file=sys.stderr)
+        return 2
+    missing = _missing_models(config)
+    if missing:
+        print("portico serve: " + "\n  ".join(["models not found:", *missing]), file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

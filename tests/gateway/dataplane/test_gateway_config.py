@@ -63,3 +63,12 @@ def test_serve_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:
 def test_the_example_config_is_valid() -> None:
     config = load_config(REPO_ROOT / "portico.example.yaml")
     assert config.engines[0].name == "smollm2"
+
+
+def test_serve_refuses_an_engine_model_that_is_not_installed(tmp_path: Path) -> None:
+    path = tmp_path / "missing.yaml"
+    path.write_text(f"engines:\n  - name: x\n    model: {tmp_path / 'no-such-model'}\n")
+    proc = subprocess.run([sys.executable, "-m", "portico.cli", "serve", "-c", str(path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "engines.0.model" in proc.stderr
