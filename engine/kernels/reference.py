@@ -2,8 +2,9 @@
 
 Each function has the same signature and meaning as its Triton twin in this package. They are
 written for speed on CPU: no Python loop per token. All decoding requests (one new token each)
-are served by ONE batched attention per layer: their contexts are gathered by block table into
-a padded ``[B, max_len, kv_heads, d]`` tensor and masked. A request with several new tokens (a
+are served by batched attention: their contexts are gathered by block table into a padded
+``[B, max_len, kv_heads, d]`` tensor and masked, B as large as keeps the gathered K/V within
+~4 MiB (one op for a whole batch at short contexts). A request with several new tokens (a
 prefill chunk) runs one ``scaled_dot_product_attention`` with a causal mask offset by the
 context it already has.
 """
