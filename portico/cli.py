@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything imports torch: OpenMP's default spin-waiting makes every op of a small
+    # model up to 15x slower when the cores are shared (engines beside a gateway, tests,
+    # benchmarks). Passive waiting costs little on an idle machine. A user's setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
