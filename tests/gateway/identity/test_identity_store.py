@@ -70,8 +70,8 @@ def test_packaged_plans_load_with_default_first() -> None:
     plans = load_plans()
     assert list(plans)[0] == "free"
     assert set(plans) == {"free", "standard", "enterprise"}
-    assert plans["free"].allowed_models == ["smollm2-135m"]
-    assert plans["standard"].model_limits["smollm2-135m"].requests_per_minute == 600
+    assert plans["free"].allowed_models == ["smollm2"]
+    assert plans["standard"].model_limits["smollm2"].requests_per_minute == 600
     assert plans["enterprise"].monthly_token_budget is None
 
 
