@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
@@ -27,7 +27,9 @@ from gateway.admin import build_admin_router
 from gateway.admission import Admission, InsufficientQuotaError, LimitExceededError, Ticket
 from gateway.auth import Identity, open_identity
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.engine_metrics import scrape_engines
 from gateway.fields import parse_fields
+from gateway.hot_routes import HotRoutes
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, Replica
 from gateway.principal import Principal
@@ -40,6 +42,7 @@ from gateway.routing import Router, load_routing_policy
 from gateway.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.tls import AdminClientCertGuard
 from gateway.transport import LeanTransport
+from gateway.usage_recorder import UsageRecorder
 from portico.errors import (
     AuthenticationError,
     BodySizeLimitMiddleware,
@@ -70,6 +73,7 @@ class Gateway:
     supervisor: Supervisor | None = None
     draining: bool = False
     runtime_dir: Path | None = None
+    usage: UsageRecorder | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _own_runtime_dir: tempfile.TemporaryDirectory[str] | None = None
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
@@ -168,14 +172,14 @@ class Gateway:
                      exchange: Exchange) -> None:
         """Settle with the real usage (or release the slot when there is none); record it."""
         admission = self.admission
-        assert admission is not None and self.identity is not None
+        recorder = self.usage
+        assert admission is not None and recorder is not None
         usage = exchange.usage
         try:
-            if usage.reported:  # two independent round trips, run together
-                await asyncio.gather(
-                    admission.settle(ticket, usage.prompt_tokens, usage.completion_tokens),
-                    self.identity.store.record_usage(
-                        principal.tenant_id, model, usage.prompt_tokens, usage.completion_tokens))
+            if usage.reported:  # usage is summed in memory and written in batches
+                recorder.record(principal.tenant_id, model, usage.prompt_tokens,
+                                  usage.completion_tokens)
+                await admission.settle(ticket, usage.prompt_tokens, usage.completion_tokens)
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
         finally:
@@ -194,6 +198,8 @@ class Gateway:
         config = self.config
         self.identity = await open_identity(config.redis, config.auth, env)
         redis_url = self.identity.redis_url
+        self.usage = UsageRecorder(self.identity.store)
+        self.usage.start()
         self.admission = Admission(self.identity.redis, config.admission,
                                    registry=self.metrics.registry)
         self.guard = AbuseGuard(redis_url, config.admission.abuse, registry=self.metrics.registry)
@@ -283,6 +289,8 @@ class Gateway:
         for pool in self.pools:
             for replica in pool.replicas:
                 await replica.client.aclose()
+        if self.usage is not None:
+            await self.usage.aclose()  # after the engines drained: every request is counted
         if self.admission is not None:
             await self.admission.aclose()
         if self.identity is not None:
@@ -305,9 +313,9 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
         try:
             await gw.start(env if env is not None else os.environ)
             assert gw.identity is not None and gw.guard is not None
-            app.include_router(
-                build_admin_router(gw.identity.store, gw.identity.authenticator),
-                dependencies=[Depends(gw.guard.admin_dependency)])
+            app.include_router(build_admin_router(
+                gw.identity.store, gw.identity.authenticator,
+                before_auth=gw.guard.admin_dependency))
             yield
         finally:
             await gw.stop()
@@ -319,11 +327,15 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.gateway = gw
     install_error_handlers(app)
+    # Innermost: the hot routes skip FastAPI's router and dependency machinery (hot_routes.py).
+    app.add_middleware(HotRoutes, handler=gw.complete)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=gw.in_flight)
 
+    # POST on these two is answered by HotRoutes before it gets here; the routes stay so that
+    # other methods get FastAPI's 405 and the app's route table lists them.
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await gw.complete(request, "chat", "/v1/chat/completions")
@@ -350,5 +362,10 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/metrics/engines")
+    async def engine_metrics_endpoint() -> Response:
+        body = await scrape_engines(r for pool in gw.pools for r in pool.replicas)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     return app

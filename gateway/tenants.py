@@ -38,6 +38,16 @@ PREFIX = "portico:"
 USAGE_TTL_SECONDS = 400 * 86400
 MAX_USAGE_DAYS = 366
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
+
+
+def usage_fields(model: str, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage hash fields one finished request adds (totals and the model's twins)."""
+    out: dict[str, int] = {}
+    for field, amount in (("requests", 1), ("prompt_tokens", prompt_tokens),
+                          ("completion_tokens", completion_tokens)):
+        out[field] = amount
+        out[f"{model}|{field}"] = amount
+    return out
 DEFAULT_PLANS_FILE = Path(__file__).resolve().parent.parent / "policies" / "plans.yaml"
 
 TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -542,13 +552,22 @@ class TenantStore:
     ) -> None:
         """Count one finished request (one pipelined round trip; per UTC day)."""
         day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        key = f"{PREFIX}usage:{tenant_id}:{day}"
+        await self.add_usage({(tenant_id, day): usage_fields(model, prompt_tokens,
+                                                              completion_tokens)})
+
+    async def add_usage(self, counts: Mapping[tuple[str, str], Mapping[str, int]]) -> None:
+        """Add summed usage fields per ``(tenant_id, "YYYY-MM-DD")`` in one pipelined round trip.
+
+        The fields are those of :func:`usage_fields` (``requests``, ``prompt_tokens``,
+        ``completion_tokens`` and their ``<model>|<counter>`` twins), so a batch of many
+        requests (see ``gateway/usage_recorder.py``) lands exactly as they would one by one.
+        """
         pipe = self.redis.pipeline(transaction=False)
-        for field, amount in (("requests", 1), ("prompt_tokens", prompt_tokens),
-                              ("completion_tokens", completion_tokens)):
-            pipe.hincrby(key, field, amount)
-            pipe.hincrby(key, f"{model}|{field}", amount)
-        pipe.expire(key, USAGE_TTL_SECONDS)
+        for (tenant_id, day), fields in counts.items():
+            key = f"{PREFIX}usage:{tenant_id}:{day}"
+            for field, amount in fields.items():
+                pipe.hincrby(key, field, amount)
+            pipe.expire(key, USAGE_TTL_SECONDS)
         await pipe.execute()
 
     async def usage(self, tenant_id: str, start: date, end: date) -> TenantUsage:

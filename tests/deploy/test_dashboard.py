@@ -141,11 +141,6 @@ def test_dashboard_gateway_names_are_on_a_running_gateway(
     assert wanted and wanted <= scraped, sorted(wanted - scraped)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the gateway does not serve its engines' metrics at /metrics/engines yet; "
-    "Prometheus (job portico-engines) needs it to reach engines on Unix sockets",
-)
 def test_engine_metrics_reach_prometheus_through_the_gateway(gateway: Any) -> None:
     import httpx
 

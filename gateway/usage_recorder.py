@@ -1,0 +1,84 @@
+"""Per-request usage counted in memory and written to Redis in batches.
+
+Writing each request's usage on its own costs a pipelined round trip of seven commands per
+request; summing in memory and flushing every ``interval_s`` costs one round trip per interval
+for all requests, with the same keys and fields (``TenantStore.add_usage``). The admin usage
+API therefore lags by at most ``interval_s``. ``aclose`` flushes what is left (the gateway
+calls it after draining), so a clean shutdown loses nothing; a crash loses at most one
+interval. A failed flush keeps its counts and retries them with the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import datetime, timezone
+
+from gateway.tenants import TenantStore, usage_fields
+
+log = logging.getLogger("portico.gateway.usage")
+
+
+class UsageRecorder:
+    """Sums usage per (tenant, UTC day) and flushes it to the store in the background.
+
+    ``record`` never waits and never raises; ``start`` begins the periodic flush; ``flush``
+    writes everything pending now; ``aclose`` stops the loop and flushes once more.
+    """
+
+    def __init__(self, store: TenantStore, interval_s: float = 0.25) -> None:
+        self._store = store
+        self._interval_s = interval_s
+        self._pending: dict[tuple[str, str], dict[str, int]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._failing = False
+
+    def record(self, tenant_id: str, model: str, prompt_tokens: int,
+               completion_tokens: int) -> None:
+        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        self._add((tenant_id, day), usage_fields(model, prompt_tokens, completion_tokens))
+
+    def _add(self, key: tuple[str, str], fields: dict[str, int]) -> None:
+        into = self._pending.get(key)
+        if into is None:
+            self._pending[key] = fields
+            return
+        for field, amount in fields.items():
+            into[field] = into.get(field, 0) + amount
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self._interval_s)
+            await self.flush()  # never cancelled half way: a batch in flight is not lost
+
+    async def flush(self) -> None:
+        """Write what is pending in one round trip; on failure keep it for the next flush."""
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, {}
+        try:
+            await self._store.add_usage(batch)
+        except Exception as exc:  # Redis down or busy: retried with the next flush
+            for key, fields in batch.items():
+                self._add(key, fields)
+            if not self._failing:
+                self._failing = True
+                log.warning("recording usage failed (kept, retried): %s", exc)
+            return
+        if self._failing:
+            self._failing = False
+            log.warning("recording usage works again")
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        await self.flush()

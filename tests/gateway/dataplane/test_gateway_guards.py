@@ -1,0 +1,78 @@
+"""A gateway process with a small admin limit: failed admin-key guesses are counted (429 before
+the key is checked), ``/metrics/engines`` answers, and usage still pending in the batch is
+written when the gateway shuts down."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.dataplane.harness import ADMIN_KEY, GatewayProcess, fake_engine_command
+
+ADMIN_LIMIT = 5
+
+
+@pytest.fixture(scope="module")
+def redis_for_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis of this module's own: the admin guesses below must not count elsewhere."""
+    from tests.conftest import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("guards-redis"))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(module_tmp: Path, redis_for_module: str) -> Iterator[GatewayProcess]:
+    gw = GatewayProcess(module_tmp, {
+        "redis": {"url": redis_for_module},
+        "admission": {"abuse": {"admin": f"{ADMIN_LIMIT}/minute"}},
+        "engines": [{"name": "fake", "replicas": 1, "command": fake_engine_command()}],
+    }, {}, {})
+    gw.start(timeout=120)
+    yield gw
+    gw.terminate()
+
+
+def test_usage_pending_at_shutdown_is_written_and_admin_guesses_are_limited(
+        gateway: GatewayProcess, redis_for_module: str) -> None:
+    tenant_id, key = gateway.create_tenant("standard")  # two admin requests
+    r = httpx.post(gateway.base_url + "/v1/completions", timeout=30,
+                   headers={"authorization": f"Bearer {key}"},
+                   json={"model": "fake", "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+
+    statuses = []
+    for i in range(ADMIN_LIMIT + 2):
+        resp = httpx.get(gateway.base_url + "/admin/v1/tenants", timeout=10,
+                         headers={"authorization": f"Bearer wrong-admin-key-{i}"})
+        statuses.append(resp.status_code)
+        if resp.status_code == 429:
+            assert resp.json()["error"]["type"] == "rate_limit_error"
+    first_429 = statuses.index(429)
+    assert statuses[0] == 401 and set(statuses[:first_429]) == {401}, statuses
+    assert set(statuses[first_429:]) == {429}, statuses
+    # the limit counts before the key is checked: the right key is refused too now
+    right = httpx.get(gateway.base_url + "/admin/v1/tenants", timeout=10,
+                      headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    assert right.status_code == 429
+
+    engines = httpx.get(gateway.base_url + "/metrics/engines", timeout=10)
+    assert engines.status_code == 200
+    list(text_string_to_metric_families(engines.text))  # well-formed (fake engines: no metrics)
+
+    assert gateway.terminate() == 0, gateway.log()
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    client = redis.Redis.from_url(redis_for_module)
+    try:
+        row = client.hgetall(f"portico:usage:{tenant_id}:{day}")
+    finally:
+        client.close()
+    assert int(row[b"requests"]) == 1 and int(row[b"fake|requests"]) == 1, row
