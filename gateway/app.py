@@ -29,7 +29,7 @@ from gateway.auth import Identity, open_identity
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
 from gateway.engine_metrics import scrape_engines
 from gateway.fields import parse_fields
-from gateway.hot_routes import HotRoutes
+from gateway.hot_routes import GatewayApp, HotRoutes
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, Replica
 from gateway.principal import Principal
@@ -322,19 +322,22 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
 
     # FastAPI's native OpenTelemetry checks its providers on every request; the gateway
     # exports its own Prometheus metrics, so that check is turned off.
-    app = FastAPI(title="Portico gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = GatewayApp(title="Portico gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.gateway = gw
     install_error_handlers(app)
-    # Innermost: the hot routes skip FastAPI's router and dependency machinery (hot_routes.py).
-    app.add_middleware(HotRoutes, handler=gw.complete)
+    # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
+    # but keep the request context and the body-size limit.
+    app.hot_app = RequestContextMiddleware(
+        BodySizeLimitMiddleware(HotRoutes(gw.complete), max_bytes=config.max_body_bytes),
+        metrics=metrics, in_flight=gw.in_flight)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=gw.in_flight)
 
-    # POST on these two is answered by HotRoutes before it gets here; the routes stay so that
+    # POST on these two is answered by app.hot_app before it gets here; the routes stay so that
     # other methods get FastAPI's 405 and the app's route table lists them.
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

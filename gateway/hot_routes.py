@@ -1,24 +1,30 @@
 """The two hot routes served without FastAPI's per-request machinery.
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` take no declared parameters, so
-FastAPI's router, dependency solving, exit stacks and exception middleware add only cost to
-them. :class:`HotRoutes` is a pure ASGI middleware placed inside the request-context and
-body-size middlewares (so request ids, overhead headers, metrics, in-flight counting and the
-413 limit apply unchanged) that answers those two routes itself: it builds a Starlette
-``Request``, calls the handler, and turns :class:`~portico.errors.APIError` into the one error
-shape exactly as ``install_error_handlers`` does. Every other request (admin, models, health,
-other methods on these paths) goes on to the FastAPI app.
+FastAPI's middleware stack (server-error, telemetry and body-limit layers), router, dependency
+solving, exit stacks and exception middleware add only cost to them. :class:`GatewayApp` is the
+FastAPI app with one change: those two are dispatched, before FastAPI's stack, to their own
+short pure-ASGI stack — request context (ids, overhead header, metrics, in-flight count), the
+body-size limit (413), then :class:`HotRoutes`, which builds a Starlette ``Request``, calls the
+handler and turns :class:`~portico.errors.APIError` into the one error shape exactly as
+``install_error_handlers`` does; an unexpected exception is a 500 in that shape (then re-raised
+for the server to log), as FastAPI's server-error layer would answer. Every other request
+(admin, models, health, metrics, other methods on these paths) goes through FastAPI unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from portico.errors import APIError
+from portico.errors import APIError, error_body
+
+log = logging.getLogger("portico.gateway")
 
 Handler = Callable[[Request, str, str], Awaitable[Response]]
 
@@ -26,20 +32,47 @@ HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 class HotRoutes:
-    """Answers ``POST`` on :data:`HOT_PATHS` with ``handler(request, kind, path)``."""
+    """The innermost hot-path app: answers with ``handler(request, kind, path)``."""
 
-    def __init__(self, app: ASGIApp, handler: Handler) -> None:
-        self.app = app
+    def __init__(self, handler: Handler) -> None:
         self.handler = handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = HOT_PATHS.get(scope["path"]) if scope["type"] == "http" else None
-        if kind is None or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
+        path = scope["path"]
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
-            response = await self.handler(Request(scope, receive), kind, scope["path"])
-        except APIError as exc:
-            response = JSONResponse(exc.to_dict(), status_code=exc.status_code,
-                                    headers=exc.headers)
-        await response(scope, receive, send)
+            try:
+                response = await self.handler(Request(scope, receive), HOT_PATHS[path], path)
+            except APIError as exc:
+                response = JSONResponse(exc.to_dict(), status_code=exc.status_code,
+                                        headers=exc.headers)
+            await response(scope, receive, tracking_send)
+        except Exception as exc:
+            if getattr(exc, "status_code", None) == 413:  # the body limit's signal: its answer
+                raise
+            if not started:
+                await JSONResponse(error_body("The server had an error while processing your "
+                                              "request.", "internal_error"),
+                                   status_code=500)(scope, receive, send)
+            raise
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with ``POST`` on :data:`HOT_PATHS` sent to ``hot_app`` once it is set."""
+
+    hot_app: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hot = self.hot_app
+        if (hot is not None and scope["type"] == "http" and scope["path"] in HOT_PATHS
+                and scope["method"] == "POST"):
+            scope["app"] = self
+            await hot(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
