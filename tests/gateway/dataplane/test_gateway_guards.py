@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.dataplane.harness import ADMIN_KEY, GatewayProcess, fake_engine_command
 
-ADMIN_LIMIT = 5
+ADMIN_LIMIT = 6  # 4 used by create_tenant in this module
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,7 @@ def gateway(module_tmp: Path, redis_for_module: str) -> Iterator[GatewayProcess]
     gw = GatewayProcess(module_tmp, {
         "redis": {"url": redis_for_module},
         "admission": {"abuse": {"admin": f"{ADMIN_LIMIT}/minute"}},
+        "max_body_bytes": 16 * 1024,
         "engines": [{"name": "fake", "replicas": 1, "command": fake_engine_command()}],
     }, {}, {})
     gw.start(timeout=120)
@@ -41,9 +42,31 @@ def gateway(module_tmp: Path, redis_for_module: str) -> Iterator[GatewayProcess]
     gw.terminate()
 
 
+def test_hot_routes_keep_the_body_limit_for_chunked_bodies_and_405_for_other_methods(
+        gateway: GatewayProcess) -> None:
+    _, key = gateway.create_tenant("standard")
+
+    def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
+        yield b'{"model": "fake", "prompt": "'
+        for _ in range(64):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(gateway.base_url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"authorization": f"Bearer {key}",
+                            "content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["x-request-id"]
+    r = httpx.get(gateway.base_url + "/v1/chat/completions", timeout=10)
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_usage_pending_at_shutdown_is_written_and_admin_guesses_are_limited(
         gateway: GatewayProcess, redis_for_module: str) -> None:
-    tenant_id, key = gateway.create_tenant("standard")  # two admin requests
+    """Runs last in this module: it uses up the admin limit and shuts the gateway down."""
+    tenant_id, key = gateway.create_tenant("standard")  # two more admin requests
     r = httpx.post(gateway.base_url + "/v1/completions", timeout=30,
                    headers={"authorization": f"Bearer {key}"},
                    json={"model": "fake", "prompt": "hi", "max_tokens": 4})
@@ -56,6 +79,7 @@ def test_usage_pending_at_shutdown_is_written_and_admin_guesses_are_limited(
         statuses.append(resp.status_code)
         if resp.status_code == 429:
             assert resp.json()["error"]["type"] == "rate_limit_error"
+    assert 429 in statuses, statuses
     first_429 = statuses.index(429)
     assert statuses[0] == 401 and set(statuses[:first_429]) == {401}, statuses
     assert set(statuses[first_429:]) == {429}, statuses
@@ -76,3 +100,4 @@ def test_usage_pending_at_shutdown_is_written_and_admin_guesses_are_limited(
     finally:
         client.close()
     assert int(row[b"requests"]) == 1 and int(row[b"fake|requests"]) == 1, row
+
