@@ -48,9 +48,9 @@ def _gather_context(
     num_ctx_blocks = -(-length // block_size)
     ids = block_tables[:, :num_ctx_blocks].reshape(-1).to(torch.int64)
     shape = (block_tables.shape[0], num_ctx_blocks * block_size, kv_heads, head_dim)
-    keys = kv_cache[0].view(num_blocks, -1).index_select(0, ids).view(shape)
-    values = kv_cache[1].view(num_blocks, -1).index_select(0, ids).view(shape)
-    return keys, values
+    # K and V in one op: the cache is [2, num_blocks, ...], so select along the block dim.
+    both = kv_cache.view(2, num_blocks, -1).index_select(1, ids)
+    return both[0].view(shape), both[1].view(shape)
 
 
 def _decode_attention(

@@ -18,7 +18,11 @@ from engine.models.rotary import RopeAngles, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight (as in HF Llama)."""
+    """Root-mean-square norm scaled by a learned weight (as in HF Llama).
+
+    float32 input runs HF's exact formula through one fused op (``F.rms_norm``); other dtypes
+    normalize in float32 and round before the weight, as HF does.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,6 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -73,7 +79,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place on the fresh matmul output: two fewer [T, intermediate] allocations.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
