@@ -98,7 +98,7 @@ def test_logits_match_transformers_for_mixed_prefill_chunks_and_decodes(
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
-    from conftest import build_tiny_llama
+    from tiny_llama import build_tiny_llama
 
     rope = {
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -115,7 +115,7 @@ def test_qwen2_and_mistral_match_transformers(
 ) -> None:
     """Qwen2 adds q/k/v biases; both are saved with an untied head and a sliding window."""
     import transformers
-    from conftest import TINY_LLAMA_CONFIG
+    from tiny_llama import TINY_LLAMA_CONFIG
 
     folder = tmp_path / architecture
     params = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k != "tie_word_embeddings"}

@@ -1,0 +1,69 @@
+"""A tiny random Llama for tests, as a real Hugging Face folder.
+
+Importable by any test (``from tiny_llama import build_tiny_llama``): tests/ is on sys.path
+because tests/conftest.py lives there. Never import from ``conftest`` itself: several
+conftest modules exist and only one of them owns that name in a full run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_LLAMA_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def default_model_gguf() -> Path | None:
+    from engine import registry
+
+    try:
+        return registry.resolve(registry.DEFAULT_MODEL).path
+    except registry.ModelNotFound:
+        return None
+
+
+def _load_real_tokenizer():  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    gguf = default_model_gguf()
+    if gguf is None:
+        pytest.fail("the default model is missing: run `portico models pull smollm2-135m`")
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def build_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
+    """Write a random Llama (HF folder: config, safetensors, SmolLM2's tokenizer) to ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_real_tokenizer()
+    params = dict(TINY_LLAMA_CONFIG, **overrides)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **params,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    # Random init with std 0.02 gives near-uniform logits; widen it so greedy decoding has
+    # clear winners and ties between float paths are rare.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.08)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
