@@ -102,6 +102,7 @@ def run_section(name: str, command: str, body: Callable[[], dict[str, Any]]) -> 
         out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         traceback.print_exc()
     out["seconds"] = round(time.monotonic() - start, 1)
+    out["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"[standard] {name}: {out['status']} in {out['seconds']:.0f} s", flush=True)
     return out
@@ -354,12 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if set(args.only) != set(SECTIONS) and args.results.exists():
         previous = json.loads(args.results.read_text())
     started = datetime.now(timezone.utc)
+    host = machine()
     sections = run_all(args.only, args.quick, args.img_dir)
     for section in sections.values():
+        section["commit"] = host["commit"]
         section["mode"] = "quick" if args.quick else "full"
-        section["finished"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     results = {
-        "machine": machine(),
+        "machine": host,
         "started": started.strftime("%Y-%m-%d %H:%M UTC"),
         "mode": "quick" if args.quick else "full",
         "sections": {**previous.get("sections", {}), **sections},

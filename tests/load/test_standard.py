@@ -138,9 +138,10 @@ def test_a_failing_section_is_recorded_and_does_not_raise() -> None:
     failed = standard.run_section("x", "cmd", broken)
     assert failed["status"] == "failed" and "engine exploded" in failed["error"]
     assert "result" not in failed and failed["command"] == "cmd"
-    assert standard.run_section("y", "cmd", skipped) | {"seconds": 0, "load_average": []} == {
+    assert standard.run_section("y", "cmd", skipped) | {"seconds": 0, "load_average": [],
+                                                         "finished": "t"} == {
         "command": "cmd", "status": "skipped", "error": "no wrk here", "seconds": 0,
-        "load_average": []}
+        "finished": "t", "load_average": []}
     assert standard.run_section("z", "cmd", lambda: {"a": 1})["result"] == {"a": 1}
 
 
