@@ -209,6 +209,11 @@ def _gateway(result: Mapping[str, Any]) -> list[str]:
                      "per side):")
         parts.append(markdown_table(rows, ["side", "requests", "count", "p50 ms", "p90 ms",
                                            "p99 ms", "errors", "gateway CPU ms/req (side)"]))
+        failed = [f"{side}: {run[side]['errors']} failed ({', '.join(run[side]['error_examples'])})"
+                  for side in ("direct", "gateway", "gateway_limits_off")
+                  if side in run and run[side].get("errors")]
+        if failed:
+            parts.append("Failed requests (not in the percentiles): " + "; ".join(failed) + ".")
         added = [{"what": f"gateway - direct ({label})", "p50 ms": o["median_ms"],
                   "p90 ms": o["p90_ms"], "p99 ms": o["p99_ms"]}
                  for label, o in run["overhead"].items()]

@@ -207,3 +207,12 @@ def test_portico_bench_delegates_to_gateway_and_standard() -> None:
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert flag in out.stdout and "--quick" in out.stdout
+
+
+def test_failed_gateway_requests_are_named_not_hidden() -> None:
+    results = _results()
+    run = results["sections"]["gateway"]["result"]["fixed_rate"][0]
+    run["gateway"] = run["gateway"] | {"errors": 2, "error_examples": ["HTTP 503"]}
+    text = render_report(results)
+    assert "Failed requests (not in the percentiles): gateway: 2 failed (HTTP 503)." in text
+    assert "Failed requests" not in render_report(_results())
