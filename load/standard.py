@@ -334,7 +334,7 @@ def machine() -> dict[str, Any]:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version = str(torch.__version__)
     except ImportError:
         torch_version = "not installed"
     return {"cpu": model, "cpu_count": os.cpu_count(), "python": platform.python_version(),
