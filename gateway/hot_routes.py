@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,6 +53,8 @@ class HotRoutes:
                 response = JSONResponse(exc.to_dict(), status_code=exc.status_code,
                                         headers=exc.headers)
             await response(scope, receive, tracking_send)
+        except ClientDisconnect:
+            return  # the client left before its body arrived: no one to answer, nothing taken
         except Exception as exc:
             if getattr(exc, "status_code", None) == 413:  # the body limit's signal: its answer
                 raise

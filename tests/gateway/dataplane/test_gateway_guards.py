@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.dataplane.harness import ADMIN_KEY, GatewayProcess, fake_engine_command
 
-ADMIN_LIMIT = 6  # 4 used by create_tenant in this module
+ADMIN_LIMIT = 8  # 6 used by create_tenant in this module
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,30 @@ def test_hot_routes_keep_the_body_limit_for_chunked_bodies_and_405_for_other_met
     r = httpx.get(gateway.base_url + "/v1/chat/completions", timeout=10)
     assert r.status_code == 405
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_client_leaving_before_its_body_arrives_leaves_no_error_and_no_slot(
+        gateway: GatewayProcess, redis_for_module: str) -> None:
+    import socket
+    from urllib.parse import urlparse
+
+    from tests.gateway.dataplane.harness import live_slots
+
+    tenant_id, key = gateway.create_tenant("standard")
+    where = urlparse(gateway.base_url)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer " + key.encode() + b"\r\ncontent-length: 5000\r\n\r\n"
+            b'{"model": "fake", "prompt": "only part of the body')
+    # the gateway is still healthy, took no concurrency slot, and logged no traceback
+    r = httpx.post(gateway.base_url + "/v1/completions", timeout=30,
+                   headers={"authorization": f"Bearer {key}"},
+                   json={"model": "fake", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert live_slots(redis_for_module, tenant_id) == 0
+    assert "ClientDisconnect" not in gateway.log()
+    assert "Traceback" not in gateway.log()
 
 
 def test_usage_pending_at_shutdown_is_written_and_admin_guesses_are_limited(
