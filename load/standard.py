@@ -351,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "docs/benchmarks.md")
     parser.add_argument("--img-dir", type=Path, default=REPO_ROOT / "docs/img")
     args = parser.parse_args(argv)
+    # Every child benchmark inherits this, as `portico` sets it for its own commands: OpenMP's
+    # spin-waiting slows small-model ops many times over on shared cores.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     previous: dict[str, Any] = {}
     if set(args.only) != set(SECTIONS) and args.results.exists():
         previous = json.loads(args.results.read_text())
