@@ -69,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--repeats", type=int, default=1, help="report the best of N runs")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = choose_device(args.device)
     loaded = load_model(resolve(args.model), choose_dtype(args.dtype, device), device)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        tps = measure_decode(loaded, batch, args.context_len, args.steps)
+        tps = max(
+            measure_decode(loaded, batch, args.context_len, args.steps)
+            for _ in range(max(1, args.repeats))
+        )
         print(f"{loaded.name} {loaded.dtype} {device} threads={torch.get_num_threads()} "
               f"batch={batch} context={args.context_len}: {tps:.1f} tok/s")
     return 0
