@@ -345,12 +345,11 @@ def render_report(results: Mapping[str, Any], report_dir: Path = Path("docs")) -
         f"{results.get('started')}; each section names its commit) on {m.get('cpu')} "
         f"({m.get('cpu_count')} CPUs), Python {m.get('python')}, torch {m.get('torch')}, "
         f"{m.get('platform')}. Raw results: `docs/bench/results.json`.",
-        "This machine has no GPU and was **shared with other work while these numbers were "
-        "taken** (the 1-minute load average is given per section; above the CPU count, "
-        "processes were waiting for a core). Latency and throughput here are therefore lower "
-        "and noisier than on a quiet machine; the gateway's CPU time per request is the "
-        "steadier number. Every number below was measured; nothing is estimated unless it "
-        "says so.",
+        "This machine has no GPU. Each section gives the 1-minute load average before and "
+        "after it: where it is above the CPU count, other work was waiting for a core and "
+        "that section's latency and throughput are lower and noisier than on a quiet machine "
+        "(the gateway's CPU time per request is the steadier number). Every number below was "
+        "measured; nothing is estimated unless it says so.",
         "## Targets",
         markdown_table(targets(sections), ["target", "measured", "verdict"]),
     ]
