@@ -18,6 +18,23 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _step_cdf(ax: Any, values: Sequence[float], label: str) -> None:
+    """An empirical CDF as a step line; nothing for an empty list."""
+    ordered = sorted(values)
+    if ordered:
+        ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        ax.step(ordered, ys, where="post", label=label)
+
+
 def plot_latency_cdfs(runs: Mapping[str, Sequence[RequestResult]], path: str | Path) -> Path:
     """One panel per latency (TTFT, TPOT, end-to-end), one CDF line per run."""
     plt = _pyplot()
@@ -25,22 +42,13 @@ def plot_latency_cdfs(runs: Mapping[str, Sequence[RequestResult]], path: str | P
     metrics = (("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot), ("E2E", lambda r: r.latency))
     for ax, (title, get) in zip(axes, metrics, strict=True):
         for label, results in runs.items():
-            values = sorted(get(r) * 1000 for r in results if r.ok)
-            if not values:
-                continue
-            ys = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, ys, where="post", label=label)
+            _step_cdf(ax, [get(r) * 1000 for r in results if r.ok], label)
         ax.set_title(f"{title} CDF")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_throughput_vs_rate(
@@ -56,12 +64,7 @@ def plot_throughput_vs_rate(
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
@@ -84,23 +87,14 @@ def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, xlabel: s
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, values in series.items():
-        ordered = sorted(values)
-        if not ordered:
-            continue
-        ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
-        ax.step(ordered, ys, where="post", label=label)
+        _step_cdf(ax, values, label)
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_bars(values: Mapping[str, float], path: str | Path, ylabel: str, title: str) -> Path:
@@ -116,9 +110,4 @@ def plot_bars(values: Mapping[str, float], path: str | Path, ylabel: str, title:
     ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8, rotation=20)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
