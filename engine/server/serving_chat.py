@@ -117,18 +117,9 @@ class ChatServing:
         created = self.serving.created()
         include_usage = req.include_usage
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-            body: dict[str, Any] = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.serving.model_name,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = None
-            body.update(extra)
-            return sse.event(body)
+        chunk = sse.chunk_writer(
+            request_id, "chat.completion.chunk", created, self.serving.model_name, include_usage
+        )
 
         def choice(index: int, delta: dict[str, Any], finish: str | None = None,
                    logprobs: Any = None) -> dict[str, Any]:

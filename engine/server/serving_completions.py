@@ -137,18 +137,9 @@ class CompletionServing:
         created = self.serving.created()
         include_usage = req.include_usage
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-            body: dict[str, Any] = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.serving.model_name,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = None
-            body.update(extra)
-            return sse.event(body)
+        chunk = sse.chunk_writer(
+            request_id, "text_completion", created, self.serving.model_name, include_usage
+        )
 
         def choice(index: int, text: str, finish: str | None = None,
                    logprobs: Any = None) -> dict[str, Any]:

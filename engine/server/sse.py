@@ -7,6 +7,7 @@ travels as one ``data: {"error": {...}}`` event (OpenAI's error object) followed
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from portico.errors import APIError, error_body
@@ -19,6 +20,31 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def event(payload: dict[str, Any]) -> bytes:
     """One SSE event carrying ``payload`` as compact JSON."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunk_writer(
+    request_id: str, object_name: str, created: int, model: str, include_usage: bool
+) -> Callable[..., bytes]:
+    """``chunk(choices, **extra) -> bytes``: one streamed chunk event of a response.
+
+    Every chunk carries the response's id, object, created and model; with ``include_usage``
+    it also carries ``"usage": null`` until the final usage chunk sets it, as OpenAI's do.
+    """
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body: dict[str, Any] = {
+            "id": request_id,
+            "object": object_name,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return event(body)
+
+    return chunk
 
 
 def error_event(exc: BaseException) -> bytes:
