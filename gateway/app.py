@@ -30,11 +30,13 @@ from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
 from gateway.engine_metrics import scrape_engines
 from gateway.fields import parse_fields
 from gateway.hot_routes import GatewayApp, HotRoutes
+from gateway.limiter import RedisLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, Replica
 from gateway.principal import Principal
 from gateway.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.proxy import Exchange, LocalUpstream, RelayResponse, upstream_body
+from gateway.redis_pipe import RedisPipe
 from gateway.remote import RemoteUpstream
 from gateway.request_context import CTX_KEY, InFlight, RequestContext, RequestContextMiddleware
 from gateway.retry import RetryPolicy, load_retry_policy
@@ -74,6 +76,7 @@ class Gateway:
     draining: bool = False
     runtime_dir: Path | None = None
     usage: UsageRecorder | None = None
+    limiter_pipe: RedisPipe | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _own_runtime_dir: tempfile.TemporaryDirectory[str] | None = None
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
@@ -200,8 +203,14 @@ class Gateway:
         redis_url = self.identity.redis_url
         self.usage = UsageRecorder(self.identity.store)
         self.usage.start()
+        # Admission's two scripts per request go over one pipelined connection (redis_pipe.py);
+        # redis-py's per-command cost was the largest single share of the gateway's CPU.
+        self.limiter_pipe = RedisPipe.from_client(self.identity.redis)
+        limiter = RedisLimiter(self.identity.redis,
+                               budget_ttl_s=config.admission.budget_key_ttl_seconds,
+                               pipe=self.limiter_pipe)
         self.admission = Admission(self.identity.redis, config.admission,
-                                   registry=self.metrics.registry)
+                                   registry=self.metrics.registry, limiter=limiter)
         self.guard = AbuseGuard(redis_url, config.admission.abuse, registry=self.metrics.registry)
         retry = load_retry_policy(config.policies_dir / "retry.yaml")
         routing = load_routing_policy(config.policies_dir / "routing.yaml")
@@ -293,6 +302,8 @@ class Gateway:
             await self.usage.aclose()  # after the engines drained: every request is counted
         if self.admission is not None:
             await self.admission.aclose()
+        if self.limiter_pipe is not None:
+            await self.limiter_pipe.aclose()
         if self.identity is not None:
             await self.identity.aclose()
         if self._own_runtime_dir is not None:

@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Protocol
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
+
+from gateway.redis_pipe import RedisPipe, script_sha
 
 US_PER_MINUTE = 60_000_000
 LUA_SOURCE = resources.files("gateway").joinpath("limiter.lua").read_text()
@@ -114,9 +116,11 @@ class Limiter(Protocol):
 class RedisLimiter:
     """Limiter backed by ``gateway/limiter.lua`` on a shared Redis.
 
-    One EVALSHA per admission and one per settle (redis-py's registered script reloads it on
-    NOSCRIPT). ``clock`` exists for the conformance tests only: when given, its time (us) is
-    sent to the script instead of letting the script read Redis ``TIME``.
+    One EVALSHA per admission and one per settle (reloaded with EVAL on NOSCRIPT). With a
+    ``pipe`` (:class:`~gateway.redis_pipe.RedisPipe`, what the gateway uses) they go over its
+    one pipelined connection; without, through redis-py's client and pool. ``clock`` exists for
+    the conformance tests only: when given, its time (us) is sent to the script instead of
+    letting the script read Redis ``TIME``.
     """
 
     def __init__(
@@ -125,10 +129,18 @@ class RedisLimiter:
         *,
         budget_ttl_s: int = 62 * 86400,
         clock: Callable[[], int] | None = None,
+        pipe: RedisPipe | None = None,
     ) -> None:
         self._script = redis.register_script(LUA_SOURCE)
+        self._sha = script_sha(LUA_SOURCE)
         self._budget_ttl_s = budget_ttl_s
         self._clock = clock
+        self._pipe = pipe
+
+    async def _run(self, keys: tuple[str, ...], args: list[str | int]) -> Any:
+        if self._pipe is not None:
+            return await self._pipe.evalsha(self._sha, LUA_SOURCE, keys, args)
+        return await self._script(keys=keys, args=args)
 
     def _now_arg(self) -> str | int:
         return "" if self._clock is None else self._clock()
@@ -148,7 +160,7 @@ class RedisLimiter:
         args += buckets.slot_limits
         args += buckets.budget_limits
         args += (slot_id, lease_us)
-        reply = await self._script(keys=buckets.keys, args=args)
+        reply = await self._run(buckets.keys, args)
         n_rate, n_slot = len(buckets.rate_keys), len(buckets.slot_keys)
         rate_end = 3 + 2 * n_rate
         return Decision(
@@ -179,7 +191,7 @@ class RedisLimiter:
             args += (limit, delta)
         args += charges
         args += (slot_id, self._budget_ttl_s)
-        await self._script(keys=buckets.keys, args=args)
+        await self._run(buckets.keys, args)
 
 
 class LocalLimiter:

@@ -11,6 +11,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from gateway.limiter import Limiter, LocalLimiter, RedisLimiter
 from gateway.principal import Limits, Principal
+from gateway.redis_pipe import RedisPipe
 
 # A stopped Redis is found at once whatever these are (its socket is gone); they only bound
 # how long a test can hang, and must not fire on a merely loaded machine.
@@ -73,14 +74,18 @@ def clock_factory() -> Callable[[], FakeClock]:
     return FakeClock
 
 
-@pytest.fixture(params=["redis", "local"])
+@pytest.fixture(params=["redis", "redis-pipe", "local"])
 async def limiter(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Limiter]:
-    """Each implementation of the Limiter interface, on the fake clock."""
+    """Each implementation of the Limiter interface, on the fake clock (the Redis one both
+    through redis-py and through the gateway's pipelined connection)."""
     if request.param == "local":
         yield LocalLimiter(clock=clock)
         return
     client = make_redis(request.getfixturevalue("redis_url"))
-    yield RedisLimiter(client, clock=clock)
+    pipe = RedisPipe.from_client(client) if request.param == "redis-pipe" else None
+    yield RedisLimiter(client, clock=clock, pipe=pipe)
+    if pipe is not None:
+        await pipe.aclose()
     await client.aclose()
 
 
