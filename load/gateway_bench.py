@@ -64,6 +64,7 @@ from load.serve_bench import percentiles
 TARGET_P50_MS = 1.0
 TARGET_P99_MS = 5.0
 TARGET_RPS = 1500.0
+PHASES = ("fixed", "limits", "saturation")
 
 
 # ---------------------------------------------------------------- tenants and requests
@@ -231,12 +232,19 @@ def run_wrk(url: str, shots: Sequence[Shot], duration_s: float, connections: int
 
 def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenant],
                rate: float, duration_s: float, rounds: int,
-               open_tenants: Sequence[BenchTenant] = ()) -> dict[str, Any]:
+               open_tenants: Sequence[BenchTenant] = (), warmup_s: float = 0.0
+               ) -> dict[str, Any]:
     """Direct and gateway at ``rate`` req/s, alternating ``rounds`` times; samples pooled.
 
+    Each side's run starts with ``warmup_s`` of the same load whose samples are dropped: a side
+    has sat idle while the others ran, and on a virtual machine the first tens of milliseconds
+    of work on a core idle for seconds run several times slower (measured: a 0.55 ms piece of
+    Python takes 2.4 ms after 1 s idle and 5 ms after 3-5 s; the gateway's first request after
+    5 s idle took 30-40 ms). Without it, those first requests of every round are the p99.
     With ``open_tenants`` (no limits), a third side ``gateway_limits_off`` runs in each round.
     """
     num = max(1, round(rate * duration_s))
+    warm = round(rate * warmup_s)
     sides = {"direct": (direct_port, build_shots(f"127.0.0.1:{direct_port}", tenants)),
              "gateway": (gw.port, build_shots(f"127.0.0.1:{gw.port}", tenants))}
     if open_tenants:
@@ -245,10 +253,13 @@ def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenan
     cpu = dict.fromkeys(sides, 0.0)
     for _ in range(rounds):
         for side, (port, shots) in sides.items():
+            if warm:
+                run_async(open_loop("127.0.0.1", port, shots, rate, warm))
             before = cpu_seconds(gw.pid)
             runs[side] += run_async(open_loop("127.0.0.1", port, shots, rate, num))
             cpu[side] += cpu_seconds(gw.pid) - before
-    out: dict[str, Any] = {"rate": rate, "requests_per_side": num * rounds, "rounds": rounds}
+    out: dict[str, Any] = {"rate": rate, "requests_per_side": num * rounds, "rounds": rounds,
+                           "warmup_s_per_run": warmup_s}
     for side, samples in runs.items():
         errors = [s for s in samples if s.status != 200]
         out[side] = {label: latency_stats(samples, label) for label in ("json", "stream")}
@@ -348,6 +359,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.sched_setaffinity(0, cpu_set(client_cpus))
     result: dict[str, Any] = {
         "config": {"gateway_cpus": gateway_cpus, "client_cpus": client_cpus,
+                   "direct_upstream_cpus": gateway_cpus, "engine_and_redis_cpus": client_cpus,
+                   "warmup_s": args.warmup, "phases": args.phases,
                    "tenants": args.tenants, "keys_per_tenant": args.keys_per_tenant,
                    "models": list(MODELS), "rates": args.rates, "duration_s": args.duration,
                    "rounds": args.rounds, "wrk_duration_s": args.wrk_duration,
@@ -359,7 +372,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gwbench-")))
         redis_url = stack.enter_context(redis_server(workdir, client_cpus))
-        direct_port = stack.enter_context(direct_upstream(workdir, client_cpus))
+        # The direct upstream sits on the gateway's core (idle while direct runs): a call to it
+        # crosses from the generator's core to another, as the generator's call to the gateway
+        # does. On the generator's own core it answered in-core (~10 us a round trip here against
+        # ~130 us across cores), a baseline no upstream elsewhere could have.
+        direct_port = stack.enter_context(direct_upstream(workdir, gateway_cpus))
         gw = stack.enter_context(gateway(workdir, redis_url, gateway_cpus, client_cpus))
         base = f"http://127.0.0.1:{gw.port}"
         tenants = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant)
@@ -369,13 +386,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_async(closed_loop("127.0.0.1", gw.port, warm, 8, num_requests=400))
         unlimited = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant,
                                    "open", plan="open")
-        result["fixed_rate"] = [fixed_rate(direct_port, gw, tenants, rate, args.duration,
-                                           args.rounds, unlimited if i == 0 else ())
-                                for i, rate in enumerate(args.rates)]
-        result["rate_limits"] = limits_under_load(gw.port, tenants, limited, args.rates[0],
-                                                  args.duration, args.hammer)
-        result["saturation"] = saturation(direct_port, gw, tenants, args.wrk_duration,
-                                          args.connections, client_cpus, workdir)
+        if "fixed" in args.phases:
+            result["fixed_rate"] = [fixed_rate(direct_port, gw, tenants, rate, args.duration,
+                                               args.rounds, unlimited if i == 0 else (),
+                                               args.warmup)
+                                    for i, rate in enumerate(args.rates)]
+        if "limits" in args.phases:
+            result["rate_limits"] = limits_under_load(gw.port, tenants, limited, args.rates[0],
+                                                      args.duration, args.hammer)
+        if "saturation" in args.phases:
+            result["saturation"] = saturation(direct_port, gw, tenants, args.wrk_duration,
+                                              args.connections, client_cpus, workdir)
     return result
 
 
@@ -455,6 +476,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0, 500.0])
     p.add_argument("--duration", type=float, default=15.0, help="seconds per side per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=float, default=1.0,
+                   help="seconds of load before each side's measured run, not counted")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                   help="which parts to run (default: all)")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--keys-per-tenant", type=int, default=4)
     p.add_argument("--limited-rpm", type=int, nargs="+", default=[30, 60])
