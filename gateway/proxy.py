@@ -30,6 +30,7 @@ from gateway.fields import RequestFields
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool, Replica
 from gateway.retry import RetryPolicy
+from gateway.transport import read_body
 from portico.errors import ServiceUnavailableError, UpstreamError, error_body
 
 log = logging.getLogger("portico.gateway.proxy")
@@ -248,7 +249,7 @@ class LocalUpstream:
         content_type = resp.headers.get("content-type", "application/json")
         if not fields.stream or resp.status_code != 200:
             try:
-                body = await resp.aread()
+                body = await read_body(resp)
             except httpx.HTTPError as exc:
                 raise _BrokenAnswer(str(exc)) from exc
             finally:

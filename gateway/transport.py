@@ -154,6 +154,15 @@ class _Body(httpx.AsyncByteStream):
             self.pool.release(self.conn, self.done and self.conn.keep_alive)
 
 
+async def read_body(response: httpx.Response) -> bytes:
+    """The whole body of ``response``: straight from this transport's stream when the body is
+    not content-encoded (httpx's decoder layers cost more than the read), else ``aread``."""
+    stream = response.stream
+    if isinstance(stream, _Body) and "content-encoding" not in response.headers:
+        return b"".join([chunk async for chunk in stream])
+    return await response.aread()
+
+
 class LeanTransport(httpx.AsyncBaseTransport):
     """httpx transport: HTTP/1.1 keep-alive to one server on ``uds`` or ``host:port``."""
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from datetime import datetime, timezone
+import time
+from datetime import datetime, timedelta, timezone
 
 from gateway.tenants import TenantStore, usage_fields
 
@@ -31,14 +32,42 @@ class UsageRecorder:
         self._store = store
         self._interval_s = interval_s
         self._pending: dict[tuple[str, str], dict[str, int]] = {}
+        # (tenant, day, model) -> [requests, prompt tokens, completion tokens] since the flush
+        self._counts: dict[tuple[str, str, str], list[int]] = {}
+        self._day = ""
+        self._day_start = self._day_end = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._failing = False
 
     def record(self, tenant_id: str, model: str, prompt_tokens: int,
                completion_tokens: int) -> None:
-        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        self._add((tenant_id, day), usage_fields(model, prompt_tokens, completion_tokens))
+        now = time.time()
+        if not self._day_start <= now < self._day_end:
+            self._set_day(now)
+        key = (tenant_id, self._day, model)
+        counts = self._counts.get(key)
+        if counts is None:
+            self._counts[key] = [1, prompt_tokens, completion_tokens]
+        else:  # the hot case: three additions, the usage fields are built once per flush
+            counts[0] += 1
+            counts[1] += prompt_tokens
+            counts[2] += completion_tokens
+
+    def _set_day(self, now: float) -> None:
+        start = datetime.fromtimestamp(now, timezone.utc).replace(hour=0, minute=0, second=0,
+                                                                  microsecond=0)
+        self._day = start.strftime("%Y-%m-%d")
+        self._day_start = start.timestamp()
+        self._day_end = (start + timedelta(days=1)).timestamp()
+
+    def _take_counts(self) -> None:
+        """Turn the per-(tenant, day, model) sums into pending usage fields."""
+        counts, self._counts = self._counts, {}
+        for (tenant_id, day, model), (requests, prompt, completion) in counts.items():
+            fields = usage_fields(model, prompt, completion)
+            fields["requests"] = fields[f"{model}|requests"] = requests
+            self._add((tenant_id, day), fields)
 
     def _add(self, key: tuple[str, str], fields: dict[str, int]) -> None:
         into = self._pending.get(key)
@@ -60,6 +89,7 @@ class UsageRecorder:
 
     async def flush(self) -> None:
         """Write what is pending in one round trip; on failure keep it for the next flush."""
+        self._take_counts()
         if not self._pending:
             return
         batch, self._pending = self._pending, {}
