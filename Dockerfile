@@ -2,8 +2,8 @@
 # Portico: the gateway and its engines in one image, run as a non-root user.
 #
 #   docker build -t portico .                                   # CPU torch
-#   docker build -t portico:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#                --build-arg WITH_TRITON_TOOLCHAIN=true .       # NVIDIA GPUs (Triton kernels)
+#   docker build -t portico:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#                                                               # NVIDIA GPUs (Triton kernels)
 #
 # deploy/compose/docker-compose.yml builds and runs it; docs/deployment.md explains the options.
 
@@ -32,13 +32,11 @@ RUN pip install . \
 
 # ---------------------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE}
-# Triton compiles a small launcher with the system C compiler the first time a kernel runs;
-# only GPU images need it.
-ARG WITH_TRITON_TOOLCHAIN=false
-RUN if [ "${WITH_TRITON_TOOLCHAIN}" = "true" ]; then \
-      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi \
+# The engine builds its native CPU kernels (engine/kernels/cpu_kernels.c) for the CPU it runs
+# on, the first time it starts, and Triton compiles a small launcher on GPUs: both use the
+# system C compiler. Without it the engine still runs, on its slower PyTorch kernels.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 portico \
  && useradd --system --uid 10001 --gid portico --home-dir /var/lib/portico --create-home \
       --shell /usr/sbin/nologin portico \

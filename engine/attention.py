@@ -98,6 +98,13 @@ def paged_attention_step(
     Returns [T, heads, d]: each request's queries attend causally to its whole cached context.
     """
     kernels.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    return attend_paged(query, kv_cache, meta, scale)
+
+
+def attend_paged(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attend ``query`` ([T, heads, d]) to each request's context, already in ``kv_cache``."""
     return kernels.paged_attention(
         query,
         kv_cache,

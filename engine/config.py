@@ -11,6 +11,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 _MEMORY_UNITS = {
     "": 1, "b": 1,
@@ -56,6 +57,8 @@ class EngineConfig:
     served_model_name: str | None = None  # None: the model spec as given
     dtype: str = "auto"  # auto: bfloat16 on CUDA when supported, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
+    # auto: a GGUF model on CPU keeps its Q4_1/Q8_0 blocks for small batches ("gguf")
+    quantization: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -74,6 +77,7 @@ class EngineConfig:
             raise ValueError("--model must be a model alias, folder or .gguf path")
         _check_choice("--dtype", self.dtype, DTYPES)
         _check_choice("--device", self.device, DEVICES)
+        _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
         _check_int("--block-size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
@@ -114,6 +118,9 @@ class EngineConfig:
         g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         g.add_argument("--device", default=d.device, choices=DEVICES)
+        g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                       help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
+                       "(CPU); auto: gguf when the model is GGUF and the device the CPU")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most requests running at once")  # fmt: skip

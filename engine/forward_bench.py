@@ -18,7 +18,13 @@ import time
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
+from engine.model_loader import (
+    QUANTIZATIONS,
+    LoadedModel,
+    choose_device,
+    choose_dtype,
+    load_model,
+)
 from engine.registry import resolve
 
 
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="auto: keep a GGUF model's blocks for small batches on CPU")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
@@ -74,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = choose_device(args.device)
-    loaded = load_model(resolve(args.model), choose_dtype(args.dtype, device), device)
+    loaded = load_model(
+        resolve(args.model), choose_dtype(args.dtype, device), device, args.quantization
+    )
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         tps = max(
             measure_decode(loaded, batch, args.context_len, args.steps)
             for _ in range(max(1, args.repeats))
         )
-        print(f"{loaded.name} {loaded.dtype} {device} threads={torch.get_num_threads()} "
+        print(f"{loaded.name} {loaded.dtype} {device} quantization={args.quantization} "
+              f"threads={torch.get_num_threads()} "
               f"batch={batch} context={args.context_len}: {tps:.1f} tok/s")
     return 0
 

@@ -114,6 +114,12 @@ class GGUFFile:
         array = dequantize(np.asarray(raw).reshape(rows, -1), info.qtype)
         return np.array(array, dtype=np.float32).reshape(info.shape)
 
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s stored bytes, one row per output row: ``[rows, bytes per row]``."""
+        info = self.tensors[name]
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return np.asarray(self._data[info.offset : info.offset + info.nbytes]).reshape(rows, -1)
+
     def iter_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self.tensors:
             yield name, self.load(name)

@@ -115,7 +115,9 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve and load ``config.model`` on ``config.device`` and build the engine."""
         device = choose_device(config.device)
-        loaded = load_model(resolve(config.model), choose_dtype(config.dtype, device), device)
+        loaded = load_model(
+            resolve(config.model), choose_dtype(config.dtype, device), device, config.quantization
+        )
         return cls(config, loaded)
 
     # ------------------------------------------------------------------ admission

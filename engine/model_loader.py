@@ -22,10 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.config import QUANTIZATIONS
 from engine.gguf_file import GGUFFile
+from engine.kernels import cpu
 from engine.model_config import ModelConfig
+from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.llama import LlamaForCausalLM
 from engine.registry import ModelNotFound, ModelSource, models_dir
 
@@ -147,7 +151,50 @@ _GGUF_NAMES = {
 }
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedTokenizerBase]:
+_BLOCK_KINDS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+
+
+def _gguf_blocks(
+    gguf: GGUFFile, cfg: ModelConfig, permuted: bool
+) -> dict[str, GGUFBlocks]:
+    """The linear weights stored as Q4_1/Q8_0 blocks, under our module names (``...qkv_proj``,
+    ``lm_head``), with q/k rows unpermuted and q/k/v, gate/up stacked like the dense weights.
+    A layer whose parts are stored in other formats is left out (it runs dense)."""
+
+    def blocks(name: str) -> GGUFBlocks | None:
+        info = gguf.tensors.get(name)
+        kind = _BLOCK_KINDS.get(info.qtype) if info is not None else None
+        return GGUFBlocks.from_raw(kind, gguf.raw(name)) if kind else None
+
+    def stacked(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
+        if any(p is None for p in parts) or len({p.kind for p in parts if p}) != 1:
+            return None
+        return GGUFBlocks.concat([p for p in parts if p is not None])
+
+    def unpermute(part: GGUFBlocks | None, heads: int) -> GGUFBlocks | None:
+        if part is None or not permuted:
+            return part
+        order = _unpermute_qk(torch.arange(part.scales.shape[0]), heads)
+        return part.rows(order)
+
+    found: dict[str, GGUFBlocks | None] = {}
+    output = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    found["lm_head"] = blocks(output)
+    for i in range(cfg.num_hidden_layers):
+        blk, p = f"blk.{i}.", f"model.layers.{i}."
+        q = unpermute(blocks(f"{blk}attn_q.weight"), cfg.num_attention_heads)
+        k = unpermute(blocks(f"{blk}attn_k.weight"), cfg.num_key_value_heads)
+        found[f"{p}self_attn.qkv_proj"] = stacked([q, k, blocks(f"{blk}attn_v.weight")])
+        found[f"{p}self_attn.o_proj"] = blocks(f"{blk}attn_output.weight")
+        gate_up = [blocks(f"{blk}ffn_gate.weight"), blocks(f"{blk}ffn_up.weight")]
+        found[f"{p}mlp.gate_up_proj"] = stacked(gate_up)
+        found[f"{p}mlp.down_proj"] = blocks(f"{blk}ffn_down.weight")
+    return {name: b for name, b in found.items() if b is not None and b.shape[1] % 32 == 0}
+
+
+def _load_gguf(
+    path: Path, with_blocks: bool = False
+) -> tuple[ModelConfig, dict[str, Any], PreTrainedTokenizerBase, dict[str, GGUFBlocks]]:
     gguf = GGUFFile(path)
     tensors = {name: torch.from_numpy(array) for name, array in gguf.iter_tensors()}
     meta = gguf.metadata
@@ -177,7 +224,8 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedToken
         state[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up])
         for ours_suffix, theirs in ((v, k) for k, v in _GGUF_NAMES.items()):
             state[p + ours_suffix] = tensors.pop(blk + theirs)
-    return cfg, state, _gguf_tokenizer(path)
+    found = _gguf_blocks(gguf, cfg, permuted) if with_blocks else {}
+    return cfg, state, _gguf_tokenizer(path), found
 
 
 def _tokenizer_cache_dir(path: Path) -> Path:
@@ -217,19 +265,42 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 # --------------------------------------------------------------------------- entry point
 
 
+def resolve_quantization(spec: str, source: ModelSource, device: torch.device | str) -> str:
+    """``auto``: ``gguf`` for a GGUF model on a CPU where the native kernels build, else
+    ``none``. ``gguf`` on another kind of source, or on CUDA, is refused with a ValueError."""
+    if spec not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got '{spec}'")
+    on_cpu = torch.device(device).type == "cpu"
+    if spec == "auto":
+        return "gguf" if source.format == "gguf" and on_cpu and cpu.available() else "none"
+    if spec == "gguf" and (source.format != "gguf" or not on_cpu):
+        raise ValueError(
+            f"quantization 'gguf' needs a GGUF model on the CPU; '{source.name}' is "
+            f"{source.format} on {torch.device(device).type}"
+        )
+    return spec
+
+
 def load_model(
-    source: ModelSource, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    source: ModelSource,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load ``source`` (``format`` "hf" or "gguf") as ``dtype`` weights on ``device``.
 
+    ``quantization`` (:func:`resolve_quantization`): with ``gguf`` the linear layers also keep
+    the file's Q4_1/Q8_0 blocks and small batches run on them (:mod:`engine.models.block_linear`).
     Raises :class:`~engine.registry.ModelNotFound` (a ``ValueError``) naming the model when its
     files are missing, and ``ValueError`` for an unsupported architecture.
     """
     path = Path(source.path)
+    quantization = resolve_quantization(quantization, source, device)
+    found: dict[str, GGUFBlocks] = {}
     if source.format == "gguf":
         if not path.is_file():
             raise ModelNotFound(f"Model '{source.name}': GGUF file '{path}' does not exist.")
-        cfg, state, tokenizer = _load_gguf(path)
+        cfg, state, tokenizer, found = _load_gguf(path, with_blocks=quantization == "gguf")
     elif source.format == "hf":
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"Model '{source.name}': '{path}' has no config.json.")
@@ -250,4 +321,14 @@ def load_model(
     model.rotary_emb.build_tables()
     model.to(device)
     model.eval()
+    for name, blocks in found.items():
+        if name == "lm_head":
+            if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
+                model.lm_head_blocks = blocks
+        else:
+            module = model.get_submodule(name)
+            if isinstance(module, BlockLinear) and blocks.shape == tuple(module.weight.shape):
+                module.blocks = blocks
+    if found:
+        log.info("%s: %d weight matrices also kept in GGUF blocks", source.name, len(found))
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=source.name)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import QUANTIZATIONS, EngineConfig
+from engine.kernels import cpu as cpu_kernels
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import choose_device, choose_dtype, load_model
@@ -158,6 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="auto: a GGUF model on CPU runs small batches on its own blocks")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=600)
@@ -188,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
+        quantization=args.quantization,
     )
-    engine = LLMEngine(config, load_model(source, dtype, device))
+    engine = LLMEngine(config, load_model(source, dtype, device, args.quantization))
     work = make_workload(args, engine.vocab_size)
     print(f"workload: {len(work.prompts)} requests, {work.num_prompt_tokens} prompt tokens, "
           f"{work.num_output_tokens} output tokens; {device.type} {dtype}", file=sys.stderr)
@@ -207,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         "model": source.name,
         "device": device.type,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantization": args.quantization,
+        "cpu_kernels": cpu_kernels.available(),
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),

@@ -1,14 +1,17 @@
-"""Kernels of the engine: Triton on CUDA, their PyTorch references everywhere else.
+"""Kernels of the engine: Triton on CUDA, native C on CPU, and their PyTorch references.
 
 :func:`write_kv_cache` and :func:`paged_attention` pick the implementation from the device of
 their inputs. Triton is imported only when a CUDA tensor arrives, so a CPU process never pays
-for it (and tests can set ``TRITON_INTERPRET=1`` before the first import).
+for it (and tests can set ``TRITON_INTERPRET=1`` before the first import). On CPU, attention
+runs the native kernel of :mod:`engine.kernels.cpu` when it is built (it reads the paged cache
+in place) and the PyTorch reference otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.kernels import cpu
 from engine.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 
@@ -40,6 +43,9 @@ def paged_attention(
         from engine.kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(*args, query_lens_cpu, seq_lens_cpu)
+    out = cpu.paged_attention_cpu(*args)
+    if out is not None:
+        return out
     return paged_attention_ref(*args, query_lens_cpu, seq_lens_cpu)
 
 

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention_step
+from engine.attention import AttentionMetadata, attend_paged, paged_attention_step
+from engine.kernels import cpu
 from engine.model_config import ModelConfig
+from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul
 from engine.models.rotary import RopeAngles, RotaryEmbedding
 
 
@@ -36,6 +38,20 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """``x += delta`` in place (the residual stream), then the norm of ``x``.
+
+        bfloat16 on CPU runs both in one native kernel (:mod:`engine.kernels.cpu`); float32
+        keeps PyTorch's ops, whose results the tests compare with transformers bit for bit.
+        """
+        if x.dtype == torch.bfloat16 and not x.is_cuda:
+            out = cpu.add_rms_norm_cpu(x, delta, self.weight, self.eps)
+            if out is not None:
+                return out
+        if delta is not None:
+            x.add_(delta)
+        return self(x)
+
 
 class LlamaAttention(nn.Module):
     """Self-attention with grouped KV heads, RoPE, and the paged cache."""
@@ -47,8 +63,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = BlockLinear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = BlockLinear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -59,6 +75,14 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if not qkv.is_cuda and cpu.rope_write_kv_cpu(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.cos_table,
+            rope.sin_table, rope.positions, kv_cache, meta.slot_mapping,
+        ):  # fmt: skip
+            # Rotated and cached in one native call; queries are a view of the qkv rows.
+            q = qkv[:, : self.num_heads * self.head_dim].view(tokens, self.num_heads, -1)
+            out = attend_paged(q, kv_cache, meta, self.scale)
+            return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
         qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         # Rotate queries and keys together: one RoPE call per layer.
         qk = rope.rotate(qkv[:, :qk_width].view(tokens, -1, self.head_dim))
@@ -74,8 +98,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = BlockLinear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
+        )
+        self.down_proj = BlockLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -99,9 +125,13 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Add ``pending`` (the previous layer's MLP output) to the residual stream ``x`` in
+        place, run this layer, and return its MLP output: the next ``pending``. Deferring the
+        add lets it fuse with the next norm."""
+        attn = self.self_attn(rope, self.input_layernorm.add_and_norm(x, pending), kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(x, attn))
 
 
 class LlamaModel(nn.Module):
@@ -130,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The output projection in GGUF blocks (set by the loader with quantization "gguf").
+        self.lm_head_blocks: GGUFBlocks | None = None
 
     def forward(
         self,
@@ -139,13 +171,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Run the ``[T]`` flattened tokens at ``positions``; returns hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, in place
         rope = self.rotary_emb.lookup(positions, x.dtype)
+        pending: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
-        return self.model.norm(x)
+            pending = layer(rope, x, kv_cache, meta, pending)
+        return self.model.norm.add_and_norm(x, pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for hidden states [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return block_matmul(hidden, weight, self.lm_head_blocks, None).float()

@@ -107,15 +107,23 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAngles:
         """Cos/sin rows for ``positions`` ([T]), once per step, shared by every layer."""
         return RopeAngles(
-            self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+            positions,
+            self.cos,
+            self.sin,
         )
 
 
 class RopeAngles(NamedTuple):
-    """Cos and sin ([T, 1, d / 2]) of one step's positions, in the model's dtype."""
+    """Cos and sin ([T, 1, d / 2]) of one step's positions, in the model's dtype; and the
+    positions with the whole float32 tables, for kernels that rotate in place."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ([T, heads, d], rotate-half layout); returns a new tensor."""

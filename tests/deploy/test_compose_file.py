@@ -113,7 +113,7 @@ def test_gateway_is_healthchecked_drains_and_runs_unprivileged(resolved: dict[st
         assert gw["init"] is True
     gpu = resolved["services"]["gateway-gpu"]
     assert gpu["profiles"] == ["gpu"]
-    assert gpu["build"]["args"]["WITH_TRITON_TOOLCHAIN"] == "true"
+    assert "cu1" in gpu["build"]["args"]["TORCH_INDEX_URL"]  # a CUDA build of torch
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert "gateway" in gpu["networks"]["backend"]["aliases"]
 

@@ -153,3 +153,23 @@ def test_greedy_matches_under_preemption(
     assert engine.stats().num_preemptions > 0
     assert tokens == hf_references
     assert_idle(engine)
+
+
+def test_greedy_matches_on_the_gguf_blocks(
+    smollm2_gguf: Path, prompts: list[list[int]], hf_references: list[list[int]]
+) -> None:
+    """quantization "gguf": steps of few rows run on the file's Q4_1/Q8_0 blocks (native
+    kernels) and must still give transformers' tokens; at most 4 sequences at a time, so most
+    decode steps take the block path."""
+    from engine.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    quantized = load_model(
+        ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu", "gguf"
+    )
+    layer = quantized.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.blocks is not None and quantized.model.lm_head_blocks
+    engine, tokens = run_engine(quantized, prompts, max_num_seqs=4, quantization="gguf")
+    assert tokens == hf_references
+    assert_idle(engine)

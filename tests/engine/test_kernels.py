@@ -117,7 +117,8 @@ def test_decodes_in_small_chunks_equal_one_batch(monkeypatch: pytest.MonkeyPatch
     torch.testing.assert_close(torch.cat([out2[4:], out2[:4]]), whole, atol=1e-6, rtol=1e-6)
 
 
-def test_dispatcher_runs_reference_on_cpu() -> None:
+def test_dispatcher_on_cpu_matches_the_reference() -> None:
+    """On CPU the dispatcher runs the native kernel when it is built, else the reference."""
     meta = AttentionMetadata.build([2, 1], [2, 3], [[1], [2]], 4)
     cache_a = torch.zeros(2, 3, 4, 1, 8)
     cache_b = torch.zeros(2, 3, 4, 1, 8)
@@ -127,9 +128,10 @@ def test_dispatcher_runs_reference_on_cpu() -> None:
     assert torch.equal(cache_a, cache_b)
     assert torch.equal(cache_a[0, 1, :2, 0], k[:2, 0])  # slots 4, 5: block 1, offsets 0, 1
     args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.3, [2, 1], [2, 3])
-    assert torch.equal(
-        kernels.paged_attention(q, cache_a, *args), paged_attention_ref(q, cache_a, *args)
-    )
+    torch.testing.assert_close(
+        kernels.paged_attention(q, cache_a, *args), paged_attention_ref(q, cache_a, *args),
+        atol=1e-6, rtol=1e-5,
+    )  # fmt: skip
 
 
 def test_metadata_rejects_a_table_too_short_for_its_context() -> None:

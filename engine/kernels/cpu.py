@@ -1,0 +1,274 @@
+"""The engine's native CPU kernels (``cpu_kernels.c``): built once, loaded through ctypes.
+
+The C file is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``) the first
+time a process asks for it, into ``~/.cache/portico/kernels`` (``PORTICO_KERNEL_CACHE``), under
+a name keyed by the source, the compiler and the CPU, so a changed file or another machine gets
+its own build. Concurrent builders write to a temporary file and rename it into place. Without a
+compiler, or with ``PORTICO_CPU_KERNELS=0``, :func:`load` returns ``None`` (logged once) and the
+engine runs its PyTorch references instead: same results, slower.
+
+The library links the OpenMP runtime by soname, so it shares the one torch already loaded and
+uses ``torch.get_num_threads()`` threads. ctypes releases the GIL for the duration of each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I = ctypes.c_int
+
+
+def cache_dir() -> Path:
+    """Where built kernel libraries are kept."""
+    default = Path.home() / ".cache" / "portico" / "kernels"
+    return Path(os.environ.get("PORTICO_KERNEL_CACHE", default))
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return line
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+# -ffp-contract=off: plain C arithmetic rounds like PyTorch's separate multiply and add.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+
+
+def build(compiler: str) -> Path:
+    """Compile the kernels (or find an earlier build); returns the shared library's path."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [SOURCE.read_bytes(), version.encode(), " ".join(_FLAGS).encode(),
+             _cpu_identity().encode()]
+        )  # fmt: skip
+    ).hexdigest()[:16]
+    target = cache_dir() / f"portico_cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", staging, str(SOURCE), "-lm"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        os.replace(staging, target)  # atomic: a reader sees a whole library or none
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.paged_attention.restype = _I
+    lib.paged_attention.argtypes = [
+        _P, _I64, _I64, _P, _I64, _I, _I, _I, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, _P, _I,
+    ]
+    lib.q4_1_linear.restype = _I
+    lib.q4_1_linear.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I]
+    lib.q8_0_linear.restype = _I
+    lib.q8_0_linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _P, _I]
+    lib.add_rms_norm.restype = None
+    lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
+    lib.rope_write_kv.restype = None
+    lib.rope_write_kv.argtypes = [
+        _P, _I, _I64, _I, _I, _I, _P, _P, _P, _P, _I64, _I, _P, _I, _I,
+    ]
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; ``None`` when disabled or it cannot be built."""
+    if os.environ.get("PORTICO_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found: the engine uses its PyTorch CPU kernels (slower)")
+        return None
+    try:
+        return _declare(ctypes.CDLL(str(build(compiler))))
+    except OSError as exc:
+        log.warning("CPU kernels unavailable, using the PyTorch ones (slower): %s", exc)
+        return None
+
+
+def available() -> bool:
+    """Whether the native CPU kernels can be used in this process."""
+    return load() is not None
+
+
+def dtype_supported(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Native twin of :func:`~engine.kernels.reference.paged_attention_ref` (same meaning).
+
+    Returns ``None`` when the kernels are unavailable or these inputs are outside what they
+    handle (dtype, layout, head counts); the caller then runs the reference.
+    """
+    lib = load()
+    if (
+        lib is None
+        or query.dtype not in _DTYPE_CODES
+        or kv_cache.dtype != query.dtype
+        or query.stride(-1) != 1
+        or not kv_cache.is_contiguous()
+    ):
+        return None
+    tokens, heads, head_dim = query.shape
+    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    if heads % kv_heads:
+        return None
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty((tokens, heads, head_dim), dtype=query.dtype)
+    status = lib.paged_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), num_blocks,
+        block_size, kv_heads, head_dim, tables.data_ptr(), tables.shape[1], starts.data_ptr(),
+        lens.data_ptr(), lens.shape[0], heads, float(scale), _DTYPE_CODES[query.dtype],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out if status == 0 else None
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    kind: str,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` for W in GGUF blocks (``kind`` "q4_1" or "q8_0"), or ``None`` when
+    the kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2:
+        return None
+    x = x.contiguous()
+    rows, k = x.shape
+    n = scales.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype)
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    threads = torch.get_num_threads()
+    code = _DTYPE_CODES[x.dtype]
+    if kind == "q4_1":
+        if mins is None:
+            raise ValueError("q4_1 weights need their block minimums")
+        status = lib.q4_1_linear(
+            x.data_ptr(), rows, k, qs.data_ptr(), scales.data_ptr(), mins.data_ptr(), bias_ptr,
+            n, code, out.data_ptr(), threads,
+        )  # fmt: skip
+    else:
+        status = lib.q8_0_linear(
+            x.data_ptr(), rows, k, qs.data_ptr(), scales.data_ptr(), bias_ptr, n, code,
+            out.data_ptr(), threads,
+        )  # fmt: skip
+    return out if status == 0 else None
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """``x += delta`` in place (when given), then Hugging Face's RMSNorm of ``x`` times
+    ``weight``; ``None`` (nothing changed) when the kernels cannot take these inputs."""
+    lib = load()
+    if (
+        lib is None
+        or x.dtype not in _DTYPE_CODES
+        or weight.dtype != x.dtype
+        or not x.is_contiguous()
+        or (delta is not None and (delta.dtype != x.dtype or not delta.is_contiguous()))
+        or x.shape[-1] > 8192
+    ):
+        return None
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.add_rms_norm(
+        x.data_ptr(), delta.data_ptr() if delta is not None else None,
+        weight.contiguous().data_ptr(), float(eps), out.data_ptr(), x.numel() // hidden, hidden,
+        _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rope_write_kv_cpu(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Rotate the query and key heads of ``qkv`` ([T, (heads + 2 kv_heads) * d]) in place with
+    RoPE (float32 tables ``[max_pos, d / 2]``) and store the keys and values in ``kv_cache`` at
+    ``slot_mapping``. Returns False, having changed nothing, when the kernels cannot."""
+    lib = load()
+    if (
+        lib is None
+        or qkv.dtype not in _DTYPE_CODES
+        or kv_cache.dtype != qkv.dtype
+        or qkv.dim() != 2
+        or qkv.stride(-1) != 1
+        or not kv_cache.is_contiguous()
+        or cos_table.dtype != torch.float32
+        or head_dim > 512
+    ):
+        return False
+    _, num_blocks, block_size, _, _ = kv_cache.shape
+    cos_t, sin_t = cos_table.contiguous(), sin_table.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    lib.rope_write_kv(
+        qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
+        cos_t.data_ptr(), sin_t.data_ptr(), pos.data_ptr(), kv_cache.data_ptr(), num_blocks,
+        block_size, slots.data_ptr(), _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return True

@@ -1,0 +1,124 @@
+"""Linear layers that can also keep their weights in GGUF's block formats (Q4_1, Q8_0).
+
+A decode step with a few rows reads every weight once and does little arithmetic with it, so on
+a CPU its speed is the speed at which weights stream from memory. :class:`BlockLinear` keeps the
+dense weight (for big batches, where the matrix units win) and, when the model came from a GGUF
+file with ``quantization="gguf"``, the file's own blocks as well: steps of at most
+:attr:`GGUFBlocks.max_rows` rows then run the native block kernels
+(:func:`engine.kernels.cpu.quantized_linear`), reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes per
+weight instead of 2 (bf16) or 4 (fp32). The blocks hold exactly the values the dense weight was
+dequantized from, so both paths compute the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import cpu
+
+# Rows up to which the block kernel beats the dense matmul on the CPUs measured (AMX bf16):
+# measured with engine/forward_bench.py, see docs/engine-benchmark.md.
+_MAX_ROWS = {"q4_1": 8, "q8_0": 4}
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+
+
+@dataclass
+class GGUFBlocks:
+    """One weight matrix ``[out, in]`` in GGUF blocks of 32 weights along ``in``.
+
+    ``q4_1``: ``qs`` uint8 ``[out, in / 2]`` (a block's 16 bytes: low nibbles are weights 0-15,
+    high nibbles 16-31), ``scales`` and ``mins`` float32 ``[out, in / 32]``; w = scale * q + min.
+    ``q8_0``: ``qs`` int8 ``[out, in]``, ``scales`` ``[out, in / 32]``; w = scale * q.
+    """
+
+    kind: str
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def max_rows(self) -> int:
+        return _MAX_ROWS[self.kind]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * 32
+
+    @classmethod
+    def from_raw(cls, kind: str, raw: np.ndarray) -> GGUFBlocks:
+        """Split a GGUF tensor's raw bytes (``[out, in / 32 * block bytes]`` uint8) into arrays."""
+        if kind not in _BLOCK_BYTES:
+            raise ValueError(f"GGUF block kind must be one of {sorted(_BLOCK_BYTES)}; got '{kind}'")
+        rows = raw.shape[0]
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, _BLOCK_BYTES[kind])
+        per_row = blocks.shape[1]
+
+        def half_floats(start: int) -> torch.Tensor:
+            data = np.ascontiguousarray(blocks[:, :, start : start + 2]).view(np.float16)
+            return torch.from_numpy(data.astype(np.float32).reshape(rows, per_row))
+
+        if kind == "q4_1":
+            qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(rows, per_row * 16)
+            return cls(kind, torch.from_numpy(qs), half_floats(0), half_floats(2))
+        qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(rows, per_row * 32)
+        return cls(kind, torch.from_numpy(qs), half_floats(0))
+
+    def rows(self, index: torch.Tensor | slice) -> GGUFBlocks:
+        """The blocks of output rows ``index`` (a permutation or a slice)."""
+        mins = self.mins[index] if self.mins is not None else None
+        return GGUFBlocks(self.kind, self.qs[index], self.scales[index], mins)
+
+    @staticmethod
+    def concat(parts: list[GGUFBlocks]) -> GGUFBlocks:
+        """Rows of ``parts`` stacked (q/k/v into qkv, gate/up into gate_up); one kind only."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot stack GGUF blocks of different kinds {sorted(kinds)}")
+        mins = [p.mins for p in parts]
+        return GGUFBlocks(
+            parts[0].kind,
+            torch.cat([p.qs for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat(mins) if all(m is not None for m in mins) else None,  # type: ignore[misc]
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[out, in]`` these blocks encode (for tests and checks)."""
+        out, in_features = self.shape
+        if self.kind == "q4_1":
+            low = (self.qs & 0x0F).view(out, -1, 16)
+            high = (self.qs >> 4).view(out, -1, 16)
+            q = torch.cat([low, high], dim=-1).float()  # [out, blocks, 32]
+            w = q * self.scales[..., None] + self.mins[..., None]  # type: ignore[index]
+        else:
+            w = self.qs.view(out, -1, 32).float() * self.scales[..., None]
+        return w.reshape(out, in_features)
+
+
+def block_matmul(
+    x: torch.Tensor, weight: torch.Tensor, blocks: GGUFBlocks | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``, through ``blocks`` when they are set, ``x`` has few enough rows,
+    lives on the CPU and the kernels are built; else the dense matmul."""
+    if blocks is not None and 0 < x.shape[0] <= blocks.max_rows and not x.is_cuda:
+        bias32 = bias.float() if bias is not None else None
+        out = cpu.quantized_linear(x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
+
+
+class BlockLinear(nn.Linear):
+    """``nn.Linear`` that uses its :class:`GGUFBlocks` (when attached) for small batches."""
+
+    blocks: GGUFBlocks | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return F.linear(x, self.weight, self.bias)
+        return block_matmul(x, self.weight, self.blocks, self.bias)

@@ -1,0 +1,235 @@
+"""The native CPU kernels (engine/kernels/cpu_kernels.c) against their definitions.
+
+Attention is compared with a per-token float64 oracle, the block-format linears with the matmul
+of the weights they encode, the norm and RoPE kernels with the PyTorch code they replace. Shapes
+cover both code paths of the attention kernel (head_dim 8: portable loop; 64: vectorized),
+GQA, block sizes, ragged lengths, and prefill chunks mixed with decodes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.gguf_file import GGUFFile
+from engine.kernels import cpu
+from engine.kernels.reference import write_kv_cache_ref
+from engine.model_config import ModelConfig
+from engine.models.block_linear import GGUFBlocks, block_matmul
+from engine.models.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+
+def _oracle(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_lens: list[int],
+            scale: float) -> torch.Tensor:  # fmt: skip
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    heads = q.shape[1]
+    row = 0
+    for k, v, q_len in zip(ks, vs, q_lens, strict=True):
+        group = heads // k.shape[1]
+        for i in range(q_len):
+            pos = k.shape[0] - q_len + i
+            for h in range(heads):
+                scores = (k[: pos + 1, h // group].double() @ q[row + i, h].double()) * scale
+                out[row + i, h] = torch.softmax(scores, 0) @ v[: pos + 1, h // group].double()
+        row += q_len
+    return out
+
+
+def _paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int,
+                shape: list[tuple[int, int]], dtype: torch.dtype, seed: int):  # fmt: skip
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    q_lens, s_lens = [q for q, _ in shape], [s for _, s in shape]
+    needed = [-(-s // block_size) for s in s_lens]
+    pool = list(range(1, sum(needed) + 3))
+    rng.shuffle(pool)
+    tables, at = [], 0
+    for n in needed:
+        tables.append(pool[at : at + n])
+        at += n
+    cache = torch.zeros(2, len(pool) + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    ks = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
+    vs = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
+    whole = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
+    write_kv_cache_ref(torch.cat(ks), torch.cat(vs), cache, whole.slot_mapping)
+    meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
+    # Queries as a strided view of a wider qkv-like row, as the model passes them.
+    wide = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim).to(dtype)
+    return wide[:, :heads], cache, meta, ks, vs, q_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "shape"),
+    [
+        (4, 2, 8, 4, [(1, 6), (1, 13), (1, 1), (1, 4)]),  # portable path, decodes only
+        (6, 2, 8, 8, [(1, 9), (5, 5), (3, 17), (1, 2)]),  # portable, mixed
+        (9, 3, 64, 16, [(1, 40), (7, 7), (1, 17), (18, 33), (1, 1)]),  # vectorized, SmolLM2 GQA
+        (4, 4, 64, 4, [(1, 37), (9, 30)]),  # vectorized, no GQA, blocks smaller than a lane group
+        (8, 1, 32, 16, [(5, 70), (1, 16)]),  # vectorized, 8 queries per KV head
+    ],
+)
+def test_paged_attention_matches_per_token_oracle(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, shape: list[tuple[int, int]],
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    q, cache, meta, ks, vs, q_lens = _paged_case(
+        heads, kv_heads, head_dim, block_size, shape, dtype, seed=heads * 7 + block_size
+    )
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
+    expected = _oracle(q, ks, vs, q_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_paged_attention_declines_what_it_cannot_run() -> None:
+    q = torch.randn(1, 4, 8, dtype=torch.float16)
+    cache = torch.zeros(2, 2, 4, 2, 8, dtype=torch.float16)
+    meta = AttentionMetadata.build([1], [1], [[1]], 4)
+    args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.5)
+    assert cpu.paged_attention_cpu(q, cache, *args) is None  # float16: not a kernel dtype
+    q32 = torch.randn(1, 3, 8)  # 3 query heads over 2 KV heads: not a grouping
+    assert cpu.paged_attention_cpu(q32, cache.float(), *args) is None
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> GGUFBlocks:
+    gen = torch.Generator().manual_seed(seed)
+    nb = cols // 32
+    scales = torch.rand(rows, nb, generator=gen) * 0.02 + 0.001
+    if kind == "q4_1":
+        qs = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
+        return GGUFBlocks(kind, qs, scales, torch.randn(rows, nb, generator=gen) * 0.05)
+    qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
+    return GGUFBlocks(kind, qs, scales)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+def test_block_linear_equals_matmul_of_the_weights_it_encodes(kind: str, rows: int) -> None:
+    blocks = _random_blocks(kind, 70, 96, seed=rows)  # 70 outputs: not a multiple of the tile
+    weight = blocks.dequantize()
+    bias = torch.randn(70)
+    x = torch.randn(rows, 96)
+    out = cpu.quantized_linear(x, kind, blocks.qs, blocks.scales, blocks.mins, bias)
+    assert out is not None and out.shape == (rows, 70)
+    torch.testing.assert_close(out, x @ weight.T + bias, atol=1e-4, rtol=1e-5)
+    # bfloat16 activations: exact products, float32 sums, one rounding at the end.
+    xb = x.to(torch.bfloat16)
+    outb = cpu.quantized_linear(xb, kind, blocks.qs, blocks.scales, blocks.mins, None)
+    assert outb is not None and outb.dtype == torch.bfloat16
+    torch.testing.assert_close(outb.float(), xb.float() @ weight.T, atol=2e-2, rtol=1e-2)
+
+
+def test_block_matmul_uses_the_dense_weight_for_big_batches() -> None:
+    blocks = _random_blocks("q4_1", 8, 64, seed=3)
+    dense = blocks.dequantize() * 2  # deliberately different: shows which path ran
+    few, many = torch.randn(2, 64), torch.randn(blocks.max_rows + 1, 64)
+    torch.testing.assert_close(block_matmul(few, dense, blocks, None), few @ (dense / 2).T,
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(block_matmul(many, dense, blocks, None), many @ dense.T)
+
+
+def test_gguf_blocks_decode_to_the_files_own_dequantization(smollm2_gguf) -> None:
+    gguf = GGUFFile(smollm2_gguf)
+    for name, kind in (("blk.0.ffn_down.weight", "q4_1"), ("token_embd.weight", "q8_0")):
+        blocks = GGUFBlocks.from_raw(kind, gguf.raw(name))
+        expected = torch.from_numpy(np.asarray(gguf.load(name)))
+        assert blocks.shape == tuple(expected.shape)
+        assert torch.equal(blocks.dequantize(), expected)
+    with pytest.raises(ValueError, match="kind"):
+        GGUFBlocks.from_raw("q5_k", gguf.raw("blk.0.ffn_down.weight"))
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_the_pytorch_formula(with_delta: bool) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    delta = torch.randn(5, 96).to(torch.bfloat16) if with_delta else None
+    weight = torch.randn(96).to(torch.bfloat16)
+    expected_x = x + delta if delta is not None else x.clone()
+    x32 = expected_x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    expected = weight * normed
+    out = cpu.add_rms_norm_cpu(x, delta, weight, 1e-5)
+    assert out is not None
+    assert torch.equal(x, expected_x)  # the residual stream was updated in place
+    # One bfloat16 step at most: the sum of squares is added in another order.
+    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    rotary = RotaryEmbedding(cfg)
+    positions = torch.tensor([0, 5, 77, 3])
+    qkv = torch.randn(4, (4 + 2 * 2) * 16).to(dtype)
+    angles = rotary.lookup(positions, dtype)
+    expected = angles.rotate(qkv[:, : 6 * 16].view(4, 6, 16))
+    slots = torch.tensor([3, 9, 0, 14])
+    cache = torch.zeros(2, 4, 4, 2, 16, dtype=dtype)
+    expected_cache = torch.zeros_like(cache)
+    values = qkv[:, 6 * 16 :].view(4, 2, 16).clone()
+    write_kv_cache_ref(expected[:, 4:], values, expected_cache, slots)
+    done = cpu.rope_write_kv_cpu(
+        qkv, 4, 2, 16, rotary.cos, rotary.sin, positions, cache, slots
+    )
+    assert done
+    tol = 0 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(qkv[:, : 6 * 16].view(4, 6, 16), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache, expected_cache, atol=tol, rtol=tol)
+
+
+def test_build_is_cached_and_reused(tmp_path) -> None:
+    compiler = cpu._compiler()
+    assert compiler is not None
+    env_before = os.environ.get("PORTICO_KERNEL_CACHE")
+    os.environ["PORTICO_KERNEL_CACHE"] = str(tmp_path)
+    try:
+        first = cpu.build(compiler)
+        stamp = first.stat().st_mtime_ns
+        second = cpu.build(compiler)
+    finally:
+        if env_before is None:
+            os.environ.pop("PORTICO_KERNEL_CACHE")
+        else:
+            os.environ["PORTICO_KERNEL_CACHE"] = env_before
+    assert first == second and second.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging file left
+
+
+def test_kernels_can_be_switched_off(tiny_llama_dir) -> None:
+    """PORTICO_CPU_KERNELS=0: no native code, and the model still runs on the references."""
+    script = (
+        "import torch\n"
+        "from engine.kernels import cpu\n"
+        "from engine.llm import LLM\n"
+        "from engine.sampling_params import SamplingParams\n"
+        "assert cpu.load() is None\n"
+        f"llm = LLM(model={str(tiny_llama_dir)!r})\n"
+        "out = llm.generate(['hello there'], SamplingParams(max_tokens=4, temperature=0,"
+        " ignore_eos=True))\n"
+        "print(len(out[0].outputs[0].token_ids))\n"
+    )
+    env = dict(os.environ, PORTICO_CPU_KERNELS="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "4"
