@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis.exceptions
@@ -17,6 +20,7 @@ from gateway.admission import Admission, AdmissionSettings, failure_kind
 from gateway.limiter import BucketSet, RedisLimiter
 from gateway.principal import Principal
 from gateway.redis_pipe import RedisPipe, encode_command, script_sha
+from tests.conftest import redis_server_binary
 
 BUSY_REDIS_LUA = """
 local t = redis.call('TIME')
@@ -193,3 +197,38 @@ async def test_admission_on_a_pipe_falls_back_while_redis_is_down(
         await pipe.aclose()
         await client.aclose()
 
+
+
+
+@pytest.fixture
+def password_redis(tmp_path: Path) -> Iterator[Path]:
+    """A redis-server that wants the password ``s3cret``; yields its Unix socket."""
+    sock = tmp_path / "auth.sock"
+    proc = subprocess.Popen(
+        [redis_server_binary(), "--port", "0", "--unixsocket", str(sock), "--save", "",
+         "--appendonly", "no", "--requirepass", "s3cret"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield sock
+    proc.terminate()
+    proc.wait(10)
+
+
+async def test_a_password_in_the_url_is_sent_before_any_command(password_redis: Path) -> None:
+    good = Redis.from_url(f"unix://:s3cret@{password_redis}")
+    pipe = RedisPipe.from_client(good)
+    assert pipe is not None
+    try:
+        assert await pipe.execute("SET", "k", "v") == b"OK"
+    finally:
+        await pipe.aclose()
+        await good.aclose()
+    bad = RedisPipe(path=str(password_redis), password="wrong")
+    try:
+        with pytest.raises(redis.exceptions.ResponseError) as info:  # refused, and said so
+            await bad.execute("GET", "k")
+        assert "WRONGPASS" in str(info.value)
+    finally:
+        await bad.aclose()
