@@ -8,12 +8,19 @@ One run starts everything it measures, on this machine:
 * ``portico serve`` pinned to one core (``--gateway-cpus``), with ``--tenants`` tenants of
   ``--keys-per-tenant`` keys each made through the admin API.
 
-Then, with the generator on the other core (``--client-cpus``):
+Cores: the gateway alone on its core; the generator, redis-server and the gateway's engines on
+the other (``--client-cpus``); the direct upstream on the gateway's core, so that "direct"
+crosses cores once as the generator's call to the gateway does (on the generator's own core a
+round trip costs ~10 us here against ~130 us across cores: a baseline no remote upstream has).
+
+Then, with the generator on the other core:
 
 1. **Overhead at fixed rates** (open loop): the same mixed requests (tenants, keys, two models,
    chat and completions, streaming and not) go to the upstream directly and through the gateway,
-   in alternating rounds. Added latency = gateway minus direct at the same percentile; for
-   streams the latency is the time to the first chunk.
+   in alternating rounds, each side's run after ``--warmup`` seconds of the same load that are
+   not counted (see :func:`fixed_rate`). Added latency = gateway minus direct at the same
+   percentile; for streams the latency is the time to the first chunk. The gateway's own
+   ``x-portico-overhead-ms`` (its time minus upstream time) is reported too.
 2. **Rate-limit correctness under load**: tenants with small requests/min limits are hammered
    while the bench tenants' traffic runs; admitted must lie in
    ``[min(sent, limit), limit + limit/60 * elapsed]`` (token bucket: full at start, refilling).
