@@ -108,15 +108,29 @@ def run_section(name: str, command: str, body: Callable[[], dict[str, Any]]) -> 
     return out
 
 
-def run_json_module(module: str, argv: Sequence[str], timeout_s: float, out_flag: str = "--out"
-                    ) -> dict[str, Any]:
+# Engines measured here have the machine's cores to themselves, as in a deployment: OpenMP
+# threads spin briefly between ops (bounded, ~1 ms) instead of sleeping, which `portico` does
+# by default for shared machines. Other children keep that passive default.
+ENGINE_ENV = {"GOMP_SPINCOUNT": "30000"}
+
+
+def engine_env(threads: int | None = None) -> dict[str, str]:
+    """The environment of a measured engine process (``ENGINE_ENV``, optional thread count)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ENGINE_ENV
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_json_module(module: str, argv: Sequence[str], timeout_s: float, out_flag: str = "--out",
+                    env: dict[str, str] | None = None) -> dict[str, Any]:
     """``python -m module argv... --out tmp.json`` in a child process; its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "out.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, "-m", module, *argv, out_flag, str(out)]
         with log.open("wb") as sink:
             proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, env=env)
             try:
                 code = proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -165,9 +179,7 @@ def engine_server(extra: Sequence[str], timeout_s: float, threads: int | None = 
 
     port = free_port()
     with tempfile.TemporaryFile() as log:
-        env = dict(os.environ)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
+        env = engine_env(threads)
         proc = subprocess.Popen(engine_command(port, extra), cwd=REPO_ROOT, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -217,7 +229,7 @@ def engine_offline(sizes: Sizes) -> dict[str, Any]:
     if importlib.util.find_spec("load.engine_bench") is None:
         raise SectionSkipped("load/engine_bench.py is not in the tree yet")
     return run_json_module("load.engine_bench", sizes.engine_bench_args,
-                           sizes.engine_timeout_s * 2, out_flag="--output")
+                           sizes.engine_timeout_s * 2, out_flag="--output", env=engine_env())
 
 
 def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
@@ -292,11 +304,13 @@ def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
             f"--dataset synthetic --num-requests {n} --max-concurrency {c} --prompt-len "
             f"{sizes.served_prompt_len[0]} {sizes.served_prompt_len[1]} --output-len "
             f"{sizes.served_output_len[0]} {sizes.served_output_len[1]}")
-    engine = shell_command(engine_command(8000))
+    prefix = " ".join(f"{k}={v}" for k, v in ENGINE_ENV.items())
+    engine = f"{prefix} {shell_command(engine_command(8000))}"
     if sizes.engine_threads:
         engine = f"OMP_NUM_THREADS={sizes.engine_threads} {engine}"
     return {
-        "engine_offline": "python -m load.engine_bench " + " ".join(sizes.engine_bench_args),
+        "engine_offline": f"{prefix} python -m load.engine_bench "
+                          + " ".join(sizes.engine_bench_args),
         "engine_served": f"{engine} --enable-prefix-caching &\n" + "\n".join(served),
         "prefix_caching": (
             f"{engine} --enable-prefix-caching   # then again with --no-enable-prefix-caching\n"
@@ -351,9 +365,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "docs/benchmarks.md")
     parser.add_argument("--img-dir", type=Path, default=REPO_ROOT / "docs/img")
     args = parser.parse_args(argv)
-    # Every child benchmark inherits this, as `portico` sets it for its own commands: OpenMP's
-    # spin-waiting slows small-model ops many times over on shared cores.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     previous: dict[str, Any] = {}
     if set(args.only) != set(SECTIONS) and args.results.exists():
         previous = json.loads(args.results.read_text())

@@ -173,8 +173,11 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
     const int64_t total = item_start[num_reqs];
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim; /* K -> V */
     int failed = 0;
+    /* Positions read in all: small steps stay on one thread (waking another costs more). */
+    int64_t work = 0;
+    for (int r = 0; r < num_reqs; r++) work += (item_start[r + 1] - item_start[r]) * (int64_t)seq_lens[r];
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (work >= 8192)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)max_seq);
         float *qbuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)head_dim);
@@ -507,7 +510,7 @@ static int block_linear(int kind, const void *x, int m, int k, const uint8_t *qs
     if (!xf) return -1;
     const Weights w = {kind, k, k / 32, n, qs, d};
     const int tiles = (n + TILE_OUT - 1) / TILE_OUT;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)n * k * m >= (1 << 17))
     for (int t = 0; t < tiles; t++) {
         const int o0 = t * TILE_OUT;
         float res[TILE_OUT][TILE_IN];

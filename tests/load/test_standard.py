@@ -186,7 +186,11 @@ def test_engine_bench_results_render_side_by_side() -> None:
     assert "| transformers generate, static batches | 125.0 | 20.00 | 56.00 |" in text
     assert "Speedup (output tokens/s): **2.5x**" in text
     assert "2.50x (`speedup`) | **not met**" in text
-    assert "--dtype bfloat16" in standard.section_commands(True, standard.QUICK)["engine_offline"]
+    assert "9.5 tok/s | **not met**" in text  # single stream, against 50 tok/s
+    results["sections"]["engine_offline"]["result"]["single_stream"]["decode_tokens_per_s"] = 61.0
+    assert "61.0 tok/s | **met**" in render_report(results)
+    command = standard.section_commands(True, standard.QUICK)["engine_offline"]
+    assert "--dtype bfloat16" in command and command.startswith("GOMP_SPINCOUNT=30000 ")
 
 
 def test_a_child_benchmark_that_fails_or_hangs_becomes_an_error_with_its_output() -> None:
