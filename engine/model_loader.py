@@ -331,4 +331,7 @@ def load_model(
                 module.blocks = blocks
     if found:
         log.info("%s: %d weight matrices also kept in GGUF blocks", source.name, len(found))
+    packed = model.prepack_weights()
+    if packed:
+        log.info("%s: %d weight matrices prepacked for oneDNN", source.name, packed)
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=source.name)

@@ -100,25 +100,54 @@ class GGUFBlocks:
         return w.reshape(out, in_features)
 
 
+# Up to this many rows a oneDNN-prepacked bf16 weight beats F.linear (which reorders the weight
+# for the matrix units on every call): 25-35% faster at 16-256 rows on AMX, a little slower
+# at 2048 (docs/engine-benchmark.md).
+PACKED_MAX_ROWS = 512
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` reordered once for oneDNN's bf16 matmul on CPU; None where that is not
+    available (another dtype or device, a torch built without oneDNN)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except (RuntimeError, AttributeError):  # an op this torch build lacks
+        return None
+
+
 def block_matmul(
-    x: torch.Tensor, weight: torch.Tensor, blocks: GGUFBlocks | None, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    blocks: GGUFBlocks | None,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``, through ``blocks`` when they are set, ``x`` has few enough rows,
-    lives on the CPU and the kernels are built; else the dense matmul."""
-    if blocks is not None and 0 < x.shape[0] <= blocks.max_rows and not x.is_cuda:
+    """``x @ weight.T + bias``: through ``blocks`` when they are set, ``x`` has few enough rows,
+    lives on the CPU and the kernels are built; else through the ``packed`` weight (from
+    :func:`prepack`) up to :data:`PACKED_MAX_ROWS` rows; else the dense matmul."""
+    rows = x.shape[0]
+    if blocks is not None and 0 < rows <= blocks.max_rows and not x.is_cuda:
         bias32 = bias.float() if bias is not None else None
         out = cpu.quantized_linear(x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32)
         if out is not None:
             return out
+    if packed is not None and 0 < rows <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 class BlockLinear(nn.Linear):
-    """``nn.Linear`` that uses its :class:`GGUFBlocks` (when attached) for small batches."""
+    """``nn.Linear`` that uses its :class:`GGUFBlocks` (when attached) for small batches and
+    its oneDNN-prepacked weight (when attached, bf16 on CPU) for the others."""
 
     blocks: GGUFBlocks | None = None
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is None:
+        if self.blocks is None and self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return block_matmul(x, self.weight, self.blocks, self.bias)
+        return block_matmul(x, self.weight, self.blocks, self.bias, self.packed)

@@ -15,7 +15,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, attend_paged, paged_attention_step
 from engine.kernels import cpu
 from engine.model_config import ModelConfig
-from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul
+from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul, prepack
 from engine.models.rotary import RopeAngles, RotaryEmbedding
 
 
@@ -160,8 +160,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # The output projection in GGUF blocks (set by the loader with quantization "gguf").
+        # The output projection in GGUF blocks (set by the loader with quantization "gguf") and
+        # prepacked for oneDNN (bf16 on CPU, see prepack_weights).
         self.lm_head_blocks: GGUFBlocks | None = None
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -181,4 +183,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for hidden states [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return block_matmul(hidden, weight, self.lm_head_blocks, None).float()
+        return block_matmul(
+            hidden, weight, self.lm_head_blocks, None, self.lm_head_packed
+        ).float()
+
+    def prepack_weights(self) -> int:
+        """Reorder every projection's weight once for oneDNN (bf16 on CPU; elsewhere nothing
+        happens). Returns how many weights were packed."""
+        count = 0
+        for module in self.modules():
+            if isinstance(module, BlockLinear):
+                module.packed = prepack(module.weight)
+                count += module.packed is not None
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head_packed = prepack(weight)
+        return count + (self.lm_head_packed is not None)

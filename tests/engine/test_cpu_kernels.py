@@ -16,13 +16,20 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu
 from engine.kernels.reference import write_kv_cache_ref
 from engine.model_config import ModelConfig
-from engine.models.block_linear import GGUFBlocks, block_matmul
+from engine.models.block_linear import (
+    PACKED_MAX_ROWS,
+    BlockLinear,
+    GGUFBlocks,
+    block_matmul,
+    prepack,
+)
 from engine.models.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
@@ -233,3 +240,18 @@ def test_kernels_can_be_switched_off(tiny_llama_dir) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "4"
+
+
+def test_prepacked_bf16_weights_give_the_dense_matmul_bit_for_bit() -> None:
+    torch.manual_seed(5)
+    layer = BlockLinear(64, 96, bias=True).to(torch.bfloat16)
+    layer.packed = prepack(layer.weight)
+    if layer.packed is None:
+        pytest.skip("this torch has no oneDNN weight prepacking")
+    for rows in (1, 9, 100, PACKED_MAX_ROWS + 1):  # the last one takes the plain matmul
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    # Non-contiguous input (the MLP's SiLU*up is a view of the gate/up output) is accepted.
+    wide = torch.randn(5, 128).to(torch.bfloat16)
+    assert torch.equal(layer(wide[:, :64]), F.linear(wide[:, :64], layer.weight, layer.bias))
+    assert prepack(torch.randn(8, 8)) is None  # float32: not packed
