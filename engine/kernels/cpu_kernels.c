@@ -214,7 +214,9 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
             }
             /* Pass 1: scores of every query of the tile against positions 0..ctx_end-1. */
 #ifdef __AVX512F__
-            const int fast = (head_dim % 32) == 0 && kv_heads * head_dim < (1 << 20);
+            /* Gathers take 32-bit element offsets: the vector path needs the K half of the
+             * cache to hold fewer than 2^31 elements. */
+            const int fast = (head_dim % 32) == 0 && half < ((int64_t)1 << 31);
 #else
             const int fast = 0;
 #endif
