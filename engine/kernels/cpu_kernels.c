@@ -232,7 +232,6 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
                                (size_t)head_dim * 2);
                     }
                 }
-                const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
                 for (int p0 = 0; p0 < ctx_end; p0 += 16) {
                     int valid = ctx_end - p0 < 16 ? ctx_end - p0 : 16;
                     __mmask16 mask = (__mmask16)((1u << valid) - 1u);
@@ -246,7 +245,6 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
                             blk++;
                         }
                     }
-                    (void)lane;
                     scores16(cache, dt, _mm512_loadu_si512(rows_at), mask, head_dim, qbuf, qpairs, nq,
                              scale, scores + p0, max_seq);
                 }
