@@ -133,10 +133,6 @@ def available() -> bool:
     return load() is not None
 
 
-def dtype_supported(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPE_CODES
-
-
 def paged_attention_cpu(
     query: torch.Tensor,
     kv_cache: torch.Tensor,

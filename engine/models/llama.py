@@ -82,13 +82,13 @@ class LlamaAttention(nn.Module):
             # Rotated and cached in one native call; queries are a view of the qkv rows.
             q = qkv[:, : self.num_heads * self.head_dim].view(tokens, self.num_heads, -1)
             out = attend_paged(q, kv_cache, meta, self.scale)
-            return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
-        qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
-        # Rotate queries and keys together: one RoPE call per layer.
-        qk = rope.rotate(qkv[:, :qk_width].view(tokens, -1, self.head_dim))
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention_step(q, k, v, kv_cache, meta, self.scale)
+        else:
+            qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+            # Rotate queries and keys together: one RoPE call per layer.
+            qk = rope.rotate(qkv[:, :qk_width].view(tokens, -1, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
+            out = paged_attention_step(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 

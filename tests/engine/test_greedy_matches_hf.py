@@ -9,7 +9,6 @@ swap), which must not change a single token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from engine.model_loader import LoadedModel, load_model
 from engine.registry import ModelSource
 from engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 MAX_TOKENS = 16
 
@@ -55,12 +54,6 @@ CHAT_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # two shared cores: avoid oversubscription
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ bad input, block accounting, prefix cache counters, seeds, n > 1, stops, streami
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +17,7 @@ from engine.outputs import RequestOutput
 from engine.registry import ModelSource
 from engine.sampling_params import ParameterError, SamplingParams
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two cores shared by many processes: one intra-op thread avoids oversubscription.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -323,14 +323,15 @@ async def test_production_path_takes_time_from_redis(
     assert before_s * 1_000_000 + before_us <= stamp <= after_s * 1_000_000 + after_us
 
 
-async def test_pool_exhaustion_is_503_not_an_outage(
-    redis_url: str, make_principal: MakePrincipal
-) -> None:
-    # A non-blocking pool of one connection, held by someone else: the pool is exhausted.
-    client = Redis.from_url(redis_url, max_connections=1)
+async def _assert_busy_while_pool_is_held(
+    client: Redis, make_principal: MakePrincipal
+) -> tuple[Admission, Principal]:
+    """With the client's only connection held elsewhere, an admission is a 503
+    ``rate_limiter_busy`` and the Redis limiter stays in charge; returns the Admission and the
+    principal it refused (the connection is released again)."""
     admission = Admission(client, AdmissionSettings(), registry=CollectorRegistry())
     who = make_principal(requests_per_minute=10)
-    held = await client.connection_pool.get_connection()
+    held = await client.connection_pool.get_connection()  # every connection is in use
     try:
         with pytest.raises(ServiceUnavailableError) as info:
             await admission.admit(who, "m", 1, 1)
@@ -338,6 +339,17 @@ async def test_pool_exhaustion_is_503_not_an_outage(
         assert admission.redis_up  # no switch to the fallback: that would over-admit
     finally:
         await client.connection_pool.release(held)
+    return admission, who
+
+
+async def test_pool_exhaustion_is_503_not_an_outage(
+    redis_url: str, make_principal: MakePrincipal
+) -> None:
+    # A non-blocking pool of one connection, held by someone else: the pool is exhausted.
+    client = Redis.from_url(redis_url, max_connections=1)
+    try:
+        await _assert_busy_while_pool_is_held(client, make_principal)
+    finally:
         await client.aclose()
 
 
@@ -367,16 +379,7 @@ async def test_no_free_connection_in_time_is_503_busy_not_an_outage(
 ) -> None:
     pool = BlockingConnectionPool.from_url(redis_url, max_connections=1, timeout=0.1)
     client = Redis.from_pool(pool)
-    admission = Admission(client, AdmissionSettings(), registry=CollectorRegistry())
-    who = make_principal(requests_per_minute=10)
-    held = await pool.get_connection()  # every connection of this replica is in use
-    try:
-        with pytest.raises(ServiceUnavailableError) as info:
-            await admission.admit(who, "m", 1, 1)
-        assert info.value.code == "rate_limiter_busy"
-        assert admission.redis_up  # no switch to the fallback: that would over-admit
-    finally:
-        await pool.release(held)
+    admission, who = await _assert_busy_while_pool_is_held(client, make_principal)
     await admission.release(await admission.admit(who, "m", 1, 1))
     await client.aclose()
 
