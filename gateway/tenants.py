@@ -40,14 +40,18 @@ MAX_USAGE_DAYS = 366
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
 
 
-def usage_fields(model: str, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The usage hash fields one finished request adds (totals and the model's twins)."""
+def usage_fields(model: str, prompt_tokens: int, completion_tokens: int,
+                 requests: int = 1) -> dict[str, int]:
+    """The usage hash fields that ``requests`` finished requests with these token totals add
+    (totals and the model's twins)."""
     out: dict[str, int] = {}
-    for field, amount in (("requests", 1), ("prompt_tokens", prompt_tokens),
+    for field, amount in (("requests", requests), ("prompt_tokens", prompt_tokens),
                           ("completion_tokens", completion_tokens)):
         out[field] = amount
         out[f"{model}|{field}"] = amount
     return out
+
+
 DEFAULT_PLANS_FILE = Path(__file__).resolve().parent.parent / "policies" / "plans.yaml"
 
 TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]

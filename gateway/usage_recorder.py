@@ -65,9 +65,7 @@ class UsageRecorder:
         """Turn the per-(tenant, day, model) sums into pending usage fields."""
         counts, self._counts = self._counts, {}
         for (tenant_id, day, model), (requests, prompt, completion) in counts.items():
-            fields = usage_fields(model, prompt, completion)
-            fields["requests"] = fields[f"{model}|requests"] = requests
-            self._add((tenant_id, day), fields)
+            self._add((tenant_id, day), usage_fields(model, prompt, completion, requests))
 
     def _add(self, key: tuple[str, str], fields: dict[str, int]) -> None:
         into = self._pending.get(key)
