@@ -134,9 +134,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         arrival = time.monotonic()
         self._streams[request_id] = (queue, arrival)
-        self._send(
-            _Add(request_id, list(prompt_token_ids), params, priority, cache_salt, arrival)
-        )
+        self._send(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt, arrival))
         return self._stream(request_id, queue)
 
     async def abort(self, request_id: str) -> None:

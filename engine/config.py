@@ -118,9 +118,13 @@ class EngineConfig:
         g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         g.add_argument("--device", default=d.device, choices=DEVICES)
-        g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
-                       help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
-                       "(CPU); auto: gguf when the model is GGUF and the device the CPU")
+        g.add_argument(
+            "--quantization",
+            default=d.quantization,
+            choices=QUANTIZATIONS,
+            help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
+            "(CPU); auto: gguf when the model is GGUF and the device the CPU",
+        )
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most requests running at once")  # fmt: skip

@@ -29,7 +29,10 @@ from engine.registry import resolve
 
 
 def measure_decode(
-    loaded: LoadedModel, batch_size: int, context_len: int = 128, steps: int = 8,
+    loaded: LoadedModel,
+    batch_size: int,
+    context_len: int = 128,
+    steps: int = 8,
     block_size: int = 16,
 ) -> float:
     """Decode tokens per second (forward + logits of every row) at ``batch_size``."""
@@ -71,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="auto: keep a GGUF model's blocks for small batches on CPU")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: keep a GGUF model's blocks for small batches on CPU",
+    )
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
@@ -90,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             measure_decode(loaded, batch, args.context_len, args.steps)
             for _ in range(max(1, args.repeats))
         )
-        print(f"{loaded.name} {loaded.dtype} {device} quantization={args.quantization} "
-              f"threads={torch.get_num_threads()} "
-              f"batch={batch} context={args.context_len}: {tps:.1f} tok/s")
+        print(
+            f"{loaded.name} {loaded.dtype} {device} quantization={args.quantization} "
+            f"threads={torch.get_num_threads()} "
+            f"batch={batch} context={args.context_len}: {tps:.1f} tok/s"
+        )
     return 0
 
 

@@ -52,9 +52,7 @@ class LLM:
             params = SamplingParams()
         per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(batch):
-            raise ValueError(
-                f"params has {len(per_prompt)} entries for {len(batch)} prompts"
-            )
+            raise ValueError(f"params has {len(per_prompt)} entries for {len(batch)} prompts")
         return self._run(batch, per_prompt)
 
     def chat(
@@ -68,9 +66,7 @@ class LLM:
         the tokenizer's chat template."""
         if not messages:
             raise ValueError("messages must not be empty")
-        conversations: list[Any] = (
-            [messages] if isinstance(messages[0], dict) else list(messages)
-        )
+        conversations: list[Any] = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(

@@ -388,4 +388,3 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             **self._counters,
         )
-

@@ -154,9 +154,7 @@ _GGUF_NAMES = {
 _BLOCK_KINDS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
 
 
-def _gguf_blocks(
-    gguf: GGUFFile, cfg: ModelConfig, permuted: bool
-) -> dict[str, GGUFBlocks]:
+def _gguf_blocks(gguf: GGUFFile, cfg: ModelConfig, permuted: bool) -> dict[str, GGUFBlocks]:
     """The linear weights stored as Q4_1/Q8_0 blocks, under our module names (``...qkv_proj``,
     ``lm_head``), with q/k rows unpermuted and q/k/v, gate/up stacked like the dense weights.
     A layer whose parts are stored in other formats is left out (it runs dense)."""

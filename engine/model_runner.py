@@ -87,10 +87,14 @@ class ModelRunner:
         cpu_shape = (2, num_cpu_blocks, *shape[2:])
         pin = self.device.type == "cuda"
         # torch.empty: the OS hands out pages only when a block is first swapped out.
-        self.cpu_kv_caches = [
-            torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin)
-            for _ in range(cfg.num_hidden_layers)
-        ] if num_cpu_blocks else []
+        self.cpu_kv_caches = (
+            [
+                torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin)
+                for _ in range(cfg.num_hidden_layers)
+            ]
+            if num_cpu_blocks
+            else []
+        )
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run the scheduled tokens; return the requests that need a sampled token this step

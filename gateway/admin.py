@@ -47,11 +47,19 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
     if plan is not None:
         principal = store.principal_for(tenant)
         body["effective"] = {
-            "limits": {k: getattr(principal.limits, k) for k in
-                       ("requests_per_minute", "tokens_per_minute", "max_concurrency",
-                        "monthly_token_budget", "max_tokens_default")},
+            "limits": {
+                k: getattr(principal.limits, k)
+                for k in (
+                    "requests_per_minute",
+                    "tokens_per_minute",
+                    "max_concurrency",
+                    "monthly_token_budget",
+                    "max_tokens_default",
+                )
+            },
             "allowed_models": sorted(principal.allowed_models)
-            if principal.allowed_models is not None else None,
+            if principal.allowed_models is not None
+            else None,
             "shares_prefix_cache": (principal.cache_salt or "").startswith("shared:"),
         }
     return body
@@ -69,7 +77,6 @@ def build_admin_router(
     checked, so failed guesses count too; router-level ``dependencies`` would run only after
     a successful authentication.
     """
-
 
     class AdminRoute(APIRoute):
         """Authenticates before FastAPI reads the body, so an unauthenticated caller learns
@@ -92,13 +99,18 @@ def build_admin_router(
                     log.warning("admin: Redis unavailable (%s)", type(exc).__name__)
                     raise ServiceUnavailableError(
                         "The gateway's store is unavailable; retry shortly.",
-                        headers={"retry-after": "1"}) from None
+                        headers={"retry-after": "1"},
+                    ) from None
 
             return guarded
 
     # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
-    router = APIRouter(prefix="/admin/v1", tags=["admin"], route_class=AdminRoute,
-                       dependencies=[Security(HTTPBearer(auto_error=False))])
+    router = APIRouter(
+        prefix="/admin/v1",
+        tags=["admin"],
+        route_class=AdminRoute,
+        dependencies=[Security(HTTPBearer(auto_error=False))],
+    )
 
     def changed(action: str, **fields: str) -> None:
         authenticator.invalidate()
@@ -106,8 +118,11 @@ def build_admin_router(
 
     @router.get("/plans")
     async def list_plans() -> dict[str, Any]:
-        return {"object": "list", "default": store.default_plan,
-                "data": [p.model_dump() for p in store.plans.values()]}
+        return {
+            "object": "list",
+            "default": store.default_plan,
+            "data": [p.model_dump() for p in store.plans.values()],
+        }
 
     @router.post("/tenants", status_code=201)
     async def create_tenant(spec: TenantCreate) -> dict[str, Any]:
@@ -117,8 +132,10 @@ def build_admin_router(
 
     @router.get("/tenants")
     async def list_tenants() -> dict[str, Any]:
-        return {"object": "list",
-                "data": [_tenant_view(store, t) for t in await store.list_tenants()]}
+        return {
+            "object": "list",
+            "data": [_tenant_view(store, t) for t in await store.list_tenants()],
+        }
 
     @router.get("/tenants/{tenant_id}")
     async def get_tenant(tenant_id: TenantIdPath) -> dict[str, Any]:
@@ -180,8 +197,10 @@ def build_admin_router(
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
         """This API's own OpenAPI document (also part of the gateway's /openapi.json)."""
-        return get_openapi(title="Portico admin API", version="1",
-                           routes=[r for r in router.routes
-                                   if getattr(r, "path", "") != "/admin/v1/openapi.json"])
+        return get_openapi(
+            title="Portico admin API",
+            version="1",
+            routes=[r for r in router.routes if getattr(r, "path", "") != "/admin/v1/openapi.json"],
+        )
 
     return router

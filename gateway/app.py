@@ -87,8 +87,11 @@ class Gateway:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         pools = {p.name: sum(1 for r in p.replicas if r.available) for p in self.pools}
         ready = not self.draining and self.router is not None and all(pools.values())
-        detail: dict[str, Any] = {"status": "ready" if ready else "not_ready",
-                                  "draining": self.draining, "healthy_replicas": pools}
+        detail: dict[str, Any] = {
+            "status": "ready" if ready else "not_ready",
+            "draining": self.draining,
+            "healthy_replicas": pools,
+        }
         if self.supervisor is not None:
             detail["engines"] = self.supervisor.snapshot()
         return ready, detail
@@ -108,8 +111,10 @@ class Gateway:
         address = request.client.host if request.client else "unknown"
         if not header:
             await self.guard.hit_unauthenticated(address)
-        elif (asyncio.get_running_loop().time() - self._failed_auth.get(address, -1e18)
-              < FAILED_AUTH_MEMORY_S):
+        elif (
+            asyncio.get_running_loop().time() - self._failed_auth.get(address, -1e18)
+            < FAILED_AUTH_MEMORY_S
+        ):
             # Only addresses that failed here recently pay the extra Redis round trip.
             await self.guard.check_failed_auth(address)
         try:
@@ -128,8 +133,11 @@ class Gateway:
         """``/v1/chat/completions`` and ``/v1/completions``, top to bottom."""
         ctx: RequestContext = request.scope[CTX_KEY]
         if self.draining:
-            raise ServiceUnavailableError("The gateway is shutting down; retry elsewhere.",
-                                          code="draining", headers={"retry-after": "1"})
+            raise ServiceUnavailableError(
+                "The gateway is shutting down; retry elsewhere.",
+                code="draining",
+                headers={"retry-after": "1"},
+            )
         principal = await self.authenticate(request)
         ctx.tenant = principal.tenant_id
         raw = await request.body()
@@ -142,7 +150,8 @@ class Gateway:
         try:
             payload = upstream_body(raw, fields, decision.model, principal.cache_salt)
             exchange: Exchange = await upstream.exchange(
-                path, payload, fields, ctx.request_id, decision.prefix_key)
+                path, payload, fields, ctx.request_id, decision.prefix_key
+            )
         except BaseException:
             await self.admission.release(ticket)  # type: ignore[union-attr]
             raise
@@ -153,18 +162,28 @@ class Gateway:
             await self.settle(ticket, principal, decision.model, exchange)
 
         if exchange.body is not None:
-            return Response(exchange.body, exchange.status, headers, exchange.content_type,
-                            background=BackgroundTask(finish))
+            return Response(
+                exchange.body,
+                exchange.status,
+                headers,
+                exchange.content_type,
+                background=BackgroundTask(finish),
+            )
         raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw_headers += [(b"content-type", exchange.content_type.encode("latin-1")),
-                        (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        raw_headers += [
+            (b"content-type", exchange.content_type.encode("latin-1")),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         return RelayResponse(exchange, raw_headers, finish)
 
-    async def admit(self, principal: Principal, model: str, prompt_tokens: int,
-                    max_tokens: int | None) -> Ticket:
+    async def admit(
+        self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
+    ) -> Ticket:
         try:
             return await self.admission.admit(  # type: ignore[union-attr]
-                principal, model, prompt_tokens, max_tokens)
+                principal, model, prompt_tokens, max_tokens
+            )
         except LimitExceededError as exc:
             self.metrics.rate_limited.labels(exc.limit).inc()
             raise
@@ -172,8 +191,9 @@ class Gateway:
             self.metrics.rate_limited.labels("monthly_token_budget").inc()
             raise
 
-    async def settle(self, ticket: Ticket, principal: Principal, model: str,
-                     exchange: Exchange) -> None:
+    async def settle(
+        self, ticket: Ticket, principal: Principal, model: str, exchange: Exchange
+    ) -> None:
         """Settle with the real usage (or release the slot when there is none); record it."""
         admission = self.admission
         recorder = self.usage
@@ -181,8 +201,9 @@ class Gateway:
         usage = exchange.usage
         try:
             if usage.reported:  # usage is summed in memory and written in batches
-                recorder.record(principal.tenant_id, model, usage.prompt_tokens,
-                                  usage.completion_tokens)
+                recorder.record(
+                    principal.tenant_id, model, usage.prompt_tokens, usage.completion_tokens
+                )
                 await admission.settle(ticket, usage.prompt_tokens, usage.completion_tokens)
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
@@ -207,32 +228,39 @@ class Gateway:
         # Admission's two scripts per request go over one pipelined connection (redis_pipe.py);
         # redis-py's per-command cost was the largest single share of the gateway's CPU.
         self.limiter_pipe = RedisPipe.from_client(self.identity.redis)
-        limiter = RedisLimiter(self.identity.redis,
-                               budget_ttl_s=config.admission.budget_key_ttl_seconds,
-                               pipe=self.limiter_pipe)
-        self.admission = Admission(self.identity.redis, config.admission,
-                                   registry=self.metrics.registry, limiter=limiter)
+        limiter = RedisLimiter(
+            self.identity.redis,
+            budget_ttl_s=config.admission.budget_key_ttl_seconds,
+            pipe=self.limiter_pipe,
+        )
+        self.admission = Admission(
+            self.identity.redis, config.admission, registry=self.metrics.registry, limiter=limiter
+        )
         self.guard = AbuseGuard(redis_url, config.admission.abuse, registry=self.metrics.registry)
         retry = load_retry_policy(config.policies_dir / "retry.yaml")
         routing = load_routing_policy(config.policies_dir / "routing.yaml")
         processes = self._build_local(retry, routing.affinity_slack)
         for spec in config.remotes:
             self.upstreams[spec.name] = RemoteUpstream(spec, retry, self.metrics)
-        self.router = Router(routing, set(self.upstreams),
-                             strict=config.policies_dir.resolve() != PACKAGED_POLICIES)
+        self.router = Router(
+            routing, set(self.upstreams), strict=config.policies_dir.resolve() != PACKAGED_POLICIES
+        )
         self.supervisor = Supervisor(
-            processes, backoff_base_s=config.supervisor.backoff_base_s,
+            processes,
+            backoff_base_s=config.supervisor.backoff_base_s,
             backoff_max_s=config.supervisor.backoff_max_s,
             stable_after_s=config.supervisor.stable_after_s,
             on_state=lambda p: self.metrics.engine_up.labels(p.name).set(
-                1 if p.state == "ready" else 0),
+                1 if p.state == "ready" else 0
+            ),
             on_restart=lambda p: self.metrics.engine_restarts.labels(p.name).inc(),
         )
         for pool in self.pools:
             self._tasks.append(asyncio.create_task(pool.run_prober()))
         timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
         tokenizers, all_ready = await asyncio.gather(
-            self._load_tokenizers(), self.supervisor.start(ready_timeout=timeout))
+            self._load_tokenizers(), self.supervisor.start(ready_timeout=timeout)
+        )
         self.counter = PromptCounter(tokenizers)
         if not all_ready:
             log.error("not every engine became ready in %.0f s; serving what is up", timeout)
@@ -263,17 +291,29 @@ class Gateway:
                 uds = self.runtime_dir / f"{name}.sock"
                 transport = LeanTransport(uds=str(uds))
                 timeout = httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s)
-                client = httpx.AsyncClient(transport=transport, base_url="http://engine",
-                                           timeout=timeout)
+                client = httpx.AsyncClient(
+                    transport=transport, base_url="http://engine", timeout=timeout
+                )
                 replica = Replica(name, client, transport, timeout.as_dict())
                 replicas.append(replica)
-                processes.append(EngineProcess(
-                    name, self._argv(spec, name, uds), replica, socket_path=uds,
-                    env=dict(spec.env), startup_timeout_s=spec.startup_timeout_s))
-            pool = Pool(spec.name, replicas, slack=slack,
-                        eject_after_failures=retry.eject_after_failures,
-                        eject_cooldown_s=retry.eject_cooldown_s,
-                        on_eject=self._count_ejection)
+                processes.append(
+                    EngineProcess(
+                        name,
+                        self._argv(spec, name, uds),
+                        replica,
+                        socket_path=uds,
+                        env=dict(spec.env),
+                        startup_timeout_s=spec.startup_timeout_s,
+                    )
+                )
+            pool = Pool(
+                spec.name,
+                replicas,
+                slack=slack,
+                eject_after_failures=retry.eject_after_failures,
+                eject_cooldown_s=retry.eject_cooldown_s,
+                on_eject=self._count_ejection,
+            )
             self.pools.append(pool)
             self.upstreams[spec.name] = LocalUpstream(pool, retry, self.metrics)
         return processes
@@ -290,10 +330,12 @@ class Gateway:
         return [part.format(**values) for part in spec.command] + list(spec.args)
 
     async def _load_tokenizers(self) -> dict[str, Any]:
-        wanted = [e for e in self.config.engines
-                  if e.count_tokens_with == "tokenizer" and e.command is None]
-        loaded = await asyncio.gather(*(asyncio.to_thread(load_tokenizer, e.model)
-                                        for e in wanted))
+        wanted = [
+            e
+            for e in self.config.engines
+            if e.count_tokens_with == "tokenizer" and e.command is None
+        ]
+        loaded = await asyncio.gather(*(asyncio.to_thread(load_tokenizer, e.model) for e in wanted))
         return {e.name: tok for e, tok in zip(wanted, loaded, strict=True) if tok is not None}
 
     async def stop(self) -> None:
@@ -332,25 +374,36 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
         try:
             await gw.start(env if env is not None else os.environ)
             assert gw.identity is not None and gw.guard is not None
-            app.include_router(build_admin_router(
-                gw.identity.store, gw.identity.authenticator,
-                before_auth=gw.guard.admin_dependency))
+            app.include_router(
+                build_admin_router(
+                    gw.identity.store,
+                    gw.identity.authenticator,
+                    before_auth=gw.guard.admin_dependency,
+                )
+            )
             yield
         finally:
             await gw.stop()
 
     # FastAPI's native OpenTelemetry checks its providers on every request; the gateway
     # exports its own Prometheus metrics, so that check is turned off.
-    app = GatewayApp(title="Portico gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None,
-                  telemetry={"tracing": False, "metrics": False, "logs": False})
+    app = GatewayApp(
+        title="Portico gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     app.state.gateway = gw
     install_error_handlers(app)
     # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
     # but keep the request context and the body-size limit.
     app.hot_app = RequestContextMiddleware(
         BodySizeLimitMiddleware(HotRoutes(gw.complete), max_bytes=config.max_body_bytes),
-        metrics=metrics, in_flight=gw.in_flight)
+        metrics=metrics,
+        in_flight=gw.in_flight,
+    )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)

@@ -34,8 +34,13 @@ from gateway.tenants import Tenant, TenantStore, load_plans
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 
 __all__ = [
-    "ADMIN_KEY_ENV", "KEY_HASH_SECRET_ENV", "AuthSettings", "Authenticator", "Identity",
-    "JWTSettings", "open_identity",
+    "ADMIN_KEY_ENV",
+    "KEY_HASH_SECRET_ENV",
+    "AuthSettings",
+    "Authenticator",
+    "Identity",
+    "JWTSettings",
+    "open_identity",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,8 +87,7 @@ def load_admin_key(settings: AuthSettings, env: Mapping[str, str]) -> str | None
     return key
 
 
-def load_key_hash_secret(settings: AuthSettings, data_dir: Path,
-                         env: Mapping[str, str]) -> bytes:
+def load_key_hash_secret(settings: AuthSettings, data_dir: Path, env: Mapping[str, str]) -> bytes:
     """The HMAC secret keys are hashed with: ``key_hash_secret_file``, else
     ``$PORTICO_KEY_HASH_SECRET``, else ``data_dir/key_hash_secret`` (generated on first start,
     mode 0600). Every replica sharing a Redis must use the same secret."""
@@ -115,8 +119,8 @@ def _generated_secret(path: Path) -> bytes:
 @dataclass
 class _Cached:
     principal: Principal
-    until: float        # monotonic: when this entry stops being trusted
-    expires_at: float   # wall clock: the key's own expiry or scheduled revocation (inf: none)
+    until: float  # monotonic: when this entry stops being trusted
+    expires_at: float  # wall clock: the key's own expiry or scheduled revocation (inf: none)
 
 
 class Authenticator:
@@ -169,13 +173,15 @@ class Authenticator:
             if verified.tenant_id is None:
                 raise AuthenticationError(
                     f"Invalid token: missing the '{self.jwt.settings.tenant_claim}' claim.",
-                    code="invalid_token")
+                    code="invalid_token",
+                )
             tenant = await self._tenant(verified.tenant_id)
             if tenant is None:
                 raise AuthenticationError("Invalid token: unknown tenant.", code="invalid_token")
             _check_enabled(tenant)
-            principal = self.store.principal_for(tenant, subject=verified.subject,
-                                                 scopes=verified.scopes)
+            principal = self.store.principal_for(
+                tenant, subject=verified.subject, scopes=verified.scopes
+            )
             return principal
         raise AuthenticationError(_BAD_KEY)
 
@@ -198,8 +204,12 @@ class Authenticator:
         principal = self.store.principal_for(tenant, key)
         if self.cache_ttl_seconds > 0:
             ends = [t for t in (key.expires_at, key.revoked_at) if t is not None]
-            self._remember(digest, _Cached(principal, now + self.cache_ttl_seconds,
-                                           min(ends) if ends else float("inf")))
+            self._remember(
+                digest,
+                _Cached(
+                    principal, now + self.cache_ttl_seconds, min(ends) if ends else float("inf")
+                ),
+            )
         return principal
 
     async def _tenant(self, tenant_id: str) -> Tenant | None:
@@ -233,14 +243,26 @@ class Authenticator:
         if self._admin_digest is not None and hmac.compare_digest(
             hashlib.sha256(token.encode()).digest(), self._admin_digest
         ):
-            return Principal(tenant_id="*", plan="admin", limits=Limits(),
-                             subject="admin-key", scopes=frozenset({"admin"}), is_admin=True)
+            return Principal(
+                tenant_id="*",
+                plan="admin",
+                limits=Limits(),
+                subject="admin-key",
+                scopes=frozenset({"admin"}),
+                is_admin=True,
+            )
         if self.jwt is not None and token.count(".") == 2:
             verified = await self.jwt.verify(token)
             if not verified.is_admin:
                 raise PermissionDeniedError("This token does not carry the admin role.")
-            return Principal(tenant_id="*", plan="admin", limits=Limits(),
-                             subject=verified.subject, scopes=verified.scopes, is_admin=True)
+            return Principal(
+                tenant_id="*",
+                plan="admin",
+                limits=Limits(),
+                subject=verified.subject,
+                scopes=verified.scopes,
+                is_admin=True,
+            )
         if token.startswith("sk-") and await self._is_valid_key(token):
             raise PermissionDeniedError("API keys cannot access the admin API.")
         raise AuthenticationError("Incorrect admin credential provided.")
@@ -272,8 +294,9 @@ def _bearer(authorization: str | None) -> str:
 def _store_down(exc: RedisError) -> ServiceUnavailableError:
     """Fail closed but say why: a credential cannot be checked while Redis is unreachable."""
     log.warning("credential check failed: Redis unavailable (%s)", type(exc).__name__)
-    return ServiceUnavailableError("Authentication is temporarily unavailable; retry shortly.",
-                                   headers={"retry-after": "1"})
+    return ServiceUnavailableError(
+        "Authentication is temporarily unavailable; retry shortly.", headers={"retry-after": "1"}
+    )
 
 
 def _check_enabled(tenant: Tenant) -> None:
@@ -285,8 +308,14 @@ class Identity:
     """What the gateway holds for its lifetime: the Redis client (shared with the limiter),
     the tenant store and the authenticator. ``aclose()`` releases them in order."""
 
-    def __init__(self, redis: aioredis.Redis, embedded: EmbeddedRedis | None,
-                 store: TenantStore, authenticator: Authenticator, redis_url: str) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        embedded: EmbeddedRedis | None,
+        store: TenantStore,
+        authenticator: Authenticator,
+        redis_url: str,
+    ) -> None:
         self.redis = redis
         self.embedded = embedded
         self.redis_url = redis_url  # the server actually used (configured, env or embedded)
@@ -327,8 +356,9 @@ async def open_identity(
     key_secret = load_key_hash_secret(auth, store.data_dir, env)
     verifier = JWTVerifier(auth.jwt, env) if auth.jwt is not None else None
     if admin_key is None and not (auth.jwt is not None):
-        log.warning("no admin key (%s) and no JWT: the admin API refuses every request",
-                    ADMIN_KEY_ENV)
+        log.warning(
+            "no admin key (%s) and no JWT: the admin API refuses every request", ADMIN_KEY_ENV
+        )
     url = redis_url(store, env)
     try:
         redis, embedded = await open_redis(url, store.data_dir, store)
@@ -337,7 +367,8 @@ async def open_identity(
             await verifier.aclose()
         raise
     tenants = TenantStore(redis, key_secret, plans)
-    authenticator = Authenticator(tenants, admin_key=admin_key, jwt=verifier,
-                                  cache_ttl_seconds=auth.key_cache_ttl_seconds)
+    authenticator = Authenticator(
+        tenants, admin_key=admin_key, jwt=verifier, cache_ttl_seconds=auth.key_cache_ttl_seconds
+    )
     used_url = url if embedded is None else embedded.url
     return Identity(redis, embedded, tenants, authenticator, used_url)

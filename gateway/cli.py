@@ -13,13 +13,22 @@ ADMIN_KEY_FILENAME = "admin_key"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", type=Path, default=None,
-                        help="gateway config (YAML); default: serve smollm2-135m as 'smollm2' "
-                             "with one engine and the embedded Redis")
+    parser.add_argument(
+        "--config",
+        "-c",
+        type=Path,
+        default=None,
+        help="gateway config (YAML); default: serve smollm2-135m as 'smollm2' "
+        "with one engine and the embedded Redis",
+    )
     parser.add_argument("--host", default=None, help="override listen.host")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
-    parser.add_argument("--log-level", default=None,
-                        choices=["debug", "info", "warning", "error"], help="override log_level")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="override log_level",
+    )
 
 
 def _first_start_admin_key(config: object) -> tuple[Path, bool] | None:
@@ -43,12 +52,15 @@ def _first_start_admin_key(config: object) -> tuple[Path, bool] | None:
 def _print_first_start(key_file: Path, base: str) -> None:
     admin = '-H "authorization: Bearer $PORTICO_ADMIN_KEY" -H "content-type: application/json"'
     tenant = '{"id": "acme", "name": "Acme"}'
-    print(f"admin key generated: {key_file.resolve()} (set PORTICO_ADMIN_KEY to use your own)\n"
-          f"create a tenant and an API key:\n"
-          f"  export PORTICO_ADMIN_KEY=$(cat {key_file.resolve()})\n"
-          f"  curl -s {base}/admin/v1/tenants {admin} -d '{tenant}'\n"
-          f"  curl -s {base}/admin/v1/tenants/acme/keys {admin} -d '{{}}'   # shows the key once",
-          file=sys.stderr, flush=True)
+    print(
+        f"admin key generated: {key_file.resolve()} (set PORTICO_ADMIN_KEY to use your own)\n"
+        f"create a tenant and an API key:\n"
+        f"  export PORTICO_ADMIN_KEY=$(cat {key_file.resolve()})\n"
+        f"  curl -s {base}/admin/v1/tenants {admin} -d '{tenant}'\n"
+        f"  curl -s {base}/admin/v1/tenants/acme/keys {admin} -d '{{}}'   # shows the key once",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _missing_models(config: object) -> list[str]:
@@ -84,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print("portico serve: " + "\n  ".join(["models not found:", *missing]), file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     generated = _first_start_admin_key(config)
     scheme = "https" if config.tls is not None else "http"

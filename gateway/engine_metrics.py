@@ -47,11 +47,13 @@ def relabel(expositions: Sequence[tuple[str, str]]) -> bytes:
         for family in text_string_to_metric_families(text):
             into = merged.get(family.name)
             if into is None:
-                into = merged[family.name] = Metric(family.name, family.documentation,
-                                                    family.type, family.unit)
+                into = merged[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
             into.samples.extend(
                 Sample(s.name, {**s.labels, "engine": engine}, s.value, s.timestamp, s.exemplar)
-                for s in family.samples)
+                for s in family.samples
+            )
     return generate_latest(_Families(merged.values()))  # type: ignore[arg-type]
 
 

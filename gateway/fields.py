@@ -99,8 +99,10 @@ def parse_fields(raw: bytes, kind: str) -> RequestFields:
             raise _bad("Missing required parameter: 'messages'.", "messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad(f"Invalid value for 'messages[{i}]': must be an object with a role.",
-                           f"messages.{i}")
+                raise _bad(
+                    f"Invalid value for 'messages[{i}]': must be an object with a role.",
+                    f"messages.{i}",
+                )
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or not prompt:
@@ -114,5 +116,6 @@ def parse_fields(raw: bytes, kind: str) -> RequestFields:
     if options is not None and not isinstance(options, dict):
         raise _bad("Invalid value for 'stream_options': must be an object.", "stream_options")
     wants_usage = bool(options and options.get("include_usage"))
-    return RequestFields(kind, model, stream, max_tokens, messages, prompt, len(tools),
-                         wants_usage, body)
+    return RequestFields(
+        kind, model, stream, max_tokens, messages, prompt, len(tools), wants_usage, body
+    )

@@ -50,8 +50,9 @@ class HotRoutes:
             try:
                 response = await self.handler(Request(scope, receive), HOT_PATHS[path], path)
             except APIError as exc:
-                response = JSONResponse(exc.to_dict(), status_code=exc.status_code,
-                                        headers=exc.headers)
+                response = JSONResponse(
+                    exc.to_dict(), status_code=exc.status_code, headers=exc.headers
+                )
             await response(scope, receive, tracking_send)
         except ClientDisconnect:
             return  # the client left before its body arrived: no one to answer, nothing taken
@@ -59,9 +60,12 @@ class HotRoutes:
             if getattr(exc, "status_code", None) == 413:  # the body limit's signal: its answer
                 raise
             if not started:
-                await JSONResponse(error_body("The server had an error while processing your "
-                                              "request.", "internal_error"),
-                                   status_code=500)(scope, receive, send)
+                await JSONResponse(
+                    error_body(
+                        "The server had an error while processing your request.", "internal_error"
+                    ),
+                    status_code=500,
+                )(scope, receive, send)
             raise
 
 
@@ -72,8 +76,12 @@ class GatewayApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hot = self.hot_app
-        if (hot is not None and scope["type"] == "http" and scope["path"] in HOT_PATHS
-                and scope["method"] == "POST"):
+        if (
+            hot is not None
+            and scope["type"] == "http"
+            and scope["path"] in HOT_PATHS
+            and scope["method"] == "POST"
+        ):
             scope["app"] = self
             await hot(scope, receive, send)
             return

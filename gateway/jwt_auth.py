@@ -36,10 +36,18 @@ from portico.errors import AuthenticationError
 log = logging.getLogger(__name__)
 
 ALGORITHM_FAMILY = {
-    "RS256": "RSA", "RS384": "RSA", "RS512": "RSA",
-    "PS256": "RSA", "PS384": "RSA", "PS512": "RSA",
-    "ES256": "EC", "ES384": "EC", "ES512": "EC",
-    "HS256": "oct", "HS384": "oct", "HS512": "oct",
+    "RS256": "RSA",
+    "RS384": "RSA",
+    "RS512": "RSA",
+    "PS256": "RSA",
+    "PS384": "RSA",
+    "PS512": "RSA",
+    "ES256": "EC",
+    "ES384": "EC",
+    "ES512": "EC",
+    "HS256": "oct",
+    "HS384": "oct",
+    "HS512": "oct",
 }
 SUPPORTED_CRIT: frozenset[str] = frozenset()
 HMAC_SECRET_ENV = "PORTICO_JWT_HMAC_SECRET"
@@ -99,8 +107,14 @@ class JWKSCache:
     and one at a time; a failed fetch keeps the previous keys. ``num_fetches`` counts fetches.
     """
 
-    def __init__(self, url: str, cache_seconds: float, cooldown_seconds: float,
-                 timeout_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        url: str,
+        cache_seconds: float,
+        cooldown_seconds: float,
+        timeout_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.url = url
         self._clock = clock
         self.cache_seconds = cache_seconds
@@ -160,8 +174,12 @@ class JWKSCache:
 class JWTVerifier:
     """Verifies bearer JWTs against :class:`JWTSettings` (see the module docstring)."""
 
-    def __init__(self, settings: JWTSettings, env: Mapping[str, str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: JWTSettings,
+        env: Mapping[str, str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self._pem_key: RSAPublicKey | EllipticCurvePublicKey | None = None
         self._pem_family: str | None = None
@@ -178,10 +196,15 @@ class JWTVerifier:
         if any(ALGORITHM_FAMILY[a] == "oct" for a in settings.algorithms):
             self._hmac_secret = _read_hmac_secret(settings.hmac_secret_file, env)
         self._jwks = (
-            JWKSCache(settings.jwks_url, settings.jwks_cache_seconds,
-                      settings.jwks_refresh_cooldown_seconds, settings.jwks_timeout_seconds,
-                      clock)
-            if settings.jwks_url else None
+            JWKSCache(
+                settings.jwks_url,
+                settings.jwks_cache_seconds,
+                settings.jwks_refresh_cooldown_seconds,
+                settings.jwks_timeout_seconds,
+                clock,
+            )
+            if settings.jwks_url
+            else None
         )
 
     @property
@@ -196,29 +219,35 @@ class JWTVerifier:
             raise AuthenticationError("Invalid token: malformed.", code="invalid_token") from None
         alg = header.get("alg")
         if not isinstance(alg, str) or alg not in s.algorithms:
-            raise AuthenticationError("Invalid token: algorithm not allowed.",
-                                      code="invalid_token")
+            raise AuthenticationError("Invalid token: algorithm not allowed.", code="invalid_token")
         crit = header.get("crit")
         if crit is not None and (
             not isinstance(crit, list) or not crit or any(c not in SUPPORTED_CRIT for c in crit)
         ):
-            raise AuthenticationError("Invalid token: unsupported critical header.",
-                                      code="invalid_token")
+            raise AuthenticationError(
+                "Invalid token: unsupported critical header.", code="invalid_token"
+            )
         key = await self._key_for(alg, header.get("kid"))
         try:
             claims = jwt.decode(
-                token, key, algorithms=[alg], audience=s.audience, issuer=s.issuer,
+                token,
+                key,
+                algorithms=[alg],
+                audience=s.audience,
+                issuer=s.issuer,
                 leeway=s.leeway_seconds,
                 options={"require": ["exp", "iat", "iss", "aud"], "verify_signature": True},
             )
         except jwt.PyJWTError as exc:
-            raise AuthenticationError(f"Invalid token: {_reason(exc)}",
-                                      code="invalid_token") from None
+            raise AuthenticationError(
+                f"Invalid token: {_reason(exc)}", code="invalid_token"
+            ) from None
         exp, iat = claims["exp"], claims["iat"]
         if not isinstance(iat, (int, float)) or exp - iat > s.max_lifetime_seconds:
             raise AuthenticationError(
                 f"Invalid token: lifetime exceeds {s.max_lifetime_seconds} seconds.",
-                code="invalid_token")
+                code="invalid_token",
+            )
         tenant = claims.get(s.tenant_claim)
         subject = claims.get(s.subject_claim)
         return VerifiedToken(
@@ -243,13 +272,15 @@ class JWTVerifier:
                 raise AuthenticationError("Invalid token: unknown kid.", code="invalid_token")
             jwk, declared_alg = found
             if jwk.key_type != family or declared_alg not in (None, alg):
-                raise AuthenticationError("Invalid token: key does not fit the algorithm.",
-                                          code="invalid_token")
+                raise AuthenticationError(
+                    "Invalid token: key does not fit the algorithm.", code="invalid_token"
+                )
             return jwk.key
         if self._pem_key is not None and self._pem_family == family:
             return self._pem_key
-        raise AuthenticationError("Invalid token: key does not fit the algorithm.",
-                                  code="invalid_token")
+        raise AuthenticationError(
+            "Invalid token: key does not fit the algorithm.", code="invalid_token"
+        )
 
     async def aclose(self) -> None:
         if self._jwks is not None:
@@ -261,7 +292,8 @@ def _read_hmac_secret(path: Path | None, env: Mapping[str, str]) -> bytes:
     if len(raw) < MIN_HMAC_SECRET_BYTES:
         raise ValueError(
             f"HS* algorithms need a shared secret of at least {MIN_HMAC_SECRET_BYTES} bytes "
-            f"(jwt.hmac_secret_file or {HMAC_SECRET_ENV})")
+            f"(jwt.hmac_secret_file or {HMAC_SECRET_ENV})"
+        )
     return raw
 
 

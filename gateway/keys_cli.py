@@ -32,24 +32,42 @@ _LIMIT_FLAGS = {
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     for field, flag in _LIMIT_FLAGS.items():
-        p.add_argument(flag, dest=field, type=int, metavar="N",
-                       help=f"override {field.replace('_', ' ')}")
+        p.add_argument(
+            flag, dest=field, type=int, metavar="N", help=f"override {field.replace('_', ' ')}"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None,
-                        help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})")
-    parser.add_argument("--admin-key", default=None,
-                        help=f"admin key (default ${ADMIN_KEY_ENV}; prefer --admin-key-file)")
-    parser.add_argument("--admin-key-file", type=Path, default=None,
-                        help="file holding the admin key")
+    parser.add_argument(
+        "--url", default=None, help=f"gateway base URL (default ${URL_ENV} or {DEFAULT_URL})"
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"admin key (default ${ADMIN_KEY_ENV}; prefer --admin-key-file)",
+    )
+    parser.add_argument(
+        "--admin-key-file", type=Path, default=None, help="file holding the admin key"
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
-    parser.add_argument("--ca-file", type=Path, default=None,
-                        help="CA bundle that signed the gateway's TLS certificate (https URLs)")
-    parser.add_argument("--client-cert", type=Path, default=None,
-                        help="client certificate (PEM) when the admin API requires one")
-    parser.add_argument("--client-key", type=Path, default=None,
-                        help="private key (PEM) of --client-cert, if not in the same file")
+    parser.add_argument(
+        "--ca-file",
+        type=Path,
+        default=None,
+        help="CA bundle that signed the gateway's TLS certificate (https URLs)",
+    )
+    parser.add_argument(
+        "--client-cert",
+        type=Path,
+        default=None,
+        help="client certificate (PEM) when the admin API requires one",
+    )
+    parser.add_argument(
+        "--client-key",
+        type=Path,
+        default=None,
+        help="private key (PEM) of --client-cert, if not in the same file",
+    )
     sub = parser.add_subparsers(dest="keys_command", metavar="COMMAND", required=True)
 
     tenants = sub.add_parser("tenants", help="create, list, show, update, delete tenants")
@@ -58,8 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("tenant_id")
     p.add_argument("--name", default=None, help="display name (default: the id)")
     p.add_argument("--plan", default=None, help="plan name (default: the default plan)")
-    p.add_argument("--allowed-model", dest="allowed_models", action="append", default=None,
-                   help="a model the tenant may use (repeat); default: the plan's list")
+    p.add_argument(
+        "--allowed-model",
+        dest="allowed_models",
+        action="append",
+        default=None,
+        help="a model the tenant may use (repeat); default: the plan's list",
+    )
     p.add_argument("--share-prefix-cache", action="store_true", default=None)
     _add_limit_flags(p)
     tsub.add_parser("list", help="list tenants")
@@ -80,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("create", help="create an API key (the secret is printed once)")
     p.add_argument("tenant_id")
     p.add_argument("--name", default=None)
-    p.add_argument("--expires-in", dest="expires_in_seconds", type=int, default=None,
-                   metavar="SECONDS")
+    p.add_argument(
+        "--expires-in", dest="expires_in_seconds", type=int, default=None, metavar="SECONDS"
+    )
     p.add_argument("--scope", dest="scopes", action="append", default=None)
     p = sub.add_parser("list", help="list a tenant's keys")
     p.add_argument("tenant_id")
@@ -91,8 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("rotate", help="new secret for a key; the old one is revoked")
     p.add_argument("tenant_id")
     p.add_argument("key_id")
-    p.add_argument("--grace", dest="grace_seconds", type=int, default=0, metavar="SECONDS",
-                   help="keep the old secret working this long")
+    p.add_argument(
+        "--grace",
+        dest="grace_seconds",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="keep the old secret working this long",
+    )
     p = sub.add_parser("usage", help="a tenant's usage per day and model")
     p.add_argument("tenant_id")
     p.add_argument("--start", default=None, help="YYYY-MM-DD (default: 29 days before end)")
@@ -109,8 +139,9 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
-                                                dict[str, str] | None]:
+def _request(
+    args: argparse.Namespace,
+) -> tuple[str, str, dict[str, Any] | None, dict[str, str] | None]:
     """(method, path, JSON body, query) for the parsed command."""
     cmd = args.keys_command
     if cmd == "tenants":
@@ -133,8 +164,11 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None,
         return "PATCH", f"/admin/v1/tenants/{_seg(args.tenant_id)}", body, None
     base = f"/admin/v1/tenants/{_seg(getattr(args, 'tenant_id', ''))}"
     if cmd == "create":
-        body = {k: getattr(args, k) for k in ("name", "expires_in_seconds", "scopes")
-                if getattr(args, k) is not None}
+        body = {
+            k: getattr(args, k)
+            for k in ("name", "expires_in_seconds", "scopes")
+            if getattr(args, k) is not None
+        }
         return "POST", f"{base}/keys", body, None
     if cmd == "list":
         return "GET", f"{base}/keys", None, None
@@ -158,8 +192,9 @@ def _admin_key(args: argparse.Namespace) -> str | None:
 def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
     if args.client_cert is not None:
-        ctx.load_cert_chain(str(args.client_cert),
-                            str(args.client_key) if args.client_key else None)
+        ctx.load_cert_chain(
+            str(args.client_cert), str(args.client_key) if args.client_key else None
+        )
     return ctx
 
 
@@ -172,8 +207,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot read the admin key file: {exc.strerror}", file=sys.stderr)
         return 2
     if not key:
-        print(f"error: no admin key: pass --admin-key-file or set ${ADMIN_KEY_ENV}",
-              file=sys.stderr)
+        print(
+            f"error: no admin key: pass --admin-key-file or set ${ADMIN_KEY_ENV}", file=sys.stderr
+        )
         return 2
     url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
     method, path, body, query = _request(args)
@@ -184,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         with httpx.Client(base_url=url, timeout=args.timeout, verify=tls) as client:
-            resp = client.request(method, path, json=body, params=query,
-                                  headers={"Authorization": f"Bearer {key}"})
+            resp = client.request(
+                method, path, json=body, params=query, headers={"Authorization": f"Bearer {key}"}
+            )
     except httpx.HTTPError as exc:
         print(f"error: cannot reach {url}: {type(exc).__name__}", file=sys.stderr)
         return 1

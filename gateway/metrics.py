@@ -19,35 +19,62 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "portico_gateway_"
         self.requests = Counter(
-            p + "requests", "Requests answered, by tenant, model, route tier and HTTP status",
-            ["tenant", "model", "tier", "status"], registry=r)
+            p + "requests",
+            "Requests answered, by tenant, model, route tier and HTTP status",
+            ["tenant", "model", "tier", "status"],
+            registry=r,
+        )
         self.latency = Histogram(
-            p + "request_duration_seconds", "Time from arrival to the last byte sent",
-            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+            p + "request_duration_seconds",
+            "Time from arrival to the last byte sent",
+            ["tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttfb = Histogram(
-            p + "time_to_first_byte_seconds", "Time from arrival to the first body byte sent",
-            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+            p + "time_to_first_byte_seconds",
+            "Time from arrival to the first body byte sent",
+            ["tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.overhead = Histogram(
             p + "overhead_seconds",
             "Time spent in the gateway itself (x-portico-overhead-ms), queueing included",
-            buckets=OVERHEAD_BUCKETS, registry=r)
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self.retries = Counter(
-            p + "retries", "Attempts retried before the first byte, by upstream and reason",
-            ["upstream", "reason"], registry=r)
+            p + "retries",
+            "Attempts retried before the first byte, by upstream and reason",
+            ["upstream", "reason"],
+            registry=r,
+        )
         self.ejections = Counter(
-            p + "ejections", "Replicas ejected after consecutive failures",
-            ["upstream", "replica"], registry=r)
+            p + "ejections",
+            "Replicas ejected after consecutive failures",
+            ["upstream", "replica"],
+            registry=r,
+        )
         self.rate_limited = Counter(
-            p + "rate_limited", "Requests refused by admission, by the limit that refused them",
-            ["limit"], registry=r)
+            p + "rate_limited",
+            "Requests refused by admission, by the limit that refused them",
+            ["limit"],
+            registry=r,
+        )
         self.engine_restarts = Counter(
-            p + "engine_restarts", "Engine processes restarted by the supervisor",
-            ["engine"], registry=r)
-        self.in_flight = Gauge(
-            p + "requests_in_flight", "Requests being handled", registry=r)
+            p + "engine_restarts",
+            "Engine processes restarted by the supervisor",
+            ["engine"],
+            registry=r,
+        )
+        self.in_flight = Gauge(p + "requests_in_flight", "Requests being handled", registry=r)
         self.engine_up = Gauge(
-            p + "engine_up", "1 when the engine replica is running and ready",
-            ["engine"], registry=r)
+            p + "engine_up",
+            "1 when the engine replica is running and ready",
+            ["engine"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

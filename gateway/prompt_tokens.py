@@ -27,8 +27,9 @@ def load_tokenizer(model: str) -> Any | None:
 
         source = registry.resolve(model)
         if source.format == "gguf":
-            return AutoTokenizer.from_pretrained(str(source.path.parent),
-                                                 gguf_file=source.path.name)
+            return AutoTokenizer.from_pretrained(
+                str(source.path.parent), gguf_file=source.path.name
+            )
         return AutoTokenizer.from_pretrained(str(source.path))
     except Exception as exc:  # any failure means: estimate instead
         log.warning("no tokenizer for %s (%s); prompt tokens will be estimated", model, exc)
@@ -56,8 +57,9 @@ class PromptCounter:
         # work (BatchEncoding, argument checks): about half the cost for a short prompt.
         backend = getattr(tok, "backend_tokenizer", None)
         if fields.messages is not None:
-            text = tok.apply_chat_template(fields.messages, tokenize=False,
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                fields.messages, tokenize=False, add_generation_prompt=True
+            )
             if backend is not None:
                 return len(backend.encode(text, add_special_tokens=False).ids)
             return len(tok(text, add_special_tokens=False)["input_ids"])

@@ -216,13 +216,20 @@ class LocalUpstream:
         if reason == "no_replica":
             raise ServiceUnavailableError(
                 f"No healthy replica of '{self.pool.name}' is available; try again shortly.",
-                code="no_healthy_replica", headers={"retry-after": "1"})
+                code="no_healthy_replica",
+                headers={"retry-after": "1"},
+            )
         raise UpstreamError(
             f"The model '{self.pool.name}' failed to answer after {attempt} attempt(s).",
-            code="upstream_unavailable")
+            code="upstream_unavailable",
+        )
 
     async def _attempt(
-        self, replica: Replica, path: str, payload: bytes, headers: dict[str, str],
+        self,
+        replica: Replica,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
         fields: RequestFields,
     ) -> Exchange:
         # The replica's outstanding count was raised by the caller; every path below that does
@@ -234,18 +241,27 @@ class LocalUpstream:
             raise
 
     async def _attempt_open(
-        self, replica: Replica, path: str, payload: bytes, headers: dict[str, str],
+        self,
+        replica: Replica,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
         fields: RequestFields,
     ) -> Exchange:
         if replica.transport is not None:
-            request = httpx.Request("POST", _engine_url(path), headers=headers, content=payload,
-                                    extensions={"timeout": replica.timeouts})
+            request = httpx.Request(
+                "POST",
+                _engine_url(path),
+                headers=headers,
+                content=payload,
+                extensions={"timeout": replica.timeouts},
+            )
             resp = await replica.transport.handle_async_request(request)
         else:
             client = replica.client
             resp = await client.send(
-                client.build_request("POST", path, content=payload, headers=headers),
-                stream=True)
+                client.build_request("POST", path, content=payload, headers=headers), stream=True
+            )
         content_type = resp.headers.get("content-type", "application/json")
         if not fields.stream or resp.status_code != 200:
             try:
@@ -316,7 +332,9 @@ class RelayResponse(Response):
     """
 
     def __init__(
-        self, exchange: Exchange, headers: list[tuple[bytes, bytes]],
+        self,
+        exchange: Exchange,
+        headers: list[tuple[bytes, bytes]],
         on_close: Callable[[], Awaitable[None]],
     ) -> None:
         # A Response subclass so FastAPI hands it to the server untouched; Response.__init__
@@ -344,11 +362,17 @@ class RelayResponse(Response):
         watcher = asyncio.create_task(watch())
         exchange = self.exchange
         try:
-            await send({"type": "http.response.start", "status": exchange.status,
-                        "headers": self.raw_headers})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": exchange.status,
+                    "headers": self.raw_headers,
+                }
+            )
             if exchange.first:
-                await send({"type": "http.response.body", "body": exchange.first,
-                            "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": exchange.first, "more_body": True}
+                )
             if exchange.rest is not None:
                 async for block in exchange.rest:
                     await send({"type": "http.response.body", "body": block, "more_body": True})

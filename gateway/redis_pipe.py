@@ -85,8 +85,12 @@ class _Wire(asyncio.Protocol):
                     future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.pipe._drop(self, redis.exceptions.ConnectionError(
-            f"Connection to Redis lost ({exc or 'closed by the server'})"))
+        self.pipe._drop(
+            self,
+            redis.exceptions.ConnectionError(
+                f"Connection to Redis lost ({exc or 'closed by the server'})"
+            ),
+        )
 
 
 class RedisPipe:
@@ -96,10 +100,18 @@ class RedisPipe:
     on first use and again after a failure; :meth:`aclose` closes it.
     """
 
-    def __init__(self, *, path: str | None = None, host: str = "localhost", port: int = 6379,
-                 username: str | None = None, password: str | None = None, db: int = 0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S,
-                 connect_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        path: str | None = None,
+        host: str = "localhost",
+        port: int = 6379,
+        username: str | None = None,
+        password: str | None = None,
+        db: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self._path = path
         self._host = host
         self._port = port
@@ -112,8 +124,7 @@ class RedisPipe:
         self._connect_timeout_s = connect_timeout_s
         self._wire: _Wire | None = None
         self._connecting: asyncio.Future[_Wire] | None = None
-        self._pending: collections.deque[tuple[asyncio.Future[Any], float]] = (
-            collections.deque())
+        self._pending: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self._watchdog: asyncio.TimerHandle | None = None
@@ -126,17 +137,22 @@ class RedisPipe:
         pool = client.connection_pool
         kwargs = pool.connection_kwargs
         common: dict[str, Any] = {
-            "username": kwargs.get("username"), "password": kwargs.get("password"),
+            "username": kwargs.get("username"),
+            "password": kwargs.get("password"),
             "db": int(kwargs.get("db") or 0),
             "timeout_s": kwargs.get("socket_timeout") or DEFAULT_TIMEOUT_S,
-            "connect_timeout_s": (kwargs.get("socket_connect_timeout")
-                                  or kwargs.get("socket_timeout") or DEFAULT_TIMEOUT_S),
+            "connect_timeout_s": (
+                kwargs.get("socket_connect_timeout")
+                or kwargs.get("socket_timeout")
+                or DEFAULT_TIMEOUT_S
+            ),
         }
         if pool.connection_class is UnixDomainSocketConnection:
             return cls(path=kwargs["path"], **common)
         if pool.connection_class is Connection:
-            return cls(host=kwargs.get("host", "localhost"), port=int(kwargs.get("port", 6379)),
-                       **common)
+            return cls(
+                host=kwargs.get("host", "localhost"), port=int(kwargs.get("port", 6379)), **common
+            )
         return None
 
     # ------------------------------------------------------------------ commands
@@ -148,8 +164,9 @@ class RedisPipe:
             wire = await self._connect()
         return await self._send(wire, encode_command(args))
 
-    async def evalsha(self, sha: str, source: str, keys: tuple[str, ...] | list[str],
-                      args: list[Any]) -> Any:
+    async def evalsha(
+        self, sha: str, source: str, keys: tuple[str, ...] | list[str], args: list[Any]
+    ) -> Any:
         """EVALSHA, falling back to EVAL (which caches the script) when Redis lacks it."""
         try:
             return await self.execute("EVALSHA", sha, len(keys), *keys, *args)

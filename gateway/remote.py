@@ -30,9 +30,25 @@ log = logging.getLogger("portico.gateway.remote")
 
 # OpenAI request fields a remote upstream receives (the rest stays at the gateway).
 PASSED_FIELDS = (
-    "temperature", "top_p", "n", "stop", "max_tokens", "max_completion_tokens",
-    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user",
-    "seed", "tools", "tool_choice", "response_format", "parallel_tool_calls", "echo", "suffix",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "max_tokens",
+    "max_completion_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "seed",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "parallel_tool_calls",
+    "echo",
+    "suffix",
     "best_of",
 )
 
@@ -64,7 +80,11 @@ class RemoteUpstream:
         self.api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
 
     async def exchange(
-        self, path: str, payload: bytes, fields: RequestFields, request_id: str,
+        self,
+        path: str,
+        payload: bytes,
+        fields: RequestFields,
+        request_id: str,
         prefix_key: bytes | None,
     ) -> Exchange:
         started = time.monotonic()
@@ -81,8 +101,11 @@ class RemoteUpstream:
                 status = self._status_of(exc)
                 retryable = status == 0 or self.policy.retries_status(status)
                 delay = self.policy.backoff(attempt)
-                if (not retryable or attempt >= self.policy.max_attempts
-                        or time.monotonic() + delay > deadline):
+                if (
+                    not retryable
+                    or attempt >= self.policy.max_attempts
+                    or time.monotonic() + delay > deadline
+                ):
                     return self._error_exchange(exc, status, attempt, started)
                 self.metrics.retries.labels(self.spec.name, str(status or "connect")).inc()
                 await asyncio.sleep(delay)
@@ -92,8 +115,12 @@ class RemoteUpstream:
 
         litellm reports an unreachable provider as a 500 ("Connection error") or 408; the cause
         chain still holds the transport error, which is what decides."""
-        unreached = (self.litellm.APIConnectionError, self.litellm.Timeout, httpx.TransportError,
-                     openai.APIConnectionError)
+        unreached = (
+            self.litellm.APIConnectionError,
+            self.litellm.Timeout,
+            httpx.TransportError,
+            openai.APIConnectionError,
+        )
         cause: BaseException | None = exc
         for _ in range(8):
             if cause is None:
@@ -103,19 +130,30 @@ class RemoteUpstream:
             cause = cause.__cause__ or cause.__context__
         return int(getattr(exc, "status_code", 0) or 0)
 
-    def _error_exchange(self, exc: Exception, status: int, attempt: int, started: float
-                        ) -> Exchange:
+    def _error_exchange(
+        self, exc: Exception, status: int, attempt: int, started: float
+    ) -> Exchange:
         status = status if 400 <= status < 600 else 502
         log.warning("remote %s failed after %d attempt(s): %s", self.spec.name, attempt, exc)
         message = f"The remote upstream '{self.spec.name}' failed: {type(exc).__name__}."
         body = _dumps(error_body(message, status_error_type(status), None, "upstream_error"))
-        return Exchange(status, "application/json", body=body, attempts=attempt,
-                        upstream_s=time.monotonic() - started)
+        return Exchange(
+            status,
+            "application/json",
+            body=body,
+            attempts=attempt,
+            upstream_s=time.monotonic() - started,
+        )
 
     async def _attempt(self, fields: RequestFields, request_id: str) -> Exchange:
         kwargs: dict[str, Any] = {k: fields.body[k] for k in PASSED_FIELDS if k in fields.body}
-        kwargs.update(model=self.spec.model, stream=fields.stream, timeout=self.spec.timeout_s,
-                      num_retries=0, extra_headers={"x-request-id": request_id})
+        kwargs.update(
+            model=self.spec.model,
+            stream=fields.stream,
+            timeout=self.spec.timeout_s,
+            num_retries=0,
+            extra_headers={"x-request-id": request_id},
+        )
         if self.spec.api_base:
             kwargs["api_base"] = self.spec.api_base
         if self.api_key:
@@ -150,8 +188,9 @@ class RemoteUpstream:
                 data.pop("usage")
         return b"data: " + _dumps(data) + b"\n\n"
 
-    async def _relay(self, chunks: AsyncIterator[Any], usage: Usage, keep_usage: bool
-                     ) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, chunks: AsyncIterator[Any], usage: Usage, keep_usage: bool
+    ) -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 event = self._event(chunk, usage, keep_usage)

@@ -103,19 +103,27 @@ class Router:
         if unknown and strict:
             raise ValueError(f"routing policy names models that are not served: {unknown}")
         if unknown:
-            log.warning("routing policy: ignoring tiers/aliases of models not served: %s",
-                        sorted(set(unknown)))
-            policy = policy.model_copy(update={
-                "tiers": [t for t in policy.tiers if t.model in models],
-                "aliases": {a: m for a, m in policy.aliases.items() if m in models}})
+            log.warning(
+                "routing policy: ignoring tiers/aliases of models not served: %s",
+                sorted(set(unknown)),
+            )
+            policy = policy.model_copy(
+                update={
+                    "tiers": [t for t in policy.tiers if t.model in models],
+                    "aliases": {a: m for a, m in policy.aliases.items() if m in models},
+                }
+            )
         self.policy = policy
         self.models = models
         self._keywords = [k.lower() for k in policy.keywords]
 
     def visible_models(self, principal: Principal) -> list[str]:
         names = [m for m in sorted(self.models) if principal.may_use(m)]
-        names += [a for a, m in sorted(self.policy.aliases.items())
-                  if principal.may_use(m) or principal.may_use(a)]
+        names += [
+            a
+            for a, m in sorted(self.policy.aliases.items())
+            if principal.may_use(m) or principal.may_use(a)
+        ]
         if self.policy.tiers and any(principal.may_use(t.model) for t in self.policy.tiers):
             names.append(AUTO_MODEL)
         return names
@@ -132,8 +140,10 @@ class Router:
             raise NotFoundError(f"The model '{name}' does not exist.", param="model")
         if not (principal.may_use(model) or principal.may_use(name)):  # plans may name aliases
             raise PermissionDeniedError(
-                f"Your plan does not allow the model '{name}'.", param="model",
-                code="model_not_allowed")
+                f"Your plan does not allow the model '{name}'.",
+                param="model",
+                code="model_not_allowed",
+            )
         return RouteDecision("direct", model, reason, self._prefix_key(fields))
 
     def features(self, fields: RequestFields) -> Features:
@@ -151,9 +161,14 @@ class Router:
 
     def score(self, f: Features) -> float:
         w = self.policy.weights
-        return (w.prompt_tokens * f.prompt_tokens + w.max_tokens * f.max_tokens
-                + w.turns * f.turns + w.code_blocks * f.code_blocks + w.tools * f.tools
-                + w.keywords * f.keywords)
+        return (
+            w.prompt_tokens * f.prompt_tokens
+            + w.max_tokens * f.max_tokens
+            + w.turns * f.turns
+            + w.code_blocks * f.code_blocks
+            + w.tools * f.tools
+            + w.keywords * f.keywords
+        )
 
     def _route_auto(self, fields: RequestFields, principal: Principal) -> RouteDecision:
         f = self.features(fields)
@@ -161,13 +176,18 @@ class Router:
         allowed = [t for t in self.policy.tiers if principal.may_use(t.model)]
         if not allowed:
             raise PermissionDeniedError(
-                "Your plan allows none of the models 'auto' routes to.", param="model",
-                code="model_not_allowed")
-        tier = next((t for t in allowed if t.max_score is None or score <= t.max_score),
-                    allowed[-1])
-        reason = (f"auto score={score:.2f} (prompt_tokens~{f.prompt_tokens} "
-                  f"max_tokens={f.max_tokens} turns={f.turns} code={f.code_blocks} "
-                  f"tools={f.tools} keywords={f.keywords})")
+                "Your plan allows none of the models 'auto' routes to.",
+                param="model",
+                code="model_not_allowed",
+            )
+        tier = next(
+            (t for t in allowed if t.max_score is None or score <= t.max_score), allowed[-1]
+        )
+        reason = (
+            f"auto score={score:.2f} (prompt_tokens~{f.prompt_tokens} "
+            f"max_tokens={f.max_tokens} turns={f.turns} code={f.code_blocks} "
+            f"tools={f.tools} keywords={f.keywords})"
+        )
         return RouteDecision(tier.name, tier.model, reason, self._prefix_key(fields))
 
     def _prefix_key(self, fields: RequestFields) -> bytes | None:

@@ -65,8 +65,11 @@ class DrainingServer(uvicorn.Server):
             await asyncio.wait_for(self.gateway.in_flight.wait_idle(), self.drain_timeout_s)
             log.info("drained: no request in flight")
         except asyncio.TimeoutError:
-            log.error("drain timeout (%.0f s): %d request(s) cut short", self.drain_timeout_s,
-                      self.gateway.in_flight.count)
+            log.error(
+                "drain timeout (%.0f s): %d request(s) cut short",
+                self.drain_timeout_s,
+                self.gateway.in_flight.count,
+            )
         self.should_exit = True
 
     def _kill_engines(self) -> None:
@@ -83,16 +86,27 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
     tls = config.tls
     if tls is not None:
         kwargs.update(
-            ssl_certfile=str(tls.cert_file), ssl_keyfile=str(tls.key_file),
+            ssl_certfile=str(tls.cert_file),
+            ssl_keyfile=str(tls.key_file),
             ssl_keyfile_password=os.environ.get(tls.key_password_env)
-            if tls.key_password_env else None,
+            if tls.key_password_env
+            else None,
         )
         if tls.client_ca_file is not None:
             kwargs.update(ssl_ca_certs=str(tls.client_ca_file), ssl_cert_reqs=ssl.CERT_OPTIONAL)
     return Tls12Config(
-        app, host=config.listen.host, port=config.listen.port, lifespan="on",
-        http=TLSScopeProtocol, loop="uvloop", log_config=None, access_log=config.access_log,
-        timeout_graceful_shutdown=2, timeout_keep_alive=30, server_header=False, **kwargs,
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        lifespan="on",
+        http=TLSScopeProtocol,
+        loop="uvloop",
+        log_config=None,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+        server_header=False,
+        **kwargs,
     )
 
 

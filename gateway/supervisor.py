@@ -43,8 +43,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 def engine_argv(model: str, served_model_name: str, uds: Path, extra: list[str]) -> list[str]:
     """The default command line of one engine replica."""
     return [
-        sys.executable, "-m", "portico.cli", "engine",
-        "--model", model, "--served-model-name", served_model_name, "--uds", str(uds), *extra,
+        sys.executable,
+        "-m",
+        "portico.cli",
+        "engine",
+        "--model",
+        model,
+        "--served-model-name",
+        served_model_name,
+        "--uds",
+        str(uds),
+        *extra,
     ]
 
 
@@ -90,8 +99,14 @@ class Supervisor:
 
     def snapshot(self) -> list[dict[str, object]]:
         return [
-            {"name": p.name, "state": p.state, "pid": p.pid, "restarts": p.restarts,
-             "up": p.replica.available, "outstanding": p.replica.outstanding}
+            {
+                "name": p.name,
+                "state": p.state,
+                "pid": p.pid,
+                "restarts": p.restarts,
+                "up": p.replica.available,
+                "outstanding": p.replica.outstanding,
+            }
             for p in self.processes
         ]
 
@@ -165,8 +180,11 @@ class Supervisor:
                 self._ready_events[proc.name].set()
                 log.info("engine %s ready", proc.name)
             elif not exited.done():
-                log.error("engine %s not ready after %.0f s; killing it", proc.name,
-                          proc.startup_timeout_s)
+                log.error(
+                    "engine %s not ready after %.0f s; killing it",
+                    proc.name,
+                    proc.startup_timeout_s,
+                )
                 child.kill()
             await exited
         finally:

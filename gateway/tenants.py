@@ -40,13 +40,17 @@ MAX_USAGE_DAYS = 366
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
 
 
-def usage_fields(model: str, prompt_tokens: int, completion_tokens: int,
-                 requests: int = 1) -> dict[str, int]:
+def usage_fields(
+    model: str, prompt_tokens: int, completion_tokens: int, requests: int = 1
+) -> dict[str, int]:
     """The usage hash fields that ``requests`` finished requests with these token totals add
     (totals and the model's twins)."""
     out: dict[str, int] = {}
-    for field, amount in (("requests", requests), ("prompt_tokens", prompt_tokens),
-                          ("completion_tokens", completion_tokens)):
+    for field, amount in (
+        ("requests", requests),
+        ("prompt_tokens", prompt_tokens),
+        ("completion_tokens", completion_tokens),
+    ):
         out[field] = amount
         out[f"{model}|{field}"] = amount
     return out
@@ -325,8 +329,9 @@ class TenantStore:
             **spec.model_dump(exclude={"id", "plan"}),
             plan=self._plan(spec.plan),
         )
-        created = await self.redis.set(f"{PREFIX}tenant:{tenant.id}", tenant.model_dump_json(),
-                                       nx=True)
+        created = await self.redis.set(
+            f"{PREFIX}tenant:{tenant.id}", tenant.model_dump_json(), nx=True
+        )
         if not created:
             raise ConflictError(f"Tenant {tenant.id!r} already exists.", param="id")
         await self.redis.sadd(f"{PREFIX}tenants", tenant.id)
@@ -382,9 +387,12 @@ class TenantStore:
                 update["model_limits"] = {}
             return tenant.model_copy(update=update)
 
-        return await self._update(f"{PREFIX}tenant:{tenant_id}", Tenant, apply,
-                                  NotFoundError(f"No tenant {tenant_id!r}.",
-                                                code="tenant_not_found"))
+        return await self._update(
+            f"{PREFIX}tenant:{tenant_id}",
+            Tenant,
+            apply,
+            NotFoundError(f"No tenant {tenant_id!r}.", code="tenant_not_found"),
+        )
 
     async def delete_tenant(self, tenant_id: str) -> None:
         """Delete the tenant and every key of it (they stop working at once). Usage history
@@ -420,8 +428,9 @@ class TenantStore:
         )
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(f"{PREFIX}key:{key.id}", key.model_dump_json())
-        pipe.hset(f"{PREFIX}keyhash:{key.digest}", mapping={"key_id": key.id,
-                                                             "tenant_id": tenant_id})
+        pipe.hset(
+            f"{PREFIX}keyhash:{key.digest}", mapping={"key_id": key.id, "tenant_id": tenant_id}
+        )
         pipe.sadd(f"{PREFIX}tenant_keys:{tenant_id}", key.id)
         await pipe.execute()
         return key, secret
@@ -444,8 +453,9 @@ class TenantStore:
         raw = await self.redis.get(f"{PREFIX}key:{key_id}")
         key = ApiKey.model_validate_json(raw) if raw else None
         if key is None or not hmac.compare_digest(key.tenant_id, tenant_id):
-            raise NotFoundError(f"No key {key_id!r} for tenant {tenant_id!r}.",
-                                code="key_not_found")
+            raise NotFoundError(
+                f"No key {key_id!r} for tenant {tenant_id!r}.", code="key_not_found"
+            )
         return key
 
     async def revoke_key(self, tenant_id: str, key_id: str, at: int | None = None) -> ApiKey:
@@ -458,8 +468,12 @@ class TenantStore:
                 return key
             return key.model_copy(update={"revoked_at": when})
 
-        return await self._update(f"{PREFIX}key:{key_id}", ApiKey, apply,
-                                  NotFoundError(f"No key {key_id!r}.", code="key_not_found"))
+        return await self._update(
+            f"{PREFIX}key:{key_id}",
+            ApiKey,
+            apply,
+            NotFoundError(f"No key {key_id!r}.", code="key_not_found"),
+        )
 
     async def rotate_key(
         self, tenant_id: str, key_id: str, grace_seconds: int = 0
@@ -468,15 +482,19 @@ class TenantStore:
         revoked now, or after ``grace_seconds``."""
         old = await self.get_key(tenant_id, key_id)
         if not old.is_active(time.time()):
-            raise InvalidRequestError(f"Key {key_id!r} is revoked or expired; create a new one.",
-                                      param="key_id", code="key_inactive")
+            raise InvalidRequestError(
+                f"Key {key_id!r} is revoked or expired; create a new one.",
+                param="key_id",
+                code="key_inactive",
+            )
         remaining = None
         if old.expires_at is not None:
             remaining = max(1, old.expires_at - int(time.time()))
         new, secret = await self.create_key(
             tenant_id,
-            KeyCreate(name=old.name, scopes=old.scopes, limits=old.limits,
-                      expires_in_seconds=remaining),
+            KeyCreate(
+                name=old.name, scopes=old.scopes, limits=old.limits, expires_in_seconds=remaining
+            ),
         )
 
         def link(key: ApiKey) -> ApiKey:
@@ -485,8 +503,12 @@ class TenantStore:
                 revoked = min(revoked, key.revoked_at)
             return key.model_copy(update={"revoked_at": revoked, "replaced_by": new.id})
 
-        await self._update(f"{PREFIX}key:{key_id}", ApiKey, link,
-                           NotFoundError(f"No key {key_id!r}.", code="key_not_found"))
+        await self._update(
+            f"{PREFIX}key:{key_id}",
+            ApiKey,
+            link,
+            NotFoundError(f"No key {key_id!r}.", code="key_not_found"),
+        )
         return new, secret
 
     async def lookup_key(self, secret: str) -> tuple[ApiKey, Tenant | None] | None:
@@ -527,13 +549,17 @@ class TenantStore:
             raise PermissionDeniedError(
                 "This tenant's plan is not configured on the gateway.", code="plan_unavailable"
             )
-        allowed = tenant.allowed_models if tenant.allowed_models is not None \
-            else plan.allowed_models
+        allowed = (
+            tenant.allowed_models if tenant.allowed_models is not None else plan.allowed_models
+        )
         model_limits = {m: s.to_limits() for m, s in plan.model_limits.items()}
         for model, spec in tenant.model_limits.items():
             model_limits[model] = spec.over(model_limits.get(model, Limits()))
-        shared = tenant.share_prefix_cache if tenant.share_prefix_cache is not None \
+        shared = (
+            tenant.share_prefix_cache
+            if tenant.share_prefix_cache is not None
             else plan.share_prefix_cache
+        )
         if scopes is None:
             scopes = frozenset(key.scopes) if key is not None else frozenset()
         return Principal(
@@ -556,8 +582,9 @@ class TenantStore:
     ) -> None:
         """Count one finished request (one pipelined round trip; per UTC day)."""
         day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        await self.add_usage({(tenant_id, day): usage_fields(model, prompt_tokens,
-                                                              completion_tokens)})
+        await self.add_usage(
+            {(tenant_id, day): usage_fields(model, prompt_tokens, completion_tokens)}
+        )
 
     async def add_usage(self, counts: Mapping[tuple[str, str], Mapping[str, int]]) -> None:
         """Add summed usage fields per ``(tenant_id, "YYYY-MM-DD")`` in one pipelined round trip.
@@ -593,8 +620,12 @@ class TenantStore:
                 continue
             counts = {k.decode(): int(v) for k, v in row.items()}
             entry = DayUsage(date=day.isoformat())
-            _add(entry, counts.get("prompt_tokens", 0), counts.get("completion_tokens", 0),
-                 counts.get("requests", 0))
+            _add(
+                entry,
+                counts.get("prompt_tokens", 0),
+                counts.get("completion_tokens", 0),
+                counts.get("requests", 0),
+            )
             for field, value in counts.items():
                 model, sep, counter = field.rpartition("|")
                 if not sep or counter not in USAGE_COUNTERS:
@@ -603,12 +634,22 @@ class TenantStore:
                 setattr(slot, counter, getattr(slot, counter) + value)
             for model, slot in entry.models.items():
                 slot.total_tokens = slot.prompt_tokens + slot.completion_tokens
-                _add(per_model.setdefault(model, UsageCounters()), slot.prompt_tokens,
-                     slot.completion_tokens, slot.requests)
+                _add(
+                    per_model.setdefault(model, UsageCounters()),
+                    slot.prompt_tokens,
+                    slot.completion_tokens,
+                    slot.requests,
+                )
             _add(totals, entry.prompt_tokens, entry.completion_tokens, entry.requests)
             out.append(entry)
-        return TenantUsage(tenant_id=tenant_id, start=start.isoformat(), end=end.isoformat(),
-                           totals=totals, models=per_model, days=out)
+        return TenantUsage(
+            tenant_id=tenant_id,
+            start=start.isoformat(),
+            end=end.isoformat(),
+            totals=totals,
+            models=per_model,
+            days=out,
+        )
 
     # ------------------------------------------------------------------ internals
 

@@ -56,14 +56,28 @@ class AdminClientCertGuard:
         self.prefix = prefix
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (scope["type"] == "http" and scope["path"].startswith(self.prefix)
-                and not client_cert_chain(scope)):
-            body = json.dumps(error_body(
-                "The admin API requires a client certificate signed by the configured CA.",
-                "permission_error", code="client_certificate_required")).encode()
-            await send({"type": "http.response.start", "status": 403, "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode())]})
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(self.prefix)
+            and not client_cert_chain(scope)
+        ):
+            body = json.dumps(
+                error_body(
+                    "The admin API requires a client certificate signed by the configured CA.",
+                    "permission_error",
+                    code="client_certificate_required",
+                )
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 403,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         await self.app(scope, receive, send)

@@ -176,8 +176,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts = request.extensions.get("timeout", {})
-        body = request.content if isinstance(request.stream, httpx.ByteStream) else \
-            await request.aread()
+        body = (
+            request.content
+            if isinstance(request.stream, httpx.ByteStream)
+            else await request.aread()
+        )
         head = self._head(request, body)
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -197,9 +200,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 self.release(conn, False)
                 raise
         return httpx.Response(
-            conn.parser.get_status_code(), headers=conn.headers,
+            conn.parser.get_status_code(),
+            headers=conn.headers,
             stream=_Body(conn, self, read_timeout),
-            extensions={"http_version": b"HTTP/1.1"})
+            extensions={"http_version": b"HTTP/1.1"},
+        )
 
     @staticmethod
     def _head(request: httpx.Request, body: bytes) -> bytes:

@@ -40,8 +40,9 @@ class UsageRecorder:
         self._stop = asyncio.Event()
         self._failing = False
 
-    def record(self, tenant_id: str, model: str, prompt_tokens: int,
-               completion_tokens: int) -> None:
+    def record(
+        self, tenant_id: str, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
         now = time.time()
         if not self._day_start <= now < self._day_end:
             self._set_day(now)
@@ -55,8 +56,9 @@ class UsageRecorder:
             counts[2] += completion_tokens
 
     def _set_day(self, now: float) -> None:
-        start = datetime.fromtimestamp(now, timezone.utc).replace(hour=0, minute=0, second=0,
-                                                                  microsecond=0)
+        start = datetime.fromtimestamp(now, timezone.utc).replace(
+            hour=0, minute=0, second=0, microsecond=0
+        )
         self._day = start.strftime("%Y-%m-%d")
         self._day_start = start.timestamp()
         self._day_end = (start + timedelta(days=1)).timestamp()

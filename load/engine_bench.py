@@ -148,9 +148,7 @@ def run_hf(model: Any, work: Workload, batch_size: int, pad_id: int) -> dict[str
     return {
         "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(work.num_output_tokens / elapsed, 2),
-        "total_tokens_per_s": round(
-            (work.num_output_tokens + work.num_prompt_tokens) / elapsed, 2
-        ),
+        "total_tokens_per_s": round((work.num_output_tokens + work.num_prompt_tokens) / elapsed, 2),
         "batch_size": batch_size,
     }
 
@@ -159,8 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                        help="auto: a GGUF model on CPU runs small batches on its own blocks")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: a GGUF model on CPU runs small batches on its own blocks",
+    )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=600)
@@ -195,8 +197,11 @@ def run(args: argparse.Namespace) -> int:
     )
     engine = LLMEngine(config, load_model(source, dtype, device, args.quantization))
     work = make_workload(args, engine.vocab_size)
-    print(f"workload: {len(work.prompts)} requests, {work.num_prompt_tokens} prompt tokens, "
-          f"{work.num_output_tokens} output tokens; {device.type} {dtype}", file=sys.stderr)
+    print(
+        f"workload: {len(work.prompts)} requests, {work.num_prompt_tokens} prompt tokens, "
+        f"{work.num_output_tokens} output tokens; {device.type} {dtype}",
+        file=sys.stderr,
+    )
     # Warm-up and single-stream prompts are drawn apart from the workload: no cache hits.
     rng = random.Random(args.seed + 1)
     warm = Workload([[rng.randrange(1000, engine.vocab_size) for _ in range(24)] for _ in "ab"],
@@ -224,8 +229,10 @@ def run(args: argparse.Namespace) -> int:
             "num_output_tokens": work.num_output_tokens,
             "seed": args.seed,
         },
-        "engine_config": {"max_num_seqs": args.max_num_seqs,
-                          "max_num_batched_tokens": args.max_num_batched_tokens},  # fmt: skip
+        "engine_config": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },  # fmt: skip
         "portico": portico,
         "single_stream": single,
     }
@@ -250,8 +257,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m load.engine_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m load.engine_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

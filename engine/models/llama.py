@@ -183,9 +183,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for hidden states [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return block_matmul(
-            hidden, weight, self.lm_head_blocks, None, self.lm_head_packed
-        ).float()
+        return block_matmul(hidden, weight, self.lm_head_blocks, None, self.lm_head_packed).float()
 
     def prepack_weights(self) -> int:
         """Reorder every projection's weight once for oneDNN (bf16 on CPU; elsewhere nothing

@@ -56,8 +56,12 @@ def log_capacity(engine: AsyncLLMEngine, max_model_len: int) -> None:
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d tokens per "
         "request: %.2fx; max_num_seqs=%s",
-        stats.num_total_blocks, block_size, num_tokens, max_model_len,
-        num_tokens / max_model_len, getattr(engine.config, "max_num_seqs", "?"),
+        stats.num_total_blocks,
+        block_size,
+        num_tokens,
+        max_model_len,
+        num_tokens / max_model_len,
+        getattr(engine.config, "max_num_seqs", "?"),
     )
 
 
@@ -97,8 +101,14 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         finally:
             await engine.shutdown()
 
-    app = FastAPI(title="Portico engine", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Portico engine",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.drain = drain
     app.state.serving = serving
     install_error_handlers(app)
@@ -106,8 +116,11 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
         return JSONResponse(
-            error_body("The server had an error while processing your request.",
-                       "internal_error", code="internal_error"),
+            error_body(
+                "The server had an error while processing your request.",
+                "internal_error",
+                code="internal_error",
+            ),
             status_code=500,
         )
 
@@ -133,23 +146,26 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def list_models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{
-                "id": name,
-                "object": "model",
-                "created": started_at,
-                "owned_by": "portico",
-                "root": str(getattr(engine.config, "model", name)),
-                "parent": None,
-                "max_model_len": serving.max_model_len,
-            }],
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": started_at,
+                    "owned_by": "portico",
+                    "root": str(getattr(engine.config, "model", name)),
+                    "parent": None,
+                    "max_model_len": serving.max_model_len,
+                }
+            ],
         }
 
     @app.get("/health")
     async def health() -> JSONResponse:
         problem = health_problem(engine, settings.stall_timeout_s)
         if problem is not None:
-            return JSONResponse(error_body(problem, "service_unavailable", code="engine_dead"),
-                                status_code=503)
+            return JSONResponse(
+                error_body(problem, "service_unavailable", code="engine_dead"), status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
@@ -160,8 +176,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             reason = "the engine is not running"
         else:
             return JSONResponse({"status": "ready", "model": name})
-        return JSONResponse(error_body(reason, "service_unavailable", code="not_ready"),
-                            status_code=503)
+        return JSONResponse(
+            error_body(reason, "service_unavailable", code="not_ready"), status_code=503
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -177,13 +194,13 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         if req.model is not None:
             serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequestError("Give exactly one of 'prompt' or 'messages'.",
-                                      param="prompt")
+            raise InvalidRequestError("Give exactly one of 'prompt' or 'messages'.", param="prompt")
         if req.messages is not None:
             tokens = chat.prompt_token_ids(req.messages, req.add_generation_prompt)
         else:
-            tokens = list(serving.tokenizer.encode(req.prompt,
-                                                   add_special_tokens=req.add_special_tokens))
+            tokens = list(
+                serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")

@@ -35,15 +35,17 @@ class ApiKeyMiddleware:
             "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
         )
         body = json.dumps(error.to_dict()).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b"Bearer"),
-            ],
-        })
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def is_authorized(self, header: bytes) -> bool:

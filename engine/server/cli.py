@@ -31,19 +31,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument("--uds", default=None, metavar="PATH",
-                   help="listen on this Unix socket instead of host:port")
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
-    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                   help="seconds SIGTERM waits for in-flight requests (default 30)")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="largest request body accepted (default 4 MiB)")
-    g.add_argument("--health-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
-                   help="seconds without engine progress, with work pending, before /health "
-                   "turns 503 (default 60)")
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="listen on this Unix socket instead of host:port",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="seconds SIGTERM waits for in-flight requests (default 30)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body accepted (default 4 MiB)",
+    )
+    g.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="seconds without engine progress, with work pending, before /health "
+        "turns 503 (default 60)",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
 
@@ -81,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.registry import ModelNotFound, resolve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     problem = _check_server_args(args)
     try:
         if problem:

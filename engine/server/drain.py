@@ -64,16 +64,18 @@ class DrainMiddleware:
                 code="draining",
             )
             body = json.dumps(error.to_dict()).encode()
-            await send({
-                "type": "http.response.start",
-                "status": 503,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                    (b"retry-after", b"1"),
-                ],
-            })
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                        (b"retry-after", b"1"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         self.state.enter()

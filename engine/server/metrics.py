@@ -22,12 +22,74 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ["model_name"]
 
 # vLLM's buckets, so histograms line up with existing dashboards.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -54,22 +116,37 @@ class EngineStatsCollector(Collector):
         stats = self.read_stats()
         labels = [self.model_name]
         gauges = (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             stats.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed "
-             "(queued or preempted).", stats.num_waiting + stats.num_swapped),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             stats.kv_cache_usage),
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                stats.num_running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed (queued or preempted).",
+                stats.num_waiting + stats.num_swapped,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                stats.kv_cache_usage,
+            ),
         )
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=LABELS)
             gauge.add_metric(labels, float(value))
             yield gauge
         counters = (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in number of queried tokens.",
-             stats.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in number of cached tokens.",
-             stats.prefix_cache_hits),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in number of queried tokens.",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in number of cached tokens.",
+                stats.prefix_cache_hits,
+            ),
             ("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
         )
         for name, doc, value in counters:
@@ -88,32 +165,63 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=reg)
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=reg
+        )
         self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS,
-            registry=reg)
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=reg
+        )
         self.request_success = Counter(
-            "vllm:request_success", "Count of finished completions, by finish reason.",
-            LABELS + ["finished_reason"], registry=reg)
+            "vllm:request_success",
+            "Count of finished completions, by finish reason.",
+            LABELS + ["finished_reason"],
+            registry=reg,
+        )
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            LABELS, buckets=TTFT_BUCKETS, registry=reg)
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
         self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            LABELS, buckets=ITL_BUCKETS, registry=reg)
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            LABELS,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
         self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency "
-            "in seconds.", LABELS, buckets=E2E_BUCKETS, registry=reg)
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds.",
+            LABELS,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
         token_hist = token_buckets(max_model_len)
         self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed, per request.",
-            LABELS, buckets=token_hist, registry=reg)
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed, per request.",
+            LABELS,
+            buckets=token_hist,
+            registry=reg,
+        )
         self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed, "
-            "per request.", LABELS, buckets=token_hist, registry=reg)
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed, per request.",
+            LABELS,
+            buckets=token_hist,
+            registry=reg,
+        )
         reg.register(EngineStatsCollector(model_name, read_stats))
-        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.request_prompt_tokens, self.request_generation_tokens):
+        for family in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+        ):
             family.labels(model_name)  # every series exists from the first scrape
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)

@@ -71,8 +71,9 @@ class DrainingServer(uvicorn.Server):
         if await self.drain.wait_idle(self.drain_timeout_s):
             logger.info("drained: no request in flight")
         else:
-            logger.warning("drain timeout: %d request(s) still in flight are cut",
-                           self.drain.in_flight)
+            logger.warning(
+                "drain timeout: %d request(s) still in flight are cut", self.drain.in_flight
+            )
             if self.cut_in_flight is not None:
                 # Streams then end with an error event and [DONE] instead of a torn connection.
                 await self.cut_in_flight()

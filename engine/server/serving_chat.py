@@ -68,8 +68,9 @@ class ChatServing:
             return EngineStreamingResponse(
                 self.stream(req, request_id, len(prompt), outputs), submitted
             )
-        body = await unless_disconnected(self.collect(req, request_id, len(prompt), outputs),
-                                         request)
+        body = await unless_disconnected(
+            self.collect(req, request_id, len(prompt), outputs), request
+        )
         return JSONResponse(body)
 
     async def collect(
@@ -90,21 +91,24 @@ class ChatServing:
         choices = []
         for index in sorted(final):
             c = final[index]
-            choices.append({
-                "index": index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(logprobs[index]) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.logprobs(logprobs[index]) if req.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": self.serving.created(),
             "model": self.serving.model_name,
             "choices": choices,
-            "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in final.values()),
-                           num_cached),
+            "usage": usage(
+                num_prompt_tokens, sum(len(c.token_ids) for c in final.values()), num_cached
+            ),
         }
 
     async def stream(
@@ -121,8 +125,9 @@ class ChatServing:
             request_id, "chat.completion.chunk", created, self.serving.model_name, include_usage
         )
 
-        def choice(index: int, delta: dict[str, Any], finish: str | None = None,
-                   logprobs: Any = None) -> dict[str, Any]:
+        def choice(
+            index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None
+        ) -> dict[str, Any]:
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         for index in range(req.n):
@@ -136,8 +141,7 @@ class ChatServing:
                     num_tokens[c.index] = len(c.token_ids)
                     if c.text_delta or (req.logprobs and c.token_ids_delta):
                         logprobs = self.logprobs(delta_logprobs(c)) if req.logprobs else None
-                        yield chunk([choice(c.index, {"content": c.text_delta},
-                                            logprobs=logprobs)])
+                        yield chunk([choice(c.index, {"content": c.text_delta}, logprobs=logprobs)])
                     if c.finish_reason is not None:
                         yield chunk([choice(c.index, {}, c.finish_reason)])
         except Exception as exc:
@@ -154,13 +158,18 @@ class ChatServing:
 
         def item(token_id: int, logprob: float) -> dict[str, Any]:
             text = serving.token_text(token_id)
-            return {"token": text, "logprob": serving.logprob_value(logprob),
-                    "bytes": list(text.encode())}
+            return {
+                "token": text,
+                "logprob": serving.logprob_value(logprob),
+                "bytes": list(text.encode()),
+            }
 
         return {
             "content": [
-                dict(item(e.token_id, e.logprob),
-                     top_logprobs=[item(tid, lp) for tid, lp in e.top_logprobs])
+                dict(
+                    item(e.token_id, e.logprob),
+                    top_logprobs=[item(tid, lp) for tid, lp in e.top_logprobs],
+                )
                 for e in entries
             ]
         }

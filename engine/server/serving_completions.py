@@ -79,8 +79,9 @@ class CompletionServing:
         submitted = serving.submit_all(jobs, req, request_id)
         outputs = merge(submitted)
         if req.stream:
-            return EngineStreamingResponse(self.stream(req, request_id, prompts, outputs),
-                                           submitted)
+            return EngineStreamingResponse(
+                self.stream(req, request_id, prompts, outputs), submitted
+            )
         body = await unless_disconnected(self.collect(req, request_id, prompts, outputs), request)
         return JSONResponse(body)
 
@@ -107,24 +108,30 @@ class CompletionServing:
         choices = []
         for index in sorted(texts):
             prefix = prompts[index // req.n].text if req.echo else ""
-            choices.append({
-                "index": index,
-                "text": prefix + texts[index],
-                "logprobs": (
-                    self.logprobs(logprobs[index], len(prefix))
-                    if req.logprobs is not None else None
-                ),
-                "finish_reason": finish[index][0],
-                "stop_reason": finish[index][1],
-            })
+            choices.append(
+                {
+                    "index": index,
+                    "text": prefix + texts[index],
+                    "logprobs": (
+                        self.logprobs(logprobs[index], len(prefix))
+                        if req.logprobs is not None
+                        else None
+                    ),
+                    "finish_reason": finish[index][0],
+                    "stop_reason": finish[index][1],
+                }
+            )
         return {
             "id": request_id,
             "object": "text_completion",
             "created": self.serving.created(),
             "model": self.serving.model_name,
             "choices": choices,
-            "usage": usage(sum(len(p.token_ids) for p in prompts), sum(num_tokens.values()),
-                           sum(num_cached.values())),
+            "usage": usage(
+                sum(len(p.token_ids) for p in prompts),
+                sum(num_tokens.values()),
+                sum(num_cached.values()),
+            ),
         }
 
     async def stream(
@@ -141,8 +148,9 @@ class CompletionServing:
             request_id, "text_completion", created, self.serving.model_name, include_usage
         )
 
-        def choice(index: int, text: str, finish: str | None = None,
-                   logprobs: Any = None) -> dict[str, Any]:
+        def choice(
+            index: int, text: str, finish: str | None = None, logprobs: Any = None
+        ) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if req.echo:
@@ -170,8 +178,14 @@ class CompletionServing:
             yield sse.DONE
             return
         if include_usage:
-            yield chunk([], usage=usage(sum(len(p.token_ids) for p in prompts),
-                                        sum(num_tokens.values()), sum(num_cached.values())))
+            yield chunk(
+                [],
+                usage=usage(
+                    sum(len(p.token_ids) for p in prompts),
+                    sum(num_tokens.values()),
+                    sum(num_cached.values()),
+                ),
+            )
         yield sse.DONE
 
     def logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
@@ -183,9 +197,17 @@ class CompletionServing:
             text = serving.token_text(entry.token_id)
             tokens.append(text)
             token_logprobs.append(serving.logprob_value(entry.logprob))
-            top.append({serving.token_text(tid): serving.logprob_value(lp)
-                        for tid, lp in entry.top_logprobs})
+            top.append(
+                {
+                    serving.token_text(tid): serving.logprob_value(lp)
+                    for tid, lp in entry.top_logprobs
+                }
+            )
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }

@@ -96,8 +96,13 @@ class OpenAIServing:
                 f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
                 f"{what}, {requested} in the completion). Please reduce the length of the "
                 f"{what} or completion.",
-                param=("max_tokens" if num_prompt_tokens < limit
-                       else "messages" if what == "messages" else "prompt"),
+                param=(
+                    "max_tokens"
+                    if num_prompt_tokens < limit
+                    else "messages"
+                    if what == "messages"
+                    else "prompt"
+                ),
                 code="context_length_exceeded",
             )
         return requested
@@ -182,8 +187,15 @@ class OpenAIServing:
             raise ServiceUnavailableError("The engine is not running.") from None
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
-        return EngineRequest(self.engine, self.metrics, request_id, stream,
-                             len(prompt_token_ids), params.n, self._background)
+        return EngineRequest(
+            self.engine,
+            self.metrics,
+            request_id,
+            stream,
+            len(prompt_token_ids),
+            params.n,
+            self._background,
+        )
 
     # ------------------------------------------------------------------ helpers
 
@@ -209,7 +221,7 @@ def delta_logprobs(choice: CompletionOutput) -> list[TokenLogprob]:
     entries = choice.logprobs or []
     count = len(choice.token_ids_delta)
     if len(entries) == len(choice.token_ids) and len(entries) != count:
-        return entries[len(entries) - count:]
+        return entries[len(entries) - count :]
     return entries
 
 

@@ -51,5 +51,10 @@ def error_event(exc: BaseException) -> bytes:
     """The event a stream sends when it fails midway (bounded message, no internals leaked)."""
     if isinstance(exc, APIError):
         return event(exc.to_dict())
-    return event(error_body("The engine failed while generating this response.", "internal_error",
-                            code="engine_error"))
+    return event(
+        error_body(
+            "The engine failed while generating this response.",
+            "internal_error",
+            code="engine_error",
+        )
+    )

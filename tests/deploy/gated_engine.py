@@ -72,13 +72,22 @@ def build_app(model: str, gate_dir: Path, gate_timeout_s: float) -> Starlette:
         created = int(time.time())
         usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
         if not body.get("stream"):
-            return JSONResponse({
-                "id": "chatcmpl-gated", "object": "chat.completion", "created": created,
-                "model": model,
-                "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                    "role": "assistant", "content": f"request-id={request_id}"}}],
-                "usage": usage,
-            })
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-gated",
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": f"request-id={request_id}"},
+                        }
+                    ],
+                    "usage": usage,
+                }
+            )
         gate_name = str(body.get("gate", "")).replace("/", "_") or "missing"
 
         async def events() -> AsyncIterator[bytes]:
@@ -87,18 +96,28 @@ def build_app(model: str, gate_dir: Path, gate_timeout_s: float) -> Starlette:
             yield _chunk(model, created, {"content": f" {word} request-id={request_id}"}, None)
             yield _chunk(model, created, {}, "stop")
             if (body.get("stream_options") or {}).get("include_usage"):
-                event = {"id": "chatcmpl-gated", "object": "chat.completion.chunk",
-                         "created": created, "model": model, "choices": [], "usage": usage}
+                event = {
+                    "id": "chatcmpl-gated",
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
                 yield b"data: " + json.dumps(event).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[
-        Route("/health", ok), Route("/ready", ok), Route("/v1/models", models),
-        Route("/metrics", metrics_endpoint),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/health", ok),
+            Route("/ready", ok),
+            Route("/v1/models", models),
+            Route("/metrics", metrics_endpoint),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
 
 
 def main() -> None:

@@ -65,14 +65,24 @@ class GatewayProcess:
             "redis": {"data_dir": str(self.workdir / "data")},
             "policies_dir": str(policies),
             "runtime_dir": str(self.workdir / "run"),
-            "engines": [{
-                "name": MODEL,
-                "model": MODEL,
-                "command": [sys.executable, str(GATED_ENGINE), "--uds", "{uds}",
-                            "--gate-dir", str(self.gate_dir), "--served-model-name", "{name}"],
-                "count_tokens_with": "estimate",
-                "startup_timeout_s": 120,
-            }],
+            "engines": [
+                {
+                    "name": MODEL,
+                    "model": MODEL,
+                    "command": [
+                        sys.executable,
+                        str(GATED_ENGINE),
+                        "--uds",
+                        "{uds}",
+                        "--gate-dir",
+                        str(self.gate_dir),
+                        "--served-model-name",
+                        "{name}",
+                    ],
+                    "count_tokens_with": "estimate",
+                    "startup_timeout_s": 120,
+                }
+            ],
             "drain_timeout_s": 5,
         }
         if not self.redis_url_in_env:
@@ -83,15 +93,22 @@ class GatewayProcess:
 
     def start(self) -> None:
         config = self.write_config()
-        env = dict(os.environ, PORTICO_ADMIN_KEY=self.admin_key,
-                   PORTICO_KEY_HASH_SECRET=secrets.token_hex(32))
+        env = dict(
+            os.environ,
+            PORTICO_ADMIN_KEY=self.admin_key,
+            PORTICO_KEY_HASH_SECRET=secrets.token_hex(32),
+        )
         env.pop("PORTICO_REDIS_URL", None)
         if self.redis_url_in_env:
             env["PORTICO_REDIS_URL"] = self.redis_url
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "portico.cli", "serve", "--config", str(config)],
-                cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
             )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -124,8 +141,11 @@ class GatewayProcess:
     def create_key(self, tenant_id: str, plan: str = "standard") -> str:
         """A new tenant on ``plan`` and an API key for it, made through the admin API."""
         admin = {"authorization": f"Bearer {self.admin_key}"}
-        r = httpx.post(self.url + "/admin/v1/tenants", headers=admin,
-                       json={"id": tenant_id, "name": tenant_id, "plan": plan})
+        r = httpx.post(
+            self.url + "/admin/v1/tenants",
+            headers=admin,
+            json={"id": tenant_id, "name": tenant_id, "plan": plan},
+        )
         r.raise_for_status()
         r = httpx.post(self.url + f"/admin/v1/tenants/{tenant_id}/keys", headers=admin, json={})
         r.raise_for_status()

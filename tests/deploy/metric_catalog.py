@@ -67,8 +67,24 @@ _MATCHERS = re.compile(r"\{[^}]*\}")
 _RANGES = re.compile(r"\[[^\]]*\]")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "by", "without", "on",
-                       "ignoring", "group_left", "group_right", "inf", "nan", "e"})
+_KEYWORDS = frozenset(
+    {
+        "and",
+        "or",
+        "unless",
+        "bool",
+        "offset",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "inf",
+        "nan",
+        "e",
+    }
+)
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -82,7 +98,7 @@ def promql_metric_names(expr: str) -> set[str]:
         before = text[match.start() - 1] if match.start() else " "
         if before.isdigit() or before in ".$":  # 1e3, 0.5, Grafana's $variables
             continue
-        if text[match.end():].lstrip().startswith("("):
+        if text[match.end() :].lstrip().startswith("("):
             continue  # a function call
         if match.group(0).lower() in _KEYWORDS:
             continue

@@ -15,8 +15,14 @@ from metric_catalog import PROMETHEUS_SERIES, exported_sample_names, names_in
 
 PROMETHEUS = REPO_ROOT / "deploy" / "compose" / "prometheus"
 REQUIRED_ALERTS = {
-    "PorticoKVCacheHigh", "PorticoQueueBacklog", "PorticoTTFTHigh", "PorticoHighErrorRate",
-    "PorticoEngineDown", "PorticoRedisDown", "PorticoGatewayDown", "PorticoNoGateway",
+    "PorticoKVCacheHigh",
+    "PorticoQueueBacklog",
+    "PorticoTTFTHigh",
+    "PorticoHighErrorRate",
+    "PorticoEngineDown",
+    "PorticoRedisDown",
+    "PorticoGatewayDown",
+    "PorticoNoGateway",
 }
 
 
@@ -27,8 +33,9 @@ def rules() -> list[dict[str, Any]]:
 
 
 def _promtool(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=120,
-                          cwd=PROMETHEUS)
+    return subprocess.run(
+        [promtool, *args], capture_output=True, text=True, timeout=120, cwd=PROMETHEUS
+    )
 
 
 def test_promtool_accepts_config_and_rules(promtool: str) -> None:
@@ -44,8 +51,20 @@ def test_alert_unit_tests_pass(promtool: str) -> None:
 
 def test_promtool_rejects_a_broken_rule(promtool: str, tmp_path: Any) -> None:
     bad = tmp_path / "bad.yml"
-    bad.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"alert": "Broken", "expr": "sum(rate(vllm:num_preemptions_total[5m])"}]}]}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "g",
+                        "rules": [
+                            {"alert": "Broken", "expr": "sum(rate(vllm:num_preemptions_total[5m])"}
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     assert _promtool(promtool, "check", "rules", str(bad)).returncode != 0
 
 
@@ -61,8 +80,12 @@ def test_every_alert_is_well_formed(rules: list[dict[str, Any]]) -> None:
 
 def test_every_alert_has_a_unit_test_that_fires_it(rules: list[dict[str, Any]]) -> None:
     doc = yaml.safe_load((PROMETHEUS / "alerts_test.yml").read_text())
-    fired = {case["alertname"] for test in doc["tests"] for case in test["alert_rule_test"]
-             if case["exp_alerts"]}
+    fired = {
+        case["alertname"]
+        for test in doc["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
     assert fired == {r["alert"] for r in rules}
 
 

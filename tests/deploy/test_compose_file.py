@@ -23,7 +23,10 @@ ENV_EXAMPLE = COMPOSE_DIR / "env.example"
 def _compose(docker_compose: str, env_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [docker_compose, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
-        capture_output=True, text=True, timeout=120, cwd=COMPOSE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=COMPOSE_DIR,
     )
 
 
@@ -49,12 +52,11 @@ def test_compose_config_validates(resolved: dict[str, Any]) -> None:
     assert set(services) == {"redis", "gateway", "gateway-gpu", "nginx", "prometheus", "grafana"}
 
 
-def test_a_missing_secret_stops_compose_with_its_name(
-    docker_compose: str, tmp_path: Path
-) -> None:
+def test_a_missing_secret_stops_compose_with_its_name(docker_compose: str, tmp_path: Path) -> None:
     partial = tmp_path / "partial.env"
-    partial.write_text("".join(
-        f"{k}={v}\n" for k, v in _env_example().items() if k != "PORTICO_KEY_HASH_SECRET"))
+    partial.write_text(
+        "".join(f"{k}={v}\n" for k, v in _env_example().items() if k != "PORTICO_KEY_HASH_SECRET")
+    )
     result = _compose(docker_compose, partial, "config")
     assert result.returncode != 0
     assert "PORTICO_KEY_HASH_SECRET" in result.stderr
@@ -62,15 +64,23 @@ def test_a_missing_secret_stops_compose_with_its_name(
 
 def test_every_required_variable_is_in_env_example() -> None:
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", COMPOSE_FILE.read_text()))
-    assert required == {"REDIS_PASSWORD", "PORTICO_ADMIN_KEY", "PORTICO_KEY_HASH_SECRET",
-                        "GRAFANA_ADMIN_PASSWORD"}
+    assert required == {
+        "REDIS_PASSWORD",
+        "PORTICO_ADMIN_KEY",
+        "PORTICO_KEY_HASH_SECRET",
+        "GRAFANA_ADMIN_PASSWORD",
+    }
     assert required <= set(_env_example())
 
 
 def test_no_secret_is_written_into_the_compose_file() -> None:
     text = COMPOSE_FILE.read_text()
-    for name in ("REDIS_PASSWORD", "PORTICO_ADMIN_KEY", "PORTICO_KEY_HASH_SECRET",
-                 "GF_SECURITY_ADMIN_PASSWORD"):
+    for name in (
+        "REDIS_PASSWORD",
+        "PORTICO_ADMIN_KEY",
+        "PORTICO_KEY_HASH_SECRET",
+        "GF_SECURITY_ADMIN_PASSWORD",
+    ):
         for line in text.splitlines():
             if re.match(rf"\s*{name}:", line):
                 assert "${" in line, line  # always from .env, never a literal
@@ -193,17 +203,37 @@ def test_the_files_the_image_copies_build_a_complete_wheel(tmp_path: Path) -> No
         for part in line.split():
             origin = REPO_ROOT / part
             if origin.is_dir():  # as .dockerignore leaves them
-                shutil.copytree(origin, src / part,
-                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                shutil.copytree(
+                    origin, src / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                )
             else:
                 shutil.copy(origin, src / part)
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist"), str(src)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "dist").glob("portico-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"portico/cli.py", "gateway/app.py", "gateway/limiter.lua", "engine/server/cli.py",
-            "policies/plans.yaml", "policies/routing.yaml", "policies/retry.yaml"} <= names
+    assert {
+        "portico/cli.py",
+        "gateway/app.py",
+        "gateway/limiter.lua",
+        "engine/server/cli.py",
+        "policies/plans.yaml",
+        "policies/routing.yaml",
+        "policies/retry.yaml",
+    } <= names

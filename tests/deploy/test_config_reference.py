@@ -56,8 +56,14 @@ def _section(title: str) -> str:
 
 def test_walk_finds_nested_list_and_optional_fields() -> None:
     fields = config_fields()
-    assert {"listen.port", "engines[].args", "tls.cert_file", "auth.jwt.issuer",
-            "admission.abuse.failed_auth", "remotes[].api_base"} <= fields
+    assert {
+        "listen.port",
+        "engines[].args",
+        "tls.cert_file",
+        "auth.jwt.issuer",
+        "admission.abuse.failed_auth",
+        "remotes[].api_base",
+    } <= fields
 
 
 def test_every_config_field_is_documented() -> None:

@@ -122,12 +122,15 @@ def _as_prometheus_expr(expr: str) -> str:
 
 
 def test_dashboard_promql_parses(dashboard: dict[str, Any], promtool: str, tmp_path: Path) -> None:
-    rules = [{"record": f"dashboard:panel_{i}", "expr": _as_prometheus_expr(e)}
-             for i, e in enumerate(_expressions(dashboard))]
+    rules = [
+        {"record": f"dashboard:panel_{i}", "expr": _as_prometheus_expr(e)}
+        for i, e in enumerate(_expressions(dashboard))
+    ]
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    result = subprocess.run([promtool, "check", "rules", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

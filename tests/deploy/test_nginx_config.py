@@ -245,6 +245,9 @@ def test_dev_certificate_script_makes_a_pair_nginx_serves(edge_dir: Path, tmp_pa
         ctx = ssl.create_default_context(cafile=str(cert))  # self-signed: it is its own CA
         with _handshake(nginx.https_port, ctx) as tls:
             assert tls.getpeercert()["subjectAltName"] == (
-                ("DNS", "llm.test"), ("DNS", "localhost"), ("IP Address", "127.0.0.1"))
+                ("DNS", "llm.test"),
+                ("DNS", "localhost"),
+                ("IP Address", "127.0.0.1"),
+            )
     finally:
         nginx.stop()

@@ -138,7 +138,8 @@ def test_a_burst_over_limit_req_is_refused_by_nginx(
         for _ in range(6):
             try:
                 client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "hi"}])
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}]
+                )
                 outcomes.append(200)
             except openai.RateLimitError as exc:
                 outcomes.append(429)
@@ -166,8 +167,11 @@ def test_drain_through_the_edge_finishes_streams_and_refuses_new_work(
             client = _client(edge, test_pki, key)
             gate = "gate-" + secrets.token_hex(6)
             stream = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
-                extra_body={"gate": gate})
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                extra_body={"gate": gate},
+            )
             with stream:
                 chunks = iter(stream)
                 assert next(chunks).choices[0].delta.content == "first"
@@ -177,7 +181,8 @@ def test_drain_through_the_edge_finishes_streams_and_refuses_new_work(
                     time.sleep(0.05)
                 with pytest.raises(openai.APIStatusError) as refused:
                     client.chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": "late"}])
+                        model=MODEL, messages=[{"role": "user", "content": "late"}]
+                    )
                 (gateway.gate_dir / gate).touch()
                 rest = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         finally:

@@ -30,9 +30,7 @@ def tiny(tiny_llama_dir: Path) -> LoadedModel:
 
 
 def make_engine(tiny: LoadedModel) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model="tiny", device="cpu", num_gpu_blocks_override=128), tiny
-    )
+    return LLMEngine(EngineConfig(model="tiny", device="cpu", num_gpu_blocks_override=128), tiny)
 
 
 @pytest.fixture

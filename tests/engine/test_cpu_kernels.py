@@ -194,9 +194,7 @@ def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
     expected_cache = torch.zeros_like(cache)
     values = qkv[:, 6 * 16 :].view(4, 2, 16).clone()
     write_kv_cache_ref(expected[:, 4:], values, expected_cache, slots)
-    done = cpu.rope_write_kv_cpu(
-        qkv, 4, 2, 16, rotary.cos, rotary.sin, positions, cache, slots
-    )
+    done = cpu.rope_write_kv_cpu(qkv, 4, 2, 16, rotary.cos, rotary.sin, positions, cache, slots)
     assert done
     tol = 0 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(qkv[:, : 6 * 16].view(4, 6, 16), expected, atol=tol, rtol=tol)

@@ -54,8 +54,6 @@ CHAT_PROMPTS = [
 ]
 
 
-
-
 @pytest.fixture(scope="module")
 def loaded(smollm2_gguf: Path) -> LoadedModel:
     return load_model(ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu")

@@ -83,8 +83,14 @@ def test_reference_attention_matches_per_token_oracle(
     write_kv_cache_ref(new_k, new_v, cache, meta.slot_mapping)
     q = torch.randn(sum(q_lens), heads, head_dim)
     out = paged_attention_ref(
-        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, head_dim**-0.5,
-        meta.query_lens_cpu, meta.seq_lens_cpu,
+        q,
+        cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        head_dim**-0.5,
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
     )
     expected = _oracle_attention(q, keys, values, q_lens)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -144,8 +144,13 @@ def test_qwen2_and_mistral_match_transformers(
     [
         {"rope_type": "default"},
         {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
     ],
     ids=lambda r: r["rope_type"],

@@ -113,9 +113,7 @@ def test_failed_batch_in_llm_generate_leaves_nothing_queued(tiny: LoadedModel) -
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_no_block_leaks_after_finished_aborted_and_preempted(
-    tiny: LoadedModel, mode: str
-) -> None:
+def test_no_block_leaks_after_finished_aborted_and_preempted(tiny: LoadedModel, mode: str) -> None:
     engine = make_engine(tiny, num_gpu_blocks_override=24, preemption_mode=mode)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i in range(10):
@@ -250,8 +248,9 @@ def test_logprobs_are_reported_for_each_token(tiny: LoadedModel) -> None:
 
 def test_stop_string_ends_the_request_and_is_excluded(tiny: LoadedModel) -> None:
     llm = LLM.from_engine(make_engine(tiny))
-    free = llm.generate([prompt(10)], SamplingParams(temperature=0.0, max_tokens=24,
-                                                     ignore_eos=True))[0].outputs[0]
+    free = llm.generate(
+        [prompt(10)], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    )[0].outputs[0]
     assert len(free.text) > 12
     stop = free.text[6:11]
     cut = free.text.index(stop)
@@ -261,14 +260,18 @@ def test_stop_string_ends_the_request_and_is_excluded(tiny: LoadedModel) -> None
     assert len(out.token_ids) < 24
     kept = llm.generate(
         [prompt(10)],
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
-                       include_stop_str_in_output=True),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
     )[0].outputs[0]
     assert kept.text == free.text[: cut + len(stop)]
     late = llm.generate(
         [prompt(10)],
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
-                       min_tokens=20),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=20),
     )[0].outputs[0]
     assert len(late.token_ids) >= 20  # stop strings wait for min_tokens, as in vLLM
     assert_no_blocks_held(llm.engine)
@@ -276,13 +279,15 @@ def test_stop_string_ends_the_request_and_is_excluded(tiny: LoadedModel) -> None
 
 def test_stop_token_id_and_max_tokens_finish_reasons(tiny: LoadedModel) -> None:
     llm = LLM.from_engine(make_engine(tiny))
-    free = llm.generate([prompt(10)], SamplingParams(temperature=0.0, max_tokens=10,
-                                                     ignore_eos=True))[0].outputs[0]
+    free = llm.generate(
+        [prompt(10)], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    )[0].outputs[0]
     assert (len(free.token_ids), free.finish_reason) == (10, "length")
     stop_token = free.token_ids[4]
     first = free.token_ids.index(stop_token)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                            stop_token_ids=[stop_token])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_token]
+    )
     out = llm.generate([prompt(10)], params)[0].outputs[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_token)
@@ -290,8 +295,11 @@ def test_stop_token_id_and_max_tokens_finish_reasons(tiny: LoadedModel) -> None:
 
 def test_streamed_deltas_add_up_to_the_final_output(tiny: LoadedModel) -> None:
     engine = make_engine(tiny)
-    engine.add_request("s", prompt(20), SamplingParams(temperature=0.8, seed=1, max_tokens=20,
-                                                       ignore_eos=True, stop=["zz"]))
+    engine.add_request(
+        "s",
+        prompt(20),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True, stop=["zz"]),
+    )
     text, tokens, last = "", [], None
     while engine.has_unfinished():
         for out in engine.step():

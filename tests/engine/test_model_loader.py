@@ -78,9 +78,7 @@ def test_unpermute_undoes_llama_cpp_permutation() -> None:
     heads, head_dim, cols = 3, 8, 5
     weight = torch.randn(heads * head_dim, cols)
     # llama.cpp's convert_hf_to_gguf.py permute: rotate-half pairs -> interleaved pairs.
-    permuted = (
-        weight.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(weight.shape)
-    )
+    permuted = weight.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(weight.shape)
     assert torch.equal(_unpermute_qk(permuted, heads), weight)
 
 

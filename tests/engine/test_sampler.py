@@ -90,9 +90,7 @@ def test_sampling_follows_the_distribution() -> None:
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     sampler = Sampler([EOS])
-    row = make_request(
-        prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0, logprobs=4
-    )
+    row = make_request(prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0, logprobs=4)
     out = sampler.sample(logits_of([3.0, -1.0, 2.0, 0.5]), [row])
     expected = torch.tensor([1.5, -2.0, 2.0, 0.5]).log_softmax(-1)
     assert out.token_ids == [2]  # token 0 was the best before its penalty

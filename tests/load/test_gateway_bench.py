@@ -40,17 +40,23 @@ def test_overhead_is_gateway_minus_direct_per_percentile() -> None:
 
 
 def test_latency_stats_use_first_chunk_for_streams_and_skip_failures() -> None:
-    samples = [Sample("stream", "t", 200, first_s=0.001, total_s=0.010),
-               Sample("stream", "t", 503, first_s=0.5, total_s=0.5),
-               Sample("json", "t", 200, first_s=0.004, total_s=0.004)]
+    samples = [
+        Sample("stream", "t", 200, first_s=0.001, total_s=0.010),
+        Sample("stream", "t", 503, first_s=0.5, total_s=0.5),
+        Sample("json", "t", 200, first_s=0.004, total_s=0.004),
+    ]
     stream = gb.latency_stats(samples, "stream")
     assert stream["count"] == 1 and stream["median"] == pytest.approx(1.0)
     assert gb.latency_stats(samples, "json")["median"] == pytest.approx(4.0)
 
 
 def _samples(tenant: str, admitted: int, limited: int, other: int = 0) -> list[Sample]:
-    return ([Sample("json", tenant, 200)] * admitted + [Sample("json", tenant, 429)] * limited
-            + [Sample("json", tenant, 500)] * other + [Sample("json", "someone-else", 200)] * 7)
+    return (
+        [Sample("json", tenant, 200)] * admitted
+        + [Sample("json", tenant, 429)] * limited
+        + [Sample("json", tenant, 500)] * other
+        + [Sample("json", "someone-else", 200)] * 7
+    )
 
 
 def test_rate_limit_check_bounds() -> None:
@@ -95,12 +101,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[gs.Gateway
 
 
 def test_tenants_and_keys_are_made_through_the_admin_api(
-        stack: tuple[gs.GatewayHandle, int]) -> None:
+    stack: tuple[gs.GatewayHandle, int],
+) -> None:
     gw, _ = stack
     base = f"http://127.0.0.1:{gw.port}"
     tenants = gb.create_tenants(base, gw.admin_key, 2, 2, prefix="adm")
-    listed = httpx.get(base + "/admin/v1/tenants",
-                       headers={"authorization": f"Bearer {gw.admin_key}"}).json()["data"]
+    listed = httpx.get(
+        base + "/admin/v1/tenants", headers={"authorization": f"Bearer {gw.admin_key}"}
+    ).json()["data"]
     assert {t.tenant_id for t in tenants} <= {t["id"] for t in listed}
     for tenant in tenants:
         assert len(set(tenant.keys)) == 2 and all(k.startswith("sk-") for k in tenant.keys)
@@ -109,7 +117,8 @@ def test_tenants_and_keys_are_made_through_the_admin_api(
 
 
 def test_every_shot_is_served_through_the_gateway_and_directly(
-        stack: tuple[gs.GatewayHandle, int]) -> None:
+    stack: tuple[gs.GatewayHandle, int],
+) -> None:
     gw, direct = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 2, 1, prefix="mix")
     for port in (gw.port, direct):
@@ -128,7 +137,8 @@ def test_bad_key_is_refused_not_counted(stack: tuple[gs.GatewayHandle, int]) -> 
 
 
 def test_a_30_per_minute_tenant_hammered_with_100_is_held_to_its_bucket(
-        stack: tuple[gs.GatewayHandle, int]) -> None:
+    stack: tuple[gs.GatewayHandle, int],
+) -> None:
     gw, _ = stack
     base = f"http://127.0.0.1:{gw.port}"
     bench = gb.create_tenants(base, gw.admin_key, 1, 2, prefix="bg")
@@ -144,10 +154,12 @@ def test_a_30_per_minute_tenant_hammered_with_100_is_held_to_its_bucket(
 def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, direct = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 2, prefix="fr")
-    unlimited = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 1, "op",
-                                  plan="open")
-    out = gb.fixed_rate(direct, gw, tenants, rate=40.0, duration_s=0.5, rounds=2,
-                        open_tenants=unlimited)
+    unlimited = gb.create_tenants(
+        f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 1, "op", plan="open"
+    )
+    out = gb.fixed_rate(
+        direct, gw, tenants, rate=40.0, duration_s=0.5, rounds=2, open_tenants=unlimited
+    )
     assert out["requests_per_side"] == 40
     for side in ("direct", "gateway", "gateway_limits_off"):
         assert out[side]["errors"] == 0
@@ -160,8 +172,9 @@ def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gs.GatewayHand
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
-def test_wrk_saturation_counts_only_successes(stack: tuple[gs.GatewayHandle, int],
-                                              tmp_path: Path) -> None:
+def test_wrk_saturation_counts_only_successes(
+    stack: tuple[gs.GatewayHandle, int], tmp_path: Path
+) -> None:
     gw, _ = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 1, prefix="wrk")
     shots = gb.build_shots(f"127.0.0.1:{gw.port}", tenants)
@@ -174,13 +187,23 @@ def test_wrk_saturation_counts_only_successes(stack: tuple[gs.GatewayHandle, int
 
 def test_verdicts_name_each_target() -> None:
     result = {
-        "fixed_rate": [{"rate": 200.0, "overhead": {
-            "json": {"median_ms": 0.5, "p90_ms": 1.0, "p99_ms": 7.0},
-            "stream": {"median_ms": 2.0, "p90_ms": 2.0, "p99_ms": 3.0}}}],
-        "saturation": {"gateway_json": {"requests_per_s": 1600.0},
-                       "gateway_stream": {"error": "wrk failed"}},
-        "rate_limits": {"ok": True, "tenants": [
-            {"admitted": 31, "sent": 100, "expected_max": 31.5}]},
+        "fixed_rate": [
+            {
+                "rate": 200.0,
+                "overhead": {
+                    "json": {"median_ms": 0.5, "p90_ms": 1.0, "p99_ms": 7.0},
+                    "stream": {"median_ms": 2.0, "p90_ms": 2.0, "p99_ms": 3.0},
+                },
+            }
+        ],
+        "saturation": {
+            "gateway_json": {"requests_per_s": 1600.0},
+            "gateway_stream": {"error": "wrk failed"},
+        },
+        "rate_limits": {
+            "ok": True,
+            "tenants": [{"admitted": 31, "sent": 100, "expected_max": 31.5}],
+        },
     }
     met = {v["target"]: v["met"] for v in gb.verdicts(result)}
     assert met["added p50 latency (json) <= 1 ms at 200 req/s"] is True

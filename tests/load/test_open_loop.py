@@ -20,8 +20,11 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 def _shot(port: int, stream: bool, **extra: object) -> Shot:
     body = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": stream, **extra}
-    return Shot("stream" if stream else "json", "t",
-                build_request(f"127.0.0.1:{port}", "/v1/completions", body, "sk-test"))
+    return Shot(
+        "stream" if stream else "json",
+        "t",
+        build_request(f"127.0.0.1:{port}", "/v1/completions", body, "sk-test"),
+    )
 
 
 def test_build_request_is_valid_http() -> None:
@@ -49,14 +52,16 @@ def test_timeouts_and_refused_connections_are_failed_samples(upstream: int) -> N
     assert [s.status for s in samples] == [0, 0]
     assert all("no full answer" in s.error for s in samples)
     closed = gs.free_port()
-    samples, _ = run_async(closed_loop("127.0.0.1", closed, [_shot(closed, False)], 2,
-                                       num_requests=3))
+    samples, _ = run_async(
+        closed_loop("127.0.0.1", closed, [_shot(closed, False)], 2, num_requests=3)
+    )
     assert len(samples) == 3 and all(s.status == 0 and s.error for s in samples)
 
 
 def test_closed_loop_stops_at_its_request_budget(upstream: int) -> None:
-    samples, elapsed = run_async(closed_loop("127.0.0.1", upstream, [_shot(upstream, False)], 4,
-                                             num_requests=25))
+    samples, elapsed = run_async(
+        closed_loop("127.0.0.1", upstream, [_shot(upstream, False)], 4, num_requests=25)
+    )
     assert len(samples) == 25 and elapsed > 0 and {s.status for s in samples} == {200}
     with pytest.raises(ValueError):
         run_async(closed_loop("127.0.0.1", upstream, [], 1, num_requests=1))

@@ -10,8 +10,10 @@ from engine_server_process import EngineProcess
 
 
 @pytest.fixture(scope="module")
-def engine_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-                  ) -> Iterator[EngineProcess]:
+def engine_server(
+    tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EngineProcess]:
     """A real engine on a loopback port with an API key (shared by a test module)."""
     logs = tmp_path_factory.mktemp("engine-logs")
     server = EngineProcess(tiny_llama_dir, logs / "engine.log")

@@ -32,16 +32,37 @@ def free_port() -> int:
 class EngineProcess:
     """One `portico engine` subprocess and clients to talk to it."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, uds: str | None = None,
-                 api_key: str | None = API_KEY, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        uds: str | None = None,
+        api_key: str | None = API_KEY,
+        extra: list[str] | None = None,
+    ) -> None:
         self.uds = uds
         self.port = None if uds else free_port()
         self.api_key = api_key
         self.log_path = log_path
-        args = [sys.executable, "-m", "portico.cli", "engine", "--model", str(model_dir),
-                "--served-model-name", MODEL_NAME, "--kv-cache-memory", "8MiB",
-                "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-                "--log-level", "warning"]
+        args = [
+            sys.executable,
+            "-m",
+            "portico.cli",
+            "engine",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--kv-cache-memory",
+            "8MiB",
+            "--max-num-seqs",
+            "16",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--log-level",
+            "warning",
+        ]
         args += ["--uds", uds] if uds else ["--port", str(self.port)]
         if api_key:
             args += ["--api-key", api_key]
@@ -58,14 +79,16 @@ class EngineProcess:
     def client(self, **kwargs: object) -> httpx.Client:
         transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(base_url=self.base_url, transport=transport, headers=headers,
-                            timeout=120, **kwargs)  # type: ignore[arg-type]
+        return httpx.Client(
+            base_url=self.base_url, transport=transport, headers=headers, timeout=120, **kwargs
+        )  # type: ignore[arg-type]
 
     def async_client(self) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(uds=self.uds) if self.uds else None
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.AsyncClient(base_url=self.base_url, transport=transport, headers=headers,
-                                 timeout=120)
+        return httpx.AsyncClient(
+            base_url=self.base_url, transport=transport, headers=headers, timeout=120
+        )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -44,7 +44,11 @@ def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.Monk
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_them(argv: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "portico.cli", "engine", *argv],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "engine", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr

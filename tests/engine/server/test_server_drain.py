@@ -29,12 +29,19 @@ class Stream(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": MODEL_NAME, "prompt": "Drain", "max_tokens": MAX_TOKENS,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "Drain",
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         try:
-            with self.server.client() as client, client.stream(
-                "POST", "/v1/completions", json=body
-            ) as resp:
+            with (
+                self.server.client() as client,
+                client.stream("POST", "/v1/completions", json=body) as resp,
+            ):
                 for line in resp.iter_lines():
                     if line:
                         self.events.append(line)
@@ -46,8 +53,12 @@ class Stream(threading.Thread):
 
 @pytest.fixture
 def draining_server(tiny_llama_dir: Path, tmp_path: Path) -> EngineProcess:
-    server = EngineProcess(tiny_llama_dir, tmp_path / "engine.log", uds=str(tmp_path / "e.sock"),
-                           extra=["--max-model-len", "1024", "--drain-timeout", str(WAIT_S)])
+    server = EngineProcess(
+        tiny_llama_dir,
+        tmp_path / "engine.log",
+        uds=str(tmp_path / "e.sock"),
+        extra=["--max-model-len", "1024", "--drain-timeout", str(WAIT_S)],
+    )
     try:
         server.wait_ready()
     except BaseException:
@@ -77,8 +88,9 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_work_and_exits_0(
         while client.get("/ready").status_code != 503:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        ninth = client.post("/v1/completions",
-                            json={"model": MODEL_NAME, "prompt": "late", "max_tokens": 2})
+        ninth = client.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "late", "max_tokens": 2}
+        )
         assert ninth.status_code == 503
         assert ninth.json()["error"]["code"] == "draining"
         assert client.get("/health").status_code == 200  # draining is not dying
@@ -88,9 +100,9 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_work_and_exits_0(
         assert not s.is_alive()
         assert s.error is None, s.error
         assert s.events[-1] == "data: [DONE]"
-        usage = json.loads(s.events[-2][len("data: "):])["usage"]
+        usage = json.loads(s.events[-2][len("data: ") :])["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS
-        finishes = [json.loads(e[len("data: "):])["choices"] for e in s.events[:-2]]
+        finishes = [json.loads(e[len("data: ") :])["choices"] for e in s.events[:-2]]
         assert finishes[-1][0]["finish_reason"] == "length"
 
     assert server.proc.wait(timeout=WAIT_S) == 0, server.logs()
@@ -104,8 +116,11 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_work_and_exits_0(
 def test_drain_timeout_cuts_streams_with_an_error_event_and_exits_0(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    server = EngineProcess(tiny_llama_dir, tmp_path / "engine.log",
-                           extra=["--max-model-len", "1024", "--drain-timeout", "0"])
+    server = EngineProcess(
+        tiny_llama_dir,
+        tmp_path / "engine.log",
+        extra=["--max-model-len", "1024", "--drain-timeout", "0"],
+    )
     try:
         server.wait_ready()
         stream = Stream(server)
@@ -115,7 +130,7 @@ def test_drain_timeout_cuts_streams_with_an_error_event_and_exits_0(
         stream.join(WAIT_S)
         assert stream.error is None, stream.error
         assert stream.events[-1] == "data: [DONE]"
-        error = json.loads(stream.events[-2][len("data: "):])["error"]
+        error = json.loads(stream.events[-2][len("data: ") :])["error"]
         assert error["type"] == "service_unavailable" and error["message"]
         assert server.proc.wait(timeout=WAIT_S) == 0, server.logs()
     finally:

@@ -27,16 +27,16 @@ async def test_health_and_ready_track_the_engine_loop(tiny_llama_dir: Path) -> N
         try:
             assert (await client.get("/health")).json() == {"status": "ok"}
             assert (await client.get("/ready")).status_code == 200
-            resp = await client.post("/v1/completions",
-                                     json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            resp = await client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            )
             assert resp.json()["usage"]["completion_tokens"] == 2
             app.state.drain.start_draining()
             ready = await client.get("/ready")
             assert ready.status_code == 503
             assert ready.json()["error"]["code"] == "not_ready"
             assert (await client.get("/health")).status_code == 200
-            refused = await client.post("/v1/completions",
-                                        json={"model": "tiny", "prompt": "hi"})
+            refused = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
             assert refused.status_code == 503
         finally:
             await engine.shutdown()

@@ -37,8 +37,10 @@ def wait_until_idle(server: EngineProcess) -> dict:
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         samples = server.metrics()
-        idle = (metric(samples, "vllm:num_requests_running") == 0
-                and metric(samples, "vllm:num_requests_waiting") == 0)
+        idle = (
+            metric(samples, "vllm:num_requests_running") == 0
+            and metric(samples, "vllm:num_requests_waiting") == 0
+        )
         if idle or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)
@@ -48,8 +50,9 @@ def wait_until_idle(server: EngineProcess) -> dict:
 
 
 def test_chat_sse_frames_are_exactly_openais(http: httpx.Client) -> None:
-    body = dict(CHAT, max_tokens=3, stream=True, stream_options={"include_usage": True},
-                ignore_eos=True)
+    body = dict(
+        CHAT, max_tokens=3, stream=True, stream_options={"include_usage": True}, ignore_eos=True
+    )
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -59,13 +62,17 @@ def test_chat_sse_frames_are_exactly_openais(http: httpx.Client) -> None:
     assert events[-1] == ""
     events = events[:-1]
     assert all(e.startswith("data: ") and "\n" not in e for e in events)
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     first, *middle, finish, usage = payloads
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["object"] == "chat.completion.chunk"
     assert all(p["choices"][0]["delta"].keys() == {"content"} for p in middle)
-    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": "length"}
+    assert finish["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
     assert len({p["id"] for p in payloads}) == 1
 
@@ -76,7 +83,7 @@ def test_completion_sse_frames(http: httpx.Client) -> None:
         lines = [line for line in resp.iter_lines()]
     data = [line for line in lines if line]
     assert data[-1] == "data: [DONE]"
-    payloads = [json.loads(line[len("data: "):]) for line in data[:-1]]
+    payloads = [json.loads(line[len("data: ") :]) for line in data[:-1]]
     assert all(p["object"] == "text_completion" and "usage" not in p for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -109,10 +116,16 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("top_logprobs too many", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ("stream wrong type", {"stream": "yes"}, "stream"),
-    ("stream_options without stream", {"stream_options": {"include_usage": True}},
-     "stream_options"),
-    ("stream_options wrong type", {"stream_options": {"include_usage": "y"}},
-     "stream_options.include_usage"),
+    (
+        "stream_options without stream",
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    (
+        "stream_options wrong type",
+        {"stream_options": {"include_usage": "y"}},
+        "stream_options.include_usage",
+    ),
     ("stream_options unknown field", {"stream_options": {"foo": True}}, "stream_options.foo"),
     ("user wrong type", {"user": 5}, "user"),
     ("top_k below -1", {"top_k": -2}, "top_k"),
@@ -124,30 +137,59 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("stop_token_ids negative", {"stop_token_ids": [-1]}, "stop_token_ids"),
     ("stop_token_ids outside vocab", {"stop_token_ids": [99999999]}, "stop_token_ids"),
     ("skip_special_tokens wrong type", {"skip_special_tokens": 1}, "skip_special_tokens"),
-    ("include_stop_str_in_output wrong type", {"include_stop_str_in_output": "x"},
-     "include_stop_str_in_output"),
+    (
+        "include_stop_str_in_output wrong type",
+        {"include_stop_str_in_output": "x"},
+        "include_stop_str_in_output",
+    ),
     ("cache_salt empty", {"cache_salt": ""}, "cache_salt"),
     ("cache_salt wrong type", {"cache_salt": 5}, "cache_salt"),
     ("priority wrong type", {"priority": "high"}, "priority"),
     ("messages empty", {"messages": []}, "messages"),
     ("messages wrong type", {"messages": "hi"}, "messages"),
     ("role unknown", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ("image content part", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
-    ("message unknown field", {"messages": [{"role": "user", "content": "x", "foo": 1}]},
-     "messages[0].foo"),
-    ("tool calls in a message", {"messages": [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
-        {"role": "user", "content": "x"}]}, "messages[0].tool_calls"),
+    (
+        "image content part",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                }
+            ]
+        },
+        "messages[0].content",
+    ),
+    (
+        "message unknown field",
+        {"messages": [{"role": "user", "content": "x", "foo": 1}]},
+        "messages[0].foo",
+    ),
+    (
+        "tool calls in a message",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "1", "type": "function"}],
+                },
+                {"role": "user", "content": "x"},
+            ]
+        },
+        "messages[0].tool_calls",
+    ),
     ("unknown field", {"foo": 1}, "foo"),
     ("model missing", {"model": None}, "model"),
-    ("unsupported tools", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+    ("unsupported tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("unsupported tool_choice", {"tool_choice": "auto"}, "tool_choice"),
     ("unsupported functions", {"functions": [{"name": "f"}]}, "functions"),
     ("unsupported function_call", {"function_call": "auto"}, "function_call"),
-    ("unsupported response_format", {"response_format": {"type": "json_object"}},
-     "response_format"),
+    (
+        "unsupported response_format",
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+    ),
     ("unsupported audio", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("unsupported modalities", {"modalities": ["text", "audio"]}, "modalities"),
     ("unsupported store", {"store": True}, "store"),
@@ -181,18 +223,26 @@ def metrics_before_bad_input(engine_server: EngineProcess) -> dict:
 
 @pytest.mark.parametrize(("case", "change", "param"), BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
 def test_bad_chat_parameter_is_a_400_naming_it(
-    http: httpx.Client, metrics_before_bad_input: dict, case: str, change: dict,
+    http: httpx.Client,
+    metrics_before_bad_input: dict,
+    case: str,
+    change: dict,
     param: str | None,
 ) -> None:
-    error = assert_openai_error(http.post("/v1/chat/completions", json=_body(CHAT, change)),
-                                400, param)
+    error = assert_openai_error(
+        http.post("/v1/chat/completions", json=_body(CHAT, change)), 400, param
+    )
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("case", "change", "param"), BAD_COMPLETION,
-                         ids=[c[0] for c in BAD_COMPLETION])
+@pytest.mark.parametrize(
+    ("case", "change", "param"), BAD_COMPLETION, ids=[c[0] for c in BAD_COMPLETION]
+)
 def test_bad_completion_parameter_is_a_400_naming_it(
-    http: httpx.Client, metrics_before_bad_input: dict, case: str, change: dict,
+    http: httpx.Client,
+    metrics_before_bad_input: dict,
+    case: str,
+    change: dict,
     param: str | None,
 ) -> None:
     assert_openai_error(http.post("/v1/completions", json=_body(COMPLETION, change)), 400, param)
@@ -207,7 +257,7 @@ def test_prompt_too_long_says_what_was_asked_and_allowed(http: httpx.Client) -> 
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", "\"caf\u00e9\"".encode()])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", '"caf\u00e9"'.encode()])
 def test_malformed_body_is_a_400(http: httpx.Client, path: str, raw: bytes) -> None:
     resp = http.post(path, content=raw, headers={"content-type": "application/json"})
     assert_openai_error(resp, 400)
@@ -226,23 +276,29 @@ def test_oversized_chunked_body_without_length_is_a_413(http: httpx.Client) -> N
             yield b"x" * 1024
         yield b'"}'
 
-    resp = http.post("/v1/completions", content=chunks(),
-                     headers={"content-type": "application/json"})
+    resp = http.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert "content-length" not in resp.request.headers
     assert_openai_error(resp, 413)
 
 
 def test_unknown_model_is_a_404(http: httpx.Client) -> None:
-    error = assert_openai_error(http.post("/v1/completions", json=dict(COMPLETION, model="x")),
-                                404, "model")
+    error = assert_openai_error(
+        http.post("/v1/completions", json=dict(COMPLETION, model="x")), 404, "model"
+    )
     assert error["code"] == "model_not_found"
 
 
-def test_bad_input_left_nothing_behind(engine_server: EngineProcess,
-                                       metrics_before_bad_input: dict) -> None:
+def test_bad_input_left_nothing_behind(
+    engine_server: EngineProcess, metrics_before_bad_input: dict
+) -> None:
     after = wait_until_idle(engine_server)
-    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:e2e_request_latency_seconds_count"):
+    for name in (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:e2e_request_latency_seconds_count",
+    ):
         assert metric(after, name) == metric(metrics_before_bad_input, name), name
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
 
@@ -250,16 +306,23 @@ def test_bad_input_left_nothing_behind(engine_server: EngineProcess,
 # ---------------------------------------------------------------------------- auth
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong-key", f"Basic {API_KEY}",
-                                    f"Bearer {API_KEY}x", "Bearer"])
-@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/tokenize", "/version",
-                                  "/no-such-route"])
-def test_missing_or_wrong_key_is_a_401(engine_server: EngineProcess, header: str | None,
-                                       path: str) -> None:
+@pytest.mark.parametrize(
+    "header", [None, "Bearer wrong-key", f"Basic {API_KEY}", f"Bearer {API_KEY}x", "Bearer"]
+)
+@pytest.mark.parametrize(
+    "path", ["/v1/models", "/v1/completions", "/tokenize", "/version", "/no-such-route"]
+)
+def test_missing_or_wrong_key_is_a_401(
+    engine_server: EngineProcess, header: str | None, path: str
+) -> None:
     headers = {"Authorization": header} if header else {}
     with httpx.Client(base_url=engine_server.base_url, timeout=30) as anon:
-        resp = anon.request("GET" if path in ("/v1/models", "/version") else "POST", path,
-                            headers=headers, json=COMPLETION)
+        resp = anon.request(
+            "GET" if path in ("/v1/models", "/version") else "POST",
+            path,
+            headers=headers,
+            json=COMPLETION,
+        )
     error = assert_openai_error(resp, 401)
     assert error["type"] == "authentication_error"
 
@@ -318,8 +381,9 @@ def _settle_after_abort(server: EngineProcess, before: dict) -> dict:
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         samples = server.metrics()
-        settled = (_aborts(samples) > _aborts(before)
-                   and metric(samples, "vllm:num_requests_running") == 0)
+        settled = (
+            _aborts(samples) > _aborts(before) and metric(samples, "vllm:num_requests_running") == 0
+        )
         if settled or time.monotonic() > deadline:
             return samples
         time.sleep(0.02)
@@ -343,8 +407,9 @@ def test_stream_disconnect_aborts_and_frees_kv(engine_server: EngineProcess) -> 
     assert metric(after, "vllm:num_requests_running") == 0
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
     assert _aborts(after) - _aborts(before) == 1
-    generated = (metric(after, "vllm:generation_tokens_total")
-                 - metric(before, "vllm:generation_tokens_total"))
+    generated = metric(after, "vllm:generation_tokens_total") - metric(
+        before, "vllm:generation_tokens_total"
+    )
     assert generated < LONG["max_tokens"]
 
 
@@ -357,14 +422,23 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(engine_server: EngineProce
     assert metric(after, "vllm:num_requests_running") == 0
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
     assert _aborts(after) - _aborts(before) == 1
-    generated = (metric(after, "vllm:generation_tokens_total")
-                 - metric(before, "vllm:generation_tokens_total"))
+    generated = metric(after, "vllm:generation_tokens_total") - metric(
+        before, "vllm:generation_tokens_total"
+    )
     assert generated < LONG["max_tokens"]
 
 
 def test_streaming_many_prompts_and_choices_indexes_every_choice(http: httpx.Client) -> None:
-    body = dict(COMPLETION, prompt=["one", "two"], n=2, max_tokens=3, stream=True, echo=True,
-                ignore_eos=True, logprobs=1)
+    body = dict(
+        COMPLETION,
+        prompt=["one", "two"],
+        n=2,
+        max_tokens=3,
+        stream=True,
+        echo=True,
+        ignore_eos=True,
+        logprobs=1,
+    )
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 400  # echo with logprobs is refused, not silently ignored
     body.pop("logprobs")
@@ -389,5 +463,4 @@ def test_streaming_chat_logprobs_come_with_each_delta(http: httpx.Client) -> Non
     entries = [e for d in deltas for e in d["logprobs"]["content"]]
     assert len(entries) == 3
     assert all(len(e["top_logprobs"]) == 2 for e in entries)
-    assert "".join(e["token"] for e in entries) == "".join(
-        d["delta"]["content"] for d in deltas)
+    assert "".join(e["token"] for e in entries) == "".join(d["delta"]["content"] for d in deltas)

@@ -13,14 +13,16 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches
 
 @pytest.fixture(scope="module")
 def client(engine_server: EngineProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=engine_server.base_url + "/v1", api_key=engine_server.api_key,
-                         max_retries=0)
+    return openai.OpenAI(
+        base_url=engine_server.base_url + "/v1", api_key=engine_server.api_key, max_retries=0
+    )
 
 
 @pytest.fixture
 def aclient(engine_server: EngineProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=engine_server.base_url + "/v1",
-                              api_key=engine_server.api_key, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=engine_server.base_url + "/v1", api_key=engine_server.api_key, max_retries=0
+    )
 
 
 def test_models_list_names_the_served_model_with_its_context_length(client: openai.OpenAI) -> None:
@@ -57,34 +59,43 @@ def test_max_tokens_cut_reports_length(client: openai.OpenAI) -> None:
 
 
 def test_omitted_max_tokens_runs_to_the_context_limit(client: openai.OpenAI) -> None:
-    resp = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", extra_body={"ignore_eos": True}
+    )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.prompt_tokens + resp.usage.completion_tokens == MAX_MODEL_LEN
 
 
 def test_n_choices_each_carry_their_index(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4, n=3,
-                                          temperature=1.0, seed=7)
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=4, n=3, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in resp.choices) == [0, 1, 2]
     assert 3 <= resp.usage.completion_tokens <= 12
 
 
 def test_greedy_and_seeded_sampling_are_reproducible(client: openai.OpenAI) -> None:
     def run(**kw: object) -> str:
-        return client.chat.completions.create(
-            model=MODEL_NAME, messages=USER, max_tokens=12, **kw
-        ).choices[0].message.content
+        return (
+            client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=12, **kw)
+            .choices[0]
+            .message.content
+        )
 
     assert run(temperature=0) == run(temperature=0)
     assert run(temperature=1.0, seed=1234) == run(temperature=1.0, seed=1234)
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
-    params = dict(model=MODEL_NAME, prompt="Hello there", max_tokens=16, temperature=0,
-                  extra_body={"ignore_eos": True})
+    params = dict(
+        model=MODEL_NAME,
+        prompt="Hello there",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**params).choices[0].text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
     cut = client.completions.create(**params, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop"
@@ -96,8 +107,12 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
 
 def test_chat_stream_has_role_deltas_finish_and_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model=MODEL_NAME, messages=USER, max_tokens=6, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -107,11 +122,21 @@ def test_chat_stream_has_role_deltas_finish_and_usage(client: openai.OpenAI) -> 
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert all(c.usage is None for c in chunks[:-1])
     assert len({c.id for c in chunks}) == 1
-    full = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=6,
-                                          temperature=0, extra_body={"ignore_eos": True})
-    streamed = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=6,
-                                              temperature=0, stream=True,
-                                              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    streamed = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == (
         full.choices[0].message.content
     )
@@ -119,9 +144,14 @@ def test_chat_stream_has_role_deltas_finish_and_usage(client: openai.OpenAI) -> 
 
 
 def test_chat_logprobs_have_the_requested_alternatives(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4,
-                                          logprobs=True, top_logprobs=3,
-                                          extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == 4
     for item in content:
@@ -132,17 +162,28 @@ def test_chat_logprobs_have_the_requested_alternatives(client: openai.OpenAI) ->
 
 def test_vllm_extras_are_honoured(client: openai.OpenAI) -> None:
     resp = client.completions.create(
-        model=MODEL_NAME, prompt="Hello", max_tokens=8, temperature=0.8,
-        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 8,
-                    "skip_special_tokens": True, "priority": 1, "cache_salt": "team-a"},
+        model=MODEL_NAME,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0.8,
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "min_tokens": 8,
+            "skip_special_tokens": True,
+            "priority": 1,
+            "cache_salt": "team-a",
+        },
     )
     assert resp.usage.completion_tokens == 8  # min_tokens == max_tokens forces the full length
 
 
 def test_cache_salt_separates_prefix_caches(client: openai.OpenAI) -> None:
     def cached(salt: str) -> int:
-        resp = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=1,
-                                          extra_body={"cache_salt": salt})
+        resp = client.completions.create(
+            model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=1, extra_body={"cache_salt": salt}
+        )
         return resp.usage.prompt_tokens_details.cached_tokens
 
     cached("tenant-1")
@@ -158,30 +199,45 @@ def test_completions_accept_string_list_and_token_prompts(
     with engine_server.client() as http:
         ids = http.post("/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
-    by_text = client.completions.create(model=MODEL_NAME, prompt="Hello world", max_tokens=4,
-                                        temperature=0)
+    by_text = client.completions.create(
+        model=MODEL_NAME, prompt="Hello world", max_tokens=4, temperature=0
+    )
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
 def test_completions_echo_and_logprobs(client: openai.OpenAI) -> None:
-    echoed = client.completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3,
-                                       echo=True)
+    echoed = client.completions.create(model=MODEL_NAME, prompt="Echo me", max_tokens=3, echo=True)
     assert echoed.choices[0].text.startswith("Echo me")
-    lp = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, logprobs=2,
-                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    lp = (
+        client.completions.create(
+            model=MODEL_NAME, prompt="Hi", max_tokens=3, logprobs=2, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .logprobs
+    )
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert all(len(alts) <= 2 for alts in lp.top_logprobs)
     assert lp.text_offset[0] == 0
 
 
 async def test_async_client_completion_and_stream(aclient: openai.AsyncOpenAI) -> None:
-    resp = await aclient.completions.create(model=MODEL_NAME, prompt="Async", max_tokens=4,
-                                            temperature=0, extra_body={"ignore_eos": True})
+    resp = await aclient.completions.create(
+        model=MODEL_NAME,
+        prompt="Async",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert resp.usage.completion_tokens == 4
-    stream = await aclient.completions.create(model=MODEL_NAME, prompt="Async", max_tokens=4,
-                                              temperature=0, stream=True,
-                                              extra_body={"ignore_eos": True})
+    stream = await aclient.completions.create(
+        model=MODEL_NAME,
+        prompt="Async",
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     text, finish = "", None
     async for chunk in stream:
         text += chunk.choices[0].text
@@ -192,27 +248,30 @@ async def test_async_client_completion_and_stream(aclient: openai.AsyncOpenAI) -
     await aclient.close()
 
 
-def test_client_errors_map_to_openai_exceptions(client: openai.OpenAI,
-                                               engine_server: EngineProcess) -> None:
+def test_client_errors_map_to_openai_exceptions(
+    client: openai.OpenAI, engine_server: EngineProcess
+) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
         client.chat.completions.create(model="nope", messages=USER)
     assert nf.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL_NAME, messages=USER,
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=USER, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
     assert bad.value.body["param"] == "tools"
-    wrong = openai.OpenAI(base_url=engine_server.base_url + "/v1", api_key="wrong",
-                          max_retries=0)
+    wrong = openai.OpenAI(base_url=engine_server.base_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
 
 
-def test_metrics_match_the_requests_made(client: openai.OpenAI,
-                                         engine_server: EngineProcess) -> None:
+def test_metrics_match_the_requests_made(
+    client: openai.OpenAI, engine_server: EngineProcess
+) -> None:
     before = engine_server.metrics()
     responses = [
-        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=5,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL_NAME, prompt=p, max_tokens=5, extra_body={"ignore_eos": True}
+        )
         for p in ("one", "two three", "four five six")
     ]
     after = engine_server.metrics()

@@ -23,8 +23,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def chat(**fields: object) -> ChatCompletionRequest:
-    return parse_body(ChatCompletionRequest, json.dumps(dict(CHAT, **fields)).encode(),
-                      CHAT_UNSUPPORTED)
+    return parse_body(
+        ChatCompletionRequest, json.dumps(dict(CHAT, **fields)).encode(), CHAT_UNSUPPORTED
+    )
 
 
 def test_explicit_nulls_mean_defaults_as_in_openais_api() -> None:
@@ -38,8 +39,15 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
 
 
 def test_harmless_values_of_unsupported_fields_pass() -> None:
-    req = chat(tools=[], tool_choice="none", response_format={"type": "text"}, store=False,
-               parallel_tool_calls=True, service_tier="auto", modalities=["text"])
+    req = chat(
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        store=False,
+        parallel_tool_calls=True,
+        service_tier="auto",
+        modalities=["text"],
+    )
     assert req.tools == []
 
 
@@ -60,9 +68,15 @@ def test_every_unsupported_completion_field_is_refused_by_name(field: str) -> No
 
 
 def test_text_content_parts_are_joined_and_developer_is_a_system_role() -> None:
-    req = chat(messages=[{"role": "developer", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                      {"type": "text", "text": "b"}]}])
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ]
+    )
     assert req.messages[1].text() == "ab"
 
 
@@ -75,8 +89,9 @@ def test_union_type_errors_name_the_parameter_once() -> None:
 
 def test_huge_invalid_input_gives_a_bounded_message() -> None:
     with pytest.raises(InvalidRequestError) as info:
-        parse_body(CompletionRequest, json.dumps({"model": "m", "prompt": "x",
-                                                  "x" * 10_000: 1}).encode())
+        parse_body(
+            CompletionRequest, json.dumps({"model": "m", "prompt": "x", "x" * 10_000: 1}).encode()
+        )
     assert len(info.value.to_dict()["error"]["message"]) <= 500
 
 
@@ -94,8 +109,15 @@ def test_token_buckets_are_1_2_5_up_to_the_limit() -> None:
 
 
 def test_metrics_have_vllm_names_types_and_a_private_registry() -> None:
-    stats = EngineStats(num_running=2, num_waiting=1, num_swapped=1, kv_cache_usage=0.25,
-                        prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=3)
+    stats = EngineStats(
+        num_running=2,
+        num_waiting=1,
+        num_swapped=1,
+        kv_cache_usage=0.25,
+        prefix_cache_queries=10,
+        prefix_cache_hits=4,
+        num_preemptions=3,
+    )
     first = ServerMetrics("m", 1024, lambda: stats)
     second = ServerMetrics("m", 1024, lambda: stats)
     first.track(7).finish(1)
@@ -103,13 +125,22 @@ def test_metrics_have_vllm_names_types_and_a_private_registry() -> None:
     kinds = {name: f.type for name, f in families.items()}
     assert kinds["vllm:num_requests_running"] == "gauge"
     assert kinds["vllm:kv_cache_usage_perc"] == "gauge"
-    for counter in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                    "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-                    "vllm:num_preemptions"):
+    for counter in (
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:num_preemptions",
+    ):
         assert kinds[counter] == "counter", counter
-    for hist in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
-                 "vllm:request_generation_tokens"):
+    for hist in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+    ):
         assert kinds[hist] == "histogram", hist
 
     def value(metrics: ServerMetrics, name: str, **labels: str) -> float:

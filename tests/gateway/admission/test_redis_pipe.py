@@ -32,7 +32,8 @@ return 1
 
 def test_commands_are_encoded_as_resp() -> None:
     assert encode_command(("SET", "k", 12, b"\x00v")) == (
-        b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n12\r\n$2\r\n\x00v\r\n")
+        b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n12\r\n$2\r\n\x00v\r\n"
+    )
     with pytest.raises(TypeError):
         encode_command(("SET", "k", None))
 
@@ -60,8 +61,11 @@ async def test_an_error_reply_fails_only_its_own_command(redis_client: Redis) ->
     assert pipe is not None
     try:
         good1, bad, good2 = await asyncio.gather(
-            pipe.execute("SET", "a", "1"), pipe.execute("INCR", "h"), pipe.execute("GET", "a"),
-            return_exceptions=True)
+            pipe.execute("SET", "a", "1"),
+            pipe.execute("INCR", "h"),
+            pipe.execute("GET", "a"),
+            return_exceptions=True,
+        )
         assert good1 == b"OK" and good2 == b"1"
         assert isinstance(bad, redis.exceptions.ResponseError)
         assert "WRONGTYPE" in str(bad)
@@ -158,11 +162,13 @@ async def test_concurrent_admissions_and_settlements_keep_slots_exact(
     pipe = RedisPipe.from_client(redis_client)
     assert pipe is not None
     limiter = RedisLimiter(redis_client, pipe=pipe)
-    buckets = BucketSet(rate_keys=("rl:t:rpm",), rate_limits=(1000,),
-                        slot_keys=("rl:t:conc",), slot_limits=(50,))
+    buckets = BucketSet(
+        rate_keys=("rl:t:rpm",), rate_limits=(1000,), slot_keys=("rl:t:conc",), slot_limits=(50,)
+    )
     try:
-        decisions = await asyncio.gather(*(
-            limiter.acquire(buckets, [1], f"slot-{i}", 60_000_000) for i in range(80)))
+        decisions = await asyncio.gather(
+            *(limiter.acquire(buckets, [1], f"slot-{i}", 60_000_000) for i in range(80))
+        )
         allowed = [i for i, d in enumerate(decisions) if d.allowed]
         assert len(allowed) == 50  # one pipelined batch, and still never past the limit
         assert await redis_client.zcard("rl:t:conc") == 50
@@ -174,14 +180,16 @@ async def test_concurrent_admissions_and_settlements_keep_slots_exact(
 
 
 async def test_admission_on_a_pipe_falls_back_while_redis_is_down(
-    private_redis, make_principal: Callable[..., Principal]  # type: ignore[no-untyped-def]
+    private_redis,
+    make_principal: Callable[..., Principal],  # type: ignore[no-untyped-def]
 ) -> None:
     client = Redis.from_url(private_redis.url, socket_timeout=2.0, socket_connect_timeout=2.0)
     pipe = RedisPipe.from_client(client)
     assert pipe is not None
     settings = AdmissionSettings(redis_down_policy="local", probe_interval_seconds=0.05)
-    admission = Admission(client, settings, registry=CollectorRegistry(),
-                          limiter=RedisLimiter(client, pipe=pipe))
+    admission = Admission(
+        client, settings, registry=CollectorRegistry(), limiter=RedisLimiter(client, pipe=pipe)
+    )
     who = make_principal(requests_per_minute=10, max_concurrency=5)
     try:
         ticket = await admission.admit(who, "m", 1, 1)
@@ -198,16 +206,27 @@ async def test_admission_on_a_pipe_falls_back_while_redis_is_down(
         await client.aclose()
 
 
-
-
 @pytest.fixture
 def password_redis(tmp_path: Path) -> Iterator[Path]:
     """A redis-server that wants the password ``s3cret``; yields its Unix socket."""
     sock = tmp_path / "auth.sock"
     proc = subprocess.Popen(
-        [redis_server_binary(), "--port", "0", "--unixsocket", str(sock), "--save", "",
-         "--appendonly", "no", "--requirepass", "s3cret"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            redis_server_binary(),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            "s3cret",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while not sock.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -23,10 +23,12 @@ def fake_remote(module_tmp: Path) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "load.fake_upstream", "--port", str(port), "--model", "remote"],
-        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     assert wait_until(lambda: answers(url + "/health"), timeout=30), "fake remote did not start"
     yield url
     proc.terminate()
     proc.wait(10)
-

@@ -33,30 +33,50 @@ def free_port() -> int:
 
 def fake_engine_command(*extra: str) -> list[str]:
     """A supervised fake engine: the fake upstream on the replica's Unix socket."""
-    return [sys.executable, "-m", "load.fake_upstream", "--uds", "{uds}", "--model", "{name}",
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "load.fake_upstream",
+        "--uds",
+        "{uds}",
+        "--model",
+        "{name}",
+        *extra,
+    ]
 
 
 def tiny_engine(tiny_dir: Path, name: str = "tiny", replicas: int = 1) -> dict[str, Any]:
-    return {"name": name, "model": str(tiny_dir), "replicas": replicas,
-            "args": ["--kv-cache-memory", "32MiB", "--max-num-seqs", "32",
-                     "--max-model-len", "1024"]}
+    return {
+        "name": name,
+        "model": str(tiny_dir),
+        "replicas": replicas,
+        "args": ["--kv-cache-memory", "32MiB", "--max-num-seqs", "32", "--max-model-len", "1024"],
+    }
 
 
 class GatewayProcess:
     """One ``portico serve`` subprocess with its own config, policies and log file."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], routing: dict[str, Any],
-                 retry: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        config: dict[str, Any],
+        routing: dict[str, Any],
+        retry: dict[str, Any] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.port = free_port()
         policies = workdir / "policies"
         policies.mkdir(parents=True, exist_ok=True)
         (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
         (policies / "retry.yaml").write_text(yaml.safe_dump(retry or {}))
-        self.config = {"listen": {"host": "127.0.0.1", "port": self.port},
-                       "policies_dir": str(policies), "runtime_dir": str(workdir / "run"),
-                       "log_level": "info", **config}
+        self.config = {
+            "listen": {"host": "127.0.0.1", "port": self.port},
+            "policies_dir": str(policies),
+            "runtime_dir": str(workdir / "run"),
+            "log_level": "info",
+            **config,
+        }
         self.config.setdefault("redis", {})
         self.config["redis"].setdefault("data_dir", str(workdir / "data"))
         self.config_path = workdir / "portico.yaml"
@@ -71,7 +91,11 @@ class GatewayProcess:
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "portico.cli", "serve", "-c", str(self.config_path)],
-                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -90,15 +114,19 @@ class GatewayProcess:
     def health(self, verify: Any = True) -> dict[str, Any]:
         return httpx.get(self.base_url + "/health", timeout=5, verify=verify).json()
 
-    def create_tenant(self, plan: str = "standard", verify: Any = True,
-                      cert: Any = None, **fields: Any) -> tuple[str, str]:
+    def create_tenant(
+        self, plan: str = "standard", verify: Any = True, cert: Any = None, **fields: Any
+    ) -> tuple[str, str]:
         """A new tenant and one API key for it: (tenant_id, secret)."""
         tenant_id = "t" + uuid.uuid4().hex[:10]
         headers = {"authorization": f"Bearer {ADMIN_KEY}"}
-        with httpx.Client(base_url=self.base_url, headers=headers, verify=verify,
-                          cert=cert, timeout=10) as client:
-            r = client.post("/admin/v1/tenants",
-                            json={"id": tenant_id, "name": tenant_id, "plan": plan, **fields})
+        with httpx.Client(
+            base_url=self.base_url, headers=headers, verify=verify, cert=cert, timeout=10
+        ) as client:
+            r = client.post(
+                "/admin/v1/tenants",
+                json={"id": tenant_id, "name": tenant_id, "plan": plan, **fields},
+            )
             r.raise_for_status()
             r = client.post(f"/admin/v1/tenants/{tenant_id}/keys", json={})
             r.raise_for_status()

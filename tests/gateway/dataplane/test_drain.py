@@ -24,32 +24,43 @@ MAX_TOKENS = 400
 
 @pytest.mark.slow
 def test_sigterm_lets_16_streams_finish_refuses_new_requests_and_exits_0(
-        tmp_path: Path, redis_server, tiny_llama_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    gw = GatewayProcess(tmp_path, {
-        "redis": {"url": redis_server.url},
-        "engines": [tiny_engine(tiny_llama_dir, "tiny", replicas=1)],
-        "drain_timeout_s": 120,
-    }, {})
+    tmp_path: Path, redis_server, tiny_llama_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    gw = GatewayProcess(
+        tmp_path,
+        {
+            "redis": {"url": redis_server.url},
+            "engines": [tiny_engine(tiny_llama_dir, "tiny", replicas=1)],
+            "drain_timeout_s": 120,
+        },
+        {},
+    )
     gw.start(timeout=600)
     try:
         _, key = gw.create_tenant("standard", overrides={"max_concurrency": 64})
         headers = {"authorization": f"Bearer {key}"}
-        body = {"model": "tiny", "prompt": "Count slowly", "max_tokens": MAX_TOKENS,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": "Count slowly",
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
         started = threading.Semaphore(0)
         outcomes: list[object] = []
 
         def stream() -> None:
             try:
-                with httpx.stream("POST", gw.base_url + "/v1/completions", json=body,
-                                  headers=headers, timeout=300) as resp:
+                with httpx.stream(
+                    "POST", gw.base_url + "/v1/completions", json=body, headers=headers, timeout=300
+                ) as resp:
                     events = []
                     for line in resp.iter_lines():
                         if line.startswith("data:"):
                             events.append(line)
                             if len(events) == 1:
                                 started.release()
-                    finish = json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"]
+                    finish = json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"]
                     errors = sum('"error"' in e for e in events)
                     outcomes.append((resp.status_code, finish, errors, events[-1]))
             except Exception as exc:  # recorded and asserted below
@@ -84,24 +95,42 @@ def _wait_for_refusal(gw: GatewayProcess, headers: dict[str, str]) -> httpx.Resp
         ready = httpx.get(gw.base_url + "/ready", timeout=10)
         if ready.status_code == 503:
             break
-    return httpx.post(gw.base_url + "/v1/completions", headers=headers, timeout=10,
-                      json={"model": "tiny", "prompt": "new", "max_tokens": 2})
+    return httpx.post(
+        gw.base_url + "/v1/completions",
+        headers=headers,
+        timeout=10,
+        json={"model": "tiny", "prompt": "new", "max_tokens": 2},
+    )
 
 
 def test_a_second_sigterm_forces_the_shutdown(tmp_path: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
-    gw = GatewayProcess(tmp_path, {
-        "redis": {"url": redis_server.url},
-        "engines": [{"name": "fake", "command": fake_engine_command()}],
-        "drain_timeout_s": 600,
-    }, {})
+    gw = GatewayProcess(
+        tmp_path,
+        {
+            "redis": {"url": redis_server.url},
+            "engines": [{"name": "fake", "command": fake_engine_command()}],
+            "drain_timeout_s": 600,
+        },
+        {},
+    )
     gw.start(timeout=120)
     try:
         _, key = gw.create_tenant("standard")
         engine_pid = gw.health()["engines"][0]["pid"]
-        body = {"model": "fake", "prompt": "x", "max_tokens": 4000, "stream": True,
-                "fake_chunk_delay_ms": 50}
-        with httpx.stream("POST", gw.base_url + "/v1/completions", json=body, timeout=60,
-                          headers={"authorization": f"Bearer {key}"}) as resp:
+        body = {
+            "model": "fake",
+            "prompt": "x",
+            "max_tokens": 4000,
+            "stream": True,
+            "fake_chunk_delay_ms": 50,
+        }
+        with httpx.stream(
+            "POST",
+            gw.base_url + "/v1/completions",
+            json=body,
+            timeout=60,
+            headers={"authorization": f"Bearer {key}"},
+        ) as resp:
             lines = resp.iter_lines()
             next(lines)
             assert gw.proc is not None

@@ -23,8 +23,9 @@ vllm:e2e_request_latency_seconds_sum{model_name="m"} 3.5
 
 
 def test_two_replicas_merge_into_one_family_each_labelled_by_engine() -> None:
-    text = relabel([("tiny-0", EXPOSITION),
-                    ("tiny-1", EXPOSITION.replace("} 2.0", "} 5.0"))]).decode()
+    text = relabel(
+        [("tiny-0", EXPOSITION), ("tiny-1", EXPOSITION.replace("} 2.0", "} 5.0"))]
+    ).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert text.count("# TYPE vllm:num_requests_running ") == 1
     running = {s.labels["engine"]: s.value for s in families["vllm:num_requests_running"].samples}

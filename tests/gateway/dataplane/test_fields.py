@@ -11,18 +11,21 @@ from gateway.proxy import Usage, _take_usage, upstream_body
 from portico.errors import InvalidRequestError
 
 
-@pytest.mark.parametrize(("raw", "param"), [
-    (b"{not json", None),
-    (b"[1, 2]", None),
-    (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
-    (b'{"model": "m", "messages": []}', "messages"),
-    (b'{"model": "m", "messages": ["x"]}', "messages.0"),
-    (b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
-    (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}', "max_tokens"),
-    (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "9"}', "max_tokens"),
-    (b'{"model": "m", "messages": [{"role": "user"}], "tools": {}}', "tools"),
-    (b'{"model": "m", "messages": [{"role": "user"}], "stream_options": 3}', "stream_options"),
-])
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
+        (b'{"model": "m", "messages": []}', "messages"),
+        (b'{"model": "m", "messages": ["x"]}', "messages.0"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "9"}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "tools": {}}', "tools"),
+        (b'{"model": "m", "messages": [{"role": "user"}], "stream_options": 3}', "stream_options"),
+    ],
+)
 def test_bad_chat_bodies_are_400_naming_the_parameter(raw: bytes, param: str | None) -> None:
     with pytest.raises(InvalidRequestError) as exc:
         parse_fields(raw, "chat")
@@ -55,9 +58,15 @@ def test_non_stream_without_salt_forwards_the_original_bytes() -> None:
 
 
 def test_client_cache_salt_is_replaced_and_alias_rewritten() -> None:
-    raw = json.dumps({"model": "alias", "cache_salt": "someone-else", "stream": True,
-                      "stream_options": {"include_usage": False},
-                      "messages": [{"role": "user", "content": "x"}]}).encode()
+    raw = json.dumps(
+        {
+            "model": "alias",
+            "cache_salt": "someone-else",
+            "stream": True,
+            "stream_options": {"include_usage": False},
+            "messages": [{"role": "user", "content": "x"}],
+        }
+    ).encode()
     body = json.loads(upstream_body(raw, parse_fields(raw, "chat"), "real", "mine"))
     assert body["model"] == "real"
     assert body["cache_salt"] == "mine"
@@ -67,9 +76,11 @@ def test_client_cache_salt_is_replaced_and_alias_rewritten() -> None:
 
 
 def test_usage_event_is_read_and_dropped_unless_asked_for() -> None:
-    block = (b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n'
-             b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}\n\n'
-             b"data: [DONE]\n\n")
+    block = (
+        b'data: {"choices": [{"delta": {"content": "a"}}], "usage": null}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}\n\n'
+        b"data: [DONE]\n\n"
+    )
     usage = Usage()
     out = _take_usage(block, usage, keep_usage=False)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (3, 5, True)

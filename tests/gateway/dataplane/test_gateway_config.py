@@ -15,23 +15,27 @@ from tests.gateway.dataplane.harness import REPO_ROOT
 def test_no_config_serves_the_default_model_with_embedded_redis() -> None:
     config = load_config(None)
     assert [(e.name, e.model, e.replicas) for e in config.engines] == [
-        ("smollm2", "smollm2-135m", 1)]
+        ("smollm2", "smollm2-135m", 1)
+    ]
     assert config.redis.url is None and config.tls is None
     assert (config.policies_dir / "routing.yaml").is_file()
 
 
-@pytest.mark.parametrize(("data", "named"), [
-    ({"listen": {"port": 70000}}, "listen.port"),
-    ({"engines": [{"name": "a", "replicas": 0}]}, "engines.0.replicas"),
-    ({"engines": [{"name": "a", "bogus": 1}]}, "engines.0.bogus"),
-    ({"unknown_section": {}}, "unknown_section"),
-    ({"redis": {"url": "http://x"}}, "redis.url"),
-    ({"remotes": [{"name": "r"}]}, "remotes.0.model"),
-    ({"drain_timeout_s": -1}, "drain_timeout_s"),
-    ({"tls": {"cert_file": "/nope.pem", "key_file": "/nope.key"}}, "cert_file"),
-    ({"engines": [{"name": "a"}], "remotes": [{"name": "a", "model": "openai/x"}]}, "unique"),
-    ({"admission": {"redis_down_policy": "maybe"}}, "admission.redis_down_policy"),
-])
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"listen": {"port": 70000}}, "listen.port"),
+        ({"engines": [{"name": "a", "replicas": 0}]}, "engines.0.replicas"),
+        ({"engines": [{"name": "a", "bogus": 1}]}, "engines.0.bogus"),
+        ({"unknown_section": {}}, "unknown_section"),
+        ({"redis": {"url": "http://x"}}, "redis.url"),
+        ({"remotes": [{"name": "r"}]}, "remotes.0.model"),
+        ({"drain_timeout_s": -1}, "drain_timeout_s"),
+        ({"tls": {"cert_file": "/nope.pem", "key_file": "/nope.key"}}, "cert_file"),
+        ({"engines": [{"name": "a"}], "remotes": [{"name": "a", "model": "openai/x"}]}, "unique"),
+        ({"admission": {"redis_down_policy": "maybe"}}, "admission.redis_down_policy"),
+    ],
+)
 def test_invalid_fields_are_named(data: dict, named: str) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config(data)
@@ -39,14 +43,24 @@ def test_invalid_fields_are_named(data: dict, named: str) -> None:
 
 
 def test_a_full_config_parses(tmp_path: Path) -> None:
-    config = parse_config({
-        "listen": {"host": "0.0.0.0", "port": 8443},
-        "redis": {"url": "redis://localhost:6379/0", "data_dir": str(tmp_path)},
-        "engines": [{"name": "small", "model": "smollm2-135m", "replicas": 2,
-                     "args": ["--max-num-seqs", "64"]}],
-        "remotes": [{"name": "gpt", "model": "openai/gpt-4o-mini", "api_key_env": "OPENAI_KEY"}],
-        "drain_timeout_s": 10,
-    })
+    config = parse_config(
+        {
+            "listen": {"host": "0.0.0.0", "port": 8443},
+            "redis": {"url": "redis://localhost:6379/0", "data_dir": str(tmp_path)},
+            "engines": [
+                {
+                    "name": "small",
+                    "model": "smollm2-135m",
+                    "replicas": 2,
+                    "args": ["--max-num-seqs", "64"],
+                }
+            ],
+            "remotes": [
+                {"name": "gpt", "model": "openai/gpt-4o-mini", "api_key_env": "OPENAI_KEY"}
+            ],
+            "drain_timeout_s": 10,
+        }
+    )
     assert isinstance(config, GatewayConfig)
     assert config.engines[0].replicas == 2 and config.remotes[0].name == "gpt"
 
@@ -54,8 +68,13 @@ def test_a_full_config_parses(tmp_path: Path) -> None:
 def test_serve_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("engines:\n  - name: x\n    replicas: many\n")
-    proc = subprocess.run([sys.executable, "-m", "portico.cli", "serve", "-c", str(path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "serve", "-c", str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "engines.0.replicas" in proc.stderr
 
@@ -68,7 +87,12 @@ def test_the_example_config_is_valid() -> None:
 def test_serve_refuses_an_engine_model_that_is_not_installed(tmp_path: Path) -> None:
     path = tmp_path / "missing.yaml"
     path.write_text(f"engines:\n  - name: x\n    model: {tmp_path / 'no-such-model'}\n")
-    proc = subprocess.run([sys.executable, "-m", "portico.cli", "serve", "-c", str(path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "serve", "-c", str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "engines.0.model" in proc.stderr

@@ -11,28 +11,46 @@ from gateway.principal import Limits, Principal
 from gateway.routing import Router, RoutingPolicy
 from portico.errors import NotFoundError, PermissionDeniedError
 
-POLICY = RoutingPolicy.model_validate({
-    "aliases": {"fast": "small-model"},
-    "tiers": [
-        {"name": "small", "model": "small-model", "max_score": 1.0},
-        {"name": "medium", "model": "medium-model", "max_score": 3.0},
-        {"name": "large", "model": "remote-model"},
-    ],
-    "weights": {"prompt_tokens": 0.001, "max_tokens": 0.001, "turns": 0.1, "code_blocks": 1.0,
-                "tools": 1.0, "keywords": 1.0},
-    "keywords": ["prove", "step by step"],
-})
+POLICY = RoutingPolicy.model_validate(
+    {
+        "aliases": {"fast": "small-model"},
+        "tiers": [
+            {"name": "small", "model": "small-model", "max_score": 1.0},
+            {"name": "medium", "model": "medium-model", "max_score": 3.0},
+            {"name": "large", "model": "remote-model"},
+        ],
+        "weights": {
+            "prompt_tokens": 0.001,
+            "max_tokens": 0.001,
+            "turns": 0.1,
+            "code_blocks": 1.0,
+            "tools": 1.0,
+            "keywords": 1.0,
+        },
+        "keywords": ["prove", "step by step"],
+    }
+)
 MODELS = {"small-model", "medium-model", "remote-model"}
 
 
 def principal(allowed: set[str] | None = None) -> Principal:
-    return Principal(tenant_id="acme", plan="p", limits=Limits(),
-                     allowed_models=frozenset(allowed) if allowed is not None else None)
+    return Principal(
+        tenant_id="acme",
+        plan="p",
+        limits=Limits(),
+        allowed_models=frozenset(allowed) if allowed is not None else None,
+    )
 
 
 def chat(model: str, content: str, **extra: object):  # type: ignore[no-untyped-def]
-    body = {"model": model, "messages": [{"role": "system", "content": "be brief"},
-                                         {"role": "user", "content": content}], **extra}
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": content},
+        ],
+        **extra,
+    }
     return parse_fields(json.dumps(body).encode(), "chat")
 
 
@@ -55,8 +73,7 @@ def test_auto_code_and_keywords_climb_tiers() -> None:
     router = Router(POLICY, MODELS)
     code = "fix this:\n```python\nprint(1)\n```\n"
     assert router.route(chat("auto", code + "prove it"), principal()).tier == "medium"
-    d = router.route(chat("auto", code * 3 + "prove it step by step", max_tokens=2000),
-                     principal())
+    d = router.route(chat("auto", code * 3 + "prove it step by step", max_tokens=2000), principal())
     assert (d.tier, d.model) == ("large", "remote-model")
     f = router.features(chat("auto", code * 3 + "prove it step by step", max_tokens=2000))
     assert (f.code_blocks, f.keywords, f.max_tokens, f.turns) == (3, 2, 2000, 1)

@@ -18,11 +18,11 @@ from gateway.supervisor import EngineProcess, Supervisor
 
 def fake_process(tmp_path: Path, name: str) -> EngineProcess:
     uds = tmp_path / f"{name}.sock"
-    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
-                               base_url="http://engine")
+    client = httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=str(uds)), base_url="http://engine"
+    )
     argv = [sys.executable, "-m", "load.fake_upstream", "--uds", str(uds), "--model", name]
-    return EngineProcess(name, argv, Replica(name, client), socket_path=uds,
-                         startup_timeout_s=60)
+    return EngineProcess(name, argv, Replica(name, client), socket_path=uds, startup_timeout_s=60)
 
 
 async def wait_for(predicate, timeout: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
@@ -36,7 +36,8 @@ async def wait_for(predicate, timeout: float = 60.0) -> bool:  # type: ignore[no
 
 
 async def test_crashed_engine_is_restarted_and_marked_down_meanwhile(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="portico.engine")
     proc = fake_process(tmp_path, "e0")
     restarts: list[str] = []
@@ -61,13 +62,20 @@ async def test_crashed_engine_is_restarted_and_marked_down_meanwhile(
 
 
 async def test_backoff_doubles_up_to_the_cap_while_an_engine_keeps_failing(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="portico.gateway.supervisor")
     uds = tmp_path / "bad.sock"
-    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
-                               base_url="http://engine")
-    failing = EngineProcess("bad", [sys.executable, "-c", "raise SystemExit(3)"],
-                            Replica("bad", client), socket_path=uds, startup_timeout_s=30)
+    client = httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=str(uds)), base_url="http://engine"
+    )
+    failing = EngineProcess(
+        "bad",
+        [sys.executable, "-c", "raise SystemExit(3)"],
+        Replica("bad", client),
+        socket_path=uds,
+        startup_timeout_s=30,
+    )
     sup = Supervisor([failing], backoff_base_s=0.05, backoff_max_s=0.2)
     try:
         assert not await sup.start(ready_timeout=0.01)
@@ -76,6 +84,9 @@ async def test_backoff_doubles_up_to_the_cap_while_an_engine_keeps_failing(
     finally:
         await sup.stop(timeout_s=5)
         await client.aclose()
-    delays = [r.getMessage().rsplit(" in ", 1)[1] for r in caplog.records
-              if r.getMessage().startswith("engine bad exited; restart")]
+    delays = [
+        r.getMessage().rsplit(" in ", 1)[1]
+        for r in caplog.records
+        if r.getMessage().startswith("engine bad exited; restart")
+    ]
     assert delays[:4] == ["0.05 s", "0.10 s", "0.20 s", "0.20 s"]  # doubling, capped

@@ -29,12 +29,20 @@ def tls_gateway(module_tmp: Path, ca: trustme.CA, redis_server) -> Iterator[Gate
         blob.write_to_path(str(cert), append=True)
     server_cert.private_key_pem.write_to_path(str(key))
     ca.cert_pem.write_to_path(str(ca_file))
-    gw = GatewayProcess(module_tmp, {
-        "redis": {"url": redis_server.url},
-        "engines": [{"name": "fake", "command": fake_engine_command()}],
-        "tls": {"cert_file": str(cert), "key_file": str(key), "client_ca_file": str(ca_file),
-                "admin_requires_client_cert": True},
-    }, {})
+    gw = GatewayProcess(
+        module_tmp,
+        {
+            "redis": {"url": redis_server.url},
+            "engines": [{"name": "fake", "command": fake_engine_command()}],
+            "tls": {
+                "cert_file": str(cert),
+                "key_file": str(key),
+                "client_ca_file": str(ca_file),
+                "admin_requires_client_cert": True,
+            },
+        },
+        {},
+    )
     gw.start(timeout=120, verify=client_context(ca))
     yield gw
     assert gw.terminate() == 0, gw.log()
@@ -49,13 +57,19 @@ def client_context(ca: trustme.CA, with_cert: bool = False) -> ssl.SSLContext:
 
 
 def test_openai_client_talks_to_the_gateway_over_verified_tls(
-        tls_gateway: GatewayProcess, ca: trustme.CA) -> None:
+    tls_gateway: GatewayProcess, ca: trustme.CA
+) -> None:
     admin_ctx = client_context(ca, with_cert=True)
     _, key = tls_gateway.create_tenant("standard", verify=admin_ctx)
-    client = openai.OpenAI(base_url=tls_gateway.base_url + "/v1", api_key=key, max_retries=0,
-                           http_client=httpx.Client(verify=client_context(ca)))
+    client = openai.OpenAI(
+        base_url=tls_gateway.base_url + "/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=httpx.Client(verify=client_context(ca)),
+    )
     reply = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert reply.choices[0].message.content == " tok tok"
 
 
@@ -72,7 +86,8 @@ def test_old_tls_versions_are_refused(tls_gateway: GatewayProcess, ca: trustme.C
 
 
 def test_admin_api_requires_a_client_certificate(
-        tls_gateway: GatewayProcess, ca: trustme.CA) -> None:
+    tls_gateway: GatewayProcess, ca: trustme.CA
+) -> None:
     headers = {"authorization": f"Bearer {ADMIN_KEY}"}
     url = tls_gateway.base_url + "/admin/v1/tenants"
     without = httpx.get(url, headers=headers, verify=client_context(ca))
@@ -83,9 +98,13 @@ def test_admin_api_requires_a_client_certificate(
 
 
 def test_a_certificate_from_another_ca_fails_the_handshake(
-        tls_gateway: GatewayProcess, ca: trustme.CA) -> None:
+    tls_gateway: GatewayProcess, ca: trustme.CA
+) -> None:
     ctx = client_context(ca)
     trustme.CA().issue_cert("intruder@example.test").configure_cert(ctx)
     with pytest.raises(httpx.HTTPError):
-        httpx.get(tls_gateway.base_url + "/admin/v1/tenants", verify=ctx,
-                  headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        httpx.get(
+            tls_gateway.base_url + "/admin/v1/tenants",
+            verify=ctx,
+            headers={"authorization": f"Bearer {ADMIN_KEY}"},
+        )

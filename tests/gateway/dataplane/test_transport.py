@@ -22,8 +22,12 @@ from tests.gateway.dataplane.harness import REPO_ROOT, wait_until
 @pytest.fixture(scope="module")
 def fake_uds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("lean") / "fake.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "load.fake_upstream", "--uds", str(path)],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "load.fake_upstream", "--uds", str(path)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     assert wait_until(path.exists, timeout=30)
     yield str(path)
     proc.terminate()
@@ -31,8 +35,11 @@ def fake_uds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def lean_client(uds: str, read_timeout: float = 30.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=LeanTransport(uds=uds), base_url="http://engine",
-                             timeout=httpx.Timeout(read_timeout, connect=5.0))
+    return httpx.AsyncClient(
+        transport=LeanTransport(uds=uds),
+        base_url="http://engine",
+        timeout=httpx.Timeout(read_timeout, connect=5.0),
+    )
 
 
 async def test_keep_alive_reuses_one_connection(fake_uds: str) -> None:
@@ -48,17 +55,19 @@ async def test_keep_alive_reuses_one_connection(fake_uds: str) -> None:
 
         transport._connection = counting  # type: ignore[method-assign]
         for i in range(5):
-            r = await client.post("/v1/completions",
-                                  json={"model": "m", "prompt": "x", "max_tokens": i + 1})
+            r = await client.post(
+                "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": i + 1}
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == i + 1
         assert made == 1
 
 
 async def test_chunked_stream_arrives_in_pieces(fake_uds: str) -> None:
-    body = {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True,
-            "fake_chunk_delay_ms": 20}
-    async with lean_client(fake_uds) as client, client.stream(
-            "POST", "/v1/completions", json=body) as resp:
+    body = {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True, "fake_chunk_delay_ms": 20}
+    async with (
+        lean_client(fake_uds) as client,
+        client.stream("POST", "/v1/completions", json=body) as resp,
+    ):
         pieces = [p async for p in resp.aiter_raw()]
     assert len(pieces) >= 5
     assert b"".join(pieces).endswith(b"data: [DONE]\n\n")
@@ -68,8 +77,9 @@ async def test_chunked_stream_arrives_in_pieces(fake_uds: str) -> None:
 async def bad_server(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[str]]]:
     servers: list[asyncio.AbstractServer] = []
 
-    async def start(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
-                                      Awaitable[None]]) -> str:
+    async def start(
+        handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    ) -> str:
         path = str(tmp_path / f"bad{len(servers)}.sock")
         servers.append(await asyncio.start_unix_server(handler, path))
         return path
@@ -81,8 +91,14 @@ async def bad_server(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[st
 
 async def _read_request(reader: asyncio.StreamReader) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length")), 0)
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        ),
+        0,
+    )
     await reader.readexactly(length)
 
 

@@ -66,7 +66,8 @@ async def test_counts_survive_a_redis_outage_and_land_after_it(private_redis) ->
 
 
 async def test_the_background_loop_flushes_and_close_flushes_the_rest(
-        client: aioredis.Redis) -> None:
+    client: aioredis.Redis,
+) -> None:
     store = TenantStore(client, SECRET, load_plans())
     recorder = UsageRecorder(store, interval_s=0.05)
     recorder.start()

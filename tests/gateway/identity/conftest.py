@@ -67,8 +67,9 @@ def make_tenant(client: httpx.AsyncClient) -> Callable[..., Any]:
 @pytest.fixture
 def make_key(client: httpx.AsyncClient) -> Callable[..., Any]:
     async def make(tenant_id: str, **fields: Any) -> dict[str, Any]:
-        resp = await client.post(f"/admin/v1/tenants/{tenant_id}/keys", json=fields,
-                                 headers=admin_headers())
+        resp = await client.post(
+            f"/admin/v1/tenants/{tenant_id}/keys", json=fields, headers=admin_headers()
+        )
         assert resp.status_code == 201, resp.text
         return resp.json()
 

@@ -30,9 +30,14 @@ def build_app(authenticator: Authenticator) -> FastAPI:
     async def whoami(authorization: str | None = Header(default=None)) -> dict[str, Any]:
         p = await authenticator.resolve(authorization)
         return {
-            "tenant_id": p.tenant_id, "key_id": p.key_id, "subject": p.subject, "plan": p.plan,
+            "tenant_id": p.tenant_id,
+            "key_id": p.key_id,
+            "subject": p.subject,
+            "plan": p.plan,
             "allowed_models": sorted(p.allowed_models) if p.allowed_models is not None else None,
-            "scopes": sorted(p.scopes), "is_admin": p.is_admin, "cache_salt": p.cache_salt,
+            "scopes": sorted(p.scopes),
+            "is_admin": p.is_admin,
+            "cache_salt": p.cache_salt,
             "limits": vars(p.limits),
             "key_limits": vars(p.key_limits) if p.key_limits else None,
             "model_limits": {m: vars(lim) for m, lim in p.model_limits.items()},

@@ -24,8 +24,9 @@ async def test_tenant_crud_roundtrip(client: httpx.AsyncClient, make_tenant) -> 
     got = (await client.get("/admin/v1/tenants/acme", headers=A)).json()
     assert got["name"] == "Acme"
 
-    resp = await client.patch("/admin/v1/tenants/acme", headers=A,
-                              json={"name": "Acme Corp", "plan": "enterprise"})
+    resp = await client.patch(
+        "/admin/v1/tenants/acme", headers=A, json={"name": "Acme Corp", "plan": "enterprise"}
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["name"] == "Acme Corp" and resp.json()["plan"] == "enterprise"
 
@@ -50,8 +51,9 @@ async def test_duplicate_tenant_is_409(client: httpx.AsyncClient, make_tenant) -
 
 
 async def test_unknown_plan_is_400_naming_plan(client: httpx.AsyncClient, make_tenant) -> None:
-    resp = await client.post("/admin/v1/tenants", headers=A,
-                             json={"id": "acme", "name": "x", "plan": "platinum"})
+    resp = await client.post(
+        "/admin/v1/tenants", headers=A, json={"id": "acme", "name": "x", "plan": "platinum"}
+    )
     assert assert_openai_error(resp, 400)["param"] == "plan"
     await make_tenant("acme")
     resp = await client.patch("/admin/v1/tenants/acme", headers=A, json={"plan": "platinum"})
@@ -103,8 +105,10 @@ async def test_rotate_issues_new_secret_and_revokes_old(
     assert_openai_error(await client.get("/v1/whoami", headers=bearer(old["key"])), 401)
     me = (await client.get("/v1/whoami", headers=bearer(new["key"]))).json()
     assert me["key_id"] == new["id"]
-    listed = {k["id"]: k for k in
-              (await client.get("/admin/v1/tenants/acme/keys", headers=A)).json()["data"]}
+    listed = {
+        k["id"]: k
+        for k in (await client.get("/admin/v1/tenants/acme/keys", headers=A)).json()["data"]
+    }
     assert listed[old["id"]]["status"] == "revoked"
     assert listed[old["id"]]["replaced_by"] == new["id"]
     # A revoked key cannot be rotated again.
@@ -117,8 +121,9 @@ async def test_rotate_with_grace_keeps_old_key_working(
 ) -> None:
     await make_tenant("acme")
     old = await make_key("acme")
-    resp = await client.post(f"/admin/v1/tenants/acme/keys/{old['id']}/rotate", headers=A,
-                             json={"grace_seconds": 3600})
+    resp = await client.post(
+        f"/admin/v1/tenants/acme/keys/{old['id']}/rotate", headers=A, json={"grace_seconds": 3600}
+    )
     new = resp.json()
     assert (await client.get("/v1/whoami", headers=bearer(old["key"]))).status_code == 200
     assert (await client.get("/v1/whoami", headers=bearer(new["key"]))).status_code == 200
@@ -131,39 +136,58 @@ async def test_quota_overrides_reach_the_principal(
 ) -> None:
     await make_tenant("acme", plan="free")
     key = await make_key("acme", limits={"requests_per_minute": 5, "max_concurrency": 1})
-    resp = await client.patch("/admin/v1/tenants/acme", headers=A, json={
-        "overrides": {"requests_per_minute": 100, "tokens_per_minute": 5000,
-                      "max_concurrency": 3, "monthly_token_budget": 42},
-        "allowed_models": ["smollm2-135m", "gpt-4o-mini"],
-        "model_limits": {"gpt-4o-mini": {"requests_per_minute": 7}},
-    })
+    resp = await client.patch(
+        "/admin/v1/tenants/acme",
+        headers=A,
+        json={
+            "overrides": {
+                "requests_per_minute": 100,
+                "tokens_per_minute": 5000,
+                "max_concurrency": 3,
+                "monthly_token_budget": 42,
+            },
+            "allowed_models": ["smollm2-135m", "gpt-4o-mini"],
+            "model_limits": {"gpt-4o-mini": {"requests_per_minute": 7}},
+        },
+    )
     assert resp.status_code == 200, resp.text
     eff = resp.json()["effective"]
     assert eff["limits"]["requests_per_minute"] == 100
     assert eff["limits"]["max_tokens_default"] == 512  # untouched: the free plan's number
     me = (await client.get("/v1/whoami", headers=bearer(key["key"]))).json()
-    assert me["limits"] == {"requests_per_minute": 100, "tokens_per_minute": 5000,
-                            "max_concurrency": 3, "monthly_token_budget": 42,
-                            "max_tokens_default": 512}
+    assert me["limits"] == {
+        "requests_per_minute": 100,
+        "tokens_per_minute": 5000,
+        "max_concurrency": 3,
+        "monthly_token_budget": 42,
+        "max_tokens_default": 512,
+    }
     assert me["key_limits"]["requests_per_minute"] == 5
     assert me["key_limits"]["max_concurrency"] == 1
     assert me["allowed_models"] == ["gpt-4o-mini", "smollm2-135m"]
-    assert me["model_limits"] == {"gpt-4o-mini": {
-        "requests_per_minute": 7, "tokens_per_minute": None, "max_concurrency": None,
-        "monthly_token_budget": None, "max_tokens_default": None}}
+    assert me["model_limits"] == {
+        "gpt-4o-mini": {
+            "requests_per_minute": 7,
+            "tokens_per_minute": None,
+            "max_concurrency": None,
+            "monthly_token_budget": None,
+            "max_tokens_default": None,
+        }
+    }
 
     # null clears one override; allowed_models null inherits the plan's list again.
-    resp = await client.patch("/admin/v1/tenants/acme", headers=A, json={
-        "overrides": {"requests_per_minute": None}, "allowed_models": None})
+    resp = await client.patch(
+        "/admin/v1/tenants/acme",
+        headers=A,
+        json={"overrides": {"requests_per_minute": None}, "allowed_models": None},
+    )
     me = (await client.get("/v1/whoami", headers=bearer(key["key"]))).json()
     assert me["limits"]["requests_per_minute"] == 20  # the free plan's
     assert me["limits"]["tokens_per_minute"] == 5000
     assert me["allowed_models"] == ["smollm2"]
 
 
-async def test_disabled_tenant_is_refused(
-    client: httpx.AsyncClient, make_tenant, make_key
-) -> None:
+async def test_disabled_tenant_is_refused(client: httpx.AsyncClient, make_tenant, make_key) -> None:
     await make_tenant("acme")
     key = await make_key("acme")
     await client.patch("/admin/v1/tenants/acme", headers=A, json={"disabled": True})
@@ -184,9 +208,7 @@ async def test_deleting_a_tenant_kills_its_keys(
     assert (await client.get("/admin/v1/tenants/acme/keys", headers=A)).json()["data"] == []
 
 
-async def test_usage_per_model_per_day(
-    client: httpx.AsyncClient, identity, make_tenant
-) -> None:
+async def test_usage_per_model_per_day(client: httpx.AsyncClient, identity, make_tenant) -> None:
     await make_tenant("acme")
     await make_tenant("other")
     store = identity.store
@@ -197,22 +219,29 @@ async def test_usage_per_model_per_day(
     resp = await client.get("/admin/v1/tenants/acme/usage", headers=A)
     assert resp.status_code == 200, resp.text
     usage = resp.json()
-    assert usage["totals"] == {"requests": 3, "prompt_tokens": 33, "completion_tokens": 13,
-                               "total_tokens": 46}
+    assert usage["totals"] == {
+        "requests": 3,
+        "prompt_tokens": 33,
+        "completion_tokens": 13,
+        "total_tokens": 46,
+    }
     assert usage["models"]["smollm2-135m"]["requests"] == 2
     assert usage["models"]["gpt-4o-mini"]["prompt_tokens"] == 3
     assert len(usage["days"]) == 1 and usage["days"][0]["requests"] == 3
     ttl = await identity.redis.ttl(f"portico:usage:acme:{usage['days'][0]['date']}")
     assert ttl > 300 * 86400
 
-    resp = await client.get("/admin/v1/tenants/acme/usage?start=2020-01-01&end=2020-01-31",
-                            headers=A)
+    resp = await client.get(
+        "/admin/v1/tenants/acme/usage?start=2020-01-01&end=2020-01-31", headers=A
+    )
     assert resp.json()["days"] == [] and resp.json()["totals"]["requests"] == 0
-    bad = await client.get("/admin/v1/tenants/acme/usage?start=2020-02-01&end=2020-01-01",
-                           headers=A)
+    bad = await client.get(
+        "/admin/v1/tenants/acme/usage?start=2020-02-01&end=2020-01-01", headers=A
+    )
     assert_openai_error(bad, 400)
-    bad = await client.get("/admin/v1/tenants/acme/usage?start=2020-01-01&end=2022-01-01",
-                           headers=A)
+    bad = await client.get(
+        "/admin/v1/tenants/acme/usage?start=2020-01-01&end=2022-01-01", headers=A
+    )
     assert_openai_error(bad, 400)
     assert_openai_error(await client.get("/admin/v1/tenants/nope/usage", headers=A), 404)
 

@@ -19,8 +19,7 @@ BODY_ENDPOINTS = [
     ("POST", "/admin/v1/tenants", {"id": "x", "name": 5}, {"id": "x", "name": "x", "colour": 1}),
     ("PATCH", "/admin/v1/tenants/acme", {"disabled": "yes"}, {"nmae": "typo"}),
     ("POST", "/admin/v1/tenants/acme/keys", {"expires_in_seconds": "60"}, {"scope": ["x"]}),
-    ("POST", "/admin/v1/tenants/acme/keys/{key}/rotate", {"grace_seconds": 1.5},
-     {"grace": 10}),
+    ("POST", "/admin/v1/tenants/acme/keys/{key}/rotate", {"grace_seconds": 1.5}, {"grace": 10}),
 ]
 
 
@@ -43,8 +42,13 @@ async def _snapshot(identity) -> dict[bytes, bytes]:
 
 @pytest.mark.parametrize("method,path,wrong_type,unknown_field", BODY_ENDPOINTS)
 async def test_bad_bodies_are_400_and_change_nothing(
-    client: httpx.AsyncClient, identity, acme_key: str, method: str, path: str,
-    wrong_type: dict, unknown_field: dict,
+    client: httpx.AsyncClient,
+    identity,
+    acme_key: str,
+    method: str,
+    path: str,
+    wrong_type: dict,
+    unknown_field: dict,
 ) -> None:
     path = path.format(key=acme_key)
     before = await _snapshot(identity)
@@ -67,15 +71,18 @@ async def test_bad_bodies_are_400_and_change_nothing(
     assert await _snapshot(identity) == before
 
 
-@pytest.mark.parametrize("field,value", [
-    ("overrides", {"requests_per_minute": -1}),
-    ("overrides", {"tokens_per_minute": True}),
-    ("allowed_models", "smollm2-135m"),
-    ("allowed_models", ["has space"]),
-    ("share_prefix_cache", 1),
-    ("id", "Upper Case"),
-    ("name", ""),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("overrides", {"requests_per_minute": -1}),
+        ("overrides", {"tokens_per_minute": True}),
+        ("allowed_models", "smollm2-135m"),
+        ("allowed_models", ["has space"]),
+        ("share_prefix_cache", 1),
+        ("id", "Upper Case"),
+        ("name", ""),
+    ],
+)
 async def test_invalid_tenant_fields_are_400_naming_the_field(
     client: httpx.AsyncClient, field: str, value: object
 ) -> None:
@@ -84,10 +91,16 @@ async def test_invalid_tenant_fields_are_400_naming_the_field(
     assert err["param"].split(".")[0] == field
 
 
-@pytest.mark.parametrize("body", [
-    {"expires_in_seconds": 0}, {"scopes": "inference"}, {"scopes": ["Bad Scope"]},
-    {"limits": {"requests_per_minute": "5"}}, {"name": ""},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"expires_in_seconds": 0},
+        {"scopes": "inference"},
+        {"scopes": ["Bad Scope"]},
+        {"limits": {"requests_per_minute": "5"}},
+        {"name": ""},
+    ],
+)
 async def test_invalid_key_fields_are_400(
     client: httpx.AsyncClient, acme_key: str, body: dict
 ) -> None:
@@ -95,17 +108,20 @@ async def test_invalid_key_fields_are_400(
     assert_openai_error(resp, 400)
 
 
-@pytest.mark.parametrize("method,path,body", [
-    ("GET", "/admin/v1/tenants/nope", None),
-    ("PATCH", "/admin/v1/tenants/nope", {"name": "x"}),
-    ("DELETE", "/admin/v1/tenants/nope", None),
-    ("POST", "/admin/v1/tenants/nope/keys", {}),
-    ("GET", "/admin/v1/tenants/nope/keys", None),
-    ("GET", "/admin/v1/tenants/nope/usage", None),
-    ("GET", f"/admin/v1/tenants/acme/keys/{KEY_ID}", None),
-    ("POST", f"/admin/v1/tenants/acme/keys/{KEY_ID}/revoke", None),
-    ("POST", f"/admin/v1/tenants/acme/keys/{KEY_ID}/rotate", None),
-])
+@pytest.mark.parametrize(
+    "method,path,body",
+    [
+        ("GET", "/admin/v1/tenants/nope", None),
+        ("PATCH", "/admin/v1/tenants/nope", {"name": "x"}),
+        ("DELETE", "/admin/v1/tenants/nope", None),
+        ("POST", "/admin/v1/tenants/nope/keys", {}),
+        ("GET", "/admin/v1/tenants/nope/keys", None),
+        ("GET", "/admin/v1/tenants/nope/usage", None),
+        ("GET", f"/admin/v1/tenants/acme/keys/{KEY_ID}", None),
+        ("POST", f"/admin/v1/tenants/acme/keys/{KEY_ID}/revoke", None),
+        ("POST", f"/admin/v1/tenants/acme/keys/{KEY_ID}/rotate", None),
+    ],
+)
 async def test_unknown_tenant_or_key_is_404(
     client: httpx.AsyncClient, acme_key: str, method: str, path: str, body: dict | None
 ) -> None:
@@ -113,12 +129,15 @@ async def test_unknown_tenant_or_key_is_404(
     assert_openai_error(resp, 404)
 
 
-@pytest.mark.parametrize("method,path", [
-    ("POST", "/admin/v1/tenants"),
-    ("PATCH", "/admin/v1/tenants/acme"),
-    ("POST", "/admin/v1/tenants/acme/keys"),
-    ("POST", "/admin/v1/tenants/acme/keys/{key}/rotate"),
-])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("POST", "/admin/v1/tenants"),
+        ("PATCH", "/admin/v1/tenants/acme"),
+        ("POST", "/admin/v1/tenants/acme/keys"),
+        ("POST", "/admin/v1/tenants/acme/keys/{key}/rotate"),
+    ],
+)
 async def test_oversized_body_is_413(
     client: httpx.AsyncClient, identity, acme_key: str, method: str, path: str
 ) -> None:
@@ -132,8 +151,7 @@ async def test_oversized_body_is_413(
         for _ in range(MAX_BODY_BYTES // 1024 + 2):
             yield b" " * 1024
 
-    resp = await client.request(method, path.format(key=acme_key), headers=JSON_A,
-                                content=chunks())
+    resp = await client.request(method, path.format(key=acme_key), headers=JSON_A, content=chunks())
     assert_openai_error(resp, 413)
     assert await _snapshot(identity) == before
 

@@ -40,8 +40,9 @@ EC_KEY = ec.generate_private_key(ec.SECP256R1())
 
 
 def _public_pem(key: Any) -> bytes:
-    return key.public_key().public_bytes(serialization.Encoding.PEM,
-                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
 
 
 def _jwk(key: Any, kid: str, alg: str) -> dict[str, Any]:
@@ -60,14 +61,25 @@ class FakeClock:
 
 def claims(**overrides: Any) -> dict[str, Any]:
     now = int(time.time())
-    body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "tenant": "acme",
-            "iat": now, "exp": now + 600, "scope": "inference models:read"}
+    body = {
+        "iss": ISSUER,
+        "aud": AUDIENCE,
+        "sub": "alice",
+        "tenant": "acme",
+        "iat": now,
+        "exp": now + 600,
+        "scope": "inference models:read",
+    }
     body.update(overrides)
     return {k: v for k, v in body.items() if v is not None}
 
 
-def sign(body: dict[str, Any], key: Any = RSA_KEY, alg: str = "RS256",
-         headers: dict[str, Any] | None = None) -> str:
+def sign(
+    body: dict[str, Any],
+    key: Any = RSA_KEY,
+    alg: str = "RS256",
+    headers: dict[str, Any] | None = None,
+) -> str:
     return jwt.encode(body, key, algorithm=alg, headers=headers)
 
 
@@ -105,8 +117,9 @@ class JWKSServer:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/.well-known/jwks.json"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
     def start(self) -> None:
         self.thread.start()
@@ -139,8 +152,11 @@ def pem_file(tmp_path: Path) -> Path:
 
 async def _identity(redis_url: str, tmp_path: Path, jwt_settings: JWTSettings) -> Identity:
     env = {"PORTICO_ADMIN_KEY": "adm-" + "k" * 40, "PORTICO_JWT_HMAC_SECRET": HMAC_SECRET}
-    ident = await open_identity(StoreSettings(url=redis_url, data_dir=tmp_path / "data"),
-                                AuthSettings(jwt=jwt_settings), env)
+    ident = await open_identity(
+        StoreSettings(url=redis_url, data_dir=tmp_path / "data"),
+        AuthSettings(jwt=jwt_settings),
+        env,
+    )
     from gateway.tenants import TenantCreate, TenantPatch
 
     await ident.store.create_tenant(TenantCreate(id="acme", name="Acme", plan="standard"))
@@ -155,11 +171,16 @@ async def make_client(redis_url: str, tmp_path: Path) -> AsyncIterator[Callable[
     opened: list[tuple[Identity, httpx.AsyncClient]] = []
 
     async def make(**settings: Any) -> httpx.AsyncClient:
-        base = {"issuer": ISSUER, "audience": [AUDIENCE], "max_lifetime_seconds": 3600,
-                "leeway_seconds": 5}
+        base = {
+            "issuer": ISSUER,
+            "audience": [AUDIENCE],
+            "max_lifetime_seconds": 3600,
+            "leeway_seconds": 5,
+        }
         ident = await _identity(redis_url, tmp_path, JWTSettings(**{**base, **settings}))
-        c = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ident.authenticator)),
-                              base_url="http://gw")
+        c = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=build_app(ident.authenticator)), base_url="http://gw"
+        )
         c.identity = ident  # type: ignore[attr-defined]
         opened.append((ident, c))
         return c
@@ -178,8 +199,9 @@ async def pem_client(make_client, pem_file: Path) -> httpx.AsyncClient:
 @pytest.fixture
 async def jwks_client(make_client, jwks_server: JWKSServer) -> httpx.AsyncClient:
     jwks_server.jwks = {"keys": [_jwk(RSA_KEY, "k1", "RS256"), _jwk(EC_KEY, "e1", "ES256")]}
-    return await make_client(algorithms=["RS256", "ES256"], jwks_url=jwks_server.url,
-                             jwks_refresh_cooldown_seconds=3600)
+    return await make_client(
+        algorithms=["RS256", "ES256"], jwks_url=jwks_server.url, jwks_refresh_cooldown_seconds=3600
+    )
 
 
 async def test_valid_tokens_resolve_the_tenant(pem_client: httpx.AsyncClient) -> None:
@@ -205,8 +227,9 @@ ATTACKS: dict[str, Callable[[], str]] = {
     "missing_aud": lambda: sign(claims(aud=None)),
     "lifetime_above_cap": lambda: sign(claims(exp=int(time.time()) + 7200)),
     "crit_header": lambda: sign(claims(), headers={"crit": ["exp"], "exp": 1}),
-    "crit_unknown_extension": lambda: sign(claims(), headers={"crit": ["x-portico"],
-                                                              "x-portico": 1}),
+    "crit_unknown_extension": lambda: sign(
+        claims(), headers={"crit": ["x-portico"], "x-portico": 1}
+    ),
     "tampered_payload": lambda: _tamper(sign(claims())),
     "signed_by_another_key": lambda: sign(claims(), RSA_KEY_2),
     "alg_not_configured": lambda: sign(claims(), RSA_KEY, "RS512"),
@@ -255,17 +278,18 @@ async def test_admin_role_token_opens_the_admin_api(pem_client: httpx.AsyncClien
     resp = await pem_client.get("/admin/v1/tenants", headers=bearer(admin))
     assert resp.status_code == 200, resp.text
     assert {t["id"] for t in resp.json()["data"]} == {"acme", "off"}
-    resp = await pem_client.post("/admin/v1/tenants", headers=bearer(admin),
-                                 json={"id": "new", "name": "New"})
+    resp = await pem_client.post(
+        "/admin/v1/tenants", headers=bearer(admin), json={"id": "new", "name": "New"}
+    )
     assert resp.status_code == 201
     # Without the role a valid tenant token is 403 at /admin.
     user = sign(claims(roles=["reader"]))
-    err = assert_openai_error(await pem_client.get("/admin/v1/tenants", headers=bearer(user)),
-                              403)
+    err = assert_openai_error(await pem_client.get("/admin/v1/tenants", headers=bearer(user)), 403)
     assert err["type"] == "permission_error"
     # An expired admin token is 401.
-    expired = sign(claims(roles=["portico:admin"], iat=int(time.time()) - 1200,
-                          exp=int(time.time()) - 600))
+    expired = sign(
+        claims(roles=["portico:admin"], iat=int(time.time()) - 1200, exp=int(time.time()) - 600)
+    )
     assert_openai_error(await pem_client.get("/admin/v1/tenants", headers=bearer(expired)), 401)
 
 
@@ -279,8 +303,9 @@ async def test_jwks_selects_keys_by_kid(
     assert jwks_client.identity.authenticator.jwt.jwks.num_fetches == 1
 
 
-@pytest.mark.parametrize("case", ["unknown_kid", "missing_kid", "kid_of_other_family",
-                                  "kid_declares_other_alg"])
+@pytest.mark.parametrize(
+    "case", ["unknown_kid", "missing_kid", "kid_of_other_family", "kid_declares_other_alg"]
+)
 async def test_jwks_attacks_are_401(
     jwks_client: httpx.AsyncClient, jwks_server: JWKSServer, case: str
 ) -> None:
@@ -309,8 +334,9 @@ async def test_unknown_kids_do_not_hammer_the_idp(
 async def test_unknown_kid_refreshes_at_most_once_per_cooldown(jwks_server: JWKSServer) -> None:
     jwks_server.jwks = {"keys": [_jwk(RSA_KEY, "k1", "RS256")]}
     clock = FakeClock(0.0)
-    cache = JWKSCache(jwks_server.url, cache_seconds=300, cooldown_seconds=30,
-                      timeout_seconds=5, clock=clock)
+    cache = JWKSCache(
+        jwks_server.url, cache_seconds=300, cooldown_seconds=30, timeout_seconds=5, clock=clock
+    )
     try:
         assert await cache.get("k1") is not None and cache.num_fetches == 1
         for _ in range(5):
@@ -334,8 +360,9 @@ async def test_key_rotation_at_the_idp_is_picked_up_by_kid(
     make_client, jwks_server: JWKSServer
 ) -> None:
     jwks_server.jwks = {"keys": [_jwk(RSA_KEY, "k1", "RS256")]}
-    c = await make_client(algorithms=["RS256"], jwks_url=jwks_server.url,
-                          jwks_refresh_cooldown_seconds=0)
+    c = await make_client(
+        algorithms=["RS256"], jwks_url=jwks_server.url, jwks_refresh_cooldown_seconds=0
+    )
     old = sign(claims(), RSA_KEY, headers={"kid": "k1"})
     assert (await c.get("/v1/whoami", headers=bearer(old))).status_code == 200
     jwks_server.jwks = {"keys": [_jwk(RSA_KEY_2, "k2", "RS256")]}
@@ -346,29 +373,36 @@ async def test_key_rotation_at_the_idp_is_picked_up_by_kid(
 
 
 async def test_unreachable_jwks_refuses_cleanly(make_client, jwks_server: JWKSServer) -> None:
-    c = await make_client(algorithms=["RS256"], jwks_url="http://127.0.0.1:9/jwks.json",
-                          jwks_timeout_seconds=2)
+    c = await make_client(
+        algorithms=["RS256"], jwks_url="http://127.0.0.1:9/jwks.json", jwks_timeout_seconds=2
+    )
     token = sign(claims(), RSA_KEY, headers={"kid": "k1"})
     assert_openai_error(await c.get("/v1/whoami", headers=bearer(token)), 401)
 
 
-@pytest.mark.parametrize("bad", [
-    {"algorithms": ["none"]},
-    {"algorithms": []},
-    {"algorithms": ["RS256"]},                      # no key source
-    {"algorithms": ["RS256"], "jwks_url": "file:///etc/passwd"},
-    {"audience": []},
-    {"algorithms": ["HS256"], "leeway_seconds": -1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"algorithms": ["none"]},
+        {"algorithms": []},
+        {"algorithms": ["RS256"]},  # no key source
+        {"algorithms": ["RS256"], "jwks_url": "file:///etc/passwd"},
+        {"audience": []},
+        {"algorithms": ["HS256"], "leeway_seconds": -1},
+    ],
+)
 def test_bad_jwt_settings_are_rejected(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         JWTSettings(**{"issuer": ISSUER, "audience": [AUDIENCE], **bad})
 
 
 async def test_short_hmac_secret_is_refused(redis_url: str, tmp_path: Path) -> None:
-    settings = AuthSettings(jwt=JWTSettings(issuer=ISSUER, audience=[AUDIENCE],
-                                            algorithms=["HS256"]))
+    settings = AuthSettings(
+        jwt=JWTSettings(issuer=ISSUER, audience=[AUDIENCE], algorithms=["HS256"])
+    )
     with pytest.raises(ValueError, match="at least"):
-        await open_identity(StoreSettings(url=redis_url, data_dir=tmp_path),
-                            settings, {"PORTICO_JWT_HMAC_SECRET": "short"})
-
+        await open_identity(
+            StoreSettings(url=redis_url, data_dir=tmp_path),
+            settings,
+            {"PORTICO_JWT_HMAC_SECRET": "short"},
+        )

@@ -63,8 +63,10 @@ async def test_secret_never_appears_after_creation(
     created = await client.post("/admin/v1/tenants/acme/keys", headers=A, json={"name": "k"})
     secret = created.json()["key"]
     rotated = await client.post(
-        f"/admin/v1/tenants/acme/keys/{created.json()['id']}/rotate", headers=A,
-        json={"grace_seconds": 60})
+        f"/admin/v1/tenants/acme/keys/{created.json()['id']}/rotate",
+        headers=A,
+        json={"grace_seconds": 60},
+    )
     new_secret = rotated.json()["key"]
     secrets_ = [secret, new_secret]
 
@@ -74,19 +76,20 @@ async def test_secret_never_appears_after_creation(
     later.append(await client.get("/v1/whoami", headers={"Authorization": secret}))
     later.append(await client.get("/admin/v1/tenants", headers=bearer(secret)))
     later.append(await client.get("/admin/v1/tenants/acme/keys", headers=A))
-    later.append(await client.get(f"/admin/v1/tenants/acme/keys/{created.json()['id']}",
-                                  headers=A))
+    later.append(await client.get(f"/admin/v1/tenants/acme/keys/{created.json()['id']}", headers=A))
     later.append(await client.get("/admin/v1/tenants/acme", headers=A))
     later.append(await client.get("/admin/v1/tenants/acme/usage", headers=A))
-    later.append(await client.post(f"/admin/v1/tenants/acme/keys/{rotated.json()['id']}/revoke",
-                                   headers=A))
+    later.append(
+        await client.post(f"/admin/v1/tenants/acme/keys/{rotated.json()['id']}/revoke", headers=A)
+    )
     later.append(await client.get("/v1/whoami", headers=bearer(new_secret)))
     later.append(await client.get("/openapi.json"))
     assert later[0].status_code == 200 and later[1].status_code == 401
 
     metrics = prometheus_client.generate_latest().decode()
     redis_dump = b"".join(
-        [k + (await identity.redis.dump(k) or b"") for k in await identity.redis.keys("*")])
+        [k + (await identity.redis.dump(k) or b"") for k in await identity.redis.keys("*")]
+    )
     for s in secrets_:
         for resp in later:
             assert s not in resp.text and s not in str(resp.headers)
@@ -125,13 +128,16 @@ async def test_admin_api_refuses_missing_and_wrong_credentials(
     client: httpx.AsyncClient,
 ) -> None:
     assert_openai_error(await client.get("/admin/v1/tenants"), 401)
-    assert_openai_error(await client.get("/admin/v1/tenants", headers={"Authorization": "Basic x"}),
-                        401)
-    assert_openai_error(await client.get("/admin/v1/tenants",
-                                         headers={"Authorization": f"Token {ADMIN_KEY}"}), 401)
+    assert_openai_error(
+        await client.get("/admin/v1/tenants", headers={"Authorization": "Basic x"}), 401
+    )
+    assert_openai_error(
+        await client.get("/admin/v1/tenants", headers={"Authorization": f"Token {ADMIN_KEY}"}), 401
+    )
     # Unauthenticated garbage gets 401, not a validation error that would reveal the schema.
-    resp = await client.post("/admin/v1/tenants", content=b"{not json",
-                             headers={"Content-Type": "application/json"})
+    resp = await client.post(
+        "/admin/v1/tenants", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert_openai_error(resp, 401)
 
 
@@ -146,8 +152,12 @@ async def test_data_plane_keys_never_reach_admin(
     before = {k: await identity.redis.dump(k) for k in await identity.redis.keys("portico:*")}
 
     for method, path, body in ADMIN_ROUTES:
-        resp = await client.request(method, path.format(victim_key=victim_key["id"]),
-                                    headers=bearer(attacker_key), json=body)
+        resp = await client.request(
+            method,
+            path.format(victim_key=victim_key["id"]),
+            headers=bearer(attacker_key),
+            json=body,
+        )
         err = assert_openai_error(resp, 403)
         assert err["type"] == "permission_error", path
     after = {k: await identity.redis.dump(k) for k in await identity.redis.keys("portico:*")}
@@ -164,8 +174,9 @@ async def test_admin_cannot_cross_tenants_by_path(
     b_key = await make_key("b")
     for action in ("", "/revoke", "/rotate"):
         method = "GET" if not action else "POST"
-        resp = await client.request(method, f"/admin/v1/tenants/a/keys/{b_key['id']}{action}",
-                                    headers=A)
+        resp = await client.request(
+            method, f"/admin/v1/tenants/a/keys/{b_key['id']}{action}", headers=A
+        )
         assert_openai_error(resp, 404)
     assert (await client.get("/admin/v1/tenants/a/keys", headers=A)).json()["data"] == []
     me = await client.get("/v1/whoami", headers=bearer(b_key["key"]))
@@ -269,8 +280,16 @@ async def test_key_of_a_disabled_tenant_is_refused_after_ttl_on_other_replica(
 
 
 async def test_malformed_authorization_headers(client: httpx.AsyncClient) -> None:
-    for header in ("", "Bearer", "Bearer ", "bearer  sk-", "sk-abc", "Bearer a b",
-                   "Bearer " + "x" * 9000, "Bearer sk-" + "\u00e9" * 10):
+    for header in (
+        "",
+        "Bearer",
+        "Bearer ",
+        "bearer  sk-",
+        "sk-abc",
+        "Bearer a b",
+        "Bearer " + "x" * 9000,
+        "Bearer sk-" + "\u00e9" * 10,
+    ):
         resp = await client.get("/v1/whoami", headers={"Authorization": header.encode()})
         assert_openai_error(resp, 401)
     assert_openai_error(await client.get("/v1/whoami"), 401)
@@ -304,13 +323,13 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
 
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(build_admin_router(identity.store, identity.authenticator,
-                                          before_auth=limit))
+    app.include_router(
+        build_admin_router(identity.store, identity.authenticator, before_auth=limit)
+    )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         for _ in range(3):
-            assert_openai_error(await c.get("/admin/v1/tenants", headers=bearer("guess" * 4)),
-                                401)
+            assert_openai_error(await c.get("/admin/v1/tenants", headers=bearer("guess" * 4)), 401)
         assert_openai_error(await c.get("/admin/v1/tenants", headers=A), 429)
     assert len(seen) == 4
 
@@ -321,9 +340,11 @@ async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None
     from gateway.auth import AuthSettings, open_identity
     from gateway.store import StoreSettings
 
-    ident = await open_identity(StoreSettings(url=private_redis.url, data_dir=tmp_path),
-                                AuthSettings(key_cache_ttl_seconds=0),
-                                {"PORTICO_ADMIN_KEY": ADMIN_KEY})
+    ident = await open_identity(
+        StoreSettings(url=private_redis.url, data_dir=tmp_path),
+        AuthSettings(key_cache_ttl_seconds=0),
+        {"PORTICO_ADMIN_KEY": ADMIN_KEY},
+    )
     try:
         transport = httpx.ASGITransport(app=build_app(ident.authenticator))
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:

@@ -36,8 +36,9 @@ class Gateway:
 
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            ident = await open_identity(StoreSettings(data_dir=data_dir), AuthSettings(),
-                                        {"PORTICO_ADMIN_KEY": ADMIN_KEY})
+            ident = await open_identity(
+                StoreSettings(data_dir=data_dir), AuthSettings(), {"PORTICO_ADMIN_KEY": ADMIN_KEY}
+            )
             self.identity = ident
             # The app's middleware stack is already built: mount the test app whole.
             app.router.routes.append(Mount("/", app=build_app(ident.authenticator)))
@@ -46,8 +47,9 @@ class Gateway:
 
         app = FastAPI(lifespan=lifespan)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **tls))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
     def start(self) -> None:
         self.thread.start()
@@ -78,12 +80,15 @@ def keys(gw: Gateway, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[i
 
 
 def test_cli_manages_tenants_and_keys(
-    gateway: Gateway, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    gateway: Gateway,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
     monkeypatch.setenv("PORTICO_ADMIN_KEY", ADMIN_KEY)
-    code, out, _ = keys(gateway, capsys, "tenants", "create", "acme", "--plan", "standard",
-                        "--rpm", "99")
+    code, out, _ = keys(
+        gateway, capsys, "tenants", "create", "acme", "--plan", "standard", "--rpm", "99"
+    )
     assert code == 0 and json.loads(out)["effective"]["limits"]["requests_per_minute"] == 99
     code, out, _ = keys(gateway, capsys, "tenants", "list")
     assert [t["id"] for t in json.loads(out)["data"]] == ["acme"]
@@ -104,14 +109,16 @@ def test_cli_manages_tenants_and_keys(
     assert code == 0 and rotated["key"] != secret
     code, out, _ = keys(gateway, capsys, "revoke", "acme", rotated["id"])
     assert code == 0 and json.loads(out)["status"] == "revoked"
-    who = httpx.get(f"{gateway.url}/v1/whoami",
-                    headers={"Authorization": f"Bearer {rotated['key']}"})
+    who = httpx.get(
+        f"{gateway.url}/v1/whoami", headers={"Authorization": f"Bearer {rotated['key']}"}
+    )
     assert who.status_code == 401
 
     code, out, _ = keys(gateway, capsys, "tenants", "update", "acme", "--disable")
     assert code == 0 and json.loads(out)["disabled"] is True
-    code, out, _ = keys(gateway, capsys, "usage", "acme", "--start", "2020-01-01",
-                        "--end", "2020-01-02")
+    code, out, _ = keys(
+        gateway, capsys, "usage", "acme", "--start", "2020-01-01", "--end", "2020-01-02"
+    )
     assert code == 0 and json.loads(out)["totals"]["requests"] == 0
     code, out, _ = keys(gateway, capsys, "plans")
     assert code == 0 and json.loads(out)["default"] == "free"
@@ -120,11 +127,13 @@ def test_cli_manages_tenants_and_keys(
     monkeypatch.delenv("PORTICO_ADMIN_KEY")
     key_file = tmp_path / "admin.key"
     key_file.write_text(ADMIN_KEY + "\n")
-    code, out, _ = keys(gateway, capsys, "--admin-key-file", str(key_file), "tenants", "show",
-                        "acme")
+    code, out, _ = keys(
+        gateway, capsys, "--admin-key-file", str(key_file), "tenants", "show", "acme"
+    )
     assert code == 0 and json.loads(out)["id"] == "acme"
-    code, out, _ = keys(gateway, capsys, "--admin-key-file", str(key_file), "tenants",
-                        "delete", "acme")
+    code, out, _ = keys(
+        gateway, capsys, "--admin-key-file", str(key_file), "tenants", "delete", "acme"
+    )
     assert code == 0 and out == ""
 
 
@@ -138,8 +147,9 @@ def test_cli_reports_errors(
     assert code == 1 and "401" in err and "wrong-admin-key-123" not in err
     code, _, err = keys(gateway, capsys, "--admin-key", ADMIN_KEY, "list", "nobody")
     assert code == 1 and "404" in err
-    code, _, err = keys(gateway, capsys, "--admin-key", ADMIN_KEY, "tenants", "create", "x",
-                        "--plan", "platinum")
+    code, _, err = keys(
+        gateway, capsys, "--admin-key", ADMIN_KEY, "tenants", "create", "x", "--plan", "platinum"
+    )
     assert code == 1 and "Unknown plan" in err
     # A path-like id stays one path segment (404), never another admin route.
     code, _, err = keys(gateway, capsys, "--admin-key", ADMIN_KEY, "list", "../../plans")
@@ -163,8 +173,12 @@ def test_cli_over_tls_with_a_client_certificate(
     ca.cert_pem.write_to_path(str(ca_file))
     server_cert.private_key_and_cert_chain_pem.write_to_path(str(server_pem))
     client_cert.private_key_and_cert_chain_pem.write_to_path(str(client_pem))
-    gw = Gateway(tmp_path / "data", ssl_certfile=str(server_pem), ssl_ca_certs=str(ca_file),
-                 ssl_cert_reqs=ssl.CERT_REQUIRED)
+    gw = Gateway(
+        tmp_path / "data",
+        ssl_certfile=str(server_pem),
+        ssl_ca_certs=str(ca_file),
+        ssl_cert_reqs=ssl.CERT_REQUIRED,
+    )
     gw.start()
     try:
         base = ["--admin-key", ADMIN_KEY, "--ca-file", str(ca_file)]

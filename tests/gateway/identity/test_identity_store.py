@@ -75,13 +75,16 @@ def test_packaged_plans_load_with_default_first() -> None:
     assert plans["enterprise"].monthly_token_budget is None
 
 
-@pytest.mark.parametrize("text,match", [
-    ("plans: {free: {requests_per_minute: fast}}", "requests_per_minute"),
-    ("plans: {free: {rpm: 5}}", "rpm"),
-    ("plans: {}", "no plans"),
-    ("default_plan: gold\nplans: {free: {}}", "gold"),
-    ("plans: [", "invalid plans file"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("plans: {free: {requests_per_minute: fast}}", "requests_per_minute"),
+        ("plans: {free: {rpm: 5}}", "rpm"),
+        ("plans: {}", "no plans"),
+        ("default_plan: gold\nplans: {free: {}}", "gold"),
+        ("plans: [", "invalid plans file"),
+    ],
+)
 def test_bad_plans_files_name_the_problem(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "plans.yaml"
     path.write_text(text)
@@ -97,8 +100,10 @@ def test_key_hash_secret_sources(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600 and len(generated) == 64
     assert load_key_hash_secret(settings, tmp_path, {}) == generated  # reused, not regenerated
     env_secret = "e" * 40
-    assert load_key_hash_secret(settings, tmp_path, {"PORTICO_KEY_HASH_SECRET": env_secret}) \
+    assert (
+        load_key_hash_secret(settings, tmp_path, {"PORTICO_KEY_HASH_SECRET": env_secret})
         == env_secret.encode()
+    )
     file = tmp_path / "mine"
     file.write_text("f" * 40 + "\n")
     from_file = AuthSettings(key_hash_secret_file=file)
@@ -112,8 +117,7 @@ def test_admin_key_sources(tmp_path: Path) -> None:
     assert load_admin_key(AuthSettings(), {"PORTICO_ADMIN_KEY": "a" * 20}) == "a" * 20
     file = tmp_path / "admin"
     file.write_text("b" * 20 + "\n")
-    assert load_admin_key(AuthSettings(admin_key_file=file), {"PORTICO_ADMIN_KEY": "x"}) \
-        == "b" * 20
+    assert load_admin_key(AuthSettings(admin_key_file=file), {"PORTICO_ADMIN_KEY": "x"}) == "b" * 20
     with pytest.raises(ValueError, match="at least 16"):
         load_admin_key(AuthSettings(), {"PORTICO_ADMIN_KEY": "short"})
     with pytest.raises(ValueError):
@@ -130,13 +134,19 @@ async def store(redis_url: str) -> TenantStore:
 async def test_concurrent_patches_lose_no_update(store: TenantStore) -> None:
     await store.create_tenant(TenantCreate(id="acme", name="Acme"))
     models = [f"model-{i}" for i in range(20)]
-    await asyncio.gather(*[
-        store.update_tenant("acme", TenantPatch(model_limits={m: LimitsSpec(
-            requests_per_minute=i)})) for i, m in enumerate(models)])
+    await asyncio.gather(
+        *[
+            store.update_tenant(
+                "acme", TenantPatch(model_limits={m: LimitsSpec(requests_per_minute=i)})
+            )
+            for i, m in enumerate(models)
+        ]
+    )
     tenant = await store.get_tenant("acme")
     assert tenant is not None
-    assert {m: s.requests_per_minute for m, s in tenant.model_limits.items()} == \
-        {m: i for i, m in enumerate(models)}
+    assert {m: s.requests_per_minute for m, s in tenant.model_limits.items()} == {
+        m: i for i, m in enumerate(models)
+    }
 
 
 async def test_concurrent_usage_is_counted_exactly(store: TenantStore) -> None:
@@ -211,30 +221,55 @@ async def test_orphan_key_never_serves_a_recreated_tenant(store: TenantStore) ->
 
 
 _counts = st.one_of(st.none(), st.integers(min_value=0, max_value=10**9))
-_limits = st.builds(LimitsSpec, requests_per_minute=_counts, tokens_per_minute=_counts,
-                    max_concurrency=_counts, monthly_token_budget=_counts,
-                    max_tokens_default=_counts)
+_limits = st.builds(
+    LimitsSpec,
+    requests_per_minute=_counts,
+    tokens_per_minute=_counts,
+    max_concurrency=_counts,
+    monthly_token_budget=_counts,
+    max_tokens_default=_counts,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(plan_limits=_limits, overrides=_limits, key_limits=st.one_of(st.none(), _limits),
-       plan_models=st.one_of(st.none(), st.lists(st.sampled_from("abc"), unique=True)),
-       tenant_models=st.one_of(st.none(), st.lists(st.sampled_from("abc"), unique=True)),
-       plan_shares=st.booleans(), tenant_shares=st.one_of(st.none(), st.booleans()))
+@given(
+    plan_limits=_limits,
+    overrides=_limits,
+    key_limits=st.one_of(st.none(), _limits),
+    plan_models=st.one_of(st.none(), st.lists(st.sampled_from("abc"), unique=True)),
+    tenant_models=st.one_of(st.none(), st.lists(st.sampled_from("abc"), unique=True)),
+    plan_shares=st.booleans(),
+    tenant_shares=st.one_of(st.none(), st.booleans()),
+)
 def test_principal_merges_plan_and_tenant(
-    plan_limits: LimitsSpec, overrides: LimitsSpec, key_limits: LimitsSpec | None,
-    plan_models: list[str] | None, tenant_models: list[str] | None, plan_shares: bool,
+    plan_limits: LimitsSpec,
+    overrides: LimitsSpec,
+    key_limits: LimitsSpec | None,
+    plan_models: list[str] | None,
+    tenant_models: list[str] | None,
+    plan_shares: bool,
     tenant_shares: bool | None,
 ) -> None:
     """Every tenant override wins over the plan, every unset one inherits it; the tenant's
     model list and sharing flag replace the plan's when set."""
-    plan = Plan(**plan_limits.model_dump(), name="p", allowed_models=plan_models,
-                share_prefix_cache=plan_shares)
+    plan = Plan(
+        **plan_limits.model_dump(),
+        name="p",
+        allowed_models=plan_models,
+        share_prefix_cache=plan_shares,
+    )
     store = TenantStore(aioredis.Redis(), SECRET, {"p": plan})
-    tenant = Tenant(id="t", name="T", plan="p", overrides=overrides,
-                    allowed_models=tenant_models, share_prefix_cache=tenant_shares)
-    key = ApiKey(id="key-1", tenant_id="t", display="sk-...x", digest="d", created=0,
-                 limits=key_limits)
+    tenant = Tenant(
+        id="t",
+        name="T",
+        plan="p",
+        overrides=overrides,
+        allowed_models=tenant_models,
+        share_prefix_cache=tenant_shares,
+    )
+    key = ApiKey(
+        id="key-1", tenant_id="t", display="sk-...x", digest="d", created=0, limits=key_limits
+    )
     p = store.principal_for(tenant, key)
     for field in LimitsSpec.model_fields:
         override = getattr(overrides, field)
