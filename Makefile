@@ -40,7 +40,7 @@ test-fast: dev
 
 lint: dev
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check . || true
+	$(VENV)/bin/ruff format --check .
 
 typecheck: dev
 	$(VENV)/bin/mypy gateway engine portico
