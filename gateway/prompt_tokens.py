@@ -23,7 +23,7 @@ def load_tokenizer(model: str) -> Any | None:
     try:
         from transformers import AutoTokenizer
 
-        from engine import registry
+        from portico import registry
 
         source = registry.resolve(model)
         if source.format == "gguf":
