@@ -14,9 +14,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.admission import AdmissionSettings
-from gateway.auth import AuthSettings
-from gateway.remote import RemoteSpec
+from gateway.admission.admission import AdmissionSettings
+from gateway.dataplane.remote import RemoteSpec
+from gateway.identity.auth import AuthSettings
 from gateway.store import StoreSettings
 
 PACKAGED_POLICIES = Path(__file__).resolve().parent.parent / "policies"

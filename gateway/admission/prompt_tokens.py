@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.fields import RequestFields, prompt_text
+from gateway.dataplane.fields import RequestFields, prompt_text
 
 log = logging.getLogger("portico.gateway.tokens")
 
