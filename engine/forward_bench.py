@@ -25,7 +25,7 @@ from engine.model_loader import (
     choose_dtype,
     load_model,
 )
-from engine.registry import resolve
+from portico.registry import resolve
 
 
 def measure_decode(

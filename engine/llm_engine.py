@@ -20,12 +20,12 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
 from engine.model_runner import ModelRunner, num_kv_blocks
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from engine.registry import resolve
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from portico.registry import resolve
 
 __all__ = [
     "CompletionOutput",

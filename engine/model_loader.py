@@ -31,7 +31,7 @@ from engine.kernels import cpu
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.llama import LlamaForCausalLM
-from engine.registry import ModelNotFound, ModelSource, models_dir
+from portico.registry import ModelNotFound, ModelSource, models_dir
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def load_model(
 
     ``quantization`` (:func:`resolve_quantization`): with ``gguf`` the linear layers also keep
     the file's Q4_1/Q8_0 blocks and small batches run on them (:mod:`engine.models.block_linear`).
-    Raises :class:`~engine.registry.ModelNotFound` (a ``ValueError``) naming the model when its
+    Raises :class:`~portico.registry.ModelNotFound` (a ``ValueError``) naming the model when its
     files are missing, and ``ValueError`` for an unsupported architecture.
     """
     path = Path(source.path)

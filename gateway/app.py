@@ -22,29 +22,39 @@ from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
-from gateway.abuse import AbuseGuard
-from gateway.admin import build_admin_router
-from gateway.admission import Admission, InsufficientQuotaError, LimitExceededError, Ticket
-from gateway.auth import Identity, open_identity
+from gateway.admission.abuse import AbuseGuard
+from gateway.admission.admission import (
+    Admission,
+    InsufficientQuotaError,
+    LimitExceededError,
+    Ticket,
+)
+from gateway.admission.limiter import RedisLimiter
+from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
+from gateway.admission.redis_pipe import RedisPipe
+from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
-from gateway.engine_metrics import scrape_engines
-from gateway.fields import parse_fields
-from gateway.hot_routes import GatewayApp, HotRoutes
-from gateway.limiter import RedisLimiter
+from gateway.dataplane.engine_metrics import scrape_engines
+from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
+from gateway.dataplane.pool import Pool, Replica
+from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, upstream_body
+from gateway.dataplane.remote import RemoteUpstream
+from gateway.dataplane.request_context import (
+    CTX_KEY,
+    InFlight,
+    RequestContext,
+    RequestContextMiddleware,
+)
+from gateway.dataplane.retry import RetryPolicy, load_retry_policy
+from gateway.dataplane.routing import Router, load_routing_policy
+from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
+from gateway.dataplane.transport import LeanTransport
+from gateway.identity.admin import build_admin_router
+from gateway.identity.auth import Identity, open_identity
+from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
-from gateway.pool import Pool, Replica
-from gateway.principal import Principal
-from gateway.prompt_tokens import PromptCounter, load_tokenizer
-from gateway.proxy import Exchange, LocalUpstream, RelayResponse, upstream_body
-from gateway.redis_pipe import RedisPipe
-from gateway.remote import RemoteUpstream
-from gateway.request_context import CTX_KEY, InFlight, RequestContext, RequestContextMiddleware
-from gateway.retry import RetryPolicy, load_retry_policy
-from gateway.routing import Router, load_routing_policy
-from gateway.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.tls import AdminClientCertGuard
-from gateway.transport import LeanTransport
-from gateway.usage_recorder import UsageRecorder
 from portico.errors import (
     AuthenticationError,
     BodySizeLimitMiddleware,

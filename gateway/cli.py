@@ -65,7 +65,7 @@ def _print_first_start(key_file: Path, base: str) -> None:
 
 def _missing_models(config: object) -> list[str]:
     """``engines.N.model: ...`` for every engine model that is not on this machine."""
-    from engine import registry
+    from portico import registry
 
     missing = []
     for i, spec in enumerate(config.engines):  # type: ignore[attr-defined]

@@ -14,9 +14,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.admission import AdmissionSettings
-from gateway.auth import AuthSettings
-from gateway.remote import RemoteSpec
+from gateway.admission.admission import AdmissionSettings
+from gateway.dataplane.remote import RemoteSpec
+from gateway.identity.auth import AuthSettings
 from gateway.store import StoreSettings
 
 PACKAGED_POLICIES = Path(__file__).resolve().parent.parent / "policies"
@@ -69,7 +69,7 @@ class EngineSpec(_Strict):
     """
 
     name: str = Field(default=DEFAULT_MODEL_NAME, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
-    model: str = DEFAULT_MODEL_SPEC  # alias, HF folder or .gguf path (engine.registry)
+    model: str = DEFAULT_MODEL_SPEC  # alias, HF folder or .gguf path (portico.registry)
     replicas: int = Field(default=1, ge=1, le=64)
     args: list[str] = []  # extra engine flags: ["--max-num-seqs", "64", ...]
     command: list[str] | None = None

@@ -28,9 +28,9 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from gateway.admission import Admission, AdmissionSettings
-from gateway.limiter import LocalLimiter
-from gateway.principal import Limits, Principal
+from gateway.admission.admission import Admission, AdmissionSettings
+from gateway.admission.limiter import LocalLimiter
+from gateway.identity.principal import Limits, Principal
 
 BIG = 10**12
 

@@ -34,8 +34,8 @@ from engine.kernels import cpu as cpu_kernels
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import choose_device, choose_dtype, load_model
-from engine.registry import ModelSource, resolve
 from engine.sampling_params import SamplingParams
+from portico.registry import ModelSource, resolve
 
 TARGET_SPEEDUP = 3.0
 TARGET_SINGLE_STREAM = 50.0

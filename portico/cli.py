@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli", "run the gateway (and the engines it supervises)"),
     "engine": ("engine.server.cli", "serve one model behind an OpenAI-compatible API"),
     "models": ("portico.models_cli", "fetch and list local models"),
-    "keys": ("gateway.keys_cli", "manage tenants and API keys through the admin API"),
+    "keys": ("gateway.identity.keys_cli", "manage tenants and API keys through the admin API"),
     "bench": ("load.cli", "benchmarks: serving throughput/latency and gateway overhead"),
 }
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import registry
-from portico import cli
+from portico import cli, registry
 
 
 def test_help_lists_only_subcommands_that_exist(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,7 @@ TINY_LLAMA_CONFIG = {
 
 
 def default_model_gguf() -> Path | None:
-    from engine import registry
+    from portico import registry
 
     try:
         return registry.resolve(registry.DEFAULT_MODEL).path

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     # A supervisor may stop us while the model loads: that is a clean stop, not a crash.
     signal.signal(signal.SIGTERM, _stop_while_loading)
     from engine.config import EngineConfig
-    from engine.registry import ModelNotFound, resolve
+    from portico.registry import ModelNotFound, resolve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -47,8 +47,8 @@ def engine_registry() -> CollectorRegistry:
 def gateway_registry() -> CollectorRegistry:
     import redis.asyncio
 
-    from gateway.abuse import AbuseGuard, AbuseSettings
-    from gateway.admission import Admission, AdmissionSettings
+    from gateway.admission.abuse import AbuseGuard, AbuseSettings
+    from gateway.admission.admission import Admission, AdmissionSettings
     from gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()

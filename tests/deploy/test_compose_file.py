@@ -231,7 +231,7 @@ def test_the_files_the_image_copies_build_a_complete_wheel(tmp_path: Path) -> No
     assert {
         "portico/cli.py",
         "gateway/app.py",
-        "gateway/limiter.lua",
+        "gateway/admission/limiter.lua",
         "engine/server/cli.py",
         "policies/plans.yaml",
         "policies/routing.yaml",

@@ -15,8 +15,8 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
-from engine.registry import ModelSource
 from engine.sampling_params import ParameterError, SamplingParams
+from portico.registry import ModelSource
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 

@@ -19,8 +19,8 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
-from engine.registry import ModelSource
 from engine.sampling_params import SamplingParams
+from portico.registry import ModelSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -18,7 +18,7 @@ from engine.attention import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel, load_model
 from engine.models.rotary import rope_inv_freq
-from engine.registry import resolve
+from portico.registry import resolve
 
 BLOCK_SIZE = 4
 # Request lengths (prompt + decoded tokens) and the steps: (request, new tokens), decodes first.

@@ -10,7 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.model_loader import LoadedModel, _unpermute_qk, choose_device, choose_dtype, load_model
-from engine.registry import ModelNotFound, ModelSource, resolve
+from portico.registry import ModelNotFound, ModelSource, resolve
 
 PROMPTS = [
     "The capital of France is",

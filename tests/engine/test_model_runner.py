@@ -16,10 +16,10 @@ import torch
 from engine.config import EngineConfig
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block, num_kv_blocks
-from engine.registry import resolve
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from portico.registry import resolve
 
 BLOCK_SIZE = 4
 

@@ -12,8 +12,8 @@ import sys
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from gateway.admission import Admission, AdmissionSettings, LimitExceededError
-from gateway.principal import Limits, Principal
+from gateway.admission.admission import Admission, AdmissionSettings, LimitExceededError
+from gateway.identity.principal import Limits, Principal
 
 CONCURRENCY = 8
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from gateway.limiter import Limiter, LocalLimiter, RedisLimiter
-from gateway.principal import Limits, Principal
-from gateway.redis_pipe import RedisPipe
+from gateway.admission.limiter import Limiter, LocalLimiter, RedisLimiter
+from gateway.admission.redis_pipe import RedisPipe
+from gateway.identity.principal import Limits, Principal
 
 # A stopped Redis is found at once whatever these are (its socket is gone); they only bound
 # how long a test can hang, and must not fire on a merely loaded machine.

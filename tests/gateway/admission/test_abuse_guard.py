@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from gateway.abuse import AbuseGuard, AbuseSettings, limits_storage_uri
+from gateway.admission.abuse import AbuseGuard, AbuseSettings, limits_storage_uri
 from portico.errors import RateLimitError, install_error_handlers
 
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from gateway.admission import (
+from gateway.admission.admission import (
     Admission,
     AdmissionSettings,
     InsufficientQuotaError,
@@ -20,8 +20,8 @@ from gateway.admission import (
     format_duration,
     utc_month,
 )
-from gateway.limiter import LUA_SOURCE
-from gateway.principal import Limits, Principal
+from gateway.admission.limiter import LUA_SOURCE
+from gateway.identity.principal import Limits, Principal
 from portico.errors import RateLimitError, ServiceUnavailableError
 
 MakePrincipal = Callable[..., Principal]

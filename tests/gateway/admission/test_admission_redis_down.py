@@ -10,14 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from gateway.admission import (
+from gateway.admission.admission import (
     Admission,
     AdmissionSettings,
     InsufficientQuotaError,
     LimitExceededError,
     Ticket,
 )
-from gateway.principal import Principal
+from gateway.identity.principal import Principal
 from portico.errors import ServiceUnavailableError
 
 MakePrincipal = Callable[..., Principal]

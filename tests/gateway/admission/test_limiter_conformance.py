@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from gateway.limiter import BucketSet, Limiter
+from gateway.admission.limiter import BucketSet, Limiter
 
 LEASE_US = 600 * 1_000_000
 _ids = itertools.count()

@@ -13,7 +13,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.limiter import BucketSet, LocalLimiter, RedisLimiter
+from gateway.admission.limiter import BucketSet, LocalLimiter, RedisLimiter
 
 _run_ids = itertools.count()
 SLOT_IDS = ("a", "b", "c")

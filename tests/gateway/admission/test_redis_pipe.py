@@ -16,10 +16,10 @@ import redis.exceptions
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from gateway.admission import Admission, AdmissionSettings, failure_kind
-from gateway.limiter import BucketSet, RedisLimiter
-from gateway.principal import Principal
-from gateway.redis_pipe import RedisPipe, encode_command, script_sha
+from gateway.admission.admission import Admission, AdmissionSettings, failure_kind
+from gateway.admission.limiter import BucketSet, RedisLimiter
+from gateway.admission.redis_pipe import RedisPipe, encode_command, script_sha
+from gateway.identity.principal import Principal
 from tests.conftest import redis_server_binary
 
 BUSY_REDIS_LUA = """

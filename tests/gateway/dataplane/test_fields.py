@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.fields import parse_fields
-from gateway.proxy import Usage, _take_usage, upstream_body
+from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.proxy import Usage, _take_usage, upstream_body
 from portico.errors import InvalidRequestError
 
 

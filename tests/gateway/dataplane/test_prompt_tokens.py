@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.fields import parse_fields
-from gateway.prompt_tokens import PromptCounter, load_tokenizer
+from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
+from gateway.dataplane.fields import parse_fields
 
 
 def test_counts_match_the_tokenizer_with_the_chat_template(tiny_llama_dir: Path) -> None:

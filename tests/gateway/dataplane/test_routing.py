@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway.fields import parse_fields
-from gateway.principal import Limits, Principal
-from gateway.routing import Router, RoutingPolicy
+from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.routing import Router, RoutingPolicy
+from gateway.identity.principal import Limits, Principal
 from portico.errors import NotFoundError, PermissionDeniedError
 
 POLICY = RoutingPolicy.model_validate(

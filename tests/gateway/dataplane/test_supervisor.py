@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.pool import Replica
-from gateway.supervisor import EngineProcess, Supervisor
+from gateway.dataplane.pool import Replica
+from gateway.dataplane.supervisor import EngineProcess, Supervisor
 
 
 def fake_process(tmp_path: Path, name: str) -> EngineProcess:

@@ -10,8 +10,8 @@ from datetime import datetime, timezone
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.tenants import TenantStore, load_plans
-from gateway.usage_recorder import UsageRecorder
+from gateway.admission.usage_recorder import UsageRecorder
+from gateway.identity.tenants import TenantStore, load_plans
 
 SECRET = b"s" * 32
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from identity_app import ADMIN_KEY, admin_headers, build_app
 
-from gateway.auth import AuthSettings, Identity, open_identity
+from gateway.identity.auth import AuthSettings, Identity, open_identity
 from gateway.store import StoreSettings
 
 

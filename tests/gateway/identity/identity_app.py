@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Header
 
-from gateway.admin import build_admin_router
-from gateway.auth import Authenticator
+from gateway.identity.admin import build_admin_router
+from gateway.identity.auth import Authenticator
 from portico.errors import BodySizeLimitMiddleware, install_error_handlers
 
 ADMIN_KEY = "adm-" + "k" * 40

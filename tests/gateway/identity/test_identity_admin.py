@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 from identity_app import admin_headers, assert_openai_error, bearer, build_app
 
-from gateway.auth import AuthSettings, open_identity
+from gateway.identity.auth import AuthSettings, open_identity
 from gateway.store import StoreSettings
 
 A = admin_headers()

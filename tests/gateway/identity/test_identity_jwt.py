@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.auth import AuthSettings, Identity, open_identity
-from gateway.jwt_auth import JWKSCache, JWTSettings
+from gateway.identity.auth import AuthSettings, Identity, open_identity
+from gateway.identity.jwt_auth import JWKSCache, JWTSettings
 from gateway.store import StoreSettings
 
 ISSUER = "https://idp.example"
@@ -157,7 +157,7 @@ async def _identity(redis_url: str, tmp_path: Path, jwt_settings: JWTSettings) -
         AuthSettings(jwt=jwt_settings),
         env,
     )
-    from gateway.tenants import TenantCreate, TenantPatch
+    from gateway.identity.tenants import TenantCreate, TenantPatch
 
     await ident.store.create_tenant(TenantCreate(id="acme", name="Acme", plan="standard"))
     await ident.store.create_tenant(TenantCreate(id="off", name="Off"))

@@ -12,8 +12,8 @@ import prometheus_client
 import pytest
 from identity_app import ADMIN_KEY, admin_headers, assert_openai_error, bearer, build_app
 
-from gateway.auth import Authenticator
-from gateway.tenants import KeyCreate, TenantCreate
+from gateway.identity.auth import Authenticator
+from gateway.identity.tenants import KeyCreate, TenantCreate
 from portico.errors import AuthenticationError, PermissionDeniedError
 
 A = admin_headers()
@@ -271,7 +271,7 @@ async def test_key_of_a_disabled_tenant_is_refused_after_ttl_on_other_replica(
     clock = FakeClock(0.0)
     other = Authenticator(store, cache_ttl_seconds=2.0, clock=clock)
     await other.resolve(f"Bearer {secret}")
-    from gateway.tenants import TenantPatch
+    from gateway.identity.tenants import TenantPatch
 
     await store.update_tenant("acme", TenantPatch(disabled=True))
     clock.now = 2.5
@@ -311,7 +311,7 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
     """The per-address admin limit (the dataplane's abuse guard) must see failed guesses."""
     from fastapi import FastAPI, Request
 
-    from gateway.admin import build_admin_router
+    from gateway.identity.admin import build_admin_router
     from portico.errors import RateLimitError, install_error_handlers
 
     seen: list[str] = []
@@ -337,7 +337,7 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
 async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None:
     """With Redis down a credential cannot be checked: 503 (never a 500, never a pass), on the
     data plane and on the admin API; when Redis is back, the same key works again."""
-    from gateway.auth import AuthSettings, open_identity
+    from gateway.identity.auth import AuthSettings, open_identity
     from gateway.store import StoreSettings
 
     ident = await open_identity(

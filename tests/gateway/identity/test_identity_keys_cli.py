@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from identity_app import ADMIN_KEY, build_app
 from starlette.routing import Mount
 
-from gateway.auth import AuthSettings, open_identity
+from gateway.identity.auth import AuthSettings, open_identity
 from gateway.store import StoreSettings
 from portico.cli import main
 

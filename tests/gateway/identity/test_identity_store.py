@@ -13,9 +13,8 @@ import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import AuthSettings, load_admin_key, load_key_hash_secret
-from gateway.store import StoreSettings, close_redis, open_redis
-from gateway.tenants import (
+from gateway.identity.auth import AuthSettings, load_admin_key, load_key_hash_secret
+from gateway.identity.tenants import (
     ApiKey,
     KeyCreate,
     LimitsSpec,
@@ -26,6 +25,7 @@ from gateway.tenants import (
     TenantStore,
     load_plans,
 )
+from gateway.store import StoreSettings, close_redis, open_redis
 from portico.errors import PermissionDeniedError
 
 SECRET = b"s" * 32
@@ -205,7 +205,7 @@ def test_no_generated_secret_is_world_readable(tmp_path: Path) -> None:
 async def test_orphan_key_never_serves_a_recreated_tenant(store: TenantStore) -> None:
     """A key that outlived its tenant (a create_key racing a delete) stays dead when the id
     is reused: keys are bound to the tenant's per-creation uid."""
-    from gateway.auth import Authenticator
+    from gateway.identity.auth import Authenticator
     from portico.errors import AuthenticationError
 
     await store.create_tenant(TenantCreate(id="acme", name="Acme"))

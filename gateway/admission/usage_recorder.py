@@ -16,7 +16,7 @@ import logging
 import time
 from datetime import datetime, timedelta, timezone
 
-from gateway.tenants import TenantStore, usage_fields
+from gateway.identity.tenants import TenantStore, usage_fields
 
 log = logging.getLogger("portico.gateway.usage")
 

@@ -22,8 +22,8 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
-from gateway.auth import Authenticator
-from gateway.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
+from gateway.identity.auth import Authenticator
+from gateway.identity.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
 from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)

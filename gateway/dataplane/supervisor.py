@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.pool import Replica
+from gateway.dataplane.pool import Replica
 
 log = logging.getLogger("portico.gateway.supervisor")
 engine_log = logging.getLogger("portico.engine")

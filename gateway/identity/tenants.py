@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from redis.exceptions import WatchError
 
-from gateway.principal import Limits, Principal
+from gateway.identity.principal import Limits, Principal
 from portico.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
 
 PREFIX = "portico:"
@@ -56,7 +56,7 @@ def usage_fields(
     return out
 
 
-DEFAULT_PLANS_FILE = Path(__file__).resolve().parent.parent / "policies" / "plans.yaml"
+DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
 
 TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
@@ -591,7 +591,8 @@ class TenantStore:
 
         The fields are those of :func:`usage_fields` (``requests``, ``prompt_tokens``,
         ``completion_tokens`` and their ``<model>|<counter>`` twins), so a batch of many
-        requests (see ``gateway/usage_recorder.py``) lands exactly as they would one by one.
+        requests (see ``gateway/admission/usage_recorder.py``) lands exactly as they would one
+        by one.
         """
         pipe = self.redis.pipeline(transaction=False)
         for (tenant_id, day), fields in counts.items():

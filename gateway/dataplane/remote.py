@@ -3,8 +3,8 @@
 A remote tier answers in OpenAI's shape like a local pool does, so the rest of the gateway
 cannot tell them apart: ``RemoteUpstream.exchange`` has the same signature and the same retry
 rule (connect errors, timeouts, 429/502/503/504, only before the first byte) as
-:class:`gateway.proxy.LocalUpstream`. ``litellm`` is imported when the first remote upstream
-is built, with its model-price map taken from the package (it must not reach the network).
+:class:`gateway.dataplane.proxy.LocalUpstream`. ``litellm`` is imported when the first remote
+upstream is built, with its model-price map taken from the package (it must not reach the network).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import httpx
 import openai
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.fields import RequestFields
+from gateway.dataplane.fields import RequestFields
+from gateway.dataplane.proxy import DONE_EVENT, Exchange, Usage, _dumps, error_event
+from gateway.dataplane.retry import RetryPolicy
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import DONE_EVENT, Exchange, Usage, _dumps, error_event
-from gateway.retry import RetryPolicy
 from portico.errors import error_body, status_error_type
 
 log = logging.getLogger("portico.gateway.remote")

@@ -27,10 +27,10 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
-from gateway.jwt_auth import JWTSettings, JWTVerifier
-from gateway.principal import Limits, Principal
+from gateway.identity.jwt_auth import JWTSettings, JWTVerifier
+from gateway.identity.principal import Limits, Principal
+from gateway.identity.tenants import Tenant, TenantStore, load_plans
 from gateway.store import EmbeddedRedis, StoreSettings, close_redis, open_redis
-from gateway.tenants import Tenant, TenantStore, load_plans
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 
 __all__ = [

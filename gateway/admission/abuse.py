@@ -1,7 +1,7 @@
 """Per-address limits against brute force: unauthenticated requests, failed logins, admin API.
 
-Tenant limits (:mod:`gateway.admission`) need a principal; these do not. They count per client
-address with slowapi's :class:`~slowapi.Limiter` (the ``limits`` library underneath, moving
+Tenant limits (:mod:`gateway.admission.admission`) need a principal; these do not. They count per
+client address with slowapi's :class:`~slowapi.Limiter` (the ``limits`` library underneath, moving
 window) in the same Redis the gateway uses, so every replica sees the same counts.
 """
 

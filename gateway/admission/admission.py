@@ -1,10 +1,10 @@
 """Admission: which buckets a request touches, what it reserves, and what the client is told.
 
-The policy half of rate limiting (the mechanism is :mod:`gateway.limiter`). For one request it
-builds the bucket set (tenant, key and model scopes; requests/min, tokens/min, concurrency,
-monthly budget), reserves tokens (exact prompt tokens + max_tokens, or a capped default),
-turns a refusal into a 429 in OpenAI's shape with an exact ``retry-after``, and writes OpenAI's
-``x-ratelimit-*`` headers. When Redis is unreachable it applies the configured policy and
+The policy half of rate limiting (the mechanism is :mod:`gateway.admission.limiter`). For one
+request it builds the bucket set (tenant, key and model scopes; requests/min, tokens/min,
+concurrency, monthly budget), reserves tokens (exact prompt tokens + max_tokens, or a capped
+default), turns a refusal into a 429 in OpenAI's shape with an exact ``retry-after``, and writes
+OpenAI's ``x-ratelimit-*`` headers. When Redis is unreachable it applies the configured policy and
 probes Redis in the background until it answers again.
 
 The dataplane calls, per request::
@@ -33,9 +33,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 
-from gateway.abuse import AbuseSettings
-from gateway.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
-from gateway.principal import Limits, Principal
+from gateway.admission.abuse import AbuseSettings
+from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
+from gateway.identity.principal import Limits, Principal
 from portico.errors import RateLimitError, ServiceUnavailableError
 
 log = logging.getLogger("portico.admission")

@@ -7,7 +7,7 @@
 -- carry a time in microseconds instead; only the conformance tests pass one (fake clock), the
 -- production path passes "" and reads TIME.
 --
--- Key layout (built by gateway/limiter.py, all keys of one tenant share the hash tag {tenant}):
+-- Key layout (built by gateway/admission/limiter.py, all keys of one tenant share the hash tag {tenant}):
 --   rate bucket   HASH  portico:rl:{tenant}:<scope>:<rpm|tpm>   fields t (tokens, may be < 0
 --                       after a settle charged more than was reserved: debt) and s (stamp, us)
 --   slots         ZSET  portico:rl:{tenant}:<scope>:conc        member slot id, score lease end

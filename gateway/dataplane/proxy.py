@@ -26,11 +26,11 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
-from gateway.fields import RequestFields
+from gateway.dataplane.fields import RequestFields
+from gateway.dataplane.pool import Pool, Replica
+from gateway.dataplane.retry import RetryPolicy
+from gateway.dataplane.transport import read_body
 from gateway.metrics import GatewayMetrics
-from gateway.pool import Pool, Replica
-from gateway.retry import RetryPolicy
-from gateway.transport import read_body
 from portico.errors import ServiceUnavailableError, UpstreamError, error_body
 
 log = logging.getLogger("portico.gateway.proxy")

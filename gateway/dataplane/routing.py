@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.fields import RequestFields, prefix_text, prompt_text
-from gateway.principal import Principal
+from gateway.dataplane.fields import RequestFields, prefix_text, prompt_text
+from gateway.identity.principal import Principal
 from portico.errors import NotFoundError, PermissionDeniedError
 
 AUTO_MODEL = "auto"

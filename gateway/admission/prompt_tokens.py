@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.fields import RequestFields, prompt_text
+from gateway.dataplane.fields import RequestFields, prompt_text
 
 log = logging.getLogger("portico.gateway.tokens")
 
@@ -23,7 +23,7 @@ def load_tokenizer(model: str) -> Any | None:
     try:
         from transformers import AutoTokenizer
 
-        from engine import registry
+        from portico import registry
 
         source = registry.resolve(model)
         if source.format == "gguf":

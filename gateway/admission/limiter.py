@@ -1,12 +1,12 @@
 """Token buckets, concurrency slots and monthly budgets behind one small interface.
 
 A :class:`Limiter` knows nothing about tenants or HTTP: it takes a :class:`BucketSet` (the keys
-and limits a request touches, built by :mod:`gateway.admission`) and the request's costs, and
-answers with a :class:`Decision`. Two implementations pass the same conformance suite:
+and limits a request touches, built by :mod:`gateway.admission.admission`) and the request's
+costs, and answers with a :class:`Decision`. Two implementations pass the same conformance suite:
 
-- :class:`RedisLimiter`: ``gateway/limiter.lua`` evaluates every bucket in one atomic EVALSHA
-  (all pass and are charged, or none is), with Redis ``TIME`` as the shared clock. This is what
-  makes the limits hold exactly across any number of gateway replicas.
+- :class:`RedisLimiter`: ``gateway/admission/limiter.lua`` evaluates every bucket in one atomic
+  EVALSHA (all pass and are charged, or none is), with Redis ``TIME`` as the shared clock. This is
+  what makes the limits hold exactly across any number of gateway replicas.
 - :class:`LocalLimiter`: the same algorithm in process memory, used while Redis is unreachable.
   Each replica then enforces ``share`` of every limit (1 / number of replicas).
 
@@ -25,10 +25,10 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
-from gateway.redis_pipe import RedisPipe, script_sha
+from gateway.admission.redis_pipe import RedisPipe, script_sha
 
 US_PER_MINUTE = 60_000_000
-LUA_SOURCE = resources.files("gateway").joinpath("limiter.lua").read_text()
+LUA_SOURCE = resources.files("gateway.admission").joinpath("limiter.lua").read_text()
 
 
 def monotonic_us() -> int:
@@ -114,13 +114,13 @@ class Limiter(Protocol):
 
 
 class RedisLimiter:
-    """Limiter backed by ``gateway/limiter.lua`` on a shared Redis.
+    """Limiter backed by ``gateway/admission/limiter.lua`` on a shared Redis.
 
-    One EVALSHA per admission and one per settle (reloaded with EVAL on NOSCRIPT). With a
-    ``pipe`` (:class:`~gateway.redis_pipe.RedisPipe`, what the gateway uses) they go over its
-    one pipelined connection; without, through redis-py's client and pool. ``clock`` exists for
-    the conformance tests only: when given, its time (us) is sent to the script instead of
-    letting the script read Redis ``TIME``.
+    One EVALSHA per admission and one per settle (reloaded with EVAL on NOSCRIPT). With a ``pipe``
+    (:class:`~gateway.admission.redis_pipe.RedisPipe`, what the gateway uses) they go over its one
+    pipelined connection; without, through redis-py's client and pool. ``clock`` exists for the
+    conformance tests only: when given, its time (us) is sent to the script instead of letting the
+    script read Redis ``TIME``.
     """
 
     def __init__(

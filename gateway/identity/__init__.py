@@ -1,0 +1,1 @@
+"""Who is calling: tenants, API keys, JWTs, the Principal, the admin API."""
