@@ -55,12 +55,8 @@ from gateway.identity.auth import Identity, open_identity
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.tls import AdminClientCertGuard
-from portico.errors import (
-    AuthenticationError,
-    BodySizeLimitMiddleware,
-    ServiceUnavailableError,
-    install_error_handlers,
-)
+from portico.errors import AuthenticationError, ServiceUnavailableError
+from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
 

@@ -3,8 +3,8 @@
 Every route depends on :meth:`Authenticator.resolve_admin` (the admin key or an admin-role
 JWT); data-plane keys get 403. Bodies are pydantic models with ``extra="forbid"`` and strict
 types, so malformed JSON, wrong types and unknown fields are 400 in OpenAI's shape (the app
-must install :func:`portico.errors.install_error_handlers`; a body over the app's limit is
-413 from :class:`portico.errors.BodySizeLimitMiddleware`). A key secret appears in exactly
+must install :func:`portico.http_errors.install_error_handlers`; a body over the app's limit is
+413 from :class:`portico.http_errors.BodySizeLimitMiddleware`). A key secret appears in exactly
 one response: the one that creates it (create or rotate).
 """
 

@@ -312,7 +312,8 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
     from fastapi import FastAPI, Request
 
     from gateway.identity.admin import build_admin_router
-    from portico.errors import RateLimitError, install_error_handlers
+    from portico.errors import RateLimitError
+    from portico.http_errors import install_error_handlers
 
     seen: list[str] = []
 
