@@ -229,7 +229,7 @@ class Gateway:
         config = self.config
         self.identity = await open_identity(config.redis, config.auth, env)
         redis_url = self.identity.redis_url
-        self.usage = UsageRecorder(self.identity.store)
+        self.usage = UsageRecorder(self.identity.store.ledger)
         self.usage.start()
         # Admission's two scripts per request go over one pipelined connection (redis_pipe.py);
         # redis-py's per-command cost was the largest single share of the gateway's CPU.

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.auth import Authenticator
-from gateway.identity.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
+from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
+from gateway.identity.tenants import TenantStore
 from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def build_admin_router(
         today = datetime.now(timezone.utc).date()
         end = end or today
         start = start or end - timedelta(days=29)
-        return (await store.usage(tenant_id, start, end)).model_dump()
+        return (await store.ledger.usage(tenant_id, start, end)).model_dump()
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
