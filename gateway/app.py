@@ -55,12 +55,8 @@ from gateway.identity.auth import Identity, open_identity
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.tls import AdminClientCertGuard
-from portico.errors import (
-    AuthenticationError,
-    BodySizeLimitMiddleware,
-    ServiceUnavailableError,
-    install_error_handlers,
-)
+from portico.errors import AuthenticationError, ServiceUnavailableError
+from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
 
@@ -233,7 +229,7 @@ class Gateway:
         config = self.config
         self.identity = await open_identity(config.redis, config.auth, env)
         redis_url = self.identity.redis_url
-        self.usage = UsageRecorder(self.identity.store)
+        self.usage = UsageRecorder(self.identity.store.ledger)
         self.usage.start()
         # Admission's two scripts per request go over one pipelined connection (redis_pipe.py);
         # redis-py's per-command cost was the largest single share of the gateway's CPU.

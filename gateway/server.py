@@ -73,7 +73,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def _kill_engines(self) -> None:
-        supervisor = self.gateway.dataplane.supervisor
+        supervisor = self.gateway.supervisor
         for proc in supervisor.processes if supervisor is not None else ():
             if proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):

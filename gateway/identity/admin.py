@@ -3,8 +3,8 @@
 Every route depends on :meth:`Authenticator.resolve_admin` (the admin key or an admin-role
 JWT); data-plane keys get 403. Bodies are pydantic models with ``extra="forbid"`` and strict
 types, so malformed JSON, wrong types and unknown fields are 400 in OpenAI's shape (the app
-must install :func:`portico.errors.install_error_handlers`; a body over the app's limit is
-413 from :class:`portico.errors.BodySizeLimitMiddleware`). A key secret appears in exactly
+must install :func:`portico.http_errors.install_error_handlers`; a body over the app's limit is
+413 from :class:`portico.http_errors.BodySizeLimitMiddleware`). A key secret appears in exactly
 one response: the one that creates it (create or rotate).
 """
 
@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.auth import Authenticator
-from gateway.identity.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
+from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
+from gateway.identity.tenants import TenantStore
 from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def build_admin_router(
         today = datetime.now(timezone.utc).date()
         end = end or today
         start = start or end - timedelta(days=29)
-        return (await store.usage(tenant_id, start, end)).model_dump()
+        return (await store.ledger.usage(tenant_id, start, end)).model_dump()
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:

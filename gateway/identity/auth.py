@@ -28,8 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.jwt_auth import JWTSettings, JWTVerifier
+from gateway.identity.plans import load_plans
 from gateway.identity.principal import Limits, Principal
-from gateway.identity.tenants import Tenant, TenantStore, load_plans
+from gateway.identity.records import Tenant
+from gateway.identity.tenants import TenantStore
 from gateway.store import EmbeddedRedis, StoreSettings, close_redis, open_redis
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 

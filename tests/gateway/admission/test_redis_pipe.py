@@ -16,7 +16,8 @@ import redis.exceptions
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from gateway.admission.admission import Admission, AdmissionSettings, failure_kind
+from gateway.admission.admission import Admission, AdmissionSettings
+from gateway.admission.failover import failure_kind
 from gateway.admission.limiter import BucketSet, RedisLimiter
 from gateway.admission.redis_pipe import RedisPipe, encode_command, script_sha
 from gateway.identity.principal import Principal

@@ -212,10 +212,10 @@ async def test_usage_per_model_per_day(client: httpx.AsyncClient, identity, make
     await make_tenant("acme")
     await make_tenant("other")
     store = identity.store
-    await store.record_usage("acme", "smollm2-135m", 10, 5)
-    await store.record_usage("acme", "smollm2-135m", 20, 7)
-    await store.record_usage("acme", "gpt-4o-mini", 3, 1)
-    await store.record_usage("other", "smollm2-135m", 1000, 1000)
+    await store.ledger.record_usage("acme", "smollm2-135m", 10, 5)
+    await store.ledger.record_usage("acme", "smollm2-135m", 20, 7)
+    await store.ledger.record_usage("acme", "gpt-4o-mini", 3, 1)
+    await store.ledger.record_usage("other", "smollm2-135m", 1000, 1000)
     resp = await client.get("/admin/v1/tenants/acme/usage", headers=A)
     assert resp.status_code == 200, resp.text
     usage = resp.json()

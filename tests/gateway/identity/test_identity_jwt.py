@@ -157,7 +157,7 @@ async def _identity(redis_url: str, tmp_path: Path, jwt_settings: JWTSettings) -
         AuthSettings(jwt=jwt_settings),
         env,
     )
-    from gateway.identity.tenants import TenantCreate, TenantPatch
+    from gateway.identity.records import TenantCreate, TenantPatch
 
     await ident.store.create_tenant(TenantCreate(id="acme", name="Acme", plan="standard"))
     await ident.store.create_tenant(TenantCreate(id="off", name="Off"))

@@ -13,7 +13,7 @@ import pytest
 from identity_app import ADMIN_KEY, admin_headers, assert_openai_error, bearer, build_app
 
 from gateway.identity.auth import Authenticator
-from gateway.identity.tenants import KeyCreate, TenantCreate
+from gateway.identity.records import KeyCreate, TenantCreate
 from portico.errors import AuthenticationError, PermissionDeniedError
 
 A = admin_headers()
@@ -271,7 +271,7 @@ async def test_key_of_a_disabled_tenant_is_refused_after_ttl_on_other_replica(
     clock = FakeClock(0.0)
     other = Authenticator(store, cache_ttl_seconds=2.0, clock=clock)
     await other.resolve(f"Bearer {secret}")
-    from gateway.identity.tenants import TenantPatch
+    from gateway.identity.records import TenantPatch
 
     await store.update_tenant("acme", TenantPatch(disabled=True))
     clock.now = 2.5
@@ -312,7 +312,8 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
     from fastapi import FastAPI, Request
 
     from gateway.identity.admin import build_admin_router
-    from portico.errors import RateLimitError, install_error_handlers
+    from portico.errors import RateLimitError
+    from portico.http_errors import install_error_handlers
 
     seen: list[str] = []
 
