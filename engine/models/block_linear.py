@@ -79,12 +79,12 @@ class GGUFBlocks:
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot stack GGUF blocks of different kinds {sorted(kinds)}")
-        mins = [p.mins for p in parts]
+        mins = [p.mins for p in parts if p.mins is not None]
         return GGUFBlocks(
             parts[0].kind,
             torch.cat([p.qs for p in parts]),
             torch.cat([p.scales for p in parts]),
-            torch.cat(mins) if all(m is not None for m in mins) else None,  # type: ignore[misc]
+            torch.cat(mins) if len(mins) == len(parts) else None,
         )
 
     def dequantize(self) -> torch.Tensor:
