@@ -117,8 +117,9 @@ class Gateway:
             # Admission's two scripts per request go over one pipelined connection
             # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
             # gateway's CPU.
-            pipe = RedisPipe.from_client(redis.client)
-            stack.push_async_callback(pipe.aclose)
+            pipe = RedisPipe.from_client(redis.client)  # None over TLS: redis-py's client then
+            if pipe is not None:
+                stack.push_async_callback(pipe.aclose)
             limiter = RedisLimiter(
                 redis.client, budget_ttl_s=config.admission.budget_key_ttl_seconds, pipe=pipe
             )

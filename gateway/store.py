@@ -45,9 +45,9 @@ class StoreSettings(BaseModel):
     plans_file: Path | None = None
     # A blocking pool: a burst larger than the pool waits briefly for a connection instead of
     # failing; small socket timeouts so a dead Redis host cannot stall requests.
-    max_connections: int = Field(256, ge=1, le=10_000)
-    pool_timeout_s: float = Field(2.0, gt=0)
-    socket_timeout_s: float = Field(1.0, gt=0)
+    max_connections: int = Field(default=256, ge=1, le=10_000)
+    pool_timeout_s: float = Field(default=2.0, gt=0)
+    socket_timeout_s: float = Field(default=1.0, gt=0)
 
     @field_validator("url")
     @classmethod
