@@ -66,23 +66,17 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
     return body
 
 
-def build_admin_router(
-    store: TenantStore,
-    authenticator: Authenticator,
-    *,
-    before_auth: Callable[[Request], Awaitable[None]] | None = None,
-) -> APIRouter:
-    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once.
+BeforeAuth = Callable[[Request], Awaitable[None]]
 
-    ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
-    checked, so failed guesses count too; router-level ``dependencies`` would run only after
-    a successful authentication.
-    """
+
+def _admin_route_class(
+    authenticator: Authenticator, before_auth: BeforeAuth | None
+) -> type[APIRoute]:
+    """The route class of the admin router: it authenticates before FastAPI reads the body, so
+    an unauthenticated caller learns nothing from validation errors (401/403 always come
+    first), and it turns a Redis failure into a 503."""
 
     class AdminRoute(APIRoute):
-        """Authenticates before FastAPI reads the body, so an unauthenticated caller learns
-        nothing from validation errors (401/403 always come first)."""
-
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
@@ -105,103 +99,131 @@ def build_admin_router(
 
             return guarded
 
-    # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
-    router = APIRouter(
-        prefix="/admin/v1",
-        tags=["admin"],
-        route_class=AdminRoute,
-        dependencies=[Security(HTTPBearer(auto_error=False))],
-    )
+    return AdminRoute
 
-    def changed(action: str, **fields: str) -> None:
-        authenticator.invalidate()
+
+class AdminAPI:
+    """The admin routes' handlers, one method per route, over one store. Every write
+    invalidates the authenticator's cache and is logged (never with a secret)."""
+
+    def __init__(self, store: TenantStore, authenticator: Authenticator) -> None:
+        self.store = store
+        self.authenticator = authenticator
+
+    def _changed(self, action: str, **fields: str) -> None:
+        self.authenticator.invalidate()
         log.info("admin: %s %s", action, " ".join(f"{k}={v}" for k, v in fields.items()))
 
-    @router.get("/plans")
-    async def list_plans() -> dict[str, Any]:
+    async def list_plans(self) -> dict[str, Any]:
+        store = self.store
         return {
             "object": "list",
             "default": store.default_plan,
             "data": [p.model_dump() for p in store.plans.values()],
         }
 
-    @router.post("/tenants", status_code=201)
-    async def create_tenant(spec: TenantCreate) -> dict[str, Any]:
-        tenant = await store.create_tenant(spec)
-        changed("create tenant", tenant=tenant.id)
-        return _tenant_view(store, tenant)
+    async def create_tenant(self, spec: TenantCreate) -> dict[str, Any]:
+        tenant = await self.store.create_tenant(spec)
+        self._changed("create tenant", tenant=tenant.id)
+        return _tenant_view(self.store, tenant)
 
-    @router.get("/tenants")
-    async def list_tenants() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [_tenant_view(store, t) for t in await store.list_tenants()],
-        }
+    async def list_tenants(self) -> dict[str, Any]:
+        tenants = await self.store.list_tenants()
+        return {"object": "list", "data": [_tenant_view(self.store, t) for t in tenants]}
 
-    @router.get("/tenants/{tenant_id}")
-    async def get_tenant(tenant_id: TenantIdPath) -> dict[str, Any]:
-        return _tenant_view(store, await store.require_tenant(tenant_id))
+    async def get_tenant(self, tenant_id: TenantIdPath) -> dict[str, Any]:
+        return _tenant_view(self.store, await self.store.require_tenant(tenant_id))
 
-    @router.patch("/tenants/{tenant_id}")
-    async def update_tenant(tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
-        tenant = await store.update_tenant(tenant_id, patch)
-        changed("update tenant", tenant=tenant_id, fields=",".join(sorted(patch.model_fields_set)))
-        return _tenant_view(store, tenant)
+    async def update_tenant(self, tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
+        tenant = await self.store.update_tenant(tenant_id, patch)
+        fields = ",".join(sorted(patch.model_fields_set))
+        self._changed("update tenant", tenant=tenant_id, fields=fields)
+        return _tenant_view(self.store, tenant)
 
-    @router.delete("/tenants/{tenant_id}", status_code=204)
-    async def delete_tenant(tenant_id: TenantIdPath) -> Response:
-        await store.delete_tenant(tenant_id)
-        changed("delete tenant", tenant=tenant_id)
+    async def delete_tenant(self, tenant_id: TenantIdPath) -> Response:
+        await self.store.delete_tenant(tenant_id)
+        self._changed("delete tenant", tenant=tenant_id)
         return Response(status_code=204)
 
-    @router.post("/tenants/{tenant_id}/keys", status_code=201)
-    async def create_key(tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
-        key, secret = await store.create_key(tenant_id, spec)
-        changed("create key", tenant=tenant_id, key=key.id)
+    async def create_key(self, tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
+        key, secret = await self.store.create_key(tenant_id, spec)
+        self._changed("create key", tenant=tenant_id, key=key.id)
         return {**key.public(), "key": secret}
 
-    @router.get("/tenants/{tenant_id}/keys")
-    async def list_keys(tenant_id: TenantIdPath) -> dict[str, Any]:
-        return {"object": "list", "data": [k.public() for k in await store.list_keys(tenant_id)]}
+    async def list_keys(self, tenant_id: TenantIdPath) -> dict[str, Any]:
+        keys = await self.store.list_keys(tenant_id)
+        return {"object": "list", "data": [k.public() for k in keys]}
 
-    @router.get("/tenants/{tenant_id}/keys/{key_id}")
-    async def get_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
-        return (await store.get_key(tenant_id, key_id)).public()
+    async def get_key(self, tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+        return (await self.store.get_key(tenant_id, key_id)).public()
 
-    @router.post("/tenants/{tenant_id}/keys/{key_id}/revoke")
-    async def revoke_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
-        key = await store.revoke_key(tenant_id, key_id)
-        changed("revoke key", tenant=tenant_id, key=key_id)
+    async def revoke_key(self, tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+        key = await self.store.revoke_key(tenant_id, key_id)
+        self._changed("revoke key", tenant=tenant_id, key=key_id)
         return key.public()
 
-    @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
     async def rotate_key(
-        tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
+        self, tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
     ) -> dict[str, Any]:
         grace = body.grace_seconds if body is not None else 0
-        key, secret = await store.rotate_key(tenant_id, key_id, grace)
-        changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
+        key, secret = await self.store.rotate_key(tenant_id, key_id, grace)
+        self._changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
         return {**key.public(), "key": secret, "replaces": key_id}
 
-    @router.get("/tenants/{tenant_id}/usage")
     async def usage(
+        self,
         tenant_id: TenantIdPath,
         start: Annotated[date | None, Query()] = None,
         end: Annotated[date | None, Query()] = None,
     ) -> dict[str, Any]:
-        await store.require_tenant(tenant_id)
+        await self.store.require_tenant(tenant_id)
         today = datetime.now(timezone.utc).date()
         end = end or today
         start = start or end - timedelta(days=29)
-        return (await store.ledger.usage(tenant_id, start, end)).model_dump()
+        return (await self.store.ledger.usage(tenant_id, start, end)).model_dump()
 
-    @router.get("/openapi.json", include_in_schema=False)
+
+OPENAPI_PATH = "/admin/v1/openapi.json"
+
+
+def build_admin_router(
+    store: TenantStore,
+    authenticator: Authenticator,
+    *,
+    before_auth: BeforeAuth | None = None,
+) -> APIRouter:
+    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once.
+
+    ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
+    checked, so failed guesses count too; router-level ``dependencies`` would run only after
+    a successful authentication.
+    """
+    api = AdminAPI(store, authenticator)
+    # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
+    router = APIRouter(
+        prefix="/admin/v1",
+        tags=["admin"],
+        route_class=_admin_route_class(authenticator, before_auth),
+        dependencies=[Security(HTTPBearer(auto_error=False))],
+    )
+    tenant, key = "/tenants/{tenant_id}", "/tenants/{tenant_id}/keys/{key_id}"
+    router.add_api_route("/plans", api.list_plans, methods=["GET"])
+    router.add_api_route("/tenants", api.create_tenant, methods=["POST"], status_code=201)
+    router.add_api_route("/tenants", api.list_tenants, methods=["GET"])
+    router.add_api_route(tenant, api.get_tenant, methods=["GET"])
+    router.add_api_route(tenant, api.update_tenant, methods=["PATCH"])
+    router.add_api_route(tenant, api.delete_tenant, methods=["DELETE"], status_code=204)
+    router.add_api_route(f"{tenant}/keys", api.create_key, methods=["POST"], status_code=201)
+    router.add_api_route(f"{tenant}/keys", api.list_keys, methods=["GET"])
+    router.add_api_route(key, api.get_key, methods=["GET"])
+    router.add_api_route(f"{key}/revoke", api.revoke_key, methods=["POST"])
+    router.add_api_route(f"{key}/rotate", api.rotate_key, methods=["POST"], status_code=201)
+    router.add_api_route(f"{tenant}/usage", api.usage, methods=["GET"])
+
     async def openapi() -> dict[str, Any]:
         """This API's own OpenAPI document (also part of the gateway's /openapi.json)."""
-        return get_openapi(
-            title="Portico admin API",
-            version="1",
-            routes=[r for r in router.routes if getattr(r, "path", "") != "/admin/v1/openapi.json"],
-        )
+        routes = [r for r in router.routes if getattr(r, "path", "") != OPENAPI_PATH]
+        return get_openapi(title="Portico admin API", version="1", routes=routes)
 
+    router.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
     return router

@@ -339,13 +339,12 @@ async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None
     """With Redis down a credential cannot be checked: 503 (never a 500, never a pass), on the
     data plane and on the admin API; when Redis is back, the same key works again."""
     from gateway.identity.auth import AuthSettings, open_identity
-    from gateway.store import StoreSettings
+    from gateway.store import StoreSettings, open_shared_redis
 
-    ident = await open_identity(
-        StoreSettings(url=private_redis.url, data_dir=tmp_path),
-        AuthSettings(key_cache_ttl_seconds=0),
-        {"PORTICO_ADMIN_KEY": ADMIN_KEY},
-    )
+    settings = StoreSettings(url=private_redis.url, data_dir=tmp_path)
+    env = {"PORTICO_ADMIN_KEY": ADMIN_KEY}
+    redis = await open_shared_redis(settings, env)
+    ident = open_identity(redis.client, settings, AuthSettings(key_cache_ttl_seconds=0), env)
     try:
         transport = httpx.ASGITransport(app=build_app(ident.authenticator))
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
@@ -362,3 +361,4 @@ async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None
             assert (await c.get("/v1/whoami", headers=bearer(again["key"]))).status_code == 200
     finally:
         await ident.aclose()
+        await redis.aclose()
