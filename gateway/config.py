@@ -93,7 +93,7 @@ class GatewayConfig(_Strict):
 
     listen: ListenConfig = Field(default_factory=ListenConfig)
     tls: TLSConfig | None = None
-    redis: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
+    redis: StoreSettings = Field(default_factory=StoreSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])

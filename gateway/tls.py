@@ -33,7 +33,7 @@ class TLSScopeProtocol(HttpToolsProtocol):
 
     _client_cert_chain: list[str] = []
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         ssl_object = transport.get_extra_info("ssl_object")
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None

@@ -360,7 +360,7 @@ class RelayResponse(Response):
         self.raw_headers = headers
         self.on_close = on_close
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # type: ignore[override]
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         disconnected = finishing = False
 

@@ -58,7 +58,7 @@ class InFlight:
 def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            text = value.decode("latin-1")
+            text: str = value.decode("latin-1")
             if 0 < len(text) <= MAX_REQUEST_ID_CHARS and text.isprintable():
                 return text
             break

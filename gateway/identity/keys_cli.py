@@ -184,9 +184,12 @@ def _request(
 
 
 def _admin_key(args: argparse.Namespace) -> str | None:
+    key: str | None
     if args.admin_key_file is not None:
-        return args.admin_key_file.read_text().strip()
-    return args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+        key = args.admin_key_file.read_text().strip()
+    else:
+        key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+    return key
 
 
 def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:

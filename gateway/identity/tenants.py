@@ -21,9 +21,10 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from pydantic import BaseModel
 from redis.exceptions import WatchError
 
 from gateway.identity.plans import LimitsSpec, Plan
@@ -40,6 +41,8 @@ from gateway.identity.records import (
 )
 from gateway.identity.usage import PREFIX, UsageLedger
 from portico.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
+
+Record = TypeVar("Record", bound=BaseModel)
 
 # One round trip per authentication: the digest index, then the key and tenant records.
 _LOOKUP_LUA = """
@@ -354,8 +357,8 @@ class TenantStore:
     # ------------------------------------------------------------------ internals
 
     async def _update(
-        self, key: str, model: type[Any], apply: Callable[[Any], Any], missing: APIError
-    ) -> Any:
+        self, key: str, model: type[Record], apply: Callable[[Record], Record], missing: APIError
+    ) -> Record:
         """Read-modify-write one JSON record under WATCH; retried on a concurrent write."""
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
