@@ -1,0 +1,189 @@
+"""How much memory an engine takes, computed from the model's shapes without loading weights.
+
+One sizing rule for two callers: the engine sizes its KV cache with :func:`kv_cache_budget`
+(through ``engine.model_runner.num_kv_blocks``), and ``portico plan`` calls the same function
+with the device memory it is told about, so a plan and a started engine agree on the number of
+KV blocks. Weight bytes follow what ``engine.model_loader.load_model`` keeps resident: every
+tensor as dense ``dtype``, plus the GGUF Q4_1/Q8_0 blocks on CPU (``--quantization gguf``),
+plus the oneDNN-prepacked copy of each projection for bfloat16 on CPU, plus the RoPE tables.
+
+Units are bytes throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import kv_cache_manager
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+
+# The engine keeps this much free per token of one step's budget (max_num_batched_tokens)
+# on CUDA for activations: hidden states, q/k/v, the MLP's intermediate, logits.
+ACTIVATION_RESERVE_PER_TOKEN = 64 * 1024
+# What the CUDA context and the caching allocator's first pools take before any tensor; not
+# visible to torch.cuda.mem_get_info's caller as "free" once the engine has started.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Resident bytes per weight of a GGUF block kept for the CPU kernels: the packed quants plus
+# float32 scales (and mins) per 32 weights (engine.models.block_linear.GGUFBlocks).
+GGUF_BLOCK_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 8 / 32, "q8_0": 1.0 + 4 / 32}
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    return kv_cache_manager.kv_block_bytes(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype_bytes
+    )
+
+
+def activation_reserve_bytes(engine_config: EngineConfig) -> int:
+    """What the engine leaves free for one step's activations on CUDA."""
+    return engine_config.max_num_batched_tokens * ACTIVATION_RESERVE_PER_TOKEN
+
+
+def kv_cache_budget(
+    engine_config: EngineConfig, device_type: str, free_bytes: int = 0, total_bytes: int = 0
+) -> int:
+    """Bytes the engine gives its KV cache.
+
+    CPU: ``--kv-cache-memory``. CUDA: the memory still free once the weights are loaded
+    (``free_bytes``), less the share ``--gpu-memory-utilization`` keeps back of the device's
+    ``total_bytes`` (fragmentation, other processes), less one step's activation reserve.
+    """
+    if device_type != "cuda":
+        return engine_config.kv_cache_memory_bytes
+    reserved = total_bytes * (1 - engine_config.gpu_memory_utilization)
+    return int(free_bytes - reserved - activation_reserve_bytes(engine_config))
+
+
+def num_blocks_in(budget_bytes: int, per_block_bytes: int) -> int:
+    """How many KV blocks ``budget_bytes`` holds; ValueError when not one does."""
+    blocks = budget_bytes // per_block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget_bytes} bytes) holds no block of {per_block_bytes} "
+            "bytes; raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    return blocks
+
+
+def activation_peak_bytes(
+    cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype_bytes: int
+) -> int:
+    """An estimate of one step's largest live activations: the residual stream and its norm,
+    the fused q/k/v and gate/up outputs of one layer, the attention output, and float32 logits
+    for the sampled rows (one per sequence)."""
+    q_kv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    per_token = 3 * cfg.hidden_size + q_kv + 3 * cfg.intermediate_size
+    return num_tokens * per_token * dtype_bytes + num_seqs * cfg.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One stored tensor: its name, element count, and GGUF block kind kept on CPU (or None)."""
+
+    name: str
+    numel: int
+    block_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Resident weight memory, by part."""
+
+    dense: int
+    gguf_blocks: int
+    prepacked: int
+    rope_tables: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.gguf_blocks + self.prepacked + self.rope_tables
+
+
+def hf_tensors(folder: Path) -> tuple[ModelConfig, list[WeightTensor]]:
+    """A Hugging Face folder's config and tensor sizes, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    tensors = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue  # the loader skips these
+                shape = handle.get_slice(name).get_shape()
+                tensors.append(WeightTensor(name, math.prod(shape)))
+    if not tensors:
+        raise ValueError(f"Model folder '{folder}' has no .safetensors weights.")
+    return cfg, tensors
+
+
+def gguf_tensors(path: Path) -> tuple[ModelConfig, list[WeightTensor]]:
+    """A GGUF file's config and tensor sizes from its header (no tensor is dequantized)."""
+    from engine.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    tied = "output.weight" not in gguf.tensors
+    vocab = gguf.tensors["token_embd.weight"].shape[0]
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata, vocab_size=vocab, tied=tied)
+    tensors = [
+        WeightTensor(info.name, math.prod(info.shape), _block_kind(info.name, info, tied))
+        for info in gguf.tensors.values()
+    ]
+    if tied and (embd := gguf.tensors["token_embd.weight"]).qtype.name.lower() in (
+        GGUF_BLOCK_BYTES_PER_WEIGHT
+    ):
+        # the tied head keeps its own blocks of the embedding (the dense weight is shared)
+        tensors.append(WeightTensor("lm_head", 0, embd.qtype.name.lower()))
+    return cfg, tensors
+
+
+_BLOCK_TENSORS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.",
+                  "ffn_down.", "output.")  # fmt: skip
+
+
+def _block_kind(name: str, info: object, tied: bool) -> str | None:
+    kind = info.qtype.name.lower()  # type: ignore[attr-defined]
+    shape = info.shape  # type: ignore[attr-defined]
+    linear = name.endswith(".weight") and any(f".{t}" in f".{name}" for t in _BLOCK_TENSORS)
+    if kind not in GGUF_BLOCK_BYTES_PER_WEIGHT or not linear or shape[-1] % 32:
+        return None
+    return kind
+
+
+def weight_bytes(
+    cfg: ModelConfig,
+    tensors: Iterable[WeightTensor],
+    dtype_bytes: int,
+    *,
+    gguf_blocks: bool,
+    prepacked: bool,
+) -> WeightBytes:
+    """What the loaded model keeps resident (see the module doc)."""
+    tensors = list(tensors)
+    dense = sum(t.numel for t in tensors) * dtype_bytes
+    blocks = 0
+    if gguf_blocks:
+        for t in tensors:
+            if t.block_kind is not None:
+                numel = t.numel or cfg.vocab_size * cfg.hidden_size
+                blocks += int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
+    packed = 0
+    if prepacked:  # every projection and the head, once more in bfloat16
+        layer = (
+            cfg.hidden_size
+            * (
+                (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+                + 3 * cfg.intermediate_size
+            )
+            + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+        )
+        packed = 2 * (cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size)
+    rope = cfg.max_position_embeddings * cfg.head_dim * 4  # cos and sin, float32, d/2 each
+    return WeightBytes(dense, blocks, packed, rope)
