@@ -187,3 +187,146 @@ def weight_bytes(
         packed = 2 * (cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size)
     rope = cfg.max_position_embeddings * cfg.head_dim * 4  # cos and sin, float32, d/2 each
     return WeightBytes(dense, blocks, packed, rope)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one engine with ``engine_config`` takes on a device of ``memory_bytes``, and the
+    flags that make it fit. ``num_blocks`` is the engine's own count for the same flags."""
+
+    engine_config: EngineConfig
+    model_path: str
+    model_format: str
+    model_config: ModelConfig
+    device_type: str
+    dtype: str
+    quantization: str
+    memory_bytes: int
+    max_model_len: int
+    weights: WeightBytes
+    kv_block_bytes: int
+    kv_budget_bytes: int
+    num_blocks: int
+    activation_reserve_bytes: int  # kept free by the engine (CUDA)
+    activation_peak_bytes: int  # estimated from the model's shapes
+    cuda_context_bytes: int
+    fragmentation_reserve_bytes: int  # (1 - gpu_memory_utilization) of the device
+    swap_bytes: int  # host memory for swapped-out blocks (--preemption-mode swap)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_block_bytes // self.engine_config.block_size
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.engine_config.block_size)
+
+    @property
+    def kv_bytes_per_seq(self) -> int:
+        return self.blocks_per_seq * self.kv_block_bytes
+
+    @property
+    def full_length_seqs(self) -> int:
+        """Sequences of max_model_len tokens the cache holds at once."""
+        return self.num_blocks // self.blocks_per_seq
+
+    @property
+    def total_bytes(self) -> int:
+        """Device memory the engine needs (on CPU, host memory, swap space included)."""
+        if self.device_type == "cuda":
+            used = self.cuda_context_bytes + self.weights.total + self.activation_reserve_bytes
+            return used + self.num_blocks * self.kv_block_bytes
+        kv = self.num_blocks * self.kv_block_bytes
+        return self.weights.total + kv + self.activation_peak_bytes + self.swap_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks >= 1 and self.total_bytes <= self.memory_bytes
+
+
+def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> MemoryPlan:
+    """Plan ``engine_config`` without loading a weight (``memory_bytes`` None: what this
+    machine has: CUDA's device memory, or the host's available memory)."""
+    import torch
+
+    from engine.model_loader import choose_dtype, resolve_quantization
+    from portico.registry import resolve
+
+    source = resolve(engine_config.model)
+    device_type = engine_config.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_type)
+    dtype = str(choose_dtype(engine_config.dtype, device)).removeprefix("torch.")
+    dtype_bytes = DTYPE_BYTES[dtype]
+    quantization = resolve_quantization(engine_config.quantization, source, device)
+    if source.format == "gguf":
+        cfg, tensors = gguf_tensors(Path(source.path))
+    else:
+        cfg, tensors = hf_tensors(Path(source.path))
+    max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's context length "
+            f"({cfg.max_position_embeddings})"
+        )
+    on_cpu = device_type == "cpu"
+    weights = weight_bytes(
+        cfg,
+        tensors,
+        dtype_bytes,
+        gguf_blocks=quantization == "gguf",
+        prepacked=on_cpu and dtype == "bfloat16" and _can_prepack(),
+    )
+    memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
+    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype_bytes)
+    context = 0 if on_cpu else CUDA_CONTEXT_BYTES
+    free_after_weights = memory - context - weights.total
+    budget = kv_cache_budget(engine_config, device_type, free_after_weights, memory)
+    if engine_config.num_gpu_blocks_override is not None:
+        blocks = engine_config.num_gpu_blocks_override
+    else:
+        blocks = max(budget // per_block, 0)
+    swapping = engine_config.preemption_mode == "swap"
+    return MemoryPlan(
+        engine_config=engine_config,
+        model_path=str(source.path),
+        model_format=source.format,
+        model_config=cfg,
+        device_type=device_type,
+        dtype=dtype,
+        quantization=quantization,
+        memory_bytes=memory,
+        max_model_len=max_model_len,
+        weights=weights,
+        kv_block_bytes=per_block,
+        kv_budget_bytes=budget,
+        num_blocks=blocks,
+        activation_reserve_bytes=0 if on_cpu else activation_reserve_bytes(engine_config),
+        activation_peak_bytes=activation_peak_bytes(
+            cfg, engine_config.max_num_batched_tokens, engine_config.max_num_seqs, dtype_bytes
+        ),
+        cuda_context_bytes=context,
+        fragmentation_reserve_bytes=0
+        if on_cpu
+        else int(memory * (1 - engine_config.gpu_memory_utilization)),
+        swap_bytes=engine_config.swap_space_bytes // per_block * per_block if swapping else 0,
+    )
+
+
+def _can_prepack() -> bool:
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available())
+
+
+def _machine_memory(device_type: str) -> int:
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here: give the device's size with --memory")
+        return int(torch.cuda.mem_get_info()[1])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
