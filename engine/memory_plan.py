@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import kv_cache_manager
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 
@@ -34,11 +33,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GGUF_BLOCK_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 8 / 32, "q8_0": 1.0 + 4 / 32}
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
-    """Bytes one KV block takes across all layers (K and V)."""
-    return kv_cache_manager.kv_block_bytes(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype_bytes
-    )
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes one KV block takes across all layers: the engine's own function, for ``dtype``
+    given by name (``float32``, ``bfloat16``, ``float16``)."""
+    import torch
+
+    from engine.model_runner import kv_cache_bytes_per_block  # it imports this module
+
+    return kv_cache_bytes_per_block(cfg, block_size, getattr(torch, dtype))
 
 
 def activation_reserve_bytes(engine_config: EngineConfig) -> int:
@@ -279,7 +281,7 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         prepacked=on_cpu and dtype == "bfloat16" and _can_prepack(),
     )
     memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
-    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype_bytes)
+    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype)
     context = 0 if on_cpu else CUDA_CONTEXT_BYTES
     free_after_weights = memory - context - weights.total
     budget = kv_cache_budget(engine_config, device_type, free_after_weights, memory)
