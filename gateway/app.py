@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -34,6 +35,7 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.fields import parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
@@ -147,7 +149,11 @@ class Gateway:
                 strict=config.policies_dir.resolve() != PACKAGED_POLICIES,
             )
             supervisor = _supervisor(local.processes, config, metrics)
+            for discovery in local.discoveries:  # closes the clients of what it found
+                stack.push_async_callback(discovery.aclose)
+            await asyncio.gather(*(d.refresh() for d in local.discoveries))
             probers = [asyncio.create_task(pool.run_prober()) for pool in local.pools]
+            probers += [asyncio.create_task(d.run()) for d in local.discoveries]
             stack.push_async_callback(_cancel, probers)
             stack.push_async_callback(supervisor.stop, config.supervisor.stop_timeout_s)
             timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
@@ -314,7 +320,9 @@ class Gateway:
 
 class _LocalEngines:
     """The local engine pools of the config: one pool per engine spec, one replica (process,
-    Unix socket, HTTP client) per replica, and the upstream that forwards to each pool."""
+    Unix socket, HTTP client) per replica, and the upstream that forwards to each pool. A spec
+    with ``discovery`` starts no process: its pool's replicas are the addresses DNS answers
+    (``discoveries``), reached over TCP."""
 
     def __init__(
         self,
@@ -327,12 +335,13 @@ class _LocalEngines:
         self.processes: list[EngineProcess] = []
         self.pools: list[Pool] = []
         self.upstreams: dict[str, LocalUpstream] = {}
+        self.discoveries: list[DNSDiscovery] = []
         self._metrics = metrics
         timeout = httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s)
         for spec in config.engines:
             replicas = [
                 self._replica(spec, f"{spec.name}-{i}", runtime_dir, timeout)
-                for i in range(spec.replicas)
+                for i in range(spec.replicas if spec.discovery is None else 0)
             ]
             pool = Pool(
                 spec.name,
@@ -344,6 +353,9 @@ class _LocalEngines:
             )
             self.pools.append(pool)
             self.upstreams[spec.name] = LocalUpstream(pool, retry, metrics)
+            if spec.discovery is not None:
+                found = functools.partial(_tcp_replica, timeout=timeout)
+                self.discoveries.append(DNSDiscovery(pool, spec.discovery, found))
 
     def _replica(
         self, spec: EngineSpec, name: str, runtime_dir: Path, timeout: httpx.Timeout
@@ -367,6 +379,13 @@ class _LocalEngines:
     def _count_ejection(self, replica: Replica) -> None:
         pool = replica.name.rsplit("-", 1)[0]
         self._metrics.ejections.labels(pool, replica.name).inc()
+
+
+def _tcp_replica(name: str, host: str, port: int, *, timeout: httpx.Timeout) -> Replica:
+    """A replica of an engine found by DNS, with its own client to ``host:port``."""
+    transport = LeanTransport(host=host, port=port)
+    client = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=timeout)
+    return Replica(name, client, transport, timeout.as_dict())
 
 
 def _engine_command(spec: EngineSpec, name: str, uds: Path) -> list[str]:
