@@ -32,16 +32,16 @@ from typing import Any
 
 from load import datasets, serve_bench, standard
 
-# (share, markers): a sample goes to the first share one of whose markers occurs in its stack
-# (innermost frames first within a share's check order below).
-_FORWARD = (
+# (share, markers): a sample goes to the first share, in the order below, one of whose markers
+# occurs anywhere in its stack (forward-pass shares first for stacks inside the model).
+_FORWARD: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("forward: attention", ("paged_attention", "attend_paged", "scaled_dot_product")),
     ("forward: lm_head", ("compute_logits",)),
     ("forward: linears, GGUF blocks (steps of <= 8 rows)", ("quantized_linear",)),
     ("forward: linears, dense bf16", ("block_matmul", "block_linear.py", "linear (")),
     ("forward: norm, RoPE, KV write", ("add_rms_norm", "rope_write_kv", "write_kv_cache")),
 )
-_ENGINE = (
+_ENGINE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampling", ("sampler.py",)),
     ("detokenization", ("detokenizer.py",)),
     ("scheduling", ("scheduler.py", "kv_cache_manager.py", "block_pool.py")),
@@ -49,7 +49,7 @@ _ENGINE = (
     ("output building (engine)", ("llm_engine.py",)),
     ("engine thread: hand-off", ("async_engine.py",)),
 )
-_HTTP = (
+_HTTP: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HTTP: handlers and SSE", ("serving_", "sse.py", "engine_requests.py", "protocol.py")),
     ("HTTP: server and middleware", ("httptools_impl", "starlette", "fastapi", "errors.py")),
     ("HTTP: event loop", ("asyncio", "uvicorn")),
