@@ -219,7 +219,10 @@ static int block_linear(int kind, const void *x, int m, int k, const uint8_t *qs
     if (!xf) return -1;
     const Weights w = {kind, k, k / 32, n, qs, d, mins};
     const int tiles = (n + TILE_OUT - 1) / TILE_OUT;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)n * k * m >= (1 << 17))
+    /* Dynamic chunks of 8 tiles: on cores shared with other work a descheduled thread's
+     * static half no longer holds the whole call up; each output is still computed by one
+     * thread, so results do not depend on the schedule. */
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if ((int64_t)n * k * m >= (1 << 17))
     for (int t = 0; t < tiles; t++) {
         const int o0 = t * TILE_OUT;
         float res[TILE_OUT][TILE_IN];
