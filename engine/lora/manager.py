@@ -15,6 +15,7 @@ belong to the engine thread (``prepare``).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -84,6 +85,7 @@ class LoRAManager:
         self.dtype = dtype
         self.base_model_name = base_model_name
         self.registry: dict[str, LoRARequest] = {}
+        self._registry_lock = threading.Lock()  # runtime loads check folders in worker threads
         self._next_id = 1
         self._cpu: OrderedDict[int, LoRAWeights] = OrderedDict()  # LRU: oldest first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU order
@@ -121,23 +123,25 @@ class LoRAManager:
         """
         if not name or name == self.base_model_name:
             raise LoRAError(f"'{name}' cannot name an adapter: it is empty or the base model")
-        if name in self.registry:
-            raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
         if base_model_name is not None and base_model_name != self.base_model_name:
             raise LoRAError(
                 f"adapter '{name}' is for base model '{base_model_name}'; this engine serves "
                 f"'{self.base_model_name}'"
             )
-        request = LoRARequest(name, self._next_id, str(path), base_model_name)
-        load_adapter(request, self.cfg, self.max_lora_rank)  # raises before anything changes
-        self._next_id += 1
-        self.registry[name] = request
+        with self._registry_lock:
+            if name in self.registry:
+                raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
+            request = LoRARequest(name, self._next_id, str(path), base_model_name)
+            load_adapter(request, self.cfg, self.max_lora_rank)  # raises: nothing changes
+            self._next_id += 1
+            self.registry[name] = request
         return request
 
     def unregister(self, name: str) -> LoRARequest:
         """Stop listing ``name`` (KeyError if unknown). Requests already running keep it: the
         engine thread still finds its weights (from the cache or the folder)."""
-        return self.registry.pop(name)
+        with self._registry_lock:
+            return self.registry.pop(name)
 
     def get(self, name: str) -> LoRARequest | None:
         return self.registry.get(name)

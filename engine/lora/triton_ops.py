@@ -22,15 +22,15 @@ def _shrink_kernel(
     row = tl.program_id(0)
     ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)
+    if slot < 0:  # a base-model row: the expand kernel skips it too
+        return
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < in_features
-        x = tl.load(x_ptr + row * x_stride + cols, mask=col_ok & valid, other=0.0)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=col_ok, other=0.0)
         a_rows = slot * RANK + ranks
-        a_mask = (ranks[:, None] < RANK) & col_ok[None, :] & valid
+        a_mask = (ranks[:, None] < RANK) & col_ok[None, :]
         a = tl.load(a_ptr + a_rows[:, None] * in_features + cols[None, :], mask=a_mask, other=0.0)
         acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     tl.store(y_ptr + row * RANK + ranks, acc, mask=ranks < RANK)
@@ -45,14 +45,14 @@ def _expand_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)
-    col_ok = (cols < out_features) & valid
+    if slot < 0:
+        return
+    col_ok = cols < out_features
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, RANK, BLOCK_R):
         ranks = r0 + tl.arange(0, BLOCK_R)
         r_ok = ranks < RANK
-        y = tl.load(y_ptr + row * RANK + ranks, mask=r_ok & valid, other=0.0)
+        y = tl.load(y_ptr + row * RANK + ranks, mask=r_ok, other=0.0)
         b_offsets = cols[:, None] * (num_slots * RANK) + slot * RANK + ranks[None, :]
         b = tl.load(b_ptr + b_offsets, mask=col_ok[:, None] & r_ok[None, :], other=0.0)
         acc += tl.sum(b.to(tl.float32) * y[None, :], axis=1)
