@@ -112,7 +112,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         to_sample: list[Request] = []
-        for req, num_new in out.scheduled:
+        scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
+        for req, num_new in scheduled:
             start = req.num_computed_tokens
             end = start + num_new
             token_ids.extend(req.all_token_ids[start:end])
@@ -132,7 +133,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         if self.lora is not None:
-            self.lora.prepare([(req.lora_request, n) for req, n in out.scheduled])
+            self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
         with torch.inference_mode():
             hidden = self.model(input_ids, pos, self.kv_caches, meta)
             if not to_sample:

@@ -6,22 +6,31 @@ delta). One call covers every adapter of the step, so requests of different adap
 the base model share a batch, and no weight is ever merged.
 
 Layouts (the slot buffers of :class:`engine.lora.manager.LoRAManager`): ``a`` is
-``[num_slots, rank, in]`` and ``b`` is ``[out, num_slots, rank]``, both contiguous, so that
-``a`` viewed as ``[num_slots * rank, in]`` and ``b`` as ``[out, num_slots * rank]`` are the
-stacked adapters with no copy. On CUDA :func:`lora_delta` runs the Triton kernels of
-:mod:`engine.lora.triton_ops`; elsewhere :func:`lora_delta_ref`.
+``[num_slots, rank, in]`` and ``b`` is ``[num_slots, out, rank]``. On CUDA :func:`lora_delta`
+runs the Triton kernels of :mod:`engine.lora.triton_ops` (one gather per row); elsewhere
+:func:`lora_delta_ref`, which works on *segments*: the runner orders a step's requests so that
+rows of one adapter are contiguous, and each segment is two small matmuls on views (no gather,
+no copy, no work for base rows).
 """
 
 from __future__ import annotations
 
 import torch
 
+Segments = list[tuple[int, int, int]]  # (slot, first row, end row), slot >= 0
+PARTS_MIN_ROWS = 64  # from this many rows a fused projection's parts expand one by one
 
-def slot_mask(slots: torch.Tensor, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[T, num_slots * rank]``: 1 in the columns of row ``t``'s slot, 0 elsewhere (and on
-    every column of a base row)."""
-    own = slots[:, None] == torch.arange(num_slots, device=slots.device)[None, :]
-    return own.to(dtype).repeat_interleave(rank, dim=1)
+
+def segments_of(slots: list[int]) -> Segments:
+    """Runs of equal slots (base rows, slot -1, left out)."""
+    out: Segments = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            if slots[start] >= 0:
+                out.append((slots[start], start, i))
+            start = i
+    return out
 
 
 def lora_delta_ref(
@@ -30,20 +39,28 @@ def lora_delta_ref(
     b: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    segments: Segments | None = None,
+    parts: list[tuple[int, int]] | None = None,
 ) -> None:
     """Add every row's LoRA delta to ``out`` in place (the PyTorch reference).
 
-    Two dense matmuls whatever the number of adapters: shrink through *all* slots at once,
-    zero the columns that are not the row's own slot (``mask``, from :func:`slot_mask`; built
-    here when not given), expand through all slots. The wasted columns cost little next to the
-    base projection at LoRA ranks, and the step pays no per-adapter Python loop.
+    ``segments`` (from :func:`segments_of`) may be given when the caller already has them;
+    any row order is correct, contiguous adapters only make fewer, larger matmuls. ``parts``
+    are the output ranges of a fused projection whose B is block-diagonal (part ``i`` reads
+    rank columns ``i * rank / len(parts)`` onward): each is expanded alone, skipping the zeros.
     """
-    num_slots, rank, in_features = a.shape
-    if mask is None:
-        mask = slot_mask(slots, num_slots, rank, x.dtype)
-    shrunk = torch.mm(x, a.view(num_slots * rank, in_features).t()).mul_(mask)
-    out.addmm_(shrunk, b.view(b.shape[0], num_slots * rank).t())
+    if segments is None:
+        segments = segments_of(slots.tolist())
+    width = a.shape[1] // len(parts) if parts else 0
+    for slot, first, end in segments:
+        shrunk = torch.mm(x[first:end], a[slot].t())
+        # Few rows: one matmul through the zeros beats several tiny ones (call overhead).
+        if not parts or len(parts) == 1 or end - first < PARTS_MIN_ROWS:
+            out[first:end].addmm_(shrunk, b[slot].t())
+            continue
+        for i, (lo, hi) in enumerate(parts):
+            cols = slice(i * width, (i + 1) * width)
+            out[first:end, lo:hi].addmm_(shrunk[:, cols], b[slot, lo:hi, cols].t())
 
 
 def lora_delta(
@@ -52,7 +69,8 @@ def lora_delta(
     b: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    segments: Segments | None = None,
+    parts: list[tuple[int, int]] | None = None,
 ) -> None:
     """:func:`lora_delta_ref`'s result, by the Triton kernels when ``x`` is on CUDA."""
     if x.is_cuda:
@@ -60,4 +78,4 @@ def lora_delta(
 
         lora_delta_triton(x, a, b, slots, out)
     else:
-        lora_delta_ref(x, a, b, slots, out, mask)
+        lora_delta_ref(x, a, b, slots, out, segments, parts)

@@ -39,7 +39,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, slots_ptr, out_ptr,
-    out_stride, out_features, num_slots,
+    out_stride, out_features,
     RANK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -53,7 +53,7 @@ def _expand_kernel(
         ranks = r0 + tl.arange(0, BLOCK_R)
         r_ok = ranks < RANK
         y = tl.load(y_ptr + row * RANK + ranks, mask=r_ok, other=0.0)
-        b_offsets = cols[:, None] * (num_slots * RANK) + slot * RANK + ranks[None, :]
+        b_offsets = (slot * out_features + cols[:, None]) * RANK + ranks[None, :]
         b = tl.load(b_ptr + b_offsets, mask=col_ok[:, None] & r_ok[None, :], other=0.0)
         acc += tl.sum(b.to(tl.float32) * y[None, :], axis=1)
     dst = out_ptr + row * out_stride + cols
@@ -67,11 +67,11 @@ def lora_delta_triton(
     b: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    segments: object = None,
 ) -> None:
-    """Add each row's LoRA delta into ``out`` (``mask`` is the reference's; unused here)."""
+    """Add each row's LoRA delta into ``out`` (``segments`` is the reference's; unused)."""
     tokens, in_features = x.shape
-    num_slots, rank, _ = a.shape
+    rank = a.shape[1]
     if tokens == 0:
         return
     if x.stride(1) != 1:
@@ -85,6 +85,6 @@ def lora_delta_triton(
     out_features = out.shape[1]
     block_n = 64
     _expand_kernel[(tokens, triton.cdiv(out_features, block_n))](
-        shrunk, b, slots, out, out.stride(0), out_features, num_slots,
+        shrunk, b, slots, out, out.stride(0), out_features,
         RANK=rank, BLOCK_N=block_n, BLOCK_R=min(triton.next_power_of_2(rank), 32),
     )  # fmt: skip

@@ -27,7 +27,7 @@ def run_case(case: tuple, dtype: torch.dtype, seed: int) -> float:
     torch.manual_seed(seed)
     x = torch.randn(tokens, in_features).to(dtype)
     a = torch.randn(num_slots, rank, in_features).to(dtype)
-    b = torch.randn(out_features, num_slots, rank).to(dtype)
+    b = torch.randn(num_slots, out_features, rank).to(dtype)
     slots = torch.tensor(rows, dtype=torch.int64)
     base = torch.randn(tokens, out_features).to(dtype)
     out_ref, out_tri = base.clone(), base.clone()
