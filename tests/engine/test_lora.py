@@ -20,8 +20,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRAError, LoRARequest
 from engine.model_loader import load_model
-from engine.registry import ModelSource
 from engine.sampling_params import SamplingParams
+from portico.registry import ModelSource
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,8 +15,8 @@ from lora_adapters import make_adapter, merged_greedy
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
-from engine.registry import ModelSource
 from engine.sampling_params import SamplingParams
+from portico.registry import ModelSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
