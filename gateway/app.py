@@ -34,8 +34,10 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.dataplane.adapter_admin import build_adapter_router
+from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.engine_metrics import scrape_engines
-from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.fields import RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, upstream_body
@@ -47,7 +49,7 @@ from gateway.dataplane.request_context import (
     RequestContextMiddleware,
 )
 from gateway.dataplane.retry import RetryPolicy, load_retry_policy
-from gateway.dataplane.routing import Router, load_routing_policy
+from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.dataplane.transport import LeanTransport
 from gateway.identity.admin import build_admin_router
@@ -55,7 +57,7 @@ from gateway.identity.auth import Identity, open_identity
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.tls import AdminClientCertGuard
-from portico.errors import AuthenticationError, ServiceUnavailableError
+from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
@@ -84,6 +86,7 @@ class Gateway:
     runtime_dir: Path | None = None
     usage: UsageRecorder | None = None
     limiter_pipe: RedisPipe | None = None
+    adapters: AdapterCatalog | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _own_runtime_dir: tempfile.TemporaryDirectory[str] | None = None
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
@@ -148,15 +151,27 @@ class Gateway:
         ctx.tenant = principal.tenant_id
         raw = await request.body()
         fields = parse_fields(raw, kind)
-        decision = self.router.route(fields, principal)  # type: ignore[union-attr]  # 403 / 404
+        adapter = self.adapters.resolve(fields.model, principal) if self.adapters else None
+        avoid: tuple[Replica, ...] = ()
+        if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
+            decision = self._adapter_decision(adapter, fields, principal)
+            upstream, base = self.upstreams[adapter.base_model], adapter.base_model
+            avoid = self.adapters.lacking(adapter)  # type: ignore[union-attr]
+        else:  # another tenant's private adapter lands here too: the same 404 as no model
+            decision = self.router.route(fields, principal)  # type: ignore[union-attr]
+            upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
-        upstream = self.upstreams[decision.model]
-        prompt_tokens = self.counter.count(decision.model, fields)
+        prompt_tokens = self.counter.count(base, fields)
         ticket = await self.admit(principal, decision.model, prompt_tokens, fields.max_tokens)
         try:
             payload = upstream_body(raw, fields, decision.model, principal.cache_salt)
             exchange: Exchange = await upstream.exchange(
-                path, payload, fields, ctx.request_id, decision.prefix_key
+                path,
+                payload,
+                fields,
+                ctx.request_id,
+                decision.prefix_key,
+                *([avoid] if avoid else []),
             )
         except BaseException:
             await self.admission.release(ticket)  # type: ignore[union-attr]
@@ -182,6 +197,18 @@ class Gateway:
             (b"x-accel-buffering", b"no"),
         ]
         return RelayResponse(exchange, raw_headers, finish)
+
+    def _adapter_decision(
+        self, adapter: Adapter, fields: RequestFields, principal: Principal
+    ) -> RouteDecision:
+        if not adapter.allowed_for(principal):
+            raise PermissionDeniedError(
+                f"Your plan does not allow the model '{adapter.name}'.",
+                param="model",
+                code="model_not_allowed",
+            )
+        prefix = self.router.prefix_key(fields)  # type: ignore[union-attr]
+        return RouteDecision("direct", adapter.name, f"adapter:{adapter.base_model}", prefix)
 
     async def admit(
         self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
@@ -220,7 +247,15 @@ class Gateway:
         principal = await self.authenticate(request)
         request.scope[CTX_KEY].tenant = principal.tenant_id
         names = self.router.visible_models(principal)  # type: ignore[union-attr]
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names]
+        data: list[dict[str, Any]] = [
+            {"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names
+        ]
+        for a in self.adapters.visible(principal) if self.adapters else ():
+            owner = "portico" if a.tenant_id is None else a.tenant_id
+            data.append(
+                {"id": a.name, "object": "model", "created": 0, "owned_by": owner,
+                 "parent": a.base_model}
+            )  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ start / stop
@@ -256,9 +291,7 @@ class Gateway:
             backoff_base_s=config.supervisor.backoff_base_s,
             backoff_max_s=config.supervisor.backoff_max_s,
             stable_after_s=config.supervisor.stable_after_s,
-            on_state=lambda p: self.metrics.engine_up.labels(p.name).set(
-                1 if p.state == "ready" else 0
-            ),
+            on_state=self._on_engine_state,
             on_restart=lambda p: self.metrics.engine_restarts.labels(p.name).inc(),
         )
         for pool in self.pools:
@@ -268,6 +301,10 @@ class Gateway:
             self._load_tokenizers(), self.supervisor.start(ready_timeout=timeout)
         )
         self.counter = PromptCounter(tokenizers)
+        reserved = {*self.upstreams, *routing.aliases, "auto"}
+        pools = {p.name: p for p in self.pools}
+        self.adapters = AdapterCatalog(self.identity.redis, pools, reserved)
+        await self.adapters.load()
         if not all_ready:
             log.error("not every engine became ready in %.0f s; serving what is up", timeout)
         # Everything loaded so far lives as long as the process: keep the cyclic collector from
@@ -323,6 +360,15 @@ class Gateway:
             self.pools.append(pool)
             self.upstreams[spec.name] = LocalUpstream(pool, retry, self.metrics)
         return processes
+
+    def _on_engine_state(self, process: EngineProcess) -> None:
+        ready = process.state == "ready"
+        self.metrics.engine_up.labels(process.name).set(1 if ready else 0)
+        if self.adapters is not None:  # a restarted engine gets the pool's adapters again
+            pool = process.name.rsplit("-", 1)[0]
+            task = self.adapters.replica_changed(pool, process.replica, ready)
+            if task is not None:
+                self._tasks.append(task)
 
     def _count_ejection(self, replica: Replica) -> None:
         pool = replica.name.rsplit("-", 1)[0]
@@ -382,6 +428,15 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
             assert gw.identity is not None and gw.guard is not None
             app.include_router(
                 build_admin_router(
+                    gw.identity.store,
+                    gw.identity.authenticator,
+                    before_auth=gw.guard.admin_dependency,
+                )
+            )
+            assert gw.adapters is not None
+            app.include_router(
+                build_adapter_router(
+                    gw.adapters,
                     gw.identity.store,
                     gw.identity.authenticator,
                     before_auth=gw.guard.admin_dependency,

@@ -165,8 +165,8 @@ class LoRAManager:
         wanted = {lora.lora_int_id: lora for lora, _ in rows if lora is not None}
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"{len(wanted)} adapters in one step; max_loras {self.max_loras}")
-        for lora in wanted.values():
-            self._ensure_slot(lora, wanted)
+        for wanted_lora in wanted.values():
+            self._ensure_slot(wanted_lora, wanted)
         slot_ids: list[int] = []
         for lora, num_tokens in rows:
             slot = -1 if lora is None else self._slot_of[lora.lora_int_id]

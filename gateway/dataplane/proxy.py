@@ -168,8 +168,10 @@ class LocalUpstream:
         fields: RequestFields,
         request_id: str,
         prefix_key: bytes | None,
+        avoid: tuple[Replica, ...] = (),
     ) -> Exchange:
-        """Send until an answer's first byte is ready or the policy gives up."""
+        """Send until an answer's first byte is ready or the policy gives up; replicas in
+        ``avoid`` (e.g. not holding the request's adapter) are picked only when no other can."""
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
         headers = {"content-type": "application/json", "x-request-id": request_id}
@@ -180,7 +182,11 @@ class LocalUpstream:
         last_answer: Exchange | None = None
         while True:
             attempt += 1
-            replica = self.pool.pick(prefix_key, tried) or self.pool.pick(prefix_key)
+            replica = (
+                (avoid and self.pool.pick(prefix_key, tried + avoid))
+                or self.pool.pick(prefix_key, tried)
+                or self.pool.pick(prefix_key)
+            )
             if replica is not None:
                 started = time.monotonic()
                 replica.outstanding += 1
