@@ -34,6 +34,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    lora_request: Any = None
 
 
 @dataclass
@@ -122,6 +123,7 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its output stream. ValueError on bad input."""
         if self._loop is None:
@@ -134,7 +136,12 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         arrival = time.monotonic()
         self._streams[request_id] = (queue, arrival)
-        self._send(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt, arrival))
+        self._send(
+            _Add(
+                request_id, list(prompt_token_ids), params, priority, cache_salt, arrival,
+                lora_request,
+            )
+        )  # fmt: skip
         return self._stream(request_id, queue)
 
     async def abort(self, request_id: str) -> None:
@@ -207,6 +214,7 @@ class AsyncLLMEngine:
                         priority=cmd.priority,
                         cache_salt=cmd.cache_salt,
                         arrival_time=cmd.arrival_time,
+                        lora_request=cmd.lora_request,
                     )
                 except ValueError as exc:  # validated before queueing; kept for safety
                     self._call_soon(self._put, cmd.request_id, exc)

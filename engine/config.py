@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from dataclasses import dataclass, fields
@@ -71,6 +72,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
     seed: int = 0
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
+    # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1  # adapters one step can mix (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded in memory (LRU); None: max_loras
+    allow_runtime_lora_updating: bool = False  # or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -94,6 +102,30 @@ class EngineConfig:
         if self.gpu_memory_utilization == 0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1], got 0")
         parse_memory(self.kv_cache_memory)
+        _check_int("--max-loras", self.max_loras, 1)
+        _check_int("--max-lora-rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is not None:
+            _check_int("--max-cpu-loras", self.max_cpu_loras, 1)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras "
+                    f"({self.max_loras})"
+                )
+        self.lora_modules = tuple(self.lora_modules or ())
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        names = [m.name for m in self.lora_module_specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must be unique, got {names}")
+
+    @property
+    def lora_module_specs(self) -> list[LoRAModuleSpec]:
+        """``--lora-modules`` parsed (ValueError naming the flag on a bad entry)."""
+        return [LoRAModuleSpec.parse(text) for text in self.lora_modules]
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def kv_cache_memory_bytes(self) -> int:
@@ -143,6 +175,30 @@ class EngineConfig:
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="fix the number of KV blocks")  # fmt: skip
+        lora = parser.add_argument_group("LoRA adapters")
+        lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+        lora.add_argument(
+            "--lora-modules",
+            nargs="+",
+            default=(),
+            metavar="NAME=PATH",
+            help='adapters to serve: name=path or JSON {"name","path","base_model_name"}',
+        )
+        lora.add_argument("--max-loras", type=int, default=d.max_loras,
+                          help="adapters one batch can mix")  # fmt: skip
+        lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+        lora.add_argument(
+            "--max-cpu-loras",
+            type=int,
+            default=None,
+            help="adapters kept in memory, LRU beyond (default: --max-loras)",
+        )
+        lora.add_argument(
+            "--allow-runtime-lora-updating",
+            action="store_true",
+            help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+            "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -151,6 +207,33 @@ class EngineConfig:
             f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
         }
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class LoRAModuleSpec:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON object."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModuleSpec:
+        if text.lstrip().startswith("{"):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules: invalid JSON {text!r}: {exc}") from None
+            if not isinstance(obj, dict) or not all(
+                isinstance(obj.get(k), str) and obj.get(k) for k in ("name", "path")
+            ):
+                raise ValueError(f'--lora-modules JSON needs "name" and "path" strings: {text!r}')
+            base = obj.get("base_model_name")
+            return cls(obj["name"], obj["path"], base if isinstance(base, str) else None)
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entries are name=path, got {text!r}")
+        return cls(name, path)
 
 
 def _check_choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
 _SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
+_LORA_TAG = b"lora\x00"  # the adapter's KV differs from the base model's for equal tokens
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -84,6 +85,8 @@ class KVCacheManager:
             extra = b""
             if i == 0 and request.cache_salt is not None:
                 extra = _SALT_TAG + request.cache_salt.encode()
+            if i == 0 and request.lora_request is not None:
+                extra += _LORA_TAG + str(request.lora_request.lora_int_id).encode()
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

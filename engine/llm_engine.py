@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora import LoRARequest
+from engine.lora.manager import LoRAManager
 from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
 from engine.model_runner import ModelRunner, num_kv_blocks
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -101,6 +103,17 @@ class LLMEngine:
             num_cpu_blocks=self.runner.num_cpu_blocks,
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                loaded.model, loaded.config,
+                max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.cpu_lora_capacity, device=loaded.device,
+                dtype=loaded.dtype, base_model_name=config.model_name,
+            )  # fmt: skip
+            self.runner.lora = self.lora
+            for spec in config.lora_module_specs:
+                self.lora.register(spec.name, spec.path, spec.base_model_name)
         self._parents: dict[str, _Parent] = {}
         self._completions: dict[str, tuple[_Parent, _Completion]] = {}
         self._counters: dict[str, int] = dict.fromkeys(
@@ -159,8 +172,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (``n`` children). ValueError on bad input; nothing allocated then."""
+        """Queue a request (``n`` children). ValueError on bad input; nothing allocated then.
+
+        ``lora_request`` (from :attr:`lora`'s registry) runs it with that adapter."""
+        if lora_request is not None and self.lora is None:
+            raise ParameterError("model", "this engine was started without --enable-lora")
         self.check_request(prompt_token_ids, params)
         if request_id in self._parents:
             raise ParameterError("request_id", f"request_id {request_id!r} is already running")
@@ -180,6 +198,7 @@ class LLMEngine:
             req = Request(
                 child_id, prompt, child_params,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                lora_request=lora_request,
             )  # fmt: skip
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -376,7 +395,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
+        running, waiting = self.scheduler.lora_names()
         return EngineStats(
+            running_lora_adapters=running,
+            waiting_lora_adapters=waiting,
+            max_lora=self.config.max_loras if self.lora is not None else 0,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             num_swapped=s.num_swapped,

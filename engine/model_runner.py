@@ -18,6 +18,7 @@ from engine.model_loader import LoadedModel
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.lora.manager import LoRAManager
     from engine.request import Request
     from engine.scheduler import SchedulerOutput
 
@@ -64,6 +65,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = engine_config.block_size
         self.num_gpu_blocks = num_gpu_blocks
+        self.lora: LoRAManager | None = None  # set by the engine with --enable-lora
         cfg = loaded.config
         shape = (2, num_gpu_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
@@ -101,7 +103,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         to_sample: list[Request] = []
-        for req, num_new in out.scheduled:
+        scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
+        for req, num_new in scheduled:
             start = req.num_computed_tokens
             end = start + num_new
             token_ids.extend(req.all_token_ids[start:end])
@@ -120,6 +123,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        if self.lora is not None:
+            self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
         with torch.inference_mode():
             hidden = self.model(input_ids, pos, self.kv_caches, meta)
             if not to_sample:

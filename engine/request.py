@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,6 +47,7 @@ class Request:
         "arrival_time",
         "priority",
         "cache_salt",
+        "lora_request",
         "all_token_ids",
         "output_token_ids",
         "status",
@@ -66,6 +71,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -73,6 +79,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # None: the base model
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING

@@ -176,6 +176,9 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests, in (priority, arrival) order, unless this step preempted.
+        # A request whose adapter would exceed --max-loras waits (set aside, put back below).
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        set_aside: list[tuple[int, float, int, Request]] = []
         while (
             not out.num_preempted
             and self.waiting
@@ -183,6 +186,11 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0][-1]
+            lora = req.lora_request
+            if lora is not None and lora.lora_int_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    set_aside.append(heapq.heappop(self.waiting))
+                    continue
             if req.status == RequestStatus.SWAPPED:
                 num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
                 pairs = self.kv.swap_in(req, num_new) if num_new else None
@@ -200,10 +208,14 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                     req.num_cached_tokens = num_hit_tokens
             heapq.heappop(self.waiting)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=self._order_of)
             (decodes if num_new == 1 else prefills).append((req, num_new))
             budget -= num_new
+        for item in set_aside:
+            heapq.heappush(self.waiting, item)
 
         out.scheduled = decodes + prefills
         out.block_tables = {r.request_id: r.block_ids for r, _ in out.scheduled}
@@ -310,6 +322,12 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[req.request_id]
         del self._order[req.request_id]
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Adapter names of the running and of the waiting requests, sorted (metrics)."""
+        running = {r.lora_request.name for r in self.running if r.lora_request}
+        waiting = {r.lora_request.name for *_, r in self.waiting if r.lora_request}
+        return tuple(sorted(running)), tuple(sorted(waiting))
 
     @property
     def stats(self) -> SchedulerStats:

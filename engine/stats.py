@@ -40,3 +40,7 @@ class EngineStats:
     finished_stop: int = 0
     finished_length: int = 0
     finished_abort: int = 0
+    # LoRA (vLLM's lora_requests_info): adapter names of running / waiting requests
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0

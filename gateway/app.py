@@ -35,9 +35,11 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.dataplane.adapter_admin import build_adapter_router
+from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.engine_metrics import scrape_engines
-from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.fields import RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import (
@@ -55,7 +57,7 @@ from gateway.dataplane.request_context import (
     RequestContextMiddleware,
 )
 from gateway.dataplane.retry import RetryPolicy, load_retry_policy
-from gateway.dataplane.routing import Router, load_routing_policy
+from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.dataplane.transport import LeanTransport
 from gateway.identity.admin import build_admin_router
@@ -64,7 +66,7 @@ from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tls import AdminClientCertGuard
-from portico.errors import AuthenticationError, ServiceUnavailableError
+from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
@@ -94,8 +96,10 @@ class Gateway:
     upstreams: Mapping[str, Upstream]  # model -> local engine pool or remote provider
     pools: list[Pool]
     supervisor: Supervisor
+    adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
     usage: UsageRecorder
     runtime_dir: Path
+    _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
     draining: bool = False
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
@@ -148,7 +152,17 @@ class Gateway:
                 set(upstreams),
                 strict=config.policies_dir.resolve() != PACKAGED_POLICIES,
             )
-            supervisor = _supervisor(local.processes, config, metrics)
+            # The adapter catalog is read before the engines start: each engine that becomes
+            # ready gets its pool's adapters (the supervisor's on_state).
+            adapters = AdapterCatalog(
+                redis.client,
+                {p.name: p for p in local.pools},
+                {*upstreams, *routing.aliases, "auto"},
+            )
+            await adapters.load()
+            engine_tasks: list[asyncio.Task[None]] = []
+            stack.push_async_callback(_cancel, engine_tasks)
+            supervisor = _supervisor(local.processes, config, metrics, adapters, engine_tasks)
             for discovery in local.discoveries:  # closes the clients of what it found
                 stack.push_async_callback(discovery.aclose)
             await asyncio.gather(*(d.refresh() for d in local.discoveries))
@@ -175,6 +189,8 @@ class Gateway:
                 upstreams=upstreams,
                 pools=local.pools,
                 supervisor=supervisor,
+                adapters=adapters,
+                _engine_tasks=engine_tasks,
                 usage=usage,
                 runtime_dir=runtime_dir,
                 _resources=stack.pop_all(),
@@ -245,15 +261,22 @@ class Gateway:
         ctx.tenant = principal.tenant_id
         raw = await request.body()
         fields = parse_fields(raw, kind)
-        decision = self.router.route(fields, principal)  # 403 / 404
+        adapter = self.adapters.resolve(fields.model, principal)
+        avoid: tuple[Replica, ...] = ()
+        if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
+            decision = self._adapter_decision(adapter, fields, principal)
+            upstream, base = self.upstreams[adapter.base_model], adapter.base_model
+            avoid = self.adapters.lacking(adapter)
+        else:  # another tenant's private adapter lands here too: the same 404 as no model
+            decision = self.router.route(fields, principal)
+            upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
-        upstream = self.upstreams[decision.model]
-        prompt_tokens = self.counter.count(decision.model, fields)
+        prompt_tokens = self.counter.count(base, fields)
         ticket = await self.admit(principal, decision.model, prompt_tokens, fields.max_tokens)
         try:
             payload = upstream_body(raw, fields, decision.model, principal.cache_salt)
             exchange: Exchange = await upstream.exchange(
-                path, payload, fields, ctx.request_id, decision.prefix_key
+                path, payload, fields, ctx.request_id, decision.prefix_key, avoid
             )
         except BaseException:
             await self.admission.release(ticket)
@@ -279,6 +302,18 @@ class Gateway:
             (b"x-accel-buffering", b"no"),
         ]
         return RelayResponse(exchange, raw_headers, finish)
+
+    def _adapter_decision(
+        self, adapter: Adapter, fields: RequestFields, principal: Principal
+    ) -> RouteDecision:
+        if not adapter.allowed_for(principal):
+            raise PermissionDeniedError(
+                f"Your plan does not allow the model '{adapter.name}'.",
+                param="model",
+                code="model_not_allowed",
+            )
+        prefix = self.router.prefix_key(fields)  # type: ignore[union-attr]
+        return RouteDecision("direct", adapter.name, f"adapter:{adapter.base_model}", prefix)
 
     async def admit(
         self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
@@ -314,7 +349,15 @@ class Gateway:
         principal = await self.authenticate(request)
         request.scope[CTX_KEY].tenant = principal.tenant_id
         names = self.router.visible_models(principal)
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names]
+        data: list[dict[str, Any]] = [
+            {"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names
+        ]
+        for a in self.adapters.visible(principal):
+            owner = "portico" if a.tenant_id is None else a.tenant_id
+            data.append(
+                {"id": a.name, "object": "model", "created": 0, "owned_by": owner,
+                 "parent": a.base_model}
+            )  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
 
@@ -396,14 +439,28 @@ def _engine_command(spec: EngineSpec, name: str, uds: Path) -> list[str]:
 
 
 def _supervisor(
-    processes: list[EngineProcess], config: GatewayConfig, metrics: GatewayMetrics
+    processes: list[EngineProcess],
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    adapters: AdapterCatalog,
+    tasks: list[asyncio.Task[None]],
 ) -> Supervisor:
+    def on_state(process: EngineProcess) -> None:
+        ready = process.state == "ready"
+        metrics.engine_up.labels(process.name).set(1 if ready else 0)
+        # a (re)started engine holds no adapter: it gets its pool's adapters again
+        pool = process.name.rsplit("-", 1)[0]
+        task = adapters.replica_changed(pool, process.replica, ready)
+        if task is not None:
+            tasks[:] = [t for t in tasks if not t.done()]
+            tasks.append(task)
+
     return Supervisor(
         processes,
         backoff_base_s=config.supervisor.backoff_base_s,
         backoff_max_s=config.supervisor.backoff_max_s,
         stable_after_s=config.supervisor.stable_after_s,
-        on_state=lambda p: metrics.engine_up.labels(p.name).set(1 if p.state == "ready" else 0),
+        on_state=on_state,
         on_restart=lambda p: metrics.engine_restarts.labels(p.name).inc(),
     )
 
@@ -503,6 +560,14 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
     app.state.gateway = gateway
     app.include_router(
         build_admin_router(
+            gateway.identity.store,
+            gateway.identity.authenticator,
+            before_auth=gateway.guard.admin_dependency,
+        )
+    )
+    app.include_router(
+        build_adapter_router(
+            gateway.adapters,
             gateway.identity.store,
             gateway.identity.authenticator,
             before_auth=gateway.guard.admin_dependency,

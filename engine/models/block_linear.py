@@ -13,6 +13,7 @@ dequantized from, so both paths compute the same model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRALinear
 
 # Rows up to which the block kernel beats the dense matmul on the CPUs measured (AMX bf16):
 # measured with load/forward_bench.py, see docs/engine-benchmark.md.
@@ -132,8 +136,13 @@ class BlockLinear(nn.Linear):
 
     blocks: GGUFBlocks | None = None
     packed: torch.Tensor | None = None
+    lora: LoRALinear | None = None  # set by engine.lora.manager.LoRAManager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is None and self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return block_matmul(x, self.weight, self.blocks, self.bias, self.packed)
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = block_matmul(x, self.weight, self.blocks, self.bias, self.packed)
+        if self.lora is not None:  # each row's adapter delta, on top of whichever base path ran
+            self.lora.add_delta(x, out)
+        return out

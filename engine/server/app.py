@@ -22,6 +22,7 @@ from engine.server import metrics as metrics_module
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.drain import DrainMiddleware, DrainState
 from engine.server.engine_requests import ClientDisconnected
+from engine.server.lora_routes import add_lora_routes, runtime_updates_allowed
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
     CHAT_UNSUPPORTED,
@@ -144,7 +145,19 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                     "root": str(getattr(engine.config, "model", name)),
                     "parent": None,
                     "max_model_len": serving.max_model_len,
-                }
+                },
+                *(
+                    {
+                        "id": lora.name,
+                        "object": "model",
+                        "created": started_at,
+                        "owned_by": "portico",
+                        "root": lora.path,
+                        "parent": name,
+                        "max_model_len": serving.max_model_len,
+                    }
+                    for lora in list(serving.lora.registry.values() if serving.lora else ())
+                ),
             ],
         }
 
@@ -199,6 +212,10 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             serving.check_model(req.model)
         serving.check_token_ids(req.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(req.tokens)}
+
+    lora_flag = bool(getattr(engine.config, "allow_runtime_lora_updating", False))
+    if serving.lora is not None and runtime_updates_allowed(lora_flag):
+        add_lora_routes(app, serving.lora)
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(DrainMiddleware, state=drain)

@@ -153,6 +153,21 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(labels, float(value))
             yield counter
+        if stats.max_lora:  # vLLM's info gauge: the value is the time, the labels the adapters
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            info.add_metric(
+                [
+                    str(stats.max_lora),
+                    ",".join(stats.running_lora_adapters),
+                    ",".join(stats.waiting_lora_adapters),
+                ],
+                time.time(),
+            )
+            yield info
 
 
 class ServerMetrics:

@@ -329,3 +329,18 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         return f"Invalid type for '{param}'.", param  # every branch of a union refused it
     msg = str(first["msg"]).removeprefix("Value error, ")
     return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/load_lora_adapter``, vLLM's shape."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """``POST /v1/unload_lora_adapter``, vLLM's shape (``lora_int_id`` accepted, unused)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: int | None = None

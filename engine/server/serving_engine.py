@@ -13,6 +13,8 @@ import uuid
 from typing import Any
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.lora import LoRARequest
+from engine.lora.manager import LoRAManager
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.engine_requests import EngineRequest
@@ -50,6 +52,7 @@ class OpenAIServing:
         self.vocab_size = int(engine.model_config.vocab_size)  # rows of the embedding
         self._token_text: dict[int, str] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.lora: LoRAManager | None = getattr(engine.engine, "lora", None)
 
     # ------------------------------------------------------------------ validation
 
@@ -61,12 +64,17 @@ class OpenAIServing:
                 "stream_options can only be given when stream is true.", param="stream_options"
             )
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str) -> LoRARequest | None:
+        """The adapter ``name`` names (None: the base model), or 404 for an unknown model."""
+        if name == self.model_name:
+            return None
+        lora = self.lora.get(name) if self.lora is not None else None
+        if lora is None:
             raise NotFoundError(
                 f"The model '{name}' does not exist. This server serves '{self.model_name}'.",
                 param="model",
             )
+        return lora
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         for token in ids:
@@ -182,6 +190,7 @@ class OpenAIServing:
                 params,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                lora_request=self.check_model(req.model),
             )
         except EngineDeadError:
             raise ServiceUnavailableError("The engine is not running.") from None

@@ -165,6 +165,7 @@ class Upstream(Protocol):
         fields: RequestFields,
         request_id: str,
         prefix_key: bytes | None,
+        avoid: tuple[Replica, ...] = (),  # replicas to pick last (e.g. lacking an adapter)
     ) -> Exchange: ...
 
 
@@ -183,8 +184,10 @@ class LocalUpstream:
         fields: RequestFields,
         request_id: str,
         prefix_key: bytes | None,
+        avoid: tuple[Replica, ...] = (),
     ) -> Exchange:
-        """Send until an answer's first byte is ready or the policy gives up."""
+        """Send until an answer's first byte is ready or the policy gives up; replicas in
+        ``avoid`` (e.g. not holding the request's adapter) are picked only when no other can."""
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
         headers = {"content-type": "application/json", "x-request-id": request_id}
@@ -195,7 +198,11 @@ class LocalUpstream:
         last_answer: Exchange | None = None
         while True:
             attempt += 1
-            replica = self.pool.pick(prefix_key, tried) or self.pool.pick(prefix_key)
+            replica = (
+                (avoid and self.pool.pick(prefix_key, tried + avoid))
+                or self.pool.pick(prefix_key, tried)
+                or self.pool.pick(prefix_key)
+            )
             if replica is not None:
                 started = time.monotonic()
                 replica.outstanding += 1

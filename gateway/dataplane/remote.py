@@ -21,6 +21,7 @@ import openai
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.dataplane.fields import RequestFields
+from gateway.dataplane.pool import Replica
 from gateway.dataplane.proxy import DONE_EVENT, Exchange, Usage, _dumps, error_event
 from gateway.dataplane.retry import RetryPolicy
 from gateway.metrics import GatewayMetrics
@@ -86,6 +87,7 @@ class RemoteUpstream:
         fields: RequestFields,
         request_id: str,
         prefix_key: bytes | None,
+        avoid: tuple[Replica, ...] = (),  # a remote provider has no replicas to avoid
     ) -> Exchange:
         started = time.monotonic()
         deadline = started + self.policy.deadline_s

@@ -144,7 +144,7 @@ class Router:
                 param="model",
                 code="model_not_allowed",
             )
-        return RouteDecision("direct", model, reason, self._prefix_key(fields))
+        return RouteDecision("direct", model, reason, self.prefix_key(fields))
 
     def features(self, fields: RequestFields) -> Features:
         text = prompt_text(fields)
@@ -188,9 +188,9 @@ class Router:
             f"max_tokens={f.max_tokens} turns={f.turns} code={f.code_blocks} "
             f"tools={f.tools} keywords={f.keywords})"
         )
-        return RouteDecision(tier.name, tier.model, reason, self._prefix_key(fields))
+        return RouteDecision(tier.name, tier.model, reason, self.prefix_key(fields))
 
-    def _prefix_key(self, fields: RequestFields) -> bytes | None:
+    def prefix_key(self, fields: RequestFields) -> bytes | None:
         if not self.policy.prefix_chars:
             return None
         text = prefix_text(fields, self.policy.prefix_chars)
