@@ -26,6 +26,8 @@ from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
+    VLLM_CHAT_UNSUPPORTED,
+    VLLM_COMPLETION_UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -126,9 +128,12 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     app.add_exception_handler(Exception, on_unexpected)
 
+    chat_unsupported = {**CHAT_UNSUPPORTED, **VLLM_CHAT_UNSUPPORTED}
+    completion_unsupported = {**COMPLETION_UNSUPPORTED, **VLLM_COMPLETION_UNSUPPORTED}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body(), CHAT_UNSUPPORTED)
+        req = parse_body(ChatCompletionRequest, await request.body(), chat_unsupported)
         try:
             return await chat.create(req, request)
         except ClientDisconnected:
@@ -136,7 +141,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body(), COMPLETION_UNSUPPORTED)
+        req = parse_body(CompletionRequest, await request.body(), completion_unsupported)
         try:
             return await completions.create(req, request)
         except ClientDisconnected:
