@@ -23,6 +23,7 @@ from engine.server.auth import ApiKeyMiddleware
 from engine.server.drain import DrainMiddleware, DrainState
 from engine.server.engine_requests import ClientDisconnected
 from engine.server.metrics import ServerMetrics
+from engine.server.openapi import openapi_document
 from engine.server.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
@@ -192,6 +193,13 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    document = openapi_document("Portico engine", __version__, name)
+
+    @app.get("/openapi.json")
+    async def openapi() -> dict[str, Any]:
+        """The contract of these routes (engine/server/openapi.py), for clients and tests."""
+        return document
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
