@@ -17,23 +17,9 @@ from engine.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from portico.errors import ERROR_SCHEMA_DOC
 
-ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
+ERROR_SCHEMA = ERROR_SCHEMA_DOC
 USAGE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],

@@ -11,20 +11,28 @@ one response: the one that creates it (create or rotate).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import date, datetime, timedelta, timezone
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, Response, Security
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, Security
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.auth import Authenticator
-from gateway.identity.tenants import KeyCreate, Tenant, TenantCreate, TenantPatch, TenantStore
-from portico.errors import ServiceUnavailableError
+from gateway.identity.tenants import (
+    KeyCreate,
+    Tenant,
+    TenantCreate,
+    TenantPatch,
+    TenantStore,
+    whole_number,
+)
+from portico.errors import ERROR_SCHEMA_DOC, InvalidRequestError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,58 @@ class KeyRotate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 0
+    grace_seconds: Annotated[int, BeforeValidator(whole_number), Field(ge=0, le=30 * 86400)] = 0
+
+
+DATE_PATTERN = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"
+# documented here, checked by _usage_date (so the 400 names the bare parameter)
+DATE_SCHEMA: dict[str, Any] = {"format": "date", "pattern": DATE_PATTERN}
+FIRST_USAGE_DATE = date(1970, 1, 1)  # before any usage the gateway can have recorded
+
+
+def _usage_date(value: str | None, param: str) -> date | None:
+    """A ``YYYY-MM-DD`` query value as a date from 1970 on, else a 400 naming ``param`` as
+    FastAPI's own validation errors name query parameters (``query.start``)."""
+    if value is None:
+        return None
+    try:
+        if not re.fullmatch(DATE_PATTERN, value):
+            raise ValueError(value)
+        day = date.fromisoformat(value)
+    except ValueError:
+        raise InvalidRequestError(
+            f"Invalid value for '{param}': {value!r} is not a calendar date (YYYY-MM-DD).",
+            param=f"query.{param}",
+        ) from None
+    if day < FIRST_USAGE_DATE:
+        raise InvalidRequestError(
+            f"Invalid value for '{param}': dates before {FIRST_USAGE_DATE} are out of range.",
+            param=f"query.{param}",
+        )
+    return day
+
+
+_REASONS = {
+    400: "bad input, naming the parameter",
+    401: "no admin credential, or a wrong one",
+    403: "a valid credential that is not an admin's",
+    404: "no such tenant or key",
+    409: "the resource already exists",
+    413: "body too large",
+    429: "too many admin requests from this address",
+    503: "the gateway's store is unavailable",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with OpenAI's error shape."""
+    return {
+        s: {
+            "description": _REASONS[s],
+            "content": {"application/json": {"schema": ERROR_SCHEMA_DOC}},
+        }
+        for s in statuses
+    }
 
 
 def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
@@ -82,6 +141,14 @@ def build_admin_router(
         """Authenticates before FastAPI reads the body, so an unauthenticated caller learns
         nothing from validation errors (401/403 always come first)."""
 
+        path_methods: frozenset[str] = frozenset()  # every method of this path, for Allow
+
+        async def handle(self, scope: Any, receive: Any, send: Any) -> None:
+            if self.methods and scope["method"] not in self.methods:
+                allow = ", ".join(sorted(self.path_methods or self.methods))
+                raise HTTPException(status_code=405, headers={"Allow": allow})
+            await super().handle(scope, receive, send)
+
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
@@ -110,6 +177,7 @@ def build_admin_router(
         tags=["admin"],
         route_class=AdminRoute,
         dependencies=[Security(HTTPBearer(auto_error=False))],
+        responses=_errors(400, 401, 403, 413, 429, 503),
     )
 
     def changed(action: str, **fields: str) -> None:
@@ -124,7 +192,7 @@ def build_admin_router(
             "data": [p.model_dump() for p in store.plans.values()],
         }
 
-    @router.post("/tenants", status_code=201)
+    @router.post("/tenants", status_code=201, responses=_errors(409))
     async def create_tenant(spec: TenantCreate) -> dict[str, Any]:
         tenant = await store.create_tenant(spec)
         changed("create tenant", tenant=tenant.id)
@@ -137,43 +205,45 @@ def build_admin_router(
             "data": [_tenant_view(store, t) for t in await store.list_tenants()],
         }
 
-    @router.get("/tenants/{tenant_id}")
+    @router.get("/tenants/{tenant_id}", responses=_errors(404))
     async def get_tenant(tenant_id: TenantIdPath) -> dict[str, Any]:
         return _tenant_view(store, await store.require_tenant(tenant_id))
 
-    @router.patch("/tenants/{tenant_id}")
+    @router.patch("/tenants/{tenant_id}", responses=_errors(404))
     async def update_tenant(tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
         tenant = await store.update_tenant(tenant_id, patch)
         changed("update tenant", tenant=tenant_id, fields=",".join(sorted(patch.model_fields_set)))
         return _tenant_view(store, tenant)
 
-    @router.delete("/tenants/{tenant_id}", status_code=204)
+    @router.delete("/tenants/{tenant_id}", status_code=204, responses=_errors(404))
     async def delete_tenant(tenant_id: TenantIdPath) -> Response:
         await store.delete_tenant(tenant_id)
         changed("delete tenant", tenant=tenant_id)
         return Response(status_code=204)
 
-    @router.post("/tenants/{tenant_id}/keys", status_code=201)
+    @router.post("/tenants/{tenant_id}/keys", status_code=201, responses=_errors(404))
     async def create_key(tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
         key, secret = await store.create_key(tenant_id, spec)
         changed("create key", tenant=tenant_id, key=key.id)
         return {**key.public(), "key": secret}
 
-    @router.get("/tenants/{tenant_id}/keys")
+    @router.get("/tenants/{tenant_id}/keys", responses=_errors(404))
     async def list_keys(tenant_id: TenantIdPath) -> dict[str, Any]:
         return {"object": "list", "data": [k.public() for k in await store.list_keys(tenant_id)]}
 
-    @router.get("/tenants/{tenant_id}/keys/{key_id}")
+    @router.get("/tenants/{tenant_id}/keys/{key_id}", responses=_errors(404))
     async def get_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
         return (await store.get_key(tenant_id, key_id)).public()
 
-    @router.post("/tenants/{tenant_id}/keys/{key_id}/revoke")
+    @router.post("/tenants/{tenant_id}/keys/{key_id}/revoke", responses=_errors(404))
     async def revoke_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
         key = await store.revoke_key(tenant_id, key_id)
         changed("revoke key", tenant=tenant_id, key=key_id)
         return key.public()
 
-    @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
+    @router.post(
+        "/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201, responses=_errors(404)
+    )
     async def rotate_key(
         tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
     ) -> dict[str, Any]:
@@ -182,25 +252,40 @@ def build_admin_router(
         changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
         return {**key.public(), "key": secret, "replaces": key_id}
 
-    @router.get("/tenants/{tenant_id}/usage")
+    @router.get("/tenants/{tenant_id}/usage", responses=_errors(404))
     async def usage(
         tenant_id: TenantIdPath,
-        start: Annotated[date | None, Query()] = None,
-        end: Annotated[date | None, Query()] = None,
+        start: Annotated[str | None, Query(json_schema_extra=DATE_SCHEMA)] = None,
+        end: Annotated[str | None, Query(json_schema_extra=DATE_SCHEMA)] = None,
     ) -> dict[str, Any]:
+        last = _usage_date(end, "end") or datetime.now(timezone.utc).date()
+        first = _usage_date(start, "start") or max(FIRST_USAGE_DATE, last - timedelta(days=29))
         await store.require_tenant(tenant_id)
-        today = datetime.now(timezone.utc).date()
-        end = end or today
-        start = start or end - timedelta(days=29)
-        return (await store.usage(tenant_id, start, end)).model_dump()
+        return (await store.usage(tenant_id, first, last)).model_dump()
 
     @router.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
-        """This API's own OpenAPI document (also part of the gateway's /openapi.json)."""
-        return get_openapi(
+        """This API's own OpenAPI document: the contract tests/hardening holds it to."""
+        document = get_openapi(
             title="Portico admin API",
             version="1",
             routes=[r for r in router.routes if getattr(r, "path", "") != "/admin/v1/openapi.json"],
         )
+        # Validation errors are 400 in OpenAI's shape (install_error_handlers), never the 422
+        # FastAPI documents by default.
+        for operations in document.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            document.get("components", {}).get("schemas", {}).pop(name, None)
+        return document
 
+    # A 405 names every method the path has, not only those of the route that matched first.
+    methods_by_path: dict[str, set[str]] = {}
+    for route in router.routes:
+        if isinstance(route, AdminRoute):
+            methods_by_path.setdefault(route.path, set()).update(route.methods or ())
+    for route in router.routes:
+        if isinstance(route, AdminRoute):
+            route.path_methods = frozenset(methods_by_path[route.path])
     return router

@@ -28,7 +28,14 @@ from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
 from redis.exceptions import WatchError
 
 from gateway.identity.principal import Limits, Principal
@@ -61,7 +68,17 @@ DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.y
 TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
 Scope = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9:._*-]{0,63}$")]
-Count = Annotated[int, Field(ge=0, le=10**15)]
+
+
+def whole_number(value: Any) -> Any:
+    """``5257552.0`` as ``5257552``: JSON Schema's ``integer`` (the admin API's document)
+    includes floats without a fractional part, and some clients write every number so."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(whole_number), Field(ge=0, le=10**15)]
 
 
 class ConflictError(APIError):
@@ -222,7 +239,9 @@ class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
-    expires_in_seconds: Annotated[int, Field(ge=1, le=10 * 365 * 86400)] | None = None
+    expires_in_seconds: (
+        Annotated[int, BeforeValidator(whole_number), Field(ge=1, le=10 * 365 * 86400)] | None
+    ) = None
     scopes: list[Scope] = Field(default_factory=lambda: ["inference"], max_length=32)
     limits: LimitsSpec | None = None
 
