@@ -95,12 +95,24 @@ class Gateway:
     # ------------------------------------------------------------------ readiness
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: not draining, every pool has a replica, and the store is up, or down under
+        a policy that still serves (``local``/``open``; under ``closed`` nothing is admitted).
+        ``redis`` in the detail is what the timed probe last found (admission.start_watch)."""
         pools = {p.name: sum(1 for r in p.replicas if r.available) for p in self.pools}
-        ready = not self.draining and self.router is not None and all(pools.values())
+        redis_up = self.admission is not None and self.admission.redis_up
+        serves_without_redis = self.config.admission.redis_down_policy != "closed"
+        ready = (
+            not self.draining
+            and self.router is not None
+            and all(pools.values())
+            and (redis_up or serves_without_redis)
+        )
         detail: dict[str, Any] = {
             "status": "ready" if ready else "not_ready",
             "draining": self.draining,
             "healthy_replicas": pools,
+            "redis": "up" if redis_up else "down",
+            "redis_down_policy": self.config.admission.redis_down_policy,
         }
         if self.supervisor is not None:
             detail["engines"] = self.supervisor.snapshot()
@@ -156,9 +168,15 @@ class Gateway:
         ctx.model, ctx.tier = decision.model, decision.tier
         upstream = self.upstreams[decision.model]
         prompt_tokens = self.counter.count(decision.model, fields)
-        ticket = await self.admit(principal, decision.model, prompt_tokens, fields.max_tokens)
+        ticket = await self.admit(
+            principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
+        )
         try:
-            payload = upstream_body(raw, fields, decision.model, principal.cache_salt)
+            if ticket.max_tokens is not None:  # the client set none: send what was reserved
+                fields.body["max_tokens"] = ticket.max_tokens
+            payload = upstream_body(
+                raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
+            )
             exchange: Exchange = await upstream.exchange(
                 path, payload, fields, ctx.request_id, decision.prefix_key
             )
@@ -188,11 +206,16 @@ class Gateway:
         return RelayResponse(exchange, raw_headers, finish)
 
     async def admit(
-        self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
+        self,
+        principal: Principal,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        num_outputs: int = 1,
     ) -> Ticket:
         try:
             return await self.admission.admit(  # type: ignore[union-attr]
-                principal, model, prompt_tokens, max_tokens
+                principal, model, prompt_tokens, max_tokens, num_outputs
             )
         except LimitExceededError as exc:
             self.metrics.rate_limited.labels(exc.limit).inc()
@@ -232,6 +255,8 @@ class Gateway:
     async def start(self, env: Mapping[str, str] | None) -> None:
         config = self.config
         self.identity = await open_identity(config.redis, config.auth, env)
+        if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
+            self.identity.authenticator.keep_outage_copy(config.auth.outage_copy_seconds)
         redis_url = self.identity.redis_url
         self.usage = UsageRecorder(self.identity.store)
         self.usage.start()
@@ -246,6 +271,7 @@ class Gateway:
         self.admission = Admission(
             self.identity.redis, config.admission, registry=self.metrics.registry, limiter=limiter
         )
+        self.admission.start_watch()
         self.guard = AbuseGuard(redis_url, config.admission.abuse, registry=self.metrics.registry)
         retry = load_retry_policy(config.policies_dir / "retry.yaml")
         routing = load_routing_policy(config.policies_dir / "routing.yaml")

@@ -142,6 +142,9 @@ class Ticket:
     _limiter: Limiter | None
     _slot_id: str
     _done: bool = False
+    # The max_tokens per completion the reservation covers when the client set none: the
+    # gateway sends it to the engine, so no completion generates more than was reserved.
+    max_tokens: int | None = None
 
     @property
     def done(self) -> bool:
@@ -199,6 +202,7 @@ class Admission:
         self._redis_up = True
         self._last_probe = 0.0
         self._probe: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
         registry = registry if registry is not None else CollectorRegistry()
         self._up_gauge = Gauge(
             "portico_admission_redis_up", "1 while admission reaches Redis", registry=registry
@@ -230,7 +234,12 @@ class Admission:
     # ----------------------------------------------------------------- the request path
 
     async def admit(
-        self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
+        self,
+        principal: Principal,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        num_outputs: int = 1,
     ) -> Ticket:
         """Admit one request or raise.
 
@@ -253,7 +262,7 @@ class Admission:
                 scope=plan.closed.scope,
                 headers={"x-should-retry": "false"},
             )
-        reserved = self._reservation(plan, prompt_tokens, max_tokens)
+        reserved, cap = self._reservation(plan, prompt_tokens, max_tokens, num_outputs)
         costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
         limiter = self._limiter_now()
         if limiter is None:
@@ -278,7 +287,7 @@ class Admission:
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
-        return Ticket(headers, reserved, plan, limiter, slot_id)
+        return Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
 
     async def settle(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
         """Settle the token reservation with the real usage and free the slot (one round trip).
@@ -297,8 +306,28 @@ class Admission:
         """
         await self._finish(ticket, None)
 
+    def start_watch(self) -> None:
+        """Probe Redis on a timer (``probe_interval_seconds``) for the life of the gateway.
+
+        The probe, not only a failing request, decides ``redis_up``: the gauge and readiness
+        follow the store's real state even when no request arrives (an alert can fire), and
+        after an outage Redis is found again before the next request, which is then judged
+        by the shared buckets, not by the local fallback it no longer needs."""
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_interval_seconds)
+            if self._probe is None:
+                self._start_probe()
+
     async def aclose(self) -> None:
-        """Stop the background Redis probe, if one runs."""
+        """Stop the background Redis probes."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
@@ -407,27 +436,35 @@ class Admission:
             self._up_gauge.set(1)
             log.warning("admission: Redis reachable again; limits are shared again")
 
-    def _reservation(self, plan: _Plan, prompt_tokens: int, max_tokens: int | None) -> int:
+    def _reservation(
+        self, plan: _Plan, prompt_tokens: int, max_tokens: int | None, num_outputs: int
+    ) -> tuple[int, int | None]:
+        """(tokens to reserve, the max_tokens the engine must be sent or None when the client
+        set one). Every completion the request asks for (``num_outputs``) is reserved."""
         tpm = plan.min_tokens_per_minute
+        cap: int | None = None
         if max_tokens is None:
             # The plan's default cap, lowered so that a request that fits the tokens/min limit
             # with its prompt is never refused for a completion size the client did not ask for.
-            caps = [] if tpm is None else [tpm - prompt_tokens]
+            caps = [] if tpm is None else [(tpm - prompt_tokens) // num_outputs]
             if plan.max_tokens_default is not None:
                 caps.append(plan.max_tokens_default)
-            max_tokens = max(0, min(caps)) if caps else 0
-        reserved = prompt_tokens + max_tokens
+            if caps:
+                cap = max(1, min(caps))
+            max_tokens = cap or 0
+        reserved = prompt_tokens + max_tokens * num_outputs
         if tpm is not None and reserved > tpm:
             self._rejected.labels("request", "tokens_per_minute").inc()
+            outputs = f" x {num_outputs} completions" if num_outputs > 1 else ""
             raise LimitExceededError(
                 f"Request too large: it needs {reserved} tokens ({prompt_tokens} prompt + "
-                f"{max_tokens} max_tokens) and the tokens_per_minute limit is {tpm}. "
-                "Shorten the prompt or lower max_tokens.",
+                f"{max_tokens} max_tokens{outputs}) and the tokens_per_minute limit is {tpm}. "
+                "Shorten the prompt or lower max_tokens or n.",
                 limit="tokens_per_minute",
                 scope="request",
                 headers={"x-should-retry": "false"},
             )
-        return reserved
+        return reserved, cap
 
     def _refuse(
         self, plan: _Plan, decision: Decision, costs: list[int], headers: dict[str, str]

@@ -94,19 +94,20 @@ class HardenedGateway:
 def start_hardened_gateway(workdir: Path, **config: Any) -> HardenedGateway:
     redis = RedisServer(workdir / "redis")
     redis.start()
-    secret = secrets.token_bytes(32)
+    secret = secrets.token_hex(32).encode()  # no whitespace to strip
     (workdir / "jwt.secret").write_bytes(secret)
     process = GatewayProcess(
         workdir,
         {
             "redis": {"url": redis.url},
             "auth": {
+                **config.pop("auth", {}),
                 "jwt": {
                     "algorithms": ["HS256"],
                     "issuer": JWT_ISSUER,
                     "audience": [JWT_AUDIENCE],
                     "hmac_secret_file": str(workdir / "jwt.secret"),
-                }
+                },
             },
             "engines": [{"name": MODEL, "replicas": 1, "command": fake_engine_command()}],
             # the suites send thousands of refusals from one address on purpose
