@@ -123,7 +123,10 @@ def upstream_body(
     if cache_salt is not None:
         edited["cache_salt"] = cache_salt
     if fields.stream:
-        edited["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        options = {**(body.get("stream_options") or {}), "include_usage": True}
+        if not fields.wants_usage:  # vLLM: no usage on each chunk unless usage was asked for
+            options.pop("continuous_usage_stats", None)
+        edited["stream_options"] = options
     return _dumps(edited)
 
 

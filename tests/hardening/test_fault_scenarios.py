@@ -324,3 +324,31 @@ def test_every_completion_a_request_asks_for_is_reserved(engine_gateway: Gateway
     usage = r.json()["usage"]
     assert len(r.json()["choices"]) == 4
     assert usage["total_tokens"] <= 40, usage
+
+
+@pytest.mark.slow
+def test_continuous_usage_reaches_the_client_only_with_include_usage(
+    engine_gateway: GatewayProcess,
+) -> None:
+    _, key = engine_gateway.create_tenant("standard")
+    for options, want_usage in (
+        ({"continuous_usage_stats": True}, False),
+        ({"continuous_usage_stats": True, "include_usage": True}, True),
+    ):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": options,
+        }
+        r = httpx.post(
+            engine_gateway.base_url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        with_usage = [c for c in chunks if c.get("usage")]
+        assert (len(with_usage) == len(chunks)) if want_usage else not with_usage, chunks
