@@ -218,8 +218,9 @@ class AsyncLLMEngine:
             self._deliver(aborted)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._call_soon(self._put, out.request_id, out)
+        # One hand-off per step, not one per request: each call_soon_threadsafe writes to the
+        # loop's wake-up pipe, and at 64 streams those writes and wake-ups add up.
+        self._call_soon(self._put_all, outputs)
 
     def _call_soon(self, fn: Any, *args: Any) -> None:
         loop = self._loop
@@ -230,6 +231,10 @@ class AsyncLLMEngine:
                 pass
 
     # ------------------------------------------------------------------ asyncio side
+
+    def _put_all(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._put(out.request_id, out)
 
     def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(request_id)

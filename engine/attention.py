@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, and the per-step metadata every layer receives.
 
 The model runner builds one :class:`AttentionMetadata` per step and passes it explicitly down
-to every attention layer (no module-level "context"). :func:`paged_attention_step` writes the
-step's new K/V rows into the cache and attends each request's queries to its whole context.
+to every attention layer (no module-level "context"). :func:`attend_paged` attends each
+request's queries to its whole context, whose new K/V rows the layer has already written
+(:func:`engine.kernels.rope_write_kv`).
 """
 
 from __future__ import annotations
@@ -83,22 +84,6 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
         )
-
-
-def paged_attention_step(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Store this step's K/V ([T, kv_heads, d]) in ``kv_cache``, attend ``query`` ([T, heads, d]).
-
-    Returns [T, heads, d]: each request's queries attend causally to its whole cached context.
-    """
-    kernels.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-    return attend_paged(query, kv_cache, meta, scale)
 
 
 def attend_paged(

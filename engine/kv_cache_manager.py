@@ -14,26 +14,6 @@ from engine.request import Request
 _SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
 
 
-def kv_block_bytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
-) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
-    return num_layers * num_kv_heads * head_dim * 2 * block_size * dtype_bytes
-
-
-def num_blocks_for_budget(
-    budget_bytes: int,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype_bytes: int,
-) -> int:
-    """How many KV blocks fit in ``budget_bytes``."""
-    return budget_bytes // kv_block_bytes(num_layers, num_kv_heads, head_dim, block_size,
-                                          dtype_bytes)  # fmt: skip
-
-
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """SHA-256 of (parent hash, this block's token ids, extra keys): equal prefixes, equal hash.
 

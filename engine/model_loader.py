@@ -25,9 +25,9 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine import kernels
 from engine.config import QUANTIZATIONS
 from engine.gguf_file import GGUFFile
-from engine.kernels import cpu
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.llama import LlamaForCausalLM
@@ -270,7 +270,8 @@ def resolve_quantization(spec: str, source: ModelSource, device: torch.device | 
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got '{spec}'")
     on_cpu = torch.device(device).type == "cpu"
     if spec == "auto":
-        return "gguf" if source.format == "gguf" and on_cpu and cpu.available() else "none"
+        served = kernels.choose(torch.device(device).type).quantized_linear != "none"
+        return "gguf" if source.format == "gguf" and served else "none"
     if spec == "gguf" and (source.format != "gguf" or not on_cpu):
         raise ValueError(
             f"quantization 'gguf' needs a GGUF model on the CPU; '{source.name}' is "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import memory_plan
 from engine.attention import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
@@ -34,21 +35,11 @@ def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:
     if engine_config.num_gpu_blocks_override is not None:
         return engine_config.num_gpu_blocks_override
     per_block = kv_cache_bytes_per_block(loaded.config, engine_config.block_size, loaded.dtype)
+    free, total = (0, 0)
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
-        reserved = total * (1 - engine_config.gpu_memory_utilization)
-        # Keep room for activations of one full step (hidden states, logits, MLP).
-        activation = engine_config.max_num_batched_tokens * 64 * 1024
-        budget = int(free - reserved - activation)
-    else:
-        budget = engine_config.kv_cache_memory_bytes
-    blocks = budget // per_block
-    if blocks < 1:
-        raise ValueError(
-            f"the KV cache budget ({budget} bytes) holds no block of {per_block} bytes; "
-            "raise --kv-cache-memory or --gpu-memory-utilization"
-        )
-    return blocks
+    budget = memory_plan.kv_cache_budget(engine_config, loaded.device.type, free, total)
+    return memory_plan.num_blocks_in(budget, per_block)
 
 
 class ModelRunner:

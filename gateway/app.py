@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,18 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.fields import parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
 from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, upstream_body
+from gateway.dataplane.proxy import (
+    Exchange,
+    LocalUpstream,
+    RelayResponse,
+    Upstream,
+    upstream_body,
+)
 from gateway.dataplane.remote import RemoteUpstream
 from gateway.dataplane.request_context import (
     CTX_KEY,
@@ -54,13 +62,10 @@ from gateway.identity.admin import build_admin_router
 from gateway.identity.auth import Identity, open_identity
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from gateway.store import SharedRedis, open_shared_redis
 from gateway.tls import AdminClientCertGuard
-from portico.errors import (
-    AuthenticationError,
-    BodySizeLimitMiddleware,
-    ServiceUnavailableError,
-    install_error_handlers,
-)
+from portico.errors import AuthenticationError, ServiceUnavailableError
+from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
 
@@ -71,42 +76,131 @@ MAX_FAILED_AUTH_ADDRESSES = 10_000
 
 @dataclass(eq=False)
 class Gateway:
-    """Everything one gateway process holds while it serves; built in the app's lifespan."""
+    """Everything one gateway process holds while it serves, built whole by :meth:`create`.
+
+    Every part is there from the moment the object exists; :meth:`stop` releases them in the
+    reverse order of their making (engines drain first; Redis closes last).
+    """
 
     config: GatewayConfig
     metrics: GatewayMetrics
     in_flight: InFlight
-    identity: Identity | None = None
-    admission: Admission | None = None
-    guard: AbuseGuard | None = None
-    router: Router | None = None
-    counter: PromptCounter = field(default_factory=lambda: PromptCounter({}))
-    upstreams: dict[str, Any] = field(default_factory=dict)  # model -> Local/RemoteUpstream
-    pools: list[Pool] = field(default_factory=list)
-    supervisor: Supervisor | None = None
+    redis: SharedRedis
+    identity: Identity
+    admission: Admission
+    guard: AbuseGuard
+    router: Router
+    counter: PromptCounter
+    upstreams: Mapping[str, Upstream]  # model -> local engine pool or remote provider
+    pools: list[Pool]
+    supervisor: Supervisor
+    usage: UsageRecorder
+    runtime_dir: Path
+    _resources: contextlib.AsyncExitStack
     draining: bool = False
-    runtime_dir: Path | None = None
-    usage: UsageRecorder | None = None
-    limiter_pipe: RedisPipe | None = None
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _own_runtime_dir: tempfile.TemporaryDirectory[str] | None = None
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
+
+    @classmethod
+    async def create(
+        cls,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        in_flight: InFlight,
+        env: Mapping[str, str],
+    ) -> Gateway:
+        """Open Redis once and hand it to identity, admission and usage; build the upstreams,
+        the router and the supervisor; start the engines. On failure, what was opened closes."""
+        async with contextlib.AsyncExitStack() as stack:
+            runtime_dir = stack.enter_context(_runtime_dir(config.runtime_dir))
+            redis = await open_shared_redis(config.redis, env)
+            stack.push_async_callback(redis.aclose)
+            identity = open_identity(redis.client, config.redis, config.auth, env)
+            stack.push_async_callback(identity.aclose)
+            if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
+                identity.authenticator.keep_outage_copy(config.auth.outage_copy_seconds)
+            # Admission's two scripts per request go over one pipelined connection
+            # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
+            # gateway's CPU.
+            pipe = RedisPipe.from_client(redis.client)  # None over TLS: redis-py's client then
+            if pipe is not None:
+                stack.push_async_callback(pipe.aclose)
+            limiter = RedisLimiter(
+                redis.client, budget_ttl_s=config.admission.budget_key_ttl_seconds, pipe=pipe
+            )
+            admission = Admission(
+                redis.client, config.admission, registry=metrics.registry, limiter=limiter
+            )
+            admission.start_watch()  # Redis probed on a timer; aclose stops the probe
+            stack.push_async_callback(admission.aclose)
+            usage = UsageRecorder(identity.store.ledger)
+            usage.start()
+            # closed after the engines drained: every request is counted
+            stack.push_async_callback(usage.aclose)
+            guard = AbuseGuard(redis.url, config.admission.abuse, registry=metrics.registry)
+            retry = load_retry_policy(config.policies_dir / "retry.yaml")
+            routing = load_routing_policy(config.policies_dir / "routing.yaml")
+            local = _LocalEngines(config, runtime_dir, retry, routing.affinity_slack, metrics)
+            for pool in local.pools:
+                for replica in pool.replicas:
+                    stack.push_async_callback(replica.client.aclose)
+            upstreams: dict[str, Upstream] = dict(local.upstreams)
+            for spec in config.remotes:
+                upstreams[spec.name] = RemoteUpstream(spec, retry, metrics)
+            router = Router(
+                routing,
+                set(upstreams),
+                strict=config.policies_dir.resolve() != PACKAGED_POLICIES,
+            )
+            supervisor = _supervisor(local.processes, config, metrics)
+            for discovery in local.discoveries:  # closes the clients of what it found
+                stack.push_async_callback(discovery.aclose)
+            await asyncio.gather(*(d.refresh() for d in local.discoveries))
+            probers = [asyncio.create_task(pool.run_prober()) for pool in local.pools]
+            probers += [asyncio.create_task(d.run()) for d in local.discoveries]
+            stack.push_async_callback(_cancel, probers)
+            stack.push_async_callback(supervisor.stop, config.supervisor.stop_timeout_s)
+            timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
+            tokenizers, all_ready = await asyncio.gather(
+                _load_tokenizers(config), supervisor.start(ready_timeout=timeout)
+            )
+            if not all_ready:
+                log.error("not every engine became ready in %.0f s; serving what is up", timeout)
+            gateway = cls(
+                config=config,
+                metrics=metrics,
+                in_flight=in_flight,
+                redis=redis,
+                identity=identity,
+                admission=admission,
+                guard=guard,
+                router=router,
+                counter=PromptCounter(tokenizers),
+                upstreams=upstreams,
+                pools=local.pools,
+                supervisor=supervisor,
+                usage=usage,
+                runtime_dir=runtime_dir,
+                _resources=stack.pop_all(),
+            )
+        _freeze_startup_objects()
+        return gateway
+
+    async def stop(self) -> None:
+        """Stop the engines (they drain), then close clients, usage, admission, identity and
+        Redis, and remove a runtime directory the gateway made."""
+        await self._resources.aclose()
 
     # ------------------------------------------------------------------ readiness
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready: not draining, every pool has a replica, and the store is up, or down under
         a policy that still serves (``local``/``open``; under ``closed`` nothing is admitted).
-        ``redis`` in the detail is what the timed probe last found (admission.start_watch)."""
+        ``redis`` in the detail is what the failover limiter's timed probe last found
+        (admission.start_watch)."""
         pools = {p.name: sum(1 for r in p.replicas if r.available) for p in self.pools}
-        redis_up = self.admission is not None and self.admission.redis_up
+        redis_up = self.admission.redis_up  # the failover limiter's state, kept by its probe
         serves_without_redis = self.config.admission.redis_down_policy != "closed"
-        ready = (
-            not self.draining
-            and self.router is not None
-            and all(pools.values())
-            and (redis_up or serves_without_redis)
-        )
+        ready = not self.draining and all(pools.values()) and (redis_up or serves_without_redis)
         detail: dict[str, Any] = {
             "status": "ready" if ready else "not_ready",
             "draining": self.draining,
@@ -114,8 +208,7 @@ class Gateway:
             "redis": "up" if redis_up else "down",
             "redis_down_policy": self.config.admission.redis_down_policy,
         }
-        if self.supervisor is not None:
-            detail["engines"] = self.supervisor.snapshot()
+        detail["engines"] = self.supervisor.snapshot()
         return ready, detail
 
     def begin_drain(self) -> None:
@@ -128,7 +221,6 @@ class Gateway:
 
     async def authenticate(self, request: Request) -> Principal:
         """The one resolver (``Authenticator.resolve``) behind the per-address abuse guard."""
-        assert self.identity is not None and self.guard is not None  # set before serving
         header = request.headers.get("authorization")
         address = request.client.host if request.client else "unknown"
         if not header:
@@ -164,7 +256,7 @@ class Gateway:
         ctx.tenant = principal.tenant_id
         raw = await request.body()
         fields = parse_fields(raw, kind)
-        decision = self.router.route(fields, principal)  # type: ignore[union-attr]  # 403 / 404
+        decision = self.router.route(fields, principal)  # 403 / 404
         ctx.model, ctx.tier = decision.model, decision.tier
         upstream = self.upstreams[decision.model]
         prompt_tokens = self.counter.count(decision.model, fields)
@@ -181,7 +273,7 @@ class Gateway:
                 path, payload, fields, ctx.request_id, decision.prefix_key
             )
         except BaseException:
-            await self.admission.release(ticket)  # type: ignore[union-attr]
+            await self.admission.release(ticket)
             raise
         ctx.upstream_s = exchange.upstream_s
         headers = {**ticket.headers, "x-portico-route": decision.header}
@@ -214,7 +306,7 @@ class Gateway:
         num_outputs: int = 1,
     ) -> Ticket:
         try:
-            return await self.admission.admit(  # type: ignore[union-attr]
+            return await self.admission.admit(
                 principal, model, prompt_tokens, max_tokens, num_outputs
             )
         except LimitExceededError as exc:
@@ -230,7 +322,6 @@ class Gateway:
         """Settle with the real usage (or release the slot when there is none); record it."""
         admission = self.admission
         recorder = self.usage
-        assert admission is not None and recorder is not None
         usage = exchange.usage
         try:
             if usage.reported:  # usage is summed in memory and written in batches
@@ -246,102 +337,36 @@ class Gateway:
     async def models(self, request: Request) -> JSONResponse:
         principal = await self.authenticate(request)
         request.scope[CTX_KEY].tenant = principal.tenant_id
-        names = self.router.visible_models(principal)  # type: ignore[union-attr]
+        names = self.router.visible_models(principal)
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names]
         return JSONResponse({"object": "list", "data": data})
 
-    # ------------------------------------------------------------------ start / stop
 
-    async def start(self, env: Mapping[str, str] | None) -> None:
-        config = self.config
-        self.identity = await open_identity(config.redis, config.auth, env)
-        if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
-            self.identity.authenticator.keep_outage_copy(config.auth.outage_copy_seconds)
-        redis_url = self.identity.redis_url
-        self.usage = UsageRecorder(self.identity.store)
-        self.usage.start()
-        # Admission's two scripts per request go over one pipelined connection (redis_pipe.py);
-        # redis-py's per-command cost was the largest single share of the gateway's CPU.
-        self.limiter_pipe = RedisPipe.from_client(self.identity.redis)
-        limiter = RedisLimiter(
-            self.identity.redis,
-            budget_ttl_s=config.admission.budget_key_ttl_seconds,
-            pipe=self.limiter_pipe,
-        )
-        self.admission = Admission(
-            self.identity.redis, config.admission, registry=self.metrics.registry, limiter=limiter
-        )
-        self.admission.start_watch()
-        self.guard = AbuseGuard(redis_url, config.admission.abuse, registry=self.metrics.registry)
-        retry = load_retry_policy(config.policies_dir / "retry.yaml")
-        routing = load_routing_policy(config.policies_dir / "routing.yaml")
-        processes = self._build_local(retry, routing.affinity_slack)
-        for spec in config.remotes:
-            self.upstreams[spec.name] = RemoteUpstream(spec, retry, self.metrics)
-        self.router = Router(
-            routing, set(self.upstreams), strict=config.policies_dir.resolve() != PACKAGED_POLICIES
-        )
-        self.supervisor = Supervisor(
-            processes,
-            backoff_base_s=config.supervisor.backoff_base_s,
-            backoff_max_s=config.supervisor.backoff_max_s,
-            stable_after_s=config.supervisor.stable_after_s,
-            on_state=lambda p: self.metrics.engine_up.labels(p.name).set(
-                1 if p.state == "ready" else 0
-            ),
-            on_restart=lambda p: self.metrics.engine_restarts.labels(p.name).inc(),
-        )
-        for pool in self.pools:
-            self._tasks.append(asyncio.create_task(pool.run_prober()))
-        timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
-        tokenizers, all_ready = await asyncio.gather(
-            self._load_tokenizers(), self.supervisor.start(ready_timeout=timeout)
-        )
-        self.counter = PromptCounter(tokenizers)
-        if not all_ready:
-            log.error("not every engine became ready in %.0f s; serving what is up", timeout)
-        # Everything loaded so far lives as long as the process: keep the cyclic collector from
-        # rescanning it (tokenizers, litellm, pydantic models) on every full collection.
-        gc.collect()
-        gc.freeze()
-        # A request leaves almost no cyclic garbage, but with requests in flight every young
-        # collection finds live objects and promotes them, and every tenth one scans the older
-        # generations (6 ms each at saturation, freeing nothing). Collecting the young
-        # generation every 10k net allocations instead of 700 cut the collector's share of the
-        # gateway's CPU from about 8 % to under 2 % at saturation; one such pass takes ~1 ms.
-        _, gen1, gen2 = gc.get_threshold()
-        gc.set_threshold(GC_YOUNG_THRESHOLD, gen1, gen2)
+class _LocalEngines:
+    """The local engine pools of the config: one pool per engine spec, one replica (process,
+    Unix socket, HTTP client) per replica, and the upstream that forwards to each pool. A spec
+    with ``discovery`` starts no process: its pool's replicas are the addresses DNS answers
+    (``discoveries``), reached over TCP."""
 
-    def _build_local(self, retry: RetryPolicy, slack: int) -> list[EngineProcess]:
-        if self.config.runtime_dir is not None:
-            self.runtime_dir = self.config.runtime_dir
-            self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            self._own_runtime_dir = tempfile.TemporaryDirectory(prefix="portico-")
-            self.runtime_dir = Path(self._own_runtime_dir.name)
-        processes = []
-        for spec in self.config.engines:
-            replicas = []
-            for i in range(spec.replicas):
-                name = f"{spec.name}-{i}"
-                uds = self.runtime_dir / f"{name}.sock"
-                transport = LeanTransport(uds=str(uds))
-                timeout = httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s)
-                client = httpx.AsyncClient(
-                    transport=transport, base_url="http://engine", timeout=timeout
-                )
-                replica = Replica(name, client, transport, timeout.as_dict())
-                replicas.append(replica)
-                processes.append(
-                    EngineProcess(
-                        name,
-                        self._argv(spec, name, uds),
-                        replica,
-                        socket_path=uds,
-                        env=dict(spec.env),
-                        startup_timeout_s=spec.startup_timeout_s,
-                    )
-                )
+    def __init__(
+        self,
+        config: GatewayConfig,
+        runtime_dir: Path,
+        retry: RetryPolicy,
+        slack: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.processes: list[EngineProcess] = []
+        self.pools: list[Pool] = []
+        self.upstreams: dict[str, LocalUpstream] = {}
+        self.discoveries: list[DNSDiscovery] = []
+        self._metrics = metrics
+        timeout = httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s)
+        for spec in config.engines:
+            replicas = [
+                self._replica(spec, f"{spec.name}-{i}", runtime_dir, timeout)
+                for i in range(spec.replicas if spec.discovery is None else 0)
+            ]
             pool = Pool(
                 spec.name,
                 replicas,
@@ -351,75 +376,123 @@ class Gateway:
                 on_eject=self._count_ejection,
             )
             self.pools.append(pool)
-            self.upstreams[spec.name] = LocalUpstream(pool, retry, self.metrics)
-        return processes
+            self.upstreams[spec.name] = LocalUpstream(pool, retry, metrics)
+            if spec.discovery is not None:
+                found = functools.partial(_tcp_replica, timeout=timeout)
+                self.discoveries.append(DNSDiscovery(pool, spec.discovery, found))
+
+    def _replica(
+        self, spec: EngineSpec, name: str, runtime_dir: Path, timeout: httpx.Timeout
+    ) -> Replica:
+        uds = runtime_dir / f"{name}.sock"
+        transport = LeanTransport(uds=str(uds))
+        client = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=timeout)
+        replica = Replica(name, client, transport, timeout.as_dict())
+        self.processes.append(
+            EngineProcess(
+                name,
+                _engine_command(spec, name, uds),
+                replica,
+                socket_path=uds,
+                env=dict(spec.env),
+                startup_timeout_s=spec.startup_timeout_s,
+            )
+        )
+        return replica
 
     def _count_ejection(self, replica: Replica) -> None:
         pool = replica.name.rsplit("-", 1)[0]
-        self.metrics.ejections.labels(pool, replica.name).inc()
+        self._metrics.ejections.labels(pool, replica.name).inc()
 
-    @staticmethod
-    def _argv(spec: EngineSpec, name: str, uds: Path) -> list[str]:
-        if spec.command is None:
-            return engine_argv(spec.model, spec.name, uds, list(spec.args))
-        values = {"uds": str(uds), "model": spec.model, "name": spec.name, "replica": name}
-        return [part.format(**values) for part in spec.command] + list(spec.args)
 
-    async def _load_tokenizers(self) -> dict[str, Any]:
-        wanted = [
-            e
-            for e in self.config.engines
-            if e.count_tokens_with == "tokenizer" and e.command is None
-        ]
-        loaded = await asyncio.gather(*(asyncio.to_thread(load_tokenizer, e.model) for e in wanted))
-        return {e.name: tok for e, tok in zip(wanted, loaded, strict=True) if tok is not None}
+def _tcp_replica(name: str, host: str, port: int, *, timeout: httpx.Timeout) -> Replica:
+    """A replica of an engine found by DNS, with its own client to ``host:port``."""
+    transport = LeanTransport(host=host, port=port)
+    client = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=timeout)
+    return Replica(name, client, transport, timeout.as_dict())
 
-    async def stop(self) -> None:
-        """Stop the engines (they drain), then close clients, admission and identity."""
-        if self.supervisor is not None:
-            await self.supervisor.stop(self.config.supervisor.stop_timeout_s)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for pool in self.pools:
-            for replica in pool.replicas:
-                await replica.client.aclose()
-        if self.usage is not None:
-            await self.usage.aclose()  # after the engines drained: every request is counted
-        if self.admission is not None:
-            await self.admission.aclose()
-        if self.limiter_pipe is not None:
-            await self.limiter_pipe.aclose()
-        if self.identity is not None:
-            await self.identity.aclose()
-        if self._own_runtime_dir is not None:
-            with contextlib.suppress(OSError):
-                self._own_runtime_dir.cleanup()
+
+def _engine_command(spec: EngineSpec, name: str, uds: Path) -> list[str]:
+    if spec.command is None:
+        return engine_argv(spec.model, spec.name, uds, list(spec.args))
+    values = {"uds": str(uds), "model": spec.model, "name": spec.name, "replica": name}
+    return [part.format(**values) for part in spec.command] + list(spec.args)
+
+
+def _supervisor(
+    processes: list[EngineProcess], config: GatewayConfig, metrics: GatewayMetrics
+) -> Supervisor:
+    return Supervisor(
+        processes,
+        backoff_base_s=config.supervisor.backoff_base_s,
+        backoff_max_s=config.supervisor.backoff_max_s,
+        stable_after_s=config.supervisor.stable_after_s,
+        on_state=lambda p: metrics.engine_up.labels(p.name).set(1 if p.state == "ready" else 0),
+        on_restart=lambda p: metrics.engine_restarts.labels(p.name).inc(),
+    )
+
+
+async def _load_tokenizers(config: GatewayConfig) -> dict[str, Any]:
+    wanted = [e for e in config.engines if e.count_tokens_with == "tokenizer" and e.command is None]
+    loaded = await asyncio.gather(*(asyncio.to_thread(load_tokenizer, e.model) for e in wanted))
+    return {e.name: tok for e, tok in zip(wanted, loaded, strict=True) if tok is not None}
+
+
+@contextlib.contextmanager
+def _runtime_dir(configured: Path | None) -> Iterator[Path]:
+    """Where the engines' sockets go: the configured directory, else a private temporary one
+    (removed at the end)."""
+    if configured is not None:
+        configured.mkdir(parents=True, exist_ok=True)
+        yield configured
+        return
+    own = tempfile.TemporaryDirectory(prefix="portico-")
+    try:
+        yield Path(own.name)
+    finally:
+        with contextlib.suppress(OSError):
+            own.cleanup()
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _freeze_startup_objects() -> None:
+    # Everything loaded so far lives as long as the process: keep the cyclic collector from
+    # rescanning it (tokenizers, litellm, pydantic models) on every full collection.
+    gc.collect()
+    gc.freeze()
+    # A request leaves almost no cyclic garbage, but with requests in flight every young
+    # collection finds live objects and promotes them, and every tenth one scans the older
+    # generations (6 ms each at saturation, freeing nothing). Collecting the young
+    # generation every 10k net allocations instead of 700 cut the collector's share of the
+    # gateway's CPU from about 8 % to under 2 % at saturation; one such pass takes ~1 ms.
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, gen1, gen2)
 
 
 def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -> FastAPI:
-    """The gateway as an ASGI app; its lifespan starts Redis/identity, engines and upstreams.
+    """The gateway as an ASGI app; its lifespan builds the :class:`Gateway` and stops it.
 
-    ``app.state.gateway`` is the :class:`Gateway` (the server's drain logic uses it).
+    ``app.state.gateway`` is the :class:`Gateway` once the lifespan has started (the server's
+    drain logic and every route read it there).
     """
     metrics = GatewayMetrics()
-    gw = Gateway(config, metrics, InFlight())
+    in_flight = InFlight()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
+        gateway = await Gateway.create(
+            config, metrics, in_flight, env if env is not None else os.environ
+        )
         try:
-            await gw.start(env if env is not None else os.environ)
-            assert gw.identity is not None and gw.guard is not None
-            app.include_router(
-                build_admin_router(
-                    gw.identity.store,
-                    gw.identity.authenticator,
-                    before_auth=gw.guard.admin_dependency,
-                )
-            )
+            _serve_gateway(app, gateway)
             yield
         finally:
-            await gw.stop()
+            await gateway.stop()
 
     # FastAPI's native OpenTelemetry checks its providers on every request; the gateway
     # exports its own Prometheus metrics, so that check is turned off.
@@ -431,52 +504,79 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
         openapi_url=None,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.state.gateway = gw
+    app.state.metrics = metrics
     install_error_handlers(app)
-    # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
-    # but keep the request context and the body-size limit.
-    app.hot_app = RequestContextMiddleware(
-        BodySizeLimitMiddleware(HotRoutes(gw.complete), max_bytes=config.max_body_bytes),
-        metrics=metrics,
-        in_flight=gw.in_flight,
-    )
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=gw.in_flight)
-
-    # POST on these two is answered by app.hot_app before it gets here; the routes stay so that
-    # other methods get FastAPI's 405 and the app's route table lists them.
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await gw.complete(request, "chat", "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await gw.complete(request, "completion", "/v1/completions")
-
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> JSONResponse:
-        return await gw.models(request)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        _, detail = gw.readiness()
-        detail["status"] = "ok"
-        return JSONResponse(detail)
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        is_ready, detail = gw.readiness()
-        return JSONResponse(detail, status_code=200 if is_ready else 503)
-
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/metrics/engines")
-    async def engine_metrics_endpoint() -> Response:
-        body = await scrape_engines(r for pool in gw.pools for r in pool.replicas)
-        return Response(body, media_type="text/plain; version=0.0.4")
-
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=in_flight)
+    # POST on the two completion routes is answered by app.hot_app before it gets here; the
+    # routes stay so that other methods get FastAPI's 405 and the app's route table lists them.
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
+    app.add_api_route("/metrics/engines", engine_metrics_endpoint, methods=["GET"])
     return app
+
+
+def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
+    """Put the built gateway behind the app: its state, the admin API and the hot routes."""
+    app.state.gateway = gateway
+    app.include_router(
+        build_admin_router(
+            gateway.identity.store,
+            gateway.identity.authenticator,
+            before_auth=gateway.guard.admin_dependency,
+        )
+    )
+    # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
+    # but keep the request context and the body-size limit.
+    app.hot_app = RequestContextMiddleware(
+        BodySizeLimitMiddleware(
+            HotRoutes(gateway.complete), max_bytes=gateway.config.max_body_bytes
+        ),
+        metrics=gateway.metrics,
+        in_flight=gateway.in_flight,
+    )
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _gateway(request).complete(request, "chat", "/v1/chat/completions")
+
+
+async def completions(request: Request) -> Response:
+    return await _gateway(request).complete(request, "completion", "/v1/completions")
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return await _gateway(request).models(request)
+
+
+async def health(request: Request) -> JSONResponse:
+    _, detail = _gateway(request).readiness()
+    detail["status"] = "ok"
+    return JSONResponse(detail)
+
+
+async def ready(request: Request) -> JSONResponse:
+    is_ready, detail = _gateway(request).readiness()
+    return JSONResponse(detail, status_code=200 if is_ready else 503)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    metrics: GatewayMetrics = request.app.state.metrics
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def engine_metrics_endpoint(request: Request) -> Response:
+    pools = _gateway(request).pools
+    body = await scrape_engines(r for pool in pools for r in pool.replicas)
+    return Response(body, media_type="text/plain; version=0.0.4")

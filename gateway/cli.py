@@ -69,8 +69,8 @@ def _missing_models(config: object) -> list[str]:
 
     missing = []
     for i, spec in enumerate(config.engines):  # type: ignore[attr-defined]
-        if spec.command is not None:
-            continue  # a custom engine command resolves its own model
+        if spec.command is not None or spec.discovery is not None:
+            continue  # a custom command, or engines elsewhere, resolve their own model
         try:
             registry.resolve(spec.model)
         except registry.ModelNotFound as exc:

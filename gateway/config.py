@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.admission.admission import AdmissionSettings
+from gateway.dataplane.discovery import DiscoverySpec
 from gateway.dataplane.remote import RemoteSpec
 from gateway.identity.auth import AuthSettings
 from gateway.store import StoreSettings
@@ -66,6 +67,8 @@ class EngineSpec(_Strict):
 
     ``command`` replaces the default ``portico engine`` command line; ``{uds}``, ``{model}`` and
     ``{name}`` in it are filled in per replica (another OpenAI-compatible server can be used).
+    With ``discovery`` the replicas run elsewhere (engine pods behind a headless Service) and are
+    found by DNS instead; ``model`` then names only the tokenizer prompt tokens are counted with.
     """
 
     name: str = Field(default=DEFAULT_MODEL_NAME, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -76,6 +79,13 @@ class EngineSpec(_Strict):
     env: dict[str, str] = {}
     startup_timeout_s: float = Field(default=600.0, gt=0)
     count_tokens_with: Literal["tokenizer", "estimate"] = "tokenizer"
+    discovery: DiscoverySpec | None = None
+
+    @model_validator(mode="after")
+    def _started_or_found(self) -> EngineSpec:
+        if self.discovery is not None and self.command is not None:
+            raise ValueError("discovery: replicas found by DNS run no command here")
+        return self
 
 
 class SupervisorConfig(_Strict):
@@ -93,7 +103,7 @@ class GatewayConfig(_Strict):
 
     listen: ListenConfig = Field(default_factory=ListenConfig)
     tls: TLSConfig | None = None
-    redis: StoreSettings = Field(default_factory=StoreSettings)  # type: ignore[arg-type]
+    redis: StoreSettings = Field(default_factory=StoreSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])

@@ -31,13 +31,19 @@ log = logging.getLogger("portico.gateway.server")
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with the gateway's two-stage shutdown."""
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, drain_timeout_s: float) -> None:
         super().__init__(config)
-        self.gateway = gateway
+        self._app = app
         self.drain_timeout_s = drain_timeout_s
         self.forced = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+
+    @property
+    def gateway(self) -> Gateway:
+        """The app's gateway; it exists once the server has started (the lifespan built it)."""
+        gateway: Gateway = self._app.state.gateway
+        return gateway
 
     async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         self._loop = asyncio.get_running_loop()
@@ -74,8 +80,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def _kill_engines(self) -> None:
-        supervisor = self.gateway.dataplane.supervisor
-        for proc in supervisor.processes if supervisor is not None else ():
+        for proc in self.gateway.supervisor.processes:
             if proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
@@ -116,8 +121,7 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
 
 def serve(app: Any, config: GatewayConfig) -> int:
     """Run until shut down; 0 after a drain, 1 when forced by a second signal."""
-    gateway: Gateway = app.state.gateway
-    server = DrainingServer(uvicorn_config(app, config), gateway, config.drain_timeout_s)
+    server = DrainingServer(uvicorn_config(app, config), app, config.drain_timeout_s)
     server.run()
     if server.forced:
         return 1

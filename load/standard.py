@@ -241,6 +241,15 @@ def engine_server(
     extra: Sequence[str], timeout_s: float, threads: int | None = None
 ) -> Iterator[str]:
     """A ``portico engine`` process, ready; yields its ``/v1`` base URL."""
+    with engine_process(extra, timeout_s, threads) as (_, base_url):
+        yield base_url
+
+
+@contextlib.contextmanager
+def engine_process(
+    extra: Sequence[str], timeout_s: float, threads: int | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A ``portico engine`` process, ready; yields it and its ``/v1`` base URL."""
     import httpx
 
     port = free_port()
@@ -267,7 +276,7 @@ def engine_server(
                     if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                         break
                 time.sleep(0.5)
-            yield f"http://127.0.0.1:{port}/v1"
+            yield proc, f"http://127.0.0.1:{port}/v1"
         finally:
             if proc.poll() is None:
                 proc.terminate()

@@ -18,6 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.cli", "run the gateway (and the engines it supervises)"),
     "engine": ("engine.server.cli", "serve one model behind an OpenAI-compatible API"),
     "models": ("portico.models_cli", "fetch and list local models"),
+    "plan": (
+        "portico.plan_cli",
+        "size weights and KV cache; print the engine flags that fit",
+    ),
     "keys": ("gateway.identity.keys_cli", "manage tenants and API keys through the admin API"),
     "bench": ("load.cli", "benchmarks: serving throughput/latency and gateway overhead"),
 }

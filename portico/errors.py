@@ -2,17 +2,14 @@
 
 Every error the gateway or the engine answers is
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` with the status that
-ARCHITECTURE.md names. Code raises an :class:`APIError` subclass; :func:`install_error_handlers`
-maps it (and FastAPI's own validation and HTTP errors) to a JSON response in one place.
+ARCHITECTURE.md names. Code raises an :class:`APIError` subclass; :mod:`portico.http_errors`
+turns it (and the web framework's own validation and HTTP errors) into a response in one place.
+This module is only the error types and the body, so code that knows no HTTP can raise them.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_MESSAGE_CHARS = 500
 
@@ -128,128 +125,3 @@ def status_error_type(status: int) -> str:
         429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
-
-
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """Turn pydantic's error list into one short sentence naming the first bad parameter."""
-    if not errors:
-        return "Invalid request body.", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return "We could not parse the JSON body of your request.", None
-    if kind == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
-    if kind == "missing":
-        return f"Missing required parameter: '{param}'.", param
-    msg = str(first.get("msg", "invalid value"))
-    text = f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
-    if len(errors) > 1:
-        text += f" ({len(errors) - 1} more error(s))"
-    return text, param
-
-
-def install_error_handlers(app: Any) -> None:
-    """Map APIError, FastAPI's validation errors and HTTP errors to OpenAI's shape (never 422)."""
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-
-    async def on_api_error(request: Any, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
-
-    async def on_validation(request: Any, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(list(exc.errors()))
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
-
-    async def on_http(request: Any, exc: StarletteHTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        code = "request_too_large" if exc.status_code == 413 else None
-        return JSONResponse(
-            error_body(detail, status_error_type(exc.status_code), code=code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-
-
-class BodySizeLimitMiddleware:
-    """Answer 413 in OpenAI's shape when a request body exceeds ``max_bytes``.
-
-    Checks Content-Length up front and counts streamed (chunked) bodies as they arrive, so a
-    client cannot slip a large body past the limit by omitting the header.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > self.max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await self._reject(send)
-                    return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge(self.max_bytes)
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            error_body(
-                f"Request body too large: the limit is {self.max_bytes} bytes.",
-                "invalid_request_error",
-                code="request_too_large",
-            )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    """Raised from ``receive`` mid-body. An HTTPException, so that a framework that reads the
-    body for a route (FastAPI wraps other errors into a 400 "error parsing the body") re-raises
-    it and the handlers answer 413; the middleware answers 413 itself when nothing did."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"Request body too large: the limit is {max_bytes} bytes.")

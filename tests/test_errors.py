@@ -7,7 +7,8 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from portico.errors import BodySizeLimitMiddleware, NotFoundError, install_error_handlers
+from portico.errors import NotFoundError
+from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 
 class Body(BaseModel):

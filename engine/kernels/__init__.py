@@ -1,25 +1,91 @@
-"""Kernels of the engine: Triton on CUDA, native C on CPU, and their PyTorch references.
+"""The engine's kernel front door: every op the models and the runner call, by name.
 
-:func:`write_kv_cache` and :func:`paged_attention` pick the implementation from the device of
-their inputs. Triton is imported only when a CUDA tensor arrives, so a CPU process never pays
-for it (and tests can set ``TRITON_INTERPRET=1`` before the first import). On CPU, attention
-runs the native kernel of :mod:`engine.kernels.cpu` when it is built (it reads the paged cache
-in place) and the PyTorch reference otherwise.
+Which implementation serves an op is decided here and only here, once per device type
+(:func:`choose`): Triton on CUDA, the native C kernels of :mod:`engine.kernels.cpu` on a CPU
+where they built (their instruction sets detected on the running CPU, never assumed), the
+PyTorch references of :mod:`engine.kernels.reference` otherwise. Models never test a tensor's
+device: they call :func:`add_rms_norm`, :func:`rope_write_kv`, :func:`paged_attention`,
+:func:`quantized_linear`, :func:`prepacked_linear`... and get the chosen implementation. A
+native kernel may still decline inputs it does not handle (a dtype, a shape limit); the op then
+runs the reference, with the same meaning.
+
+Triton is imported only when a CUDA tensor arrives, so a CPU process never pays for it (and
+tests can set ``TRITON_INTERPRET=1`` before the first import).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.kernels import cpu
-from engine.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from engine.kernels.reference import (
+    add_rms_norm_ref,
+    paged_attention_ref,
+    rms_norm_ref,
+    rope_write_kv_ref,
+    write_kv_cache_ref,
+)
+
+if TYPE_CHECKING:
+    from engine.models.rotary import RopeAngles
+
+# Up to this many rows a oneDNN-prepacked bf16 weight beats F.linear (which reorders the weight
+# for the matrix units on every call): 25-35% faster at 16-256 rows on AMX, a little slower
+# at 2048 (docs/engine-benchmark.md).
+PACKED_MAX_ROWS = 512
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which implementation serves each op on one device type.
+
+    Values: ``"triton"``, ``"cpu"`` (native C), ``"onednn"`` (torch's prepacked bf16 matmul),
+    ``"reference"`` (PyTorch ops) or ``"none"`` (the op is not offered: callers use the dense
+    path). ``features`` are the CPU instruction sets the native kernels were built with.
+    """
+
+    device_type: str
+    write_kv_cache: str
+    paged_attention: str
+    rope_write_kv: str
+    add_rms_norm: str
+    quantized_linear: str
+    prepacked_linear: str
+    features: frozenset[str] = frozenset()
+
+
+@functools.cache
+def choose(device_type: str) -> KernelChoice:
+    """The implementation of every op on ``device_type`` ("cpu", "cuda", ...), decided once."""
+    if device_type == "cuda":
+        return KernelChoice("cuda", "triton", "triton", "reference", "reference", "none", "none")
+    native = "cpu" if device_type == "cpu" and cpu.available() else "reference"
+    onednn = device_type == "cpu" and torch.backends.mkldnn.is_available()
+    return KernelChoice(
+        device_type,
+        write_kv_cache="reference",
+        paged_attention=native,
+        rope_write_kv=native,
+        add_rms_norm=native,
+        quantized_linear="cpu" if native == "cpu" else "none",
+        prepacked_linear="onednn" if onednn else "none",
+        features=cpu.compiled_features() if native == "cpu" else frozenset(),
+    )
+
+
+def _choice(t: torch.Tensor) -> KernelChoice:
+    return choose(t.device.type)
 
 
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new K/V rows into the paged cache (see :func:`write_kv_cache_ref`)."""
-    if key.is_cuda:
+    if _choice(key).write_kv_cache == "triton":
         from engine.kernels.kv_cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, kv_cache, slot_mapping)
@@ -39,14 +105,111 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention over the paged cache (see :func:`paged_attention_ref`)."""
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
-    if query.is_cuda:
+    impl = _choice(query).paged_attention
+    if impl == "triton":
         from engine.kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(*args, query_lens_cpu, seq_lens_cpu)
-    out = cpu.paged_attention_cpu(*args)
-    if out is not None:
-        return out
+    if impl == "cpu":
+        out = cpu.paged_attention_cpu(*args)
+        if out is not None:
+            return out
     return paged_attention_ref(*args, query_lens_cpu, seq_lens_cpu)
 
 
-__all__ = ["paged_attention", "paged_attention_ref", "write_kv_cache", "write_kv_cache_ref"]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm of ``x`` times ``weight`` (see :func:`rms_norm_ref`)."""
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x += delta`` in place (the residual stream), then :func:`rms_norm` of ``x``.
+
+    bfloat16 runs both in one native kernel where chosen; float32 keeps PyTorch's ops, whose
+    results the tests compare with transformers bit for bit.
+    """
+    if x.dtype == torch.bfloat16 and _choice(x).add_rms_norm == "cpu":
+        out = cpu.add_rms_norm_cpu(x, delta, weight, eps)
+        if out is not None:
+            return out
+    return add_rms_norm_ref(x, delta, weight, eps)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: RopeAngles,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate the query and key heads of ``qkv`` ([T, (heads + 2 kv_heads) * d]) with RoPE,
+    store the keys and values in ``kv_cache`` at ``slot_mapping``; returns the rotated queries
+    ``[T, heads, d]`` (see :func:`rope_write_kv_ref`)."""
+    if _choice(qkv).rope_write_kv == "cpu" and cpu.rope_write_kv_cpu(
+        qkv, num_heads, num_kv_heads, head_dim, rope.cos_table, rope.sin_table,
+        rope.positions, kv_cache, slot_mapping,
+    ):  # fmt: skip
+        # Rotated in place and cached in one native call; queries are a view of the qkv rows.
+        return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+    q, k, v = rope_write_kv_ref(qkv, num_heads, num_kv_heads, head_dim, rope.cos, rope.sin)
+    write_kv_cache(k, v, kv_cache, slot_mapping)
+    return q
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    kind: str,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` for W in GGUF blocks (:func:`cpu.quantized_linear`), or ``None``
+    where no block kernel serves these inputs (the caller then uses the dense weight)."""
+    if _choice(x).quantized_linear != "cpu":
+        return None
+    return cpu.quantized_linear(x, kind, qs, scales, mins, bias)
+
+
+def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` reordered once for :func:`prepacked_linear` (oneDNN's bf16 matmul on CPU);
+    None where that is not offered (another dtype or device, a torch built without oneDNN)."""
+    if weight.dtype != torch.bfloat16 or choose(weight.device.type).prepacked_linear != "onednn":
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except (RuntimeError, AttributeError):  # an op this torch build lacks
+        return None
+
+
+def prepacked_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``x @ W.T + bias`` through a weight from :func:`prepack_linear_weight`; ``None`` for
+    inputs the packed path does not serve (not bf16, empty, or over :data:`PACKED_MAX_ROWS`)."""
+    if not 0 < x.shape[0] <= PACKED_MAX_ROWS or x.dtype != torch.bfloat16:
+        return None
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    out: torch.Tensor = linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return out
+
+
+__all__ = [
+    "PACKED_MAX_ROWS",
+    "KernelChoice",
+    "add_rms_norm",
+    "choose",
+    "paged_attention",
+    "paged_attention_ref",
+    "prepack_linear_weight",
+    "prepacked_linear",
+    "quantized_linear",
+    "rms_norm",
+    "rope_write_kv",
+    "write_kv_cache",
+    "write_kv_cache_ref",
+]

@@ -1,11 +1,19 @@
-"""The engine's native CPU kernels (``cpu_kernels.c``): built once, loaded through ctypes.
+"""The engine's native CPU kernels (``csrc/*.c``, one file per op family): built once, loaded
+through ctypes.
 
-The C file is compiled with the system C compiler (``cc -O3 -march=native -fopenmp``) the first
-time a process asks for it, into ``~/.cache/portico/kernels`` (``PORTICO_KERNEL_CACHE``), under
-a name keyed by the source, the compiler and the CPU, so a changed file or another machine gets
-its own build. Concurrent builders write to a temporary file and rename it into place. Without a
-compiler, or with ``PORTICO_CPU_KERNELS=0``, :func:`load` returns ``None`` (logged once) and the
-engine runs its PyTorch references instead: same results, slower.
+The C files are compiled together into one library with the system C compiler (``cc -O3
+-march=native -fopenmp``) the first time a process asks for it, into ``~/.cache/portico/kernels``
+(``PORTICO_KERNEL_CACHE``), under a name keyed by the sources, the compiler and the CPU, so a
+changed file or another machine gets its own build. Concurrent builders write to a temporary
+file and rename it into place. Without a compiler, or with ``PORTICO_CPU_KERNELS=0``,
+:func:`load` returns ``None`` (logged once) and the engine runs its PyTorch references instead:
+same results, slower.
+
+Instruction sets are detected, never assumed: ``-march=native`` compiles in the AVX-512,
+AVX512-BF16 and VNNI paths only where the building CPU has them (portable loops otherwise), the
+library reports what it was built with (``portico_compiled_features``), and :func:`load` refuses
+a library whose features the running CPU does not report in ``/proc/cpuinfo``
+(:func:`cpu_features`), so a kernel cache shared between machines cannot crash one of them.
 
 The library links the OpenMP runtime by soname, so it shares the one torch already loaded and
 uses ``torch.get_num_threads()`` threads. ctypes releases the GIL for the duration of each call.
@@ -28,7 +36,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")
+# Bits of portico_compiled_features() (csrc/features.c) and the /proc/cpuinfo flag of each.
+_FEATURE_BITS = {
+    "avx512f": 1,
+    "avx512bw": 2,
+    "avx512_bf16": 4,
+    "avx512_vnni": 8,
+    "amx_tile": 16,
+    "amx_bf16": 32,
+}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -52,6 +69,23 @@ def _cpu_identity() -> str:
     return platform.processor()
 
 
+def sources() -> list[Path]:
+    """The C files built into the library, in a fixed order."""
+    return sorted(SOURCE_DIR.glob("*.c"))
+
+
+def cpu_features() -> frozenset[str]:
+    """The vector instruction sets (of :data:`_FEATURE_BITS`) this CPU reports."""
+    flags = set(_cpu_identity().split())
+    return frozenset(name for name in _FEATURE_BITS if name in flags)
+
+
+def _compiled_features(lib: ctypes.CDLL) -> frozenset[str]:
+    lib.portico_compiled_features.restype = _I
+    bits = int(lib.portico_compiled_features())
+    return frozenset(name for name, bit in _FEATURE_BITS.items() if bits & bit)
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -71,7 +105,7 @@ def build(compiler: str) -> Path:
     key = hashlib.sha256(
         b"\0".join(
             [
-                SOURCE.read_bytes(),
+                *(p.read_bytes() for p in sorted(SOURCE_DIR.iterdir()) if p.suffix in (".c", ".h")),
                 version.encode(),
                 " ".join(_FLAGS).encode(),
                 _cpu_identity().encode(),
@@ -86,7 +120,7 @@ def build(compiler: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", staging, str(SOURCE), "-lm"],
+            [compiler, *_FLAGS, "-I", str(SOURCE_DIR), "-o", staging, *map(str, sources()), "-lm"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         if result.returncode != 0:
@@ -157,10 +191,21 @@ def load() -> ctypes.CDLL | None:
         log.warning("no C compiler found: the engine uses its PyTorch CPU kernels (slower)")
         return None
     try:
-        return _declare(ctypes.CDLL(str(build(compiler))))
+        lib = ctypes.CDLL(str(build(compiler)))
     except OSError as exc:
         log.warning("CPU kernels unavailable, using the PyTorch ones (slower): %s", exc)
         return None
+    missing = _compiled_features(lib) - cpu_features()
+    if missing:
+        log.warning("CPU kernels need %s, which this CPU lacks: using PyTorch", sorted(missing))
+        return None
+    return _declare(lib)
+
+
+def compiled_features() -> frozenset[str]:
+    """The instruction sets the loaded library uses (empty when it is not loaded)."""
+    lib = load()
+    return _compiled_features(lib) if lib is not None else frozenset()
 
 
 def available() -> bool:

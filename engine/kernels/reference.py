@@ -1,6 +1,6 @@
-"""PyTorch references of the paged-attention kernels: the CPU path, and the tests' oracle.
+"""PyTorch references of the engine's kernels: the fallback path, and the tests' oracle.
 
-Each function has the same signature and meaning as its Triton twin in this package. They are
+Each function has the same meaning as its Triton or native twin in this package. They are
 written for speed on CPU: no Python loop per token. All decoding requests (one new token each)
 are served by batched attention: their contexts are gathered by block table into a padded
 ``[B, max_len, kv_heads, d]`` tensor and masked, B as large as keeps the gathered K/V within
@@ -146,3 +146,44 @@ def paged_attention_ref(
             )
         start += q_len
     return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm of ``x`` times ``weight``.
+
+    float32 runs HF's exact formula through one fused op (``F.rms_norm``); other dtypes
+    normalize in float32 and round before the weight, as HF does.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x += delta`` in place (when given), then :func:`rms_norm_ref` of ``x``."""
+    if delta is not None:
+        x.add_(delta)
+    return rms_norm_ref(x, weight, eps)
+
+
+def rope_write_kv_ref(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and keys of ``qkv`` ([T, (heads + 2 kv_heads) * d]) rotated with RoPE
+    (rotate-half layout; ``cos``/``sin`` [T, 1, d / 2] in qkv's dtype), and the values: three
+    ``[T, heads or kv_heads, d]`` tensors. Queries and keys rotate together, in one call."""
+    tokens = qkv.shape[0]
+    qk_width = (num_heads + num_kv_heads) * head_dim
+    x1, x2 = qkv[:, :qk_width].view(tokens, -1, head_dim).chunk(2, dim=-1)
+    qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    v = qkv[:, qk_width:].view(tokens, num_kv_heads, head_dim)
+    return qk[:, :num_heads], qk[:, num_heads:], v

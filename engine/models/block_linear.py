@@ -5,7 +5,7 @@ a CPU its speed is the speed at which weights stream from memory. :class:`BlockL
 dense weight (for big batches, where the matrix units win) and, when the model came from a GGUF
 file with ``quantization="gguf"``, the file's own blocks as well: steps of at most
 :attr:`GGUFBlocks.max_rows` rows then run the native block kernels
-(:func:`engine.kernels.cpu.quantized_linear`), reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes per
+(:func:`engine.kernels.quantized_linear`), reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes per
 weight instead of 2 (bf16) or 4 (fp32). The blocks hold exactly the values the dense weight was
 dequantized from, so both paths compute the same model.
 """
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu
+from engine import kernels
 
 # Rows up to which the block kernel beats the dense matmul on the CPUs measured (AMX bf16):
-# measured with engine/forward_bench.py, see docs/engine-benchmark.md.
+# measured with load/forward_bench.py, see docs/engine-benchmark.md.
 _MAX_ROWS = {"q4_1": 8, "q8_0": 4}
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 
@@ -79,12 +79,12 @@ class GGUFBlocks:
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot stack GGUF blocks of different kinds {sorted(kinds)}")
-        mins = [p.mins for p in parts]
+        mins = [p.mins for p in parts if p.mins is not None]
         return GGUFBlocks(
             parts[0].kind,
             torch.cat([p.qs for p in parts]),
             torch.cat([p.scales for p in parts]),
-            torch.cat(mins) if all(m is not None for m in mins) else None,  # type: ignore[misc]
+            torch.cat(mins) if len(mins) == len(parts) else None,
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -100,25 +100,6 @@ class GGUFBlocks:
         return w.reshape(out, in_features)
 
 
-# Up to this many rows a oneDNN-prepacked bf16 weight beats F.linear (which reorders the weight
-# for the matrix units on every call): 25-35% faster at 16-256 rows on AMX, a little slower
-# at 2048 (docs/engine-benchmark.md).
-PACKED_MAX_ROWS = 512
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered once for oneDNN's bf16 matmul on CPU; None where that is not
-    available (another dtype or device, a torch built without oneDNN)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    except (RuntimeError, AttributeError):  # an op this torch build lacks
-        return None
-
-
 def block_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -126,17 +107,22 @@ def block_matmul(
     bias: torch.Tensor | None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``: through ``blocks`` when they are set, ``x`` has few enough rows,
-    lives on the CPU and the kernels are built; else through the ``packed`` weight (from
-    :func:`prepack`) up to :data:`PACKED_MAX_ROWS` rows; else the dense matmul."""
+    """``x @ weight.T + bias``: through ``blocks`` when they are set, ``x`` has few enough rows
+    and a block kernel serves it (:func:`engine.kernels.quantized_linear`); else through the
+    ``packed`` weight (:func:`engine.kernels.prepack_linear_weight`) up to
+    :data:`engine.kernels.PACKED_MAX_ROWS` rows; else the dense matmul."""
     rows = x.shape[0]
-    if blocks is not None and 0 < rows <= blocks.max_rows and not x.is_cuda:
+    if blocks is not None and 0 < rows <= blocks.max_rows:
         bias32 = bias.float() if bias is not None else None
-        out = cpu.quantized_linear(x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32)
+        out = kernels.quantized_linear(
+            x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32
+        )
         if out is not None:
             return out
-    if packed is not None and 0 < rows <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if packed is not None:
+        packed_out = kernels.prepacked_linear(x, packed, bias)
+        if packed_out is not None:
+            return packed_out
     return F.linear(x, weight, bias)
 
 

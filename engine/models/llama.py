@@ -12,19 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend_paged, paged_attention_step
-from engine.kernels import cpu
+from engine import kernels
+from engine.attention import AttentionMetadata, attend_paged
 from engine.model_config import ModelConfig
-from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul, prepack
+from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul
 from engine.models.rotary import RopeAngles, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm scaled by a learned weight (as in HF Llama).
-
-    float32 input runs HF's exact formula through one fused op (``F.rms_norm``); other dtypes
-    normalize in float32 and round before the weight, as HF does.
-    """
+    """Root-mean-square norm scaled by a learned weight (as in HF Llama; the formula is
+    :func:`engine.kernels.rms_norm`)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -32,25 +29,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-        """``x += delta`` in place (the residual stream), then the norm of ``x``.
-
-        bfloat16 on CPU runs both in one native kernel (:mod:`engine.kernels.cpu`); float32
-        keeps PyTorch's ops, whose results the tests compare with transformers bit for bit.
-        """
-        if x.dtype == torch.bfloat16 and not x.is_cuda:
-            out = cpu.add_rms_norm_cpu(x, delta, self.weight, self.eps)
-            if out is not None:
-                return out
-        if delta is not None:
-            x.add_(delta)
-        return self(x)
+        """``x += delta`` in place (the residual stream), then the norm of ``x``, through
+        :func:`engine.kernels.add_rms_norm` (one native call in bfloat16 on CPU)."""
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -75,20 +59,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if not qkv.is_cuda and cpu.rope_write_kv_cpu(
-            qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.cos_table,
-            rope.sin_table, rope.positions, kv_cache, meta.slot_mapping,
-        ):  # fmt: skip
-            # Rotated and cached in one native call; queries are a view of the qkv rows.
-            q = qkv[:, : self.num_heads * self.head_dim].view(tokens, self.num_heads, -1)
-            out = attend_paged(q, kv_cache, meta, self.scale)
-        else:
-            qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
-            # Rotate queries and keys together: one RoPE call per layer.
-            qk = rope.rotate(qkv[:, :qk_width].view(tokens, -1, self.head_dim))
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
-            out = paged_attention_step(q, k, v, kv_cache, meta, self.scale)
+        q = kernels.rope_write_kv(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope, kv_cache,
+            meta.slot_mapping,
+        )  # fmt: skip
+        out = attend_paged(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -191,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         count = 0
         for module in self.modules():
             if isinstance(module, BlockLinear):
-                module.packed = prepack(module.weight)
+                module.packed = kernels.prepack_linear_weight(module.weight)
                 count += module.packed is not None
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.lm_head_packed = prepack(weight)
+        self.lm_head_packed = kernels.prepack_linear_weight(weight)
         return count + (self.lm_head_packed is not None)

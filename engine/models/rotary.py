@@ -124,8 +124,3 @@ class RopeAngles(NamedTuple):
     positions: torch.Tensor
     cos_table: torch.Tensor
     sin_table: torch.Tensor
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ([T, heads, d], rotate-half layout); returns a new tensor."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)

@@ -40,12 +40,8 @@ from engine.server.serving_completions import CompletionServing
 from engine.server.serving_engine import OpenAIServing, effective_max_model_len
 from engine.server.settings import ServerSettings
 from portico import __version__
-from portico.errors import (
-    BodySizeLimitMiddleware,
-    InvalidRequestError,
-    error_body,
-    install_error_handlers,
-)
+from portico.errors import InvalidRequestError, error_body
+from portico.http_errors import BodySizeLimitMiddleware, error_response, install_error_handlers
 
 logger = logging.getLogger("portico.engine.server")
 
@@ -118,14 +114,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
-        return JSONResponse(
-            error_body(
-                "The server had an error while processing your request.",
-                "internal_error",
-                code="internal_error",
-            ),
-            status_code=500,
-        )
+        return error_response(exc)
 
     app.add_exception_handler(Exception, on_unexpected)
 

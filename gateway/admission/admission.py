@@ -4,8 +4,8 @@ The policy half of rate limiting (the mechanism is :mod:`gateway.admission.limit
 request it builds the bucket set (tenant, key and model scopes; requests/min, tokens/min,
 concurrency, monthly budget), reserves tokens (exact prompt tokens + max_tokens, or a capped
 default), turns a refusal into a 429 in OpenAI's shape with an exact ``retry-after``, and writes
-OpenAI's ``x-ratelimit-*`` headers. When Redis is unreachable it applies the configured policy and
-probes Redis in the background until it answers again.
+OpenAI's ``x-ratelimit-*`` headers. Which limiter decides (Redis, or the fallback while Redis is
+unreachable) is :class:`~gateway.admission.failover.FailoverLimiter`'s business, not this one's.
 
 The dataplane calls, per request::
 
@@ -19,55 +19,24 @@ The dataplane calls, per request::
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
-import redis.exceptions
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis
 
 from gateway.admission.abuse import AbuseSettings
+from gateway.admission.failover import FailoverLimiter, RedisDownPolicy
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
 from gateway.identity.principal import Limits, Principal
-from portico.errors import RateLimitError, ServiceUnavailableError
-
-log = logging.getLogger("portico.admission")
-
-# Everything redis-py raises when a command did not get its answer.
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-FailureKind = Literal["busy", "slow", "down"]
-
-
-def failure_kind(exc: BaseException) -> FailureKind:
-    """What a failed Redis call says about Redis.
-
-    ``busy``: this replica got no connection from its own pool (``MaxConnectionsError``, or a
-    ``BlockingConnectionPool`` wait that timed out): the replica is overloaded, Redis is not
-    known to be down, and falling back to local buckets would admit beyond the shared limit.
-    ``slow``: a socket timed out (connecting or reading): Redis is down, or this replica is too
-    loaded to read its answer in time; a PING decides. ``down``: refused, reset, socket gone.
-    """
-    if isinstance(exc, redis.exceptions.MaxConnectionsError):
-        return "busy"
-    if isinstance(exc, redis.exceptions.ConnectionError) and isinstance(
-        exc.__cause__, TimeoutError
-    ):
-        return "busy"
-    if isinstance(exc, redis.exceptions.TimeoutError | TimeoutError):
-        return "slow"
-    return "down"
-
+from portico.errors import RateLimitError
 
 PLAN_CACHE_SIZE = 4096
 CONCURRENCY_RETRY_MS = 1000
-BUSY_LOG_INTERVAL_S = 60.0
 
 
 class AdmissionSettings(BaseModel):
@@ -77,7 +46,7 @@ class AdmissionSettings(BaseModel):
 
     # What to do while Redis is unreachable: `local` enforces limit / replicas in each replica,
     # `open` admits everything, `closed` answers 503.
-    redis_down_policy: Literal["local", "open", "closed"] = "local"
+    redis_down_policy: RedisDownPolicy = "local"
     # gateway replicas sharing the Redis (each enforces 1/replicas of a limit under `local`)
     replicas: int = Field(default=1, ge=1)
     # a concurrency slot frees itself after this, so a crashed replica cannot hold it forever
@@ -175,9 +144,8 @@ class Admission:
     """Decides whether a request may start, and accounts for it when it ends.
 
     Limits hold exactly across replicas through :class:`RedisLimiter`; while Redis is down the
-    ``redis_down_policy`` applies (logged once per outage, counted in
-    ``portico_admission_degraded_total``, ``portico_admission_redis_up`` = 0) and admission
-    returns to Redis by itself once a background probe gets an answer.
+    ``redis_down_policy`` applies (:class:`FailoverLimiter`, built here from ``limiter`` and
+    ``local_limiter``, makes that decision and returns to Redis by itself).
     """
 
     def __init__(
@@ -191,35 +159,19 @@ class Admission:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
-        self._redis = redis
-        self._shared = limiter or RedisLimiter(redis, budget_ttl_s=settings.budget_key_ttl_seconds)
-        self._local = local_limiter or LocalLimiter(share=1 / settings.replicas)
+        registry = registry if registry is not None else CollectorRegistry()
+        self._limiter = FailoverLimiter(
+            redis,
+            limiter or RedisLimiter(redis, budget_ttl_s=settings.budget_key_ttl_seconds),
+            local_limiter or LocalLimiter(share=1 / settings.replicas),
+            policy=settings.redis_down_policy,
+            ping_timeout_s=settings.redis_timeout_seconds,
+            probe_interval_s=settings.probe_interval_seconds,
+            registry=registry,
+        )
         self._wall_clock = wall_clock
         self._lease_us = int(settings.slot_lease_seconds * 1_000_000)
         self._plans: dict[tuple[object, ...], _Plan] = {}
-        # Budget counters as Redis last reported them, to seed the local fallback with.
-        self._budgets_seen: dict[str, int] = {}
-        self._redis_up = True
-        self._last_probe = 0.0
-        self._probe: asyncio.Task[None] | None = None
-        self._watch: asyncio.Task[None] | None = None
-        registry = registry if registry is not None else CollectorRegistry()
-        self._up_gauge = Gauge(
-            "portico_admission_redis_up", "1 while admission reaches Redis", registry=registry
-        )
-        self._up_gauge.set(1)
-        self._degraded = Counter(
-            "portico_admission_degraded",
-            "Admissions decided without Redis, by policy",
-            ["policy"],
-            registry=registry,
-        )
-        self._busy = Counter(
-            "portico_admission_busy",
-            "Admissions and settlements that got no timely turn on Redis (503, Redis not down)",
-            registry=registry,
-        )
-        self._last_busy_log = -math.inf
         self._rejected = Counter(
             "portico_admission_rejected",
             "Requests refused by admission, by scope and limit",
@@ -229,7 +181,7 @@ class Admission:
 
     @property
     def redis_up(self) -> bool:
-        return self._redis_up
+        return self._limiter.redis_up
 
     # ----------------------------------------------------------------- the request path
 
@@ -264,26 +216,10 @@ class Admission:
             )
         reserved, cap = self._reservation(plan, prompt_tokens, max_tokens, num_outputs)
         costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
-        limiter = self._limiter_now()
-        if limiter is None:
+        outcome = await self._limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+        if outcome is None:  # Redis down, policy "open": admitted without limits
             return Ticket({}, 0, None, None, slot_id)
-        try:
-            decision = await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
-        except REDIS_ERRORS as exc:
-            if failure_kind(exc) != "down":
-                self._note_busy(exc)
-                raise ServiceUnavailableError(
-                    "The gateway is overloaded; try again shortly.",
-                    code="rate_limiter_busy",
-                    headers={"retry-after": "1"},
-                ) from exc
-            self._mark_down(exc)
-            limiter = self._limiter_now()
-            if limiter is None:
-                return Ticket({}, 0, None, None, slot_id)
-            decision = await limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
-        if decision.budget_used and limiter is self._shared:
-            self._remember_budgets(plan.buckets.budget_keys, decision.budget_used)
+        decision, limiter = outcome
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
@@ -307,31 +243,13 @@ class Admission:
         await self._finish(ticket, None)
 
     def start_watch(self) -> None:
-        """Probe Redis on a timer (``probe_interval_seconds``) for the life of the gateway.
-
-        The probe, not only a failing request, decides ``redis_up``: the gauge and readiness
-        follow the store's real state even when no request arrives (an alert can fire), and
-        after an outage Redis is found again before the next request, which is then judged
-        by the shared buckets, not by the local fallback it no longer needs."""
-        if self._watch is None:
-            self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
-
-    async def _watch_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.probe_interval_seconds)
-            if self._probe is None:
-                self._start_probe()
+        """Probe Redis on a timer for the life of the gateway (see
+        :meth:`FailoverLimiter.start_watch`); :meth:`aclose` stops it."""
+        self._limiter.start_watch()
 
     async def aclose(self) -> None:
-        """Stop the background Redis probes."""
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
-            self._watch = None
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
-            self._probe = None
+        """Stop the background Redis probes (the timed watch and any PING in flight)."""
+        await self._limiter.aclose()
 
     # ----------------------------------------------------------------- internals
 
@@ -349,92 +267,7 @@ class Admission:
             delta = used - ticket.reserved_tokens
             deltas = [delta if tokens else 0 for tokens in plan.counts_tokens]
             charges = [used] * len(plan.buckets.budget_keys)
-        try:
-            await limiter.settle(plan.buckets, deltas, charges, ticket._slot_id)
-            if charges and limiter is self._shared:
-                seen = self._budgets_seen
-                for key, charge in zip(plan.buckets.budget_keys, charges, strict=True):
-                    seen[key] = seen.get(key, 0) + charge
-        except REDIS_ERRORS as exc:
-            # Not settled: the reservation stays charged and the slot's lease frees it. Nothing
-            # to tell the client, whose response is already on its way.
-            if failure_kind(exc) == "down":
-                self._mark_down(exc)
-            else:
-                self._note_busy(exc)
-
-    def _limiter_now(self) -> Limiter | None:
-        """The limiter to use now: Redis, or the policy's fallback (None: admit unlimited)."""
-        if self._redis_up:
-            return self._shared
-        self._maybe_probe()
-        policy = self.settings.redis_down_policy
-        self._degraded.labels(policy).inc()
-        if policy == "closed":
-            raise ServiceUnavailableError(
-                "Rate limiting is unavailable (its store cannot be reached); try again shortly.",
-                code="rate_limiter_unavailable",
-                headers={"retry-after": "1"},
-            )
-        return self._local if policy == "local" else None
-
-    def _note_busy(self, exc: BaseException) -> None:
-        self._busy.inc()
-        if failure_kind(exc) == "slow":
-            self._start_probe()  # down, or only slow? a PING decides
-        now = time.monotonic()
-        if now - self._last_busy_log >= BUSY_LOG_INTERVAL_S:
-            self._last_busy_log = now
-            log.warning(
-                "admission: no timely answer from Redis (%s: %s); answering 503 (size the "
-                "Redis connection pool and socket timeouts for the load)",
-                type(exc).__name__,
-                exc,
-            )
-
-    def _remember_budgets(self, keys: tuple[str, ...], used: tuple[int, ...]) -> None:
-        if len(self._budgets_seen) >= PLAN_CACHE_SIZE:
-            self._budgets_seen.clear()
-        for key, value in zip(keys, used, strict=True):
-            self._budgets_seen[key] = value
-
-    def _mark_down(self, exc: BaseException) -> None:
-        if self._redis_up:
-            for key, used in self._budgets_seen.items():
-                self._local.seed_budget(key, used)
-            self._redis_up = False
-            self._last_probe = time.monotonic()
-            self._up_gauge.set(0)
-            log.warning(
-                "admission: Redis unreachable (%s: %s); policy %r until it answers again",
-                type(exc).__name__,
-                exc,
-                self.settings.redis_down_policy,
-            )
-
-    def _maybe_probe(self) -> None:
-        if time.monotonic() - self._last_probe >= self.settings.probe_interval_seconds:
-            self._start_probe()
-
-    def _start_probe(self) -> None:
-        if self._probe is None:
-            self._last_probe = time.monotonic()
-            self._probe = asyncio.get_running_loop().create_task(self._run_probe())
-
-    async def _run_probe(self) -> None:
-        """PING Redis once: mark it down if it fails, up again if it answers."""
-        try:
-            async with asyncio.timeout(self.settings.redis_timeout_seconds):
-                await self._redis.ping()
-        except (*REDIS_ERRORS, TimeoutError) as exc:
-            self._mark_down(exc)
-            return
-        finally:
-            self._probe = None
-        if not self._redis_up:
-            self._redis_up = True
-            self._up_gauge.set(1)
-            log.warning("admission: Redis reachable again; limits are shared again")
+        await self._limiter.settle(limiter, plan.buckets, deltas, charges, ticket._slot_id)
 
     def _reservation(
         self, plan: _Plan, prompt_tokens: int, max_tokens: int | None, num_outputs: int

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis.exceptions
@@ -61,7 +61,7 @@ class _Wire(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  (uvloop's is not a subclass)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)

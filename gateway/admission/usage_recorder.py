@@ -2,7 +2,7 @@
 
 Writing each request's usage on its own costs a pipelined round trip of seven commands per
 request; summing in memory and flushing every ``interval_s`` costs one round trip per interval
-for all requests, with the same keys and fields (``TenantStore.add_usage``). The admin usage
+for all requests, with the same keys and fields (``UsageLedger.add_usage``). The admin usage
 API therefore lags by at most ``interval_s``. ``aclose`` flushes what is left (the gateway
 calls it after draining), so a clean shutdown loses nothing; a crash loses at most one
 interval. A failed flush keeps its counts and retries them with the next one.
@@ -16,20 +16,20 @@ import logging
 import time
 from datetime import datetime, timedelta, timezone
 
-from gateway.identity.tenants import TenantStore, usage_fields
+from gateway.identity.usage import UsageLedger, usage_fields
 
 log = logging.getLogger("portico.gateway.usage")
 
 
 class UsageRecorder:
-    """Sums usage per (tenant, UTC day) and flushes it to the store in the background.
+    """Sums usage per (tenant, UTC day) and flushes it to the ledger in the background.
 
     ``record`` never waits and never raises; ``start`` begins the periodic flush; ``flush``
     writes everything pending now; ``aclose`` stops the loop and flushes once more.
     """
 
-    def __init__(self, store: TenantStore, interval_s: float = 0.25) -> None:
-        self._store = store
+    def __init__(self, ledger: UsageLedger, interval_s: float = 0.25) -> None:
+        self._ledger = ledger
         self._interval_s = interval_s
         self._pending: dict[tuple[str, str], dict[str, int]] = {}
         # (tenant, day, model) -> [requests, prompt tokens, completion tokens] since the flush
@@ -94,7 +94,7 @@ class UsageRecorder:
             return
         batch, self._pending = self._pending, {}
         try:
-            await self._store.add_usage(batch)
+            await self._ledger.add_usage(batch)
         except Exception as exc:  # Redis down or busy: retried with the next flush
             for key, fields in batch.items():
                 self._add(key, fields)

@@ -54,7 +54,7 @@ def relabel(expositions: Sequence[tuple[str, str]]) -> bytes:
                 Sample(s.name, {**s.labels, "engine": engine}, s.value, s.timestamp, s.exemplar)
                 for s in family.samples
             )
-    return generate_latest(_Families(merged.values()))  # type: ignore[arg-type]
+    return generate_latest(_Families(merged.values()))
 
 
 async def _fetch(replica: Replica) -> tuple[str, str] | None:

@@ -6,8 +6,8 @@ solving, exit stacks and exception middleware add only cost to them. :class:`Gat
 FastAPI app with one change: those two are dispatched, before FastAPI's stack, to their own
 short pure-ASGI stack — request context (ids, overhead header, metrics, in-flight count), the
 body-size limit (413), then :class:`HotRoutes`, which builds a Starlette ``Request``, calls the
-handler and turns :class:`~portico.errors.APIError` into the one error shape exactly as
-``install_error_handlers`` does; an unexpected exception is a 500 in that shape (then re-raised
+handler and turns an error into a response with :func:`portico.http_errors.error_response`, as
+the FastAPI app's handlers do; an unexpected exception is a 500 in that shape (then re-raised
 for the server to log), as FastAPI's server-error layer would answer. Every other request
 (admin, models, health, metrics, other methods on these paths) goes through FastAPI unchanged.
 """
@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from portico.errors import APIError, error_body
+from portico.errors import APIError
+from portico.http_errors import error_response
 
 log = logging.getLogger("portico.gateway")
 
@@ -50,9 +51,7 @@ class HotRoutes:
             try:
                 response = await self.handler(Request(scope, receive), HOT_PATHS[path], path)
             except APIError as exc:
-                response = JSONResponse(
-                    exc.to_dict(), status_code=exc.status_code, headers=exc.headers
-                )
+                response = error_response(exc)
             await response(scope, receive, tracking_send)
         except ClientDisconnect:
             return  # the client left before its body arrived: no one to answer, nothing taken
@@ -60,12 +59,7 @@ class HotRoutes:
             if getattr(exc, "status_code", None) == 413:  # the body limit's signal: its answer
                 raise
             if not started:
-                await JSONResponse(
-                    error_body(
-                        "The server had an error while processing your request.", "internal_error"
-                    ),
-                    status_code=500,
-                )(scope, receive, send)
+                await error_response(exc)(scope, receive, send)
             raise
 
 

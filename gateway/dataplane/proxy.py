@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from starlette.responses import Response
@@ -163,6 +163,21 @@ async def sse_blocks(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
         buffer = buffer[cut + 2 :]
     if buffer.strip():
         yield buffer + b"\n\n"
+
+
+class Upstream(Protocol):
+    """Where the gateway forwards a routed request: a local engine pool (:class:`LocalUpstream`)
+    or a remote provider (:class:`~gateway.dataplane.remote.RemoteUpstream`). Both retry only
+    before the first byte and answer with an :class:`Exchange` the gateway relays as is."""
+
+    async def exchange(
+        self,
+        path: str,
+        payload: bytes,
+        fields: RequestFields,
+        request_id: str,
+        prefix_key: bytes | None,
+    ) -> Exchange: ...
 
 
 class LocalUpstream:
@@ -357,7 +372,7 @@ class RelayResponse(Response):
         self.raw_headers = headers
         self.on_close = on_close
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # type: ignore[override]
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         disconnected = finishing = False
 

@@ -1,1 +1,12 @@
-"""Who is calling: tenants, API keys, JWTs, the Principal, the admin API."""
+"""Identity: who is calling, and what their tenant may do.
+
+- ``auth.py``: the one principal resolver (``Authenticator``: API key or JWT -> ``Principal``)
+  and ``open_identity``, which builds it on the Redis client the gateway hands in.
+- ``tenants.py``: ``TenantStore``, tenants and keys in Redis (keys stored as HMACs only).
+- ``records.py``, ``plans.py``: the tenant/key records and admin bodies; the plans and limits.
+- ``usage.py``: ``UsageLedger``, usage per tenant, model and day (read by the admin API).
+- ``jwt_auth.py``, ``principal.py``: JWT verification; the ``Principal`` every part receives.
+- ``admin.py``, ``keys_cli.py``: the ``/admin/v1`` REST API and ``portico keys``, its client.
+
+Nothing here imports admission or the data plane.
+"""

@@ -3,8 +3,8 @@
 Every route depends on :meth:`Authenticator.resolve_admin` (the admin key or an admin-role
 JWT); data-plane keys get 403. Bodies are pydantic models with ``extra="forbid"`` and strict
 types, so malformed JSON, wrong types and unknown fields are 400 in OpenAI's shape (the app
-must install :func:`portico.errors.install_error_handlers`; a body over the app's limit is
-413 from :class:`portico.errors.BodySizeLimitMiddleware`). A key secret appears in exactly
+must install :func:`portico.http_errors.install_error_handlers`; a body over the app's limit is
+413 from :class:`portico.http_errors.BodySizeLimitMiddleware`). A key secret appears in exactly
 one response: the one that creates it (create or rotate).
 """
 
@@ -24,14 +24,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.auth import Authenticator
-from gateway.identity.tenants import (
-    KeyCreate,
-    Tenant,
-    TenantCreate,
-    TenantPatch,
-    TenantStore,
-    whole_number,
-)
+from gateway.identity.plans import whole_number
+from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
+from gateway.identity.tenants import TenantStore
 from portico.errors import ERROR_SCHEMA_DOC, InvalidRequestError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)
@@ -124,31 +119,29 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
     return body
 
 
-def build_admin_router(
-    store: TenantStore,
-    authenticator: Authenticator,
-    *,
-    before_auth: Callable[[Request], Awaitable[None]] | None = None,
-) -> APIRouter:
-    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once.
+BeforeAuth = Callable[[Request], Awaitable[None]]
 
-    ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
-    checked, so failed guesses count too; router-level ``dependencies`` would run only after
-    a successful authentication.
-    """
 
-    class AdminRoute(APIRoute):
-        """Authenticates before FastAPI reads the body, so an unauthenticated caller learns
-        nothing from validation errors (401/403 always come first)."""
+class _AllowRoute(APIRoute):
+    """A route whose 405 names every method of its path in ``Allow``, not only its own."""
 
-        path_methods: frozenset[str] = frozenset()  # every method of this path, for Allow
+    path_methods: frozenset[str] = frozenset()  # every method of this path, for Allow
 
-        async def handle(self, scope: Any, receive: Any, send: Any) -> None:
-            if self.methods and scope["method"] not in self.methods:
-                allow = ", ".join(sorted(self.path_methods or self.methods))
-                raise HTTPException(status_code=405, headers={"Allow": allow})
-            await super().handle(scope, receive, send)
+    async def handle(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            allow = ", ".join(sorted(self.path_methods or self.methods))
+            raise HTTPException(status_code=405, headers={"Allow": allow})
+        await super().handle(scope, receive, send)
 
+
+def _admin_route_class(
+    authenticator: Authenticator, before_auth: BeforeAuth | None
+) -> type[_AllowRoute]:
+    """The route class of the admin router: it authenticates before FastAPI reads the body, so
+    an unauthenticated caller learns nothing from validation errors (401/403 always come
+    first), and it turns a Redis failure into a 503."""
+
+    class AdminRoute(_AllowRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
@@ -171,106 +164,142 @@ def build_admin_router(
 
             return guarded
 
-    # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
-    router = APIRouter(
-        prefix="/admin/v1",
-        tags=["admin"],
-        route_class=AdminRoute,
-        dependencies=[Security(HTTPBearer(auto_error=False))],
-        responses=_errors(400, 401, 403, 413, 429, 503),
-    )
+    return AdminRoute
 
-    def changed(action: str, **fields: str) -> None:
-        authenticator.invalidate()
+
+class AdminAPI:
+    """The admin routes' handlers, one method per route, over one store. Every write
+    invalidates the authenticator's cache and is logged (never with a secret)."""
+
+    def __init__(self, store: TenantStore, authenticator: Authenticator) -> None:
+        self.store = store
+        self.authenticator = authenticator
+
+    def _changed(self, action: str, **fields: str) -> None:
+        self.authenticator.invalidate()
         log.info("admin: %s %s", action, " ".join(f"{k}={v}" for k, v in fields.items()))
 
-    @router.get("/plans")
-    async def list_plans() -> dict[str, Any]:
+    async def list_plans(self) -> dict[str, Any]:
+        store = self.store
         return {
             "object": "list",
             "default": store.default_plan,
             "data": [p.model_dump() for p in store.plans.values()],
         }
 
-    @router.post("/tenants", status_code=201, responses=_errors(409))
-    async def create_tenant(spec: TenantCreate) -> dict[str, Any]:
-        tenant = await store.create_tenant(spec)
-        changed("create tenant", tenant=tenant.id)
-        return _tenant_view(store, tenant)
+    async def create_tenant(self, spec: TenantCreate) -> dict[str, Any]:
+        tenant = await self.store.create_tenant(spec)
+        self._changed("create tenant", tenant=tenant.id)
+        return _tenant_view(self.store, tenant)
 
-    @router.get("/tenants")
-    async def list_tenants() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [_tenant_view(store, t) for t in await store.list_tenants()],
-        }
+    async def list_tenants(self) -> dict[str, Any]:
+        tenants = await self.store.list_tenants()
+        return {"object": "list", "data": [_tenant_view(self.store, t) for t in tenants]}
 
-    @router.get("/tenants/{tenant_id}", responses=_errors(404))
-    async def get_tenant(tenant_id: TenantIdPath) -> dict[str, Any]:
-        return _tenant_view(store, await store.require_tenant(tenant_id))
+    async def get_tenant(self, tenant_id: TenantIdPath) -> dict[str, Any]:
+        return _tenant_view(self.store, await self.store.require_tenant(tenant_id))
 
-    @router.patch("/tenants/{tenant_id}", responses=_errors(404))
-    async def update_tenant(tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
-        tenant = await store.update_tenant(tenant_id, patch)
-        changed("update tenant", tenant=tenant_id, fields=",".join(sorted(patch.model_fields_set)))
-        return _tenant_view(store, tenant)
+    async def update_tenant(self, tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
+        tenant = await self.store.update_tenant(tenant_id, patch)
+        fields = ",".join(sorted(patch.model_fields_set))
+        self._changed("update tenant", tenant=tenant_id, fields=fields)
+        return _tenant_view(self.store, tenant)
 
-    @router.delete("/tenants/{tenant_id}", status_code=204, responses=_errors(404))
-    async def delete_tenant(tenant_id: TenantIdPath) -> Response:
-        await store.delete_tenant(tenant_id)
-        changed("delete tenant", tenant=tenant_id)
+    async def delete_tenant(self, tenant_id: TenantIdPath) -> Response:
+        await self.store.delete_tenant(tenant_id)
+        self._changed("delete tenant", tenant=tenant_id)
         return Response(status_code=204)
 
-    @router.post("/tenants/{tenant_id}/keys", status_code=201, responses=_errors(404))
-    async def create_key(tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
-        key, secret = await store.create_key(tenant_id, spec)
-        changed("create key", tenant=tenant_id, key=key.id)
+    async def create_key(self, tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
+        key, secret = await self.store.create_key(tenant_id, spec)
+        self._changed("create key", tenant=tenant_id, key=key.id)
         return {**key.public(), "key": secret}
 
-    @router.get("/tenants/{tenant_id}/keys", responses=_errors(404))
-    async def list_keys(tenant_id: TenantIdPath) -> dict[str, Any]:
-        return {"object": "list", "data": [k.public() for k in await store.list_keys(tenant_id)]}
+    async def list_keys(self, tenant_id: TenantIdPath) -> dict[str, Any]:
+        keys = await self.store.list_keys(tenant_id)
+        return {"object": "list", "data": [k.public() for k in keys]}
 
-    @router.get("/tenants/{tenant_id}/keys/{key_id}", responses=_errors(404))
-    async def get_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
-        return (await store.get_key(tenant_id, key_id)).public()
+    async def get_key(self, tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+        return (await self.store.get_key(tenant_id, key_id)).public()
 
-    @router.post("/tenants/{tenant_id}/keys/{key_id}/revoke", responses=_errors(404))
-    async def revoke_key(tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
-        key = await store.revoke_key(tenant_id, key_id)
-        changed("revoke key", tenant=tenant_id, key=key_id)
+    async def revoke_key(self, tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+        key = await self.store.revoke_key(tenant_id, key_id)
+        self._changed("revoke key", tenant=tenant_id, key=key_id)
         return key.public()
 
-    @router.post(
-        "/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201, responses=_errors(404)
-    )
     async def rotate_key(
-        tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
+        self, tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
     ) -> dict[str, Any]:
         grace = body.grace_seconds if body is not None else 0
-        key, secret = await store.rotate_key(tenant_id, key_id, grace)
-        changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
+        key, secret = await self.store.rotate_key(tenant_id, key_id, grace)
+        self._changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
         return {**key.public(), "key": secret, "replaces": key_id}
 
-    @router.get("/tenants/{tenant_id}/usage", responses=_errors(404))
     async def usage(
+        self,
         tenant_id: TenantIdPath,
         start: Annotated[str | None, Query(json_schema_extra=DATE_SCHEMA)] = None,
         end: Annotated[str | None, Query(json_schema_extra=DATE_SCHEMA)] = None,
     ) -> dict[str, Any]:
         last = _usage_date(end, "end") or datetime.now(timezone.utc).date()
         first = _usage_date(start, "start") or max(FIRST_USAGE_DATE, last - timedelta(days=29))
-        await store.require_tenant(tenant_id)
-        return (await store.usage(tenant_id, first, last)).model_dump()
+        await self.store.require_tenant(tenant_id)
+        return (await self.store.ledger.usage(tenant_id, first, last)).model_dump()
 
-    @router.get("/openapi.json", include_in_schema=False)
+
+OPENAPI_PATH = "/admin/v1/openapi.json"
+
+
+def build_admin_router(
+    store: TenantStore,
+    authenticator: Authenticator,
+    *,
+    before_auth: BeforeAuth | None = None,
+) -> APIRouter:
+    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once.
+
+    ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
+    checked, so failed guesses count too; router-level ``dependencies`` would run only after
+    a successful authentication.
+    """
+    api = AdminAPI(store, authenticator)
+    route_class = _admin_route_class(authenticator, before_auth)
+    # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
+    router = APIRouter(
+        prefix="/admin/v1",
+        tags=["admin"],
+        route_class=route_class,
+        dependencies=[Security(HTTPBearer(auto_error=False))],
+        responses=_errors(400, 401, 403, 413, 429, 503),
+    )
+    missing, conflict = _errors(404), _errors(409)
+    tenant, key = "/tenants/{tenant_id}", "/tenants/{tenant_id}/keys/{key_id}"
+    router.add_api_route("/plans", api.list_plans, methods=["GET"])
+    router.add_api_route(
+        "/tenants", api.create_tenant, methods=["POST"], status_code=201, responses=conflict
+    )
+    router.add_api_route("/tenants", api.list_tenants, methods=["GET"])
+    router.add_api_route(tenant, api.get_tenant, methods=["GET"], responses=missing)
+    router.add_api_route(tenant, api.update_tenant, methods=["PATCH"], responses=missing)
+    router.add_api_route(
+        tenant, api.delete_tenant, methods=["DELETE"], status_code=204, responses=missing
+    )
+    router.add_api_route(
+        f"{tenant}/keys", api.create_key, methods=["POST"], status_code=201, responses=missing
+    )
+    router.add_api_route(f"{tenant}/keys", api.list_keys, methods=["GET"], responses=missing)
+    router.add_api_route(key, api.get_key, methods=["GET"], responses=missing)
+    router.add_api_route(f"{key}/revoke", api.revoke_key, methods=["POST"], responses=missing)
+    router.add_api_route(
+        f"{key}/rotate", api.rotate_key, methods=["POST"], status_code=201, responses=missing
+    )
+    router.add_api_route(f"{tenant}/usage", api.usage, methods=["GET"], responses=missing)
+
     async def openapi() -> dict[str, Any]:
-        """This API's own OpenAPI document: the contract tests/hardening holds it to."""
-        document = get_openapi(
-            title="Portico admin API",
-            version="1",
-            routes=[r for r in router.routes if getattr(r, "path", "") != "/admin/v1/openapi.json"],
-        )
+        """This API's own OpenAPI document (also part of the gateway's /openapi.json): the
+        contract tests/hardening holds it to."""
+        routes = [r for r in router.routes if getattr(r, "path", "") != OPENAPI_PATH]
+        document = get_openapi(title="Portico admin API", version="1", routes=routes)
         # Validation errors are 400 in OpenAI's shape (install_error_handlers), never the 422
         # FastAPI documents by default.
         for operations in document.get("paths", {}).values():
@@ -280,12 +309,13 @@ def build_admin_router(
             document.get("components", {}).get("schemas", {}).pop(name, None)
         return document
 
+    router.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
     # A 405 names every method the path has, not only those of the route that matched first.
     methods_by_path: dict[str, set[str]] = {}
     for route in router.routes:
-        if isinstance(route, AdminRoute):
+        if isinstance(route, route_class):
             methods_by_path.setdefault(route.path, set()).update(route.methods or ())
     for route in router.routes:
-        if isinstance(route, AdminRoute):
+        if isinstance(route, route_class):
             route.path_methods = frozenset(methods_by_path[route.path])
     return router

@@ -29,9 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.jwt_auth import JWTSettings, JWTVerifier
+from gateway.identity.plans import load_plans
 from gateway.identity.principal import Limits, Principal
-from gateway.identity.tenants import Tenant, TenantStore, load_plans
-from gateway.store import EmbeddedRedis, StoreSettings, close_redis, open_redis
+from gateway.identity.records import Tenant
+from gateway.identity.tenants import TenantStore
+from gateway.store import StoreSettings
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 
 __all__ = [
@@ -346,50 +348,29 @@ def _check_enabled(tenant: Tenant) -> None:
 
 
 class Identity:
-    """What the gateway holds for its lifetime: the Redis client (shared with the limiter),
-    the tenant store and the authenticator. ``aclose()`` releases them in order."""
+    """What identity holds for the gateway's lifetime: the tenant store and the authenticator,
+    both on the Redis client it was handed (the gateway owns and closes that client)."""
 
     def __init__(
-        self,
-        redis: aioredis.Redis,
-        embedded: EmbeddedRedis | None,
-        store: TenantStore,
-        authenticator: Authenticator,
-        redis_url: str,
+        self, redis: aioredis.Redis, store: TenantStore, authenticator: Authenticator
     ) -> None:
         self.redis = redis
-        self.embedded = embedded
-        self.redis_url = redis_url  # the server actually used (configured, env or embedded)
         self.store = store
         self.authenticator = authenticator
 
     async def aclose(self) -> None:
         await self.authenticator.aclose()
-        await close_redis(self.redis, self.embedded)
 
 
-REDIS_URL_ENV = "PORTICO_REDIS_URL"
-
-
-def redis_url(store: StoreSettings, env: Mapping[str, str]) -> str | None:
-    """``redis.url`` from the config, else ``$PORTICO_REDIS_URL`` (compose passes the URL with
-    its password this way, keeping it out of portico.yaml), else None: the embedded Redis."""
-    if store.url:
-        return store.url
-    from_env = env.get(REDIS_URL_ENV) or None
-    if from_env is not None:
-        # the same scheme check the config applies to redis.url
-        return StoreSettings(url=from_env).url
-    return None
-
-
-async def open_identity(
-    store: StoreSettings, auth: AuthSettings, env: Mapping[str, str] | None = None
+def open_identity(
+    redis: aioredis.Redis,
+    store: StoreSettings,
+    auth: AuthSettings,
+    env: Mapping[str, str] | None = None,
 ) -> Identity:
-    """Open Redis (embedded or not), load plans and secrets, build the authenticator.
+    """Load plans and secrets and build the tenant store and the authenticator on ``redis``.
 
-    Raises ValueError for bad plans or secrets (before anything is started) and whatever
-    connecting to Redis raises.
+    Raises ValueError for bad plans or secrets, before anything is built.
     """
     env = os.environ if env is None else env
     plans = load_plans(store.plans_file)
@@ -400,16 +381,8 @@ async def open_identity(
         log.warning(
             "no admin key (%s) and no JWT: the admin API refuses every request", ADMIN_KEY_ENV
         )
-    url = redis_url(store, env)
-    try:
-        redis, embedded = await open_redis(url, store.data_dir, store)
-    except BaseException:
-        if verifier is not None:
-            await verifier.aclose()
-        raise
     tenants = TenantStore(redis, key_secret, plans)
     authenticator = Authenticator(
         tenants, admin_key=admin_key, jwt=verifier, cache_ttl_seconds=auth.key_cache_ttl_seconds
     )
-    used_url = url if embedded is None else embedded.url
-    return Identity(redis, embedded, tenants, authenticator, used_url)
+    return Identity(redis, tenants, authenticator)

@@ -197,8 +197,10 @@ def _default_key_file() -> Path:
 
 
 def _admin_key(args: argparse.Namespace) -> str | None:
+    key: str | None
     if args.admin_key_file is not None:
-        return args.admin_key_file.read_text().strip()
+        key = args.admin_key_file.read_text().strip()
+        return key
     key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     if key:
         return key

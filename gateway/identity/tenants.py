@@ -1,4 +1,4 @@
-"""Tenants, API keys, plans and usage, kept in Redis.
+"""The tenant store: tenants and API keys in Redis, and the Principal they add up to.
 
 Redis layout (every key under ``portico:``):
 
@@ -6,8 +6,7 @@ Redis layout (every key under ``portico:``):
 - ``key:{key_id}`` JSON key record (HMAC-SHA-256 hex digest of the secret, never the secret)
 - ``keyhash:{digest}`` hash ``key_id``, ``tenant_id``: the lookup index for authentication
 - ``tenant_keys:{tenant_id}`` set of key ids
-- ``usage:{tenant_id}:{YYYY-MM-DD}`` hash of counters (``requests``, ``prompt_tokens``,
-  ``completion_tokens`` and ``{model}|{counter}`` per model), expiring after 400 days
+- ``usage:...``: see :mod:`gateway.identity.usage` (the store's :attr:`TenantStore.ledger`)
 
 A key secret is ``sk-`` + 32 random bytes (url-safe base64), shown once at creation. Only its
 HMAC-SHA-256 under the server's key-hash secret is stored; authentication looks the digest
@@ -21,253 +20,29 @@ import hmac
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from datetime import date, datetime, timedelta, timezone
-from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-import yaml
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StringConstraints,
-    ValidationError,
-)
+from pydantic import BaseModel
 from redis.exceptions import WatchError
 
+from gateway.identity.plans import LimitsSpec, Plan
 from gateway.identity.principal import Limits, Principal
+from gateway.identity.records import (
+    ApiKey,
+    ConflictError,
+    KeyCreate,
+    Tenant,
+    TenantCreate,
+    TenantPatch,
+    display_form,
+    new_key_secret,
+)
+from gateway.identity.usage import PREFIX, UsageLedger
 from portico.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
 
-PREFIX = "portico:"
-USAGE_TTL_SECONDS = 400 * 86400
-MAX_USAGE_DAYS = 366
-USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
-
-
-def usage_fields(
-    model: str, prompt_tokens: int, completion_tokens: int, requests: int = 1
-) -> dict[str, int]:
-    """The usage hash fields that ``requests`` finished requests with these token totals add
-    (totals and the model's twins)."""
-    out: dict[str, int] = {}
-    for field, amount in (
-        ("requests", requests),
-        ("prompt_tokens", prompt_tokens),
-        ("completion_tokens", completion_tokens),
-    ):
-        out[field] = amount
-        out[f"{model}|{field}"] = amount
-    return out
-
-
-DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
-
-TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
-ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
-Scope = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9:._*-]{0,63}$")]
-
-
-def whole_number(value: Any) -> Any:
-    """``5257552.0`` as ``5257552``: JSON Schema's ``integer`` (the admin API's document)
-    includes floats without a fractional part, and some clients write every number so."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Count = Annotated[int, BeforeValidator(whole_number), Field(ge=0, le=10**15)]
-
-
-class ConflictError(APIError):
-    """409: the resource already exists."""
-
-    status_code = 409
-    error_type = "invalid_request_error"
-    default_code = "conflict"
-
-
-class LimitsSpec(BaseModel):
-    """Quota numbers as the admin API and policy files write them (None: not set)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    requests_per_minute: Count | None = None
-    tokens_per_minute: Count | None = None
-    max_concurrency: Count | None = None
-    monthly_token_budget: Count | None = None
-    max_tokens_default: Count | None = None
-
-    def to_limits(self) -> Limits:
-        return Limits(**self.model_dump(include=set(LimitsSpec.model_fields)))
-
-    def over(self, base: Limits) -> Limits:
-        """``base`` with every number this spec sets put on top."""
-        merged = {name: getattr(base, name) for name in LimitsSpec.model_fields}
-        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
-        return Limits(**merged)
-
-
-class Plan(LimitsSpec):
-    """A named quota from ``policies/plans.yaml``."""
-
-    name: str = ""
-    allowed_models: list[ModelName] | None = None
-    share_prefix_cache: bool = False
-    model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
-
-
-class PlansFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    default_plan: str | None = None
-    plans: dict[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")], Plan]
-
-
-def load_plans(path: Path | None = None) -> dict[str, Plan]:
-    """Read the plans file (the packaged ``policies/plans.yaml`` when ``path`` is None).
-
-    The default plan (``default_plan``, else the first listed) comes first in the returned
-    dict. Raises ValueError naming the file and the bad field.
-    """
-    path = path or DEFAULT_PLANS_FILE
-    try:
-        raw = yaml.safe_load(path.read_text())
-        parsed = PlansFile.model_validate(raw)
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise ValueError(f"{path}: invalid plans file: {exc}") from exc
-    if not parsed.plans:
-        raise ValueError(f"{path}: no plans defined")
-    default = parsed.default_plan or next(iter(parsed.plans))
-    if default not in parsed.plans:
-        raise ValueError(f"{path}: default_plan {default!r} is not one of the plans")
-    names = [default] + [n for n in parsed.plans if n != default]
-    return {n: parsed.plans[n].model_copy(update={"name": n}) for n in names}
-
-
-class Tenant(BaseModel):
-    """A tenant record. ``overrides`` sit on top of the plan's limits; ``allowed_models`` and
-    ``share_prefix_cache`` replace the plan's when set (None: inherit)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    name: str
-    plan: str
-    disabled: bool = False
-    allowed_models: list[str] | None = None
-    overrides: LimitsSpec = Field(default_factory=LimitsSpec)
-    model_limits: dict[str, LimitsSpec] = Field(default_factory=dict)
-    share_prefix_cache: bool | None = None
-    created: int = 0
-    uid: str = ""  # random per creation: a key of a deleted tenant never works for a new
-    # tenant that reuses the id (keys record the uid they were made under)
-
-
-class TenantCreate(BaseModel):
-    """Body of ``POST /admin/v1/tenants``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    id: TenantId | None = None
-    name: Annotated[str, StringConstraints(min_length=1, max_length=200)]
-    plan: str | None = None
-    disabled: bool = False
-    allowed_models: list[ModelName] | None = None
-    overrides: LimitsSpec = Field(default_factory=LimitsSpec)
-    model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
-    share_prefix_cache: bool | None = None
-
-
-class TenantPatch(BaseModel):
-    """Body of ``PATCH /admin/v1/tenants/{id}``: only the fields present change; an
-    ``overrides`` field set to null clears that override; ``allowed_models: null`` inherits
-    the plan's list again."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
-    plan: str | None = None
-    disabled: bool | None = None
-    allowed_models: list[ModelName] | None = None
-    overrides: LimitsSpec | None = None
-    model_limits: dict[ModelName, LimitsSpec | None] | None = None
-    share_prefix_cache: bool | None = None
-
-
-class ApiKey(BaseModel):
-    """A key record. ``digest`` is the HMAC of the secret; the secret itself is never kept."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    tenant_id: str
-    name: str | None = None
-    display: str
-    digest: str
-    created: int
-    expires_at: int | None = None
-    revoked_at: int | None = None
-    scopes: list[str] = Field(default_factory=list)
-    limits: LimitsSpec | None = None
-    replaced_by: str | None = None
-    tenant_uid: str = ""
-
-    def is_active(self, now: float) -> bool:
-        if self.revoked_at is not None and self.revoked_at <= now:
-            return False
-        return self.expires_at is None or now < self.expires_at
-
-    def public(self, now: float | None = None) -> dict[str, Any]:
-        """The record as the admin API shows it: no digest, plus a computed status."""
-        now = time.time() if now is None else now
-        body = self.model_dump(exclude={"digest", "tenant_uid"})
-        if self.revoked_at is not None and self.revoked_at <= now:
-            body["status"] = "revoked"
-        elif self.expires_at is not None and now >= self.expires_at:
-            body["status"] = "expired"
-        else:
-            body["status"] = "active"
-        return body
-
-
-class KeyCreate(BaseModel):
-    """Body of ``POST /admin/v1/tenants/{id}/keys``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
-    expires_in_seconds: (
-        Annotated[int, BeforeValidator(whole_number), Field(ge=1, le=10 * 365 * 86400)] | None
-    ) = None
-    scopes: list[Scope] = Field(default_factory=lambda: ["inference"], max_length=32)
-    limits: LimitsSpec | None = None
-
-
-class UsageCounters(BaseModel):
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class DayUsage(UsageCounters):
-    date: str
-    models: dict[str, UsageCounters] = Field(default_factory=dict)
-
-
-class TenantUsage(BaseModel):
-    """Usage of one tenant over ``[start, end]`` (UTC days); days without traffic omitted."""
-
-    tenant_id: str
-    start: str
-    end: str
-    totals: UsageCounters
-    models: dict[str, UsageCounters]
-    days: list[DayUsage]
-
+Record = TypeVar("Record", bound=BaseModel)
 
 # One round trip per authentication: the digest index, then the key and tenant records.
 _LOOKUP_LUA = """
@@ -278,28 +53,12 @@ return {redis.call('GET', ARGV[1] .. 'key:' .. ids[1]),
 """
 
 
-def new_key_secret() -> str:
-    """A fresh API key secret: 256 bits from ``secrets``."""
-    return "sk-" + secrets.token_urlsafe(32)
-
-
-def display_form(secret: str) -> str:
-    return f"{secret[:3]}...{secret[-4:]}"
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _add(target: UsageCounters, prompt: int, completion: int, requests: int) -> None:
-    target.requests += requests
-    target.prompt_tokens += prompt
-    target.completion_tokens += completion
-    target.total_tokens += prompt + completion
-
-
 class TenantStore:
-    """Tenants, keys, plans and usage over one ``redis.asyncio.Redis`` client.
+    """Tenants and keys over one ``redis.asyncio.Redis`` client (their usage: :attr:`ledger`).
 
     Safe for concurrent use from one event loop; read-modify-write updates use WATCH/MULTI so
     concurrent admin writes never lose an update. Never sees or stores a key secret except
@@ -318,6 +77,7 @@ class TenantStore:
         self.default_plan = next(iter(plans))  # load_plans puts the default first
         self._secret = key_hash_secret
         self._lookup = redis.register_script(_LOOKUP_LUA)
+        self.ledger = UsageLedger(redis)  # usage counters, same Redis
 
     # ------------------------------------------------------------------ hashing
 
@@ -594,88 +354,11 @@ class TenantStore:
             cache_salt=f"shared:{plan.name}" if shared else self.tenant_salt(tenant.id),
         )
 
-    # ------------------------------------------------------------------ usage
-
-    async def record_usage(
-        self, tenant_id: str, model: str, prompt_tokens: int, completion_tokens: int
-    ) -> None:
-        """Count one finished request (one pipelined round trip; per UTC day)."""
-        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        await self.add_usage(
-            {(tenant_id, day): usage_fields(model, prompt_tokens, completion_tokens)}
-        )
-
-    async def add_usage(self, counts: Mapping[tuple[str, str], Mapping[str, int]]) -> None:
-        """Add summed usage fields per ``(tenant_id, "YYYY-MM-DD")`` in one pipelined round trip.
-
-        The fields are those of :func:`usage_fields` (``requests``, ``prompt_tokens``,
-        ``completion_tokens`` and their ``<model>|<counter>`` twins), so a batch of many
-        requests (see ``gateway/admission/usage_recorder.py``) lands exactly as they would one
-        by one.
-        """
-        pipe = self.redis.pipeline(transaction=False)
-        for (tenant_id, day), fields in counts.items():
-            key = f"{PREFIX}usage:{tenant_id}:{day}"
-            for field, amount in fields.items():
-                pipe.hincrby(key, field, amount)
-            pipe.expire(key, USAGE_TTL_SECONDS)
-        await pipe.execute()
-
-    async def usage(self, tenant_id: str, start: date, end: date) -> TenantUsage:
-        if end < start:
-            raise InvalidRequestError("'end' is before 'start'.", param="end")
-        num_days = (end - start).days + 1
-        if num_days > MAX_USAGE_DAYS:
-            raise InvalidRequestError(f"At most {MAX_USAGE_DAYS} days per query.", param="end")
-        days = [start + timedelta(days=i) for i in range(num_days)]
-        pipe = self.redis.pipeline(transaction=False)
-        for day in days:
-            pipe.hgetall(f"{PREFIX}usage:{tenant_id}:{day.isoformat()}")
-        rows = await pipe.execute()
-        totals = UsageCounters()
-        per_model: dict[str, UsageCounters] = {}
-        out: list[DayUsage] = []
-        for day, row in zip(days, rows, strict=True):
-            if not row:
-                continue
-            counts = {k.decode(): int(v) for k, v in row.items()}
-            entry = DayUsage(date=day.isoformat())
-            _add(
-                entry,
-                counts.get("prompt_tokens", 0),
-                counts.get("completion_tokens", 0),
-                counts.get("requests", 0),
-            )
-            for field, value in counts.items():
-                model, sep, counter = field.rpartition("|")
-                if not sep or counter not in USAGE_COUNTERS:
-                    continue
-                slot = entry.models.setdefault(model, UsageCounters())
-                setattr(slot, counter, getattr(slot, counter) + value)
-            for model, slot in entry.models.items():
-                slot.total_tokens = slot.prompt_tokens + slot.completion_tokens
-                _add(
-                    per_model.setdefault(model, UsageCounters()),
-                    slot.prompt_tokens,
-                    slot.completion_tokens,
-                    slot.requests,
-                )
-            _add(totals, entry.prompt_tokens, entry.completion_tokens, entry.requests)
-            out.append(entry)
-        return TenantUsage(
-            tenant_id=tenant_id,
-            start=start.isoformat(),
-            end=end.isoformat(),
-            totals=totals,
-            models=per_model,
-            days=out,
-        )
-
     # ------------------------------------------------------------------ internals
 
     async def _update(
-        self, key: str, model: type[Any], apply: Callable[[Any], Any], missing: APIError
-    ) -> Any:
+        self, key: str, model: type[Record], apply: Callable[[Record], Record], missing: APIError
+    ) -> Record:
         """Read-modify-write one JSON record under WATCH; retried on a concurrent write."""
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:

@@ -1,4 +1,4 @@
-"""The native CPU kernels (engine/kernels/cpu_kernels.c) against their definitions.
+"""The native CPU kernels (engine/kernels/csrc/) against their definitions.
 
 Attention is compared with a per-token float64 oracle, the block-format linears with the matmul
 of the weights they encode, the norm and RoPE kernels with the PyTorch code they replace. Shapes
@@ -18,18 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.attention import AttentionMetadata
 from engine.gguf_file import GGUFFile
-from engine.kernels import cpu
-from engine.kernels.reference import write_kv_cache_ref
+from engine.kernels import PACKED_MAX_ROWS, cpu, prepack_linear_weight
+from engine.kernels.reference import rope_write_kv_ref, write_kv_cache_ref
 from engine.model_config import ModelConfig
-from engine.models.block_linear import (
-    PACKED_MAX_ROWS,
-    BlockLinear,
-    GGUFBlocks,
-    block_matmul,
-    prepack,
-)
+from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul
 from engine.models.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
@@ -188,7 +183,7 @@ def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
     positions = torch.tensor([0, 5, 77, 3])
     qkv = torch.randn(4, (4 + 2 * 2) * 16).to(dtype)
     angles = rotary.lookup(positions, dtype)
-    expected = angles.rotate(qkv[:, : 6 * 16].view(4, 6, 16))
+    expected = torch.cat(rope_write_kv_ref(qkv, 4, 2, 16, angles.cos, angles.sin)[:2], dim=1)
     slots = torch.tensor([3, 9, 0, 14])
     cache = torch.zeros(2, 4, 4, 2, 16, dtype=dtype)
     expected_cache = torch.zeros_like(cache)
@@ -241,15 +236,46 @@ def test_kernels_can_be_switched_off(tiny_llama_dir) -> None:
 
 
 def test_prepacked_bf16_weights_give_the_dense_matmul_bit_for_bit() -> None:
+    """What serving computes: the engine runs every step under ``torch.inference_mode``, and
+    there the packed matmul equals the dense one bit for bit. (With autograd on, F.linear of a
+    bf16 weight that requires grad takes another oneDNN kernel, whose result may differ by one
+    bf16 step in a few elements: not a path the engine ever runs.)"""
     torch.manual_seed(5)
     layer = BlockLinear(64, 96, bias=True).to(torch.bfloat16)
-    layer.packed = prepack(layer.weight)
+    layer.packed = prepack_linear_weight(layer.weight)
     if layer.packed is None:
         pytest.skip("this torch has no oneDNN weight prepacking")
-    for rows in (1, 9, 100, PACKED_MAX_ROWS + 1):  # the last one takes the plain matmul
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    # Non-contiguous input (the MLP's SiLU*up is a view of the gate/up output) is accepted.
-    wide = torch.randn(5, 128).to(torch.bfloat16)
-    assert torch.equal(layer(wide[:, :64]), F.linear(wide[:, :64], layer.weight, layer.bias))
-    assert prepack(torch.randn(8, 8)) is None  # float32: not packed
+    with torch.inference_mode():
+        for rows in (1, 9, 100, PACKED_MAX_ROWS + 1):  # the last one takes the plain matmul
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        # Non-contiguous input (the MLP's SiLU*up is a view of the gate/up output) is accepted.
+        wide = torch.randn(5, 128).to(torch.bfloat16)
+        assert torch.equal(layer(wide[:, :64]), F.linear(wide[:, :64], layer.weight, layer.bias))
+    assert prepack_linear_weight(torch.randn(8, 8)) is None  # float32: not packed
+
+
+def test_the_library_uses_only_instruction_sets_this_cpu_reports() -> None:
+    """The kernels are built for the CPU they run on, and the front door records that choice."""
+    choice = kernels.choose("cpu")
+    assert choice.paged_attention == "cpu" and choice.quantized_linear == "cpu"
+    assert choice.features == cpu.compiled_features()
+    assert choice.features <= cpu.cpu_features()
+    if "avx512_bf16" in cpu.cpu_features():  # -march=native compiles in what is present
+        assert "avx512_bf16" in choice.features
+
+
+def test_no_kernel_function_is_longer_than_80_lines() -> None:
+    """The C kernels stay readable: one op family per file, functions that fit on a screen."""
+    too_long = []
+    for source in cpu.sources():
+        depth, start = 0, None
+        for number, line in enumerate(source.read_text().splitlines(), 1):
+            if depth == 0 and "(" in line and line[:1].isalpha() and not line.endswith(";"):
+                start = number
+            depth += line.count("{") - line.count("}")
+            if depth == 0 and start is not None and "}" in line:
+                if number - start + 1 > 80:
+                    too_long.append(f"{source.name}:{start}")
+                start = None
+    assert len(cpu.sources()) >= 3 and not too_long

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block, num_kv_blocks
+from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -158,3 +160,20 @@ def test_sequence_past_the_model_context_is_rejected(
     out = SchedulerOutput(scheduled=[(req, 1025)], block_tables={"long": [1, 2, 3, 4, 5]})
     with pytest.raises(ValueError, match="exceeds the model's context of 1024"):
         runner.execute(out)
+
+
+def test_pool_sizing() -> None:
+    """SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float32 (meta weights: no memory)."""
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=576, intermediate_size=64,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    per_block = kv_cache_bytes_per_block(cfg, 16, torch.float32)
+    assert per_block == 30 * 3 * 64 * 2 * 16 * 4
+    with torch.device("meta"):
+        loaded = LoadedModel(LlamaForCausalLM(cfg), cfg, tokenizer=None)  # type: ignore[arg-type]
+    config = EngineConfig(model="smollm2-135m", kv_cache_memory=2 * 2**30)
+    assert num_kv_blocks(loaded, config) == 2 * 2**30 // per_block
+    with pytest.raises(ValueError, match="holds no block"):
+        num_kv_blocks(loaded, EngineConfig(model="smollm2-135m", kv_cache_memory=per_block - 1))

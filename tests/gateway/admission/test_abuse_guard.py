@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from gateway.admission.abuse import AbuseGuard, AbuseSettings, limits_storage_uri
-from portico.errors import RateLimitError, install_error_handlers
+from portico.errors import RateLimitError
+from portico.http_errors import install_error_handlers
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ tests with real inference engines are in test_gateway_engines.py.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,13 +143,12 @@ def test_stream_timing_through_the_gateway_matches_a_direct_call(
         via, gateway.base_url + "/v1/completions", body, {"authorization": f"Bearer {tenant[1]}"}
     )
     assert len(d) == len(g) == 8
-    d_gaps = [b - a for a, b in zip(d, d[1:], strict=False)]
-    g_gaps = [b - a for a, b in zip(g, g[1:], strict=False)]
-    # Chunk by chunk, not buffered: the chunks arrive spread out as the upstream emits them.
-    assert (g[-1] - g[0]) >= 0.5 * (d[-1] - d[0])
-    assert statistics.median(g_gaps) <= 3 * statistics.median(d_gaps)
-    assert statistics.median(g_gaps) >= 0.3 * statistics.median(d_gaps)
-    assert g[0] <= 3 * d[0]  # time to the first chunk: the gateway adds a small fraction
+    # Chunk by chunk, not buffered: the upstream sleeps 60 ms between its 8 chunks, so chunks
+    # forwarded as they come arrive spread over at least 7 x 60 ms; a buffering proxy would
+    # deliver them together. Only lower bounds, which load cannot break: a busy machine makes
+    # the upstream's sleeps longer, never shorter. (No upper bound on the gateway's added
+    # latency: that is measured by load/gateway_bench.py, not asserted here.)
+    assert g[-1] - g[0] >= 0.5 * 7 * 0.060
 
 
 def test_auto_routes_by_complexity_and_reaches_the_remote_tier_through_litellm(

@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission.usage_recorder import UsageRecorder
-from gateway.identity.tenants import TenantStore, load_plans
+from gateway.identity.plans import load_plans
+from gateway.identity.tenants import TenantStore
 
 SECRET = b"s" * 32
 
@@ -29,19 +30,19 @@ def today() -> datetime:
 
 async def test_a_batch_lands_exactly_as_one_by_one_writes(client: aioredis.Redis) -> None:
     store = TenantStore(client, SECRET, load_plans())
-    recorder = UsageRecorder(store, interval_s=3600)  # only explicit flushes in this test
+    recorder = UsageRecorder(store.ledger, interval_s=3600)  # only explicit flushes in this test
     for i in range(50):
         recorder.record("acme", "m1" if i % 2 else "m2", 10, 3)
-        await store.record_usage("other", "m1" if i % 2 else "m2", 10, 3)
+        await store.ledger.record_usage("other", "m1" if i % 2 else "m2", 10, 3)
     recorder.record("beta", "m1", 1, 1)
     await recorder.flush()
     day = today().date()
-    acme = await store.usage("acme", day, day)
-    other = await store.usage("other", day, day)
+    acme = await store.ledger.usage("acme", day, day)
+    other = await store.ledger.usage("other", day, day)
     assert acme.model_dump()["totals"] == other.model_dump()["totals"]
     assert acme.model_dump()["days"][0]["models"] == other.model_dump()["days"][0]["models"]
     assert acme.totals.requests == 50 and acme.totals.prompt_tokens == 500
-    assert (await store.usage("beta", day, day)).totals.completion_tokens == 1
+    assert (await store.ledger.usage("beta", day, day)).totals.completion_tokens == 1
     ttl = await client.ttl(f"portico:usage:acme:{day.isoformat()}")
     assert ttl > 0
 
@@ -50,7 +51,7 @@ async def test_counts_survive_a_redis_outage_and_land_after_it(private_redis) ->
     c = aioredis.Redis.from_url(private_redis.url, socket_timeout=1, socket_connect_timeout=1)
     try:
         store = TenantStore(c, SECRET, load_plans())
-        recorder = UsageRecorder(store, interval_s=3600)
+        recorder = UsageRecorder(store.ledger, interval_s=3600)
         recorder.record("acme", "m", 5, 5)
         private_redis.stop()
         await recorder.flush()  # fails: kept
@@ -59,7 +60,7 @@ async def test_counts_survive_a_redis_outage_and_land_after_it(private_redis) ->
         private_redis.start()
         await recorder.aclose()  # the final flush writes both
         day = today().date()
-        usage = await store.usage("acme", day, day)
+        usage = await store.ledger.usage("acme", day, day)
         assert (usage.totals.requests, usage.totals.prompt_tokens) == (2, 10)
     finally:
         await c.aclose()
@@ -69,15 +70,15 @@ async def test_the_background_loop_flushes_and_close_flushes_the_rest(
     client: aioredis.Redis,
 ) -> None:
     store = TenantStore(client, SECRET, load_plans())
-    recorder = UsageRecorder(store, interval_s=0.05)
+    recorder = UsageRecorder(store.ledger, interval_s=0.05)
     recorder.start()
     recorder.record("acme", "m", 1, 2)
     day = today().date()
     for _ in range(200):  # bounded wait for the loop (no timing assertion)
-        if (await store.usage("acme", day, day)).totals.requests == 1:
+        if (await store.ledger.usage("acme", day, day)).totals.requests == 1:
             break
         await asyncio.sleep(0.05)
-    assert (await store.usage("acme", day, day)).totals.requests == 1
+    assert (await store.ledger.usage("acme", day, day)).totals.requests == 1
     recorder.record("acme", "m", 1, 2)
     await recorder.aclose()
-    assert (await store.usage("acme", day, day)).totals.requests == 2
+    assert (await store.ledger.usage("acme", day, day)).totals.requests == 2

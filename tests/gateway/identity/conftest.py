@@ -14,7 +14,7 @@ import pytest
 from identity_app import ADMIN_KEY, admin_headers, build_app
 
 from gateway.identity.auth import AuthSettings, Identity, open_identity
-from gateway.store import StoreSettings
+from gateway.store import StoreSettings, open_shared_redis
 
 
 @pytest.fixture(params=["redis-server", "embedded"])
@@ -40,9 +40,11 @@ def env() -> dict[str, str]:
 async def identity(
     store_settings: StoreSettings, auth_settings: AuthSettings, env: dict[str, str]
 ) -> AsyncIterator[Identity]:
-    ident = await open_identity(store_settings, auth_settings, env)
+    redis = await open_shared_redis(store_settings, env)
+    ident = open_identity(redis.client, store_settings, auth_settings, env)
     yield ident
     await ident.aclose()
+    await redis.aclose()
 
 
 @pytest.fixture

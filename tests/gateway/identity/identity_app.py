@@ -13,7 +13,7 @@ from fastapi import FastAPI, Header
 
 from gateway.identity.admin import build_admin_router
 from gateway.identity.auth import Authenticator
-from portico.errors import BodySizeLimitMiddleware, install_error_handlers
+from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 ADMIN_KEY = "adm-" + "k" * 40
 MAX_BODY_BYTES = 64 * 1024

@@ -8,7 +8,7 @@ import httpx
 from identity_app import admin_headers, assert_openai_error, bearer, build_app
 
 from gateway.identity.auth import AuthSettings, open_identity
-from gateway.store import StoreSettings
+from gateway.store import StoreSettings, open_shared_redis
 
 A = admin_headers()
 
@@ -212,10 +212,10 @@ async def test_usage_per_model_per_day(client: httpx.AsyncClient, identity, make
     await make_tenant("acme")
     await make_tenant("other")
     store = identity.store
-    await store.record_usage("acme", "smollm2-135m", 10, 5)
-    await store.record_usage("acme", "smollm2-135m", 20, 7)
-    await store.record_usage("acme", "gpt-4o-mini", 3, 1)
-    await store.record_usage("other", "smollm2-135m", 1000, 1000)
+    await store.ledger.record_usage("acme", "smollm2-135m", 10, 5)
+    await store.ledger.record_usage("acme", "smollm2-135m", 20, 7)
+    await store.ledger.record_usage("acme", "gpt-4o-mini", 3, 1)
+    await store.ledger.record_usage("other", "smollm2-135m", 1000, 1000)
     resp = await client.get("/admin/v1/tenants/acme/usage", headers=A)
     assert resp.status_code == 200, resp.text
     usage = resp.json()
@@ -271,7 +271,8 @@ async def test_state_survives_a_restart_of_the_embedded_redis(tmp_path: Path) ->
     settings = StoreSettings(url=None, data_dir=tmp_path / "data")
     auth = AuthSettings()
 
-    ident = await open_identity(settings, auth, env)
+    redis = await open_shared_redis(settings, env)
+    ident = open_identity(redis.client, settings, auth, env)
     transport = httpx.ASGITransport(app=build_app(ident.authenticator))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         await c.post("/admin/v1/tenants", headers=A, json={"id": "acme", "name": "Acme"})
@@ -280,9 +281,11 @@ async def test_state_survives_a_restart_of_the_embedded_redis(tmp_path: Path) ->
         await c.post(f"/admin/v1/tenants/acme/keys/{revoked['id']}/revoke", headers=A)
     salt_before = ident.store.tenant_salt("acme")
     await ident.aclose()
+    await redis.aclose()
     assert (tmp_path / "data" / "key_hash_secret").stat().st_mode & 0o777 == 0o600
 
-    ident = await open_identity(settings, auth, env)
+    redis = await open_shared_redis(settings, env)
+    ident = open_identity(redis.client, settings, auth, env)
     try:
         assert ident.store.tenant_salt("acme") == salt_before  # same persisted secret
         transport = httpx.ASGITransport(app=build_app(ident.authenticator))
@@ -295,3 +298,4 @@ async def test_state_survives_a_restart_of_the_embedded_redis(tmp_path: Path) ->
             assert [t["id"] for t in tenants] == ["acme"]
     finally:
         await ident.aclose()
+        await redis.aclose()

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from gateway.identity.auth import AuthSettings, Identity, open_identity
 from gateway.identity.jwt_auth import JWKSCache, JWTSettings
-from gateway.store import StoreSettings
+from gateway.store import SharedRedis, StoreSettings, open_shared_redis
 
 ISSUER = "https://idp.example"
 AUDIENCE = "portico"
@@ -150,25 +150,25 @@ def pem_file(tmp_path: Path) -> Path:
     return path
 
 
-async def _identity(redis_url: str, tmp_path: Path, jwt_settings: JWTSettings) -> Identity:
+async def _identity(
+    redis_url: str, tmp_path: Path, jwt_settings: JWTSettings
+) -> tuple[SharedRedis, Identity]:
     env = {"PORTICO_ADMIN_KEY": "adm-" + "k" * 40, "PORTICO_JWT_HMAC_SECRET": HMAC_SECRET}
-    ident = await open_identity(
-        StoreSettings(url=redis_url, data_dir=tmp_path / "data"),
-        AuthSettings(jwt=jwt_settings),
-        env,
-    )
-    from gateway.identity.tenants import TenantCreate, TenantPatch
+    settings = StoreSettings(url=redis_url, data_dir=tmp_path / "data")
+    redis = await open_shared_redis(settings, env)
+    ident = open_identity(redis.client, settings, AuthSettings(jwt=jwt_settings), env)
+    from gateway.identity.records import TenantCreate, TenantPatch
 
     await ident.store.create_tenant(TenantCreate(id="acme", name="Acme", plan="standard"))
     await ident.store.create_tenant(TenantCreate(id="off", name="Off"))
     await ident.store.update_tenant("off", TenantPatch(disabled=True))
-    return ident
+    return redis, ident
 
 
 @pytest.fixture
 async def make_client(redis_url: str, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """Builds test apps with the given JWT settings; closes them all at the end."""
-    opened: list[tuple[Identity, httpx.AsyncClient]] = []
+    opened: list[tuple[SharedRedis, Identity, httpx.AsyncClient]] = []
 
     async def make(**settings: Any) -> httpx.AsyncClient:
         base = {
@@ -177,18 +177,19 @@ async def make_client(redis_url: str, tmp_path: Path) -> AsyncIterator[Callable[
             "max_lifetime_seconds": 3600,
             "leeway_seconds": 5,
         }
-        ident = await _identity(redis_url, tmp_path, JWTSettings(**{**base, **settings}))
+        redis, ident = await _identity(redis_url, tmp_path, JWTSettings(**{**base, **settings}))
         c = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=build_app(ident.authenticator)), base_url="http://gw"
         )
         c.identity = ident  # type: ignore[attr-defined]
-        opened.append((ident, c))
+        opened.append((redis, ident, c))
         return c
 
     yield make
-    for ident, c in opened:
+    for redis, ident, c in opened:
         await c.aclose()
         await ident.aclose()
+        await redis.aclose()
 
 
 @pytest.fixture
@@ -400,9 +401,10 @@ async def test_short_hmac_secret_is_refused(redis_url: str, tmp_path: Path) -> N
     settings = AuthSettings(
         jwt=JWTSettings(issuer=ISSUER, audience=[AUDIENCE], algorithms=["HS256"])
     )
-    with pytest.raises(ValueError, match="at least"):
-        await open_identity(
-            StoreSettings(url=redis_url, data_dir=tmp_path),
-            settings,
-            {"PORTICO_JWT_HMAC_SECRET": "short"},
-        )
+    store = StoreSettings(url=redis_url, data_dir=tmp_path)
+    redis = await open_shared_redis(store, {})
+    try:
+        with pytest.raises(ValueError, match="at least"):
+            open_identity(redis.client, store, settings, {"PORTICO_JWT_HMAC_SECRET": "short"})
+    finally:
+        await redis.aclose()

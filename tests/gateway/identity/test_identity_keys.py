@@ -13,7 +13,7 @@ import pytest
 from identity_app import ADMIN_KEY, admin_headers, assert_openai_error, bearer, build_app
 
 from gateway.identity.auth import Authenticator
-from gateway.identity.tenants import KeyCreate, TenantCreate
+from gateway.identity.records import KeyCreate, TenantCreate
 from portico.errors import AuthenticationError, PermissionDeniedError
 
 A = admin_headers()
@@ -271,7 +271,7 @@ async def test_key_of_a_disabled_tenant_is_refused_after_ttl_on_other_replica(
     clock = FakeClock(0.0)
     other = Authenticator(store, cache_ttl_seconds=2.0, clock=clock)
     await other.resolve(f"Bearer {secret}")
-    from gateway.identity.tenants import TenantPatch
+    from gateway.identity.records import TenantPatch
 
     await store.update_tenant("acme", TenantPatch(disabled=True))
     clock.now = 2.5
@@ -312,7 +312,8 @@ async def test_before_auth_hook_runs_before_the_credential_check(identity) -> No
     from fastapi import FastAPI, Request
 
     from gateway.identity.admin import build_admin_router
-    from portico.errors import RateLimitError, install_error_handlers
+    from portico.errors import RateLimitError
+    from portico.http_errors import install_error_handlers
 
     seen: list[str] = []
 
@@ -338,13 +339,12 @@ async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None
     """With Redis down a credential cannot be checked: 503 (never a 500, never a pass), on the
     data plane and on the admin API; when Redis is back, the same key works again."""
     from gateway.identity.auth import AuthSettings, open_identity
-    from gateway.store import StoreSettings
+    from gateway.store import StoreSettings, open_shared_redis
 
-    ident = await open_identity(
-        StoreSettings(url=private_redis.url, data_dir=tmp_path),
-        AuthSettings(key_cache_ttl_seconds=0),
-        {"PORTICO_ADMIN_KEY": ADMIN_KEY},
-    )
+    settings = StoreSettings(url=private_redis.url, data_dir=tmp_path)
+    env = {"PORTICO_ADMIN_KEY": ADMIN_KEY}
+    redis = await open_shared_redis(settings, env)
+    ident = open_identity(redis.client, settings, AuthSettings(key_cache_ttl_seconds=0), env)
     try:
         transport = httpx.ASGITransport(app=build_app(ident.authenticator))
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
@@ -361,3 +361,4 @@ async def test_redis_outage_is_503_and_recovers(private_redis, tmp_path) -> None
             assert (await c.get("/v1/whoami", headers=bearer(again["key"]))).status_code == 200
     finally:
         await ident.aclose()
+        await redis.aclose()

@@ -19,7 +19,7 @@ from identity_app import ADMIN_KEY, build_app
 from starlette.routing import Mount
 
 from gateway.identity.auth import AuthSettings, open_identity
-from gateway.store import StoreSettings
+from gateway.store import StoreSettings, open_shared_redis
 from portico.cli import main
 
 
@@ -36,14 +36,15 @@ class Gateway:
 
         @asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            ident = await open_identity(
-                StoreSettings(data_dir=data_dir), AuthSettings(), {"PORTICO_ADMIN_KEY": ADMIN_KEY}
-            )
+            settings, env = StoreSettings(data_dir=data_dir), {"PORTICO_ADMIN_KEY": ADMIN_KEY}
+            redis = await open_shared_redis(settings, env)
+            ident = open_identity(redis.client, settings, AuthSettings(), env)
             self.identity = ident
             # The app's middleware stack is already built: mount the test app whole.
             app.router.routes.append(Mount("/", app=build_app(ident.authenticator)))
             yield
             await ident.aclose()
+            await redis.aclose()
 
         app = FastAPI(lifespan=lifespan)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **tls))

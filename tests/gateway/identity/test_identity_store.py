@@ -14,17 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.identity.auth import AuthSettings, load_admin_key, load_key_hash_secret
-from gateway.identity.tenants import (
-    ApiKey,
-    KeyCreate,
-    LimitsSpec,
-    Plan,
-    Tenant,
-    TenantCreate,
-    TenantPatch,
-    TenantStore,
-    load_plans,
-)
+from gateway.identity.plans import LimitsSpec, Plan, load_plans
+from gateway.identity.records import ApiKey, KeyCreate, Tenant, TenantCreate, TenantPatch
+from gateway.identity.tenants import TenantStore
 from gateway.store import StoreSettings, close_redis, open_redis
 from portico.errors import PermissionDeniedError
 
@@ -150,11 +142,11 @@ async def test_concurrent_patches_lose_no_update(store: TenantStore) -> None:
 
 
 async def test_concurrent_usage_is_counted_exactly(store: TenantStore) -> None:
-    await asyncio.gather(*[store.record_usage("acme", "m", 3, 2) for _ in range(100)])
+    await asyncio.gather(*[store.ledger.record_usage("acme", "m", 3, 2) for _ in range(100)])
     from datetime import datetime, timezone
 
     today = datetime.now(timezone.utc).date()
-    usage = await store.usage("acme", today, today)
+    usage = await store.ledger.usage("acme", today, today)
     assert usage.totals.requests == 100 and usage.totals.total_tokens == 500
     assert usage.models["m"].prompt_tokens == 300
 

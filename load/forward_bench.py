@@ -1,4 +1,4 @@
-"""Forward-only decode speed of the model runner: ``python -m engine.forward_bench``.
+"""Forward-only decode speed of the model runner: ``python -m load.forward_bench``.
 
 Measures tokens per second of pure decode steps (every request has one new token and a
 context of ``context_len`` tokens in the paged cache) at the given batch sizes, through

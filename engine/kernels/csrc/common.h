@@ -1,0 +1,85 @@
+/* Shared by the engine's native CPU kernels (engine/kernels/csrc/ .c files, built together by
+ * engine/kernels/cpu.py into one library): dtype codes, bf16 rounding as torch does it, and the
+ * row loads, stores and dot products every kernel uses.
+ *
+ * Tensors are plain arrays. dtype codes: 0 = float32, 1 = bfloat16. Accumulation is float32.
+ * Built with -O3 -march=native -fopenmp: the AVX-512 paths are compiled in when the build CPU
+ * has them (cpu.py checks the running CPU reports every feature the library was built with)
+ * and portable loops otherwise.
+ */
+#ifndef PORTICO_COMMON_H
+#define PORTICO_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#else
+#define _mm_prefetch(p, hint) __builtin_prefetch((p))
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+/* Load n values of dtype dt starting at element offset off of base into float32 dst. */
+static inline void load_row(const void *base, int dt, int64_t off, int n, float *dst) {
+    if (dt == DT_F32) {
+        memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    } else {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    }
+}
+
+static inline void store_row(void *base, int dt, int64_t off, int n, const float *src) {
+    if (dt == DT_F32) {
+        memcpy((float *)base + off, src, (size_t)n * sizeof(float));
+    } else {
+        uint16_t *dst = (uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    float s = 0.f;
+#ifdef __AVX512F__
+    if ((n & 15) == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy_f32(float *y, float alpha, const float *x, int n) {
+#ifdef __AVX512F__
+    if ((n & 15) == 0) {
+        __m512 a = _mm512_set1_ps(alpha);
+        for (int i = 0; i < n; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+#endif /* PORTICO_COMMON_H */

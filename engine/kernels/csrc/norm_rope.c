@@ -1,0 +1,82 @@
+/* add_rms_norm (the residual add fused with the next RMSNorm) and rope_write_kv (RoPE on the
+ * query and key heads in place, and K/V into the paged cache), one call per layer each.
+ */
+#include "common.h"
+
+
+/*
+ * x [rows, hidden] (dtype dt), updated in place to x + delta when delta is not NULL (rounded to
+ * dt, as a PyTorch add in that dtype); out [rows, hidden] = weight * round(x * rsqrt(mean(x^2) +
+ * eps)), the normalization in float32 and rounded to dt before the weight, as Hugging Face's
+ * Llama RMSNorm does. weight [hidden] in dt.
+ */
+void add_rms_norm(void *x, const void *delta, const void *weight, float eps, void *out, int rows,
+                  int hidden, int dt, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        float buf[8192];
+        float wbuf[8192];
+        int n = hidden > 8192 ? 8192 : hidden; /* callers keep hidden <= 8192 */
+        load_row(x, dt, (int64_t)r * hidden, n, buf);
+        if (delta) {
+            float dbuf[8192];
+            load_row(delta, dt, (int64_t)r * hidden, n, dbuf);
+            for (int i = 0; i < n; i++) buf[i] += dbuf[i];
+            store_row(x, dt, (int64_t)r * hidden, n, buf);
+            if (dt == DT_BF16) load_row(x, dt, (int64_t)r * hidden, n, buf); /* the rounded sum */
+        }
+        float ss = 0.f;
+        for (int i = 0; i < n; i++) ss += buf[i] * buf[i];
+        float inv = 1.f / sqrtf(ss / (float)n + eps);
+        load_row(weight, dt, 0, n, wbuf);
+        for (int i = 0; i < n; i++) {
+            float v = buf[i] * inv;
+            if (dt == DT_BF16) v = bf16_to_f32(f32_to_bf16(v));
+            buf[i] = wbuf[i] * v;
+        }
+        store_row(out, dt, (int64_t)r * hidden, n, buf);
+    }
+}
+
+/*
+ * RoPE (rotate-half layout) on the first rot_heads heads of each row of qkv [rows, row_stride]
+ * (dtype dt), in place, with float32 tables cos/sin [max_pos, head_dim / 2] at positions[r];
+ * then the rows' K heads (kv_heads heads starting at head q_heads) and V heads (the kv_heads
+ * after them) are copied into the cache [2, num_blocks, block_size, kv_heads, head_dim] at
+ * slots[r]. rot_heads = q_heads + kv_heads.
+ */
+void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
+                   int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
+                   void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
+                   int num_threads) {
+    const int half_d = head_dim / 2;
+    const int rot_heads = q_heads + kv_heads;
+    const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
+    const size_t esize = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
+    for (int r = 0; r < rows; r++) {
+        float a[256], b[256];
+        const float *c = cos_t + positions[r] * half_d;
+        const float *s = sin_t + positions[r] * half_d;
+        for (int h = 0; h < rot_heads; h++) {
+            int64_t base = (int64_t)r * row_stride + (int64_t)h * head_dim;
+            load_row(qkv, dt, base, half_d, a);
+            load_row(qkv, dt, base + half_d, half_d, b);
+            float o1[256], o2[256];
+            for (int i = 0; i < half_d; i++) {
+                float p1 = a[i] * c[i], p2 = b[i] * s[i], p3 = b[i] * c[i], p4 = a[i] * s[i];
+                o1[i] = p1 - p2;
+                o2[i] = p3 + p4;
+            }
+            store_row(qkv, dt, base, half_d, o1);
+            store_row(qkv, dt, base + half_d, half_d, o2);
+        }
+        if (cache) {
+            const char *row = (const char *)qkv + ((int64_t)r * row_stride + (int64_t)q_heads * head_dim) * esize;
+            char *k_dst = (char *)cache + (slots[r] * kv_heads * head_dim) * esize;
+            char *v_dst = (char *)cache + (half + slots[r] * kv_heads * head_dim) * esize;
+            memcpy(k_dst, row, (size_t)kv_heads * head_dim * esize);
+            memcpy(v_dst, row + (size_t)kv_heads * head_dim * esize, (size_t)kv_heads * head_dim * esize);
+        }
+    }
+}

@@ -1,0 +1,350 @@
+/* paged_attention: causal attention of each request's new query rows to its whole context, read
+ * straight from the paged KV cache (no gather copy). One work item is (request, KV head, tile of
+ * query rows); the query heads that share a KV head are served by one pass over K and V, so the
+ * cache is read once per item. Called through ctypes (engine/kernels/cpu.py).
+ */
+#include "common.h"
+
+#define ROW_TILE 4     /* query rows (positions) per work item */
+#define MAX_QUERIES 32 /* ROW_TILE * heads per KV head must fit */
+
+/* The arguments of one call, shared read-only by every work item. */
+typedef struct {
+    const void *query;
+    int64_t q_stride_t, q_stride_h;
+    const void *cache;
+    int block_size, kv_heads, head_dim, heads, group, max_blocks, dt, max_seq;
+    int64_t half; /* elements from K to V in the cache */
+    const int32_t *tables, *query_start, *seq_lens;
+    float scale;
+    void *out;
+} Attn;
+
+/* One work item, resolved: the request's rows row0..row0+rows-1 against KV head kvh. */
+typedef struct {
+    int r, kvh, q_len, seq_len, row0, rows, nq, ctx_end;
+    const int32_t *table;
+} Item;
+
+/* Per-thread scratch. */
+typedef struct {
+    float *scores, *qbuf, *obuf, *kv;
+} Scratch;
+
+#ifdef __AVX512F__
+/* e^x for 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6 Taylor
+ * polynomial (relative error below 2e-7); very negative x gives 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Scores of nq queries (qbuf, float32, [nq, d]) against 16 positions whose cache rows start at
+ * element offsets rows[i] (valid lanes in mask), written to out[q * stride + 0..15]. The 16
+ * positions are lanes: one gather per element of d (a pair of elements for bf16, multiplied with
+ * vdpbf16ps), so no horizontal sum is needed. */
+static inline void scores16(const void *cache, int dt, __m512i rows, __mmask16 mask, int head_dim,
+                            const float *qbuf, const uint32_t *qpairs, int nq, float scale,
+                            float *out, int64_t stride) {
+    __m512 acc[MAX_QUERIES];
+    for (int q = 0; q < nq; q++) acc[q] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (dt == DT_BF16) {
+        const int *base = (const int *)cache; /* rows[] are in bf16 elements: halve to pairs */
+        __m512i pair_rows = _mm512_srli_epi32(rows, 1);
+        for (int e = 0; e < head_dim / 2; e++) {
+            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, pair_rows, base + e, 4);
+            for (int q = 0; q < nq; q++)
+                acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)g,
+                                          (__m512bh)_mm512_set1_epi32((int)qpairs[q * (head_dim / 2) + e]));
+        }
+    } else
+#endif
+    {
+        (void)qpairs;
+        const float *base = (const float *)cache;
+        for (int e = 0; e < head_dim; e++) {
+            __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, rows, base + e, 4);
+            for (int q = 0; q < nq; q++)
+                acc[q] = _mm512_fmadd_ps(g, _mm512_set1_ps(qbuf[q * head_dim + e]), acc[q]);
+        }
+    }
+    __m512 sc = _mm512_set1_ps(scale);
+    for (int q = 0; q < nq; q++) _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(acc[q], sc));
+}
+
+/* Pass 1, vectorized: scores of every query of the item against positions 0..ctx_end-1. */
+static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
+    uint32_t qpairs[MAX_QUERIES * 128];
+    if (a->dt == DT_BF16) {
+        for (int q = 0; q < it->nq; q++) {
+            int i = q / a->group, g = q % a->group;
+            int64_t t = a->query_start[it->r] + it->row0 + i;
+            memcpy(qpairs + q * (a->head_dim / 2),
+                   (const uint16_t *)a->query + t * a->q_stride_t + (it->kvh * a->group + g) * a->q_stride_h,
+                   (size_t)a->head_dim * 2);
+        }
+    }
+    for (int p0 = 0; p0 < it->ctx_end; p0 += 16) {
+        int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
+        __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+        int32_t rows_at[16];
+        int blk = p0 / a->block_size, off = p0 % a->block_size; /* walk, no division */
+        for (int i = 0; i < 16; i++) {
+            int64_t slot = (int64_t)it->table[blk] * a->block_size + off;
+            rows_at[i] = (int32_t)((slot * a->kv_heads + it->kvh) * a->head_dim);
+            if (i + 1 < valid && ++off == a->block_size) {
+                off = 0;
+                blk++;
+            }
+        }
+        scores16(a->cache, a->dt, _mm512_loadu_si512(rows_at), mask, a->head_dim, qbuf, qpairs,
+                 it->nq, a->scale, scores + p0, a->max_seq);
+    }
+}
+
+/* Pass 2, vectorized: obuf = P V, block by block (no division per position). */
+static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
+    const int head_dim = a->head_dim;
+    for (int d0 = 0; d0 < head_dim; d0 += 64) {
+        const int dn = (head_dim - d0 < 64 ? head_dim - d0 : 64) / 16;
+        for (int q0 = 0; q0 < it->nq; q0 += 4) {
+            const int nqq = it->nq - q0 < 4 ? it->nq - q0 : 4;
+            __m512 o[4][4];
+            for (int x = 0; x < 4; x++)
+                for (int z = 0; z < 4; z++) o[x][z] = _mm512_setzero_ps();
+            for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
+                const int64_t first = (int64_t)it->table[blk] * a->block_size;
+                const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
+                for (int off = 0; off < stop; off++, p++) {
+                    const int64_t at = a->half + ((first + off) * a->kv_heads + it->kvh) * head_dim + d0;
+                    __m512 v[4];
+                    for (int z = 0; z < dn; z++) {
+                        if (a->dt == DT_BF16)
+                            v[z] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                _mm256_loadu_si256((const __m256i *)((const uint16_t *)a->cache + at + z * 16))), 16));
+                        else
+                            v[z] = _mm512_loadu_ps((const float *)a->cache + at + z * 16);
+                    }
+                    for (int x = 0; x < nqq; x++) {
+                        __m512 w = _mm512_set1_ps(scores[(int64_t)(q0 + x) * a->max_seq + p]);
+                        for (int z = 0; z < dn; z++) o[x][z] = _mm512_fmadd_ps(w, v[z], o[x][z]);
+                    }
+                }
+            }
+            for (int x = 0; x < nqq; x++)
+                for (int z = 0; z < dn; z++)
+                    _mm512_storeu_ps(obuf + (int64_t)(q0 + x) * head_dim + d0 + z * 16, o[x][z]);
+        }
+    }
+}
+
+/* Gathers take 32-bit element offsets: the vector path needs the K half of the cache to hold
+ * fewer than 2^31 elements. */
+static inline int use_vector_path(const Attn *a) {
+    return (a->head_dim % 32) == 0 && a->half < ((int64_t)1 << 31);
+}
+#else
+static inline int use_vector_path(const Attn *a) {
+    (void)a;
+    return 0;
+}
+#define scores_fast(a, it, qbuf, scores) ((void)0)
+#define pv_fast(a, it, scores, obuf) ((void)0)
+#endif
+
+/* Pass 1, portable: one cache row at a time. */
+static void scores_portable(const Attn *a, const Item *it, const float *qbuf, float *scores, float *kv) {
+    for (int p = 0; p < it->ctx_end; p++) {
+        int64_t slot = (int64_t)it->table[p / a->block_size] * a->block_size + p % a->block_size;
+        load_row(a->cache, a->dt, (slot * a->kv_heads + it->kvh) * a->head_dim, a->head_dim, kv);
+        for (int q = 0; q < it->nq; q++)
+            scores[(int64_t)q * a->max_seq + p] = dot_f32(qbuf + (int64_t)q * a->head_dim, kv, a->head_dim) * a->scale;
+    }
+}
+
+/* Pass 2, portable. */
+static void pv_portable(const Attn *a, const Item *it, const float *scores, float *obuf, float *kv) {
+    memset(obuf, 0, sizeof(float) * (size_t)it->nq * (size_t)a->head_dim);
+    for (int p = 0; p < it->ctx_end; p++) {
+        int64_t slot = (int64_t)it->table[p / a->block_size] * a->block_size + p % a->block_size;
+        load_row(a->cache, a->dt, a->half + (slot * a->kv_heads + it->kvh) * a->head_dim, a->head_dim, kv);
+        for (int q = 0; q < it->nq; q++) {
+            float w = scores[(int64_t)q * a->max_seq + p];
+            if (w != 0.f) axpy_f32(obuf + (int64_t)q * a->head_dim, w, kv, a->head_dim);
+        }
+    }
+}
+
+/* Softmax of one query's scores s[0..limit-1] in place; s[limit..ctx_end-1] (positions this
+ * query may not see, causal) become 0. */
+static void softmax_row(float *s, int limit, int ctx_end) {
+    float mx = -INFINITY;
+    for (int p = 0; p < limit; p++) mx = s[p] > mx ? s[p] : mx;
+    float sum = 0.f;
+    int p = 0;
+#ifdef __AVX512F__
+    __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+    for (; p + 16 <= limit; p += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), vmx));
+        _mm512_storeu_ps(s + p, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; p < limit; p++) {
+        s[p] = expf(s[p] - mx);
+        sum += s[p];
+    }
+    float inv = 1.f / sum;
+    for (p = 0; p < limit; p++) s[p] *= inv;
+    for (p = limit; p < ctx_end; p++) s[p] = 0.f;
+}
+
+/* Copy (load) or write back (store) the item's query / output rows, head by head. */
+static void load_queries(const Attn *a, const Item *it, float *qbuf) {
+    for (int i = 0; i < it->rows; i++) {
+        int64_t t = a->query_start[it->r] + it->row0 + i;
+        for (int g = 0; g < a->group; g++) {
+            int h = it->kvh * a->group + g;
+            load_row(a->query, a->dt, t * a->q_stride_t + h * a->q_stride_h, a->head_dim,
+                     qbuf + (int64_t)(i * a->group + g) * a->head_dim);
+        }
+    }
+}
+
+static void store_outputs(const Attn *a, const Item *it, const float *obuf) {
+    for (int i = 0; i < it->rows; i++) {
+        int64_t t = a->query_start[it->r] + it->row0 + i;
+        for (int g = 0; g < a->group; g++) {
+            int h = it->kvh * a->group + g;
+            store_row(a->out, a->dt, (t * a->heads + h) * a->head_dim, a->head_dim,
+                      obuf + (int64_t)(i * a->group + g) * a->head_dim);
+        }
+    }
+}
+
+/* Item `local` of request r (the items of one request are its KV heads times its row tiles). */
+static Item resolve_item(const Attn *a, int r, int64_t local) {
+    Item it;
+    it.r = r;
+    it.kvh = (int)(local % a->kv_heads);
+    const int tile = (int)(local / a->kv_heads);
+    it.q_len = a->query_start[r + 1] - a->query_start[r];
+    it.seq_len = a->seq_lens[r];
+    it.row0 = tile * ROW_TILE;
+    it.rows = it.q_len - it.row0 < ROW_TILE ? it.q_len - it.row0 : ROW_TILE;
+    it.nq = it.rows * a->group;
+    /* Context the last row of this tile sees; earlier rows see less (causal). */
+    it.ctx_end = it.seq_len - it.q_len + it.row0 + it.rows;
+    it.table = a->tables + (int64_t)r * a->max_blocks;
+    return it;
+}
+
+static void attend_item(const Attn *a, const Item *it, Scratch *s) {
+    load_queries(a, it, s->qbuf);
+    const int fast = use_vector_path(a);
+    if (fast) scores_fast(a, it, s->qbuf, s->scores);
+    else scores_portable(a, it, s->qbuf, s->scores, s->kv);
+    for (int q = 0; q < it->nq; q++) {
+        int limit = it->seq_len - it->q_len + it->row0 + q / a->group + 1;
+        softmax_row(s->scores + (int64_t)q * a->max_seq, limit, it->ctx_end);
+    }
+    if (fast) pv_fast(a, it, s->scores, s->obuf);
+    else pv_portable(a, it, s->scores, s->obuf, s->kv);
+    store_outputs(a, it, s->obuf);
+}
+
+/* Offsets of each request's first work item into item_start[0..num_reqs]; returns the
+ * positions read in all (the work), and the longest context in *max_seq. */
+static int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs,
+                          int kv_heads, int64_t *item_start, int *max_seq) {
+    item_start[0] = 0;
+    *max_seq = 0;
+    int64_t work = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        int q_len = query_start[r + 1] - query_start[r];
+        int tiles = (q_len + ROW_TILE - 1) / ROW_TILE;
+        item_start[r + 1] = item_start[r] + (int64_t)tiles * kv_heads;
+        if (seq_lens[r] > *max_seq) *max_seq = seq_lens[r];
+        work += (int64_t)tiles * kv_heads * (int64_t)seq_lens[r];
+    }
+    return work;
+}
+
+static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int64_t work,
+                     int num_threads) {
+    const int64_t total = item_start[num_reqs];
+    int failed = 0;
+    /* Small steps stay on one thread (waking another costs more). */
+#pragma omp parallel num_threads(num_threads) if (work >= 8192)
+    {
+        Scratch s;
+        s.scores = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)a->max_seq);
+        s.qbuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)a->head_dim);
+        s.obuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)a->head_dim);
+        s.kv = (float *)malloc(sizeof(float) * (size_t)a->head_dim);
+        if (!s.scores || !s.qbuf || !s.obuf || !s.kv) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int r = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < total; item++) {
+            if (failed) continue;
+            while (item >= item_start[r + 1]) r++;
+            while (item < item_start[r]) r--;
+            const Item it = resolve_item(a, r, item - item_start[r]);
+            attend_item(a, &it, &s);
+        }
+        free(s.scores);
+        free(s.qbuf);
+        free(s.obuf);
+        free(s.kv);
+    }
+    return failed ? -1 : 0;
+}
+
+/*
+ * query:  [T, heads, d] (dtype dt), row stride q_stride_t elements, head stride q_stride_h
+ * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous
+ * tables: [num_reqs, max_blocks] int32; query_start: [num_reqs + 1] int32; seq_lens [num_reqs]
+ * out:    [T, heads, d] (dtype dt), contiguous
+ * Request r's rows query_start[r]..query_start[r+1]-1 are its last positions: row j of q_len
+ * sits at position seq_len - q_len + j and sees positions 0..that position.
+ * Returns 0, or -1 when a shape limit is exceeded (the caller falls back to PyTorch).
+ */
+int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, const void *cache,
+                    int64_t num_blocks, int block_size, int kv_heads, int head_dim,
+                    const int32_t *tables, int max_blocks, const int32_t *query_start,
+                    const int32_t *seq_lens, int num_reqs, int heads, float scale, int dt,
+                    void *out, int num_threads) {
+    const int group = heads / kv_heads;
+    if (group * ROW_TILE > MAX_QUERIES || head_dim > 256) return -1;
+    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
+    if (!item_start) return -1;
+    int max_seq = 0;
+    const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, item_start, &max_seq);
+    const Attn a = {
+        .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,
+        .block_size = block_size, .kv_heads = kv_heads, .head_dim = head_dim, .heads = heads,
+        .group = group, .max_blocks = max_blocks, .dt = dt, .max_seq = max_seq,
+        .half = num_blocks * (int64_t)block_size * kv_heads * head_dim,
+        .tables = tables, .query_start = query_start, .seq_lens = seq_lens, .scale = scale,
+        .out = out,
+    };
+    const int status = run_items(&a, item_start, num_reqs, work, num_threads);
+    free(item_start);
+    return status;
+}

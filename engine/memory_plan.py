@@ -1,0 +1,334 @@
+"""How much memory an engine takes, computed from the model's shapes without loading weights.
+
+One sizing rule for two callers: the engine sizes its KV cache with :func:`kv_cache_budget`
+(through ``engine.model_runner.num_kv_blocks``), and ``portico plan`` calls the same function
+with the device memory it is told about, so a plan and a started engine agree on the number of
+KV blocks. Weight bytes follow what ``engine.model_loader.load_model`` keeps resident: every
+tensor as dense ``dtype``, plus the GGUF Q4_1/Q8_0 blocks on CPU (``--quantization gguf``),
+plus the oneDNN-prepacked copy of each projection for bfloat16 on CPU, plus the RoPE tables.
+
+Units are bytes throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+
+# The engine keeps this much free per token of one step's budget (max_num_batched_tokens)
+# on CUDA for activations: hidden states, q/k/v, the MLP's intermediate, logits.
+ACTIVATION_RESERVE_PER_TOKEN = 64 * 1024
+# What the CUDA context and the caching allocator's first pools take before any tensor; not
+# visible to torch.cuda.mem_get_info's caller as "free" once the engine has started.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Resident bytes per weight of a GGUF block kept for the CPU kernels: the packed quants plus
+# float32 scales (and mins) per 32 weights (engine.models.block_linear.GGUFBlocks).
+GGUF_BLOCK_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 8 / 32, "q8_0": 1.0 + 4 / 32}
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes one KV block takes across all layers: the engine's own function, for ``dtype``
+    given by name (``float32``, ``bfloat16``, ``float16``)."""
+    import torch
+
+    from engine.model_runner import kv_cache_bytes_per_block  # it imports this module
+
+    return kv_cache_bytes_per_block(cfg, block_size, getattr(torch, dtype))
+
+
+def activation_reserve_bytes(engine_config: EngineConfig) -> int:
+    """What the engine leaves free for one step's activations on CUDA."""
+    return engine_config.max_num_batched_tokens * ACTIVATION_RESERVE_PER_TOKEN
+
+
+def kv_cache_budget(
+    engine_config: EngineConfig, device_type: str, free_bytes: int = 0, total_bytes: int = 0
+) -> int:
+    """Bytes the engine gives its KV cache.
+
+    CPU: ``--kv-cache-memory``. CUDA: the memory still free once the weights are loaded
+    (``free_bytes``), less the share ``--gpu-memory-utilization`` keeps back of the device's
+    ``total_bytes`` (fragmentation, other processes), less one step's activation reserve.
+    """
+    if device_type != "cuda":
+        return engine_config.kv_cache_memory_bytes
+    reserved = total_bytes * (1 - engine_config.gpu_memory_utilization)
+    return int(free_bytes - reserved - activation_reserve_bytes(engine_config))
+
+
+def num_blocks_in(budget_bytes: int, per_block_bytes: int) -> int:
+    """How many KV blocks ``budget_bytes`` holds; ValueError when not one does."""
+    blocks = budget_bytes // per_block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget_bytes} bytes) holds no block of {per_block_bytes} "
+            "bytes; raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    return blocks
+
+
+def activation_peak_bytes(
+    cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype_bytes: int
+) -> int:
+    """An estimate of one step's largest live activations: the residual stream and its norm,
+    the fused q/k/v and gate/up outputs of one layer, the attention output, and float32 logits
+    for the sampled rows (one per sequence)."""
+    q_kv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    per_token = 3 * cfg.hidden_size + q_kv + 3 * cfg.intermediate_size
+    return num_tokens * per_token * dtype_bytes + num_seqs * cfg.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One stored tensor: its name, element count, and GGUF block kind kept on CPU (or None)."""
+
+    name: str
+    numel: int
+    block_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Resident weight memory, by part."""
+
+    dense: int
+    gguf_blocks: int
+    prepacked: int
+    rope_tables: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.gguf_blocks + self.prepacked + self.rope_tables
+
+
+def hf_tensors(folder: Path) -> tuple[ModelConfig, list[WeightTensor]]:
+    """A Hugging Face folder's config and tensor sizes, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    tensors = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue  # the loader skips these
+                shape = handle.get_slice(name).get_shape()
+                tensors.append(WeightTensor(name, math.prod(shape)))
+    if not tensors:
+        raise ValueError(f"Model folder '{folder}' has no .safetensors weights.")
+    return cfg, tensors
+
+
+def gguf_tensors(path: Path) -> tuple[ModelConfig, list[WeightTensor]]:
+    """A GGUF file's config and tensor sizes from its header (no tensor is dequantized)."""
+    from engine.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    tied = "output.weight" not in gguf.tensors
+    vocab = gguf.tensors["token_embd.weight"].shape[0]
+    cfg = ModelConfig.from_gguf_metadata(gguf.metadata, vocab_size=vocab, tied=tied)
+    tensors = [
+        WeightTensor(info.name, math.prod(info.shape), _block_kind(info.name, info, tied))
+        for info in gguf.tensors.values()
+    ]
+    if tied and (embd := gguf.tensors["token_embd.weight"]).qtype.name.lower() in (
+        GGUF_BLOCK_BYTES_PER_WEIGHT
+    ):
+        # the tied head keeps its own blocks of the embedding (the dense weight is shared)
+        tensors.append(WeightTensor("lm_head", 0, embd.qtype.name.lower()))
+    return cfg, tensors
+
+
+_BLOCK_TENSORS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.",
+                  "ffn_down.", "output.")  # fmt: skip
+
+
+def _block_kind(name: str, info: object, tied: bool) -> str | None:
+    kind = info.qtype.name.lower()  # type: ignore[attr-defined]
+    shape = info.shape  # type: ignore[attr-defined]
+    linear = name.endswith(".weight") and any(f".{t}" in f".{name}" for t in _BLOCK_TENSORS)
+    if kind not in GGUF_BLOCK_BYTES_PER_WEIGHT or not linear or shape[-1] % 32:
+        return None
+    return kind
+
+
+def weight_bytes(
+    cfg: ModelConfig,
+    tensors: Iterable[WeightTensor],
+    dtype_bytes: int,
+    *,
+    gguf_blocks: bool,
+    prepacked: bool,
+) -> WeightBytes:
+    """What the loaded model keeps resident (see the module doc)."""
+    tensors = list(tensors)
+    dense = sum(t.numel for t in tensors) * dtype_bytes
+    blocks = 0
+    if gguf_blocks:
+        for t in tensors:
+            if t.block_kind is not None:
+                numel = t.numel or cfg.vocab_size * cfg.hidden_size
+                blocks += int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
+    packed = 0
+    if prepacked:  # every projection and the head, once more in bfloat16
+        layer = (
+            cfg.hidden_size
+            * (
+                (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+                + 3 * cfg.intermediate_size
+            )
+            + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+        )
+        packed = 2 * (cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size)
+    rope = cfg.max_position_embeddings * cfg.head_dim * 4  # cos and sin, float32, d/2 each
+    return WeightBytes(dense, blocks, packed, rope)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one engine with ``engine_config`` takes on a device of ``memory_bytes``, and the
+    flags that make it fit. ``num_blocks`` is the engine's own count for the same flags."""
+
+    engine_config: EngineConfig
+    model_path: str
+    model_format: str
+    model_config: ModelConfig
+    device_type: str
+    dtype: str
+    quantization: str
+    memory_bytes: int
+    max_model_len: int
+    weights: WeightBytes
+    kv_block_bytes: int
+    kv_budget_bytes: int
+    num_blocks: int
+    activation_reserve_bytes: int  # kept free by the engine (CUDA)
+    activation_peak_bytes: int  # estimated from the model's shapes
+    cuda_context_bytes: int
+    fragmentation_reserve_bytes: int  # (1 - gpu_memory_utilization) of the device
+    swap_bytes: int  # host memory for swapped-out blocks (--preemption-mode swap)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_block_bytes // self.engine_config.block_size
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.engine_config.block_size)
+
+    @property
+    def kv_bytes_per_seq(self) -> int:
+        return self.blocks_per_seq * self.kv_block_bytes
+
+    @property
+    def full_length_seqs(self) -> int:
+        """Sequences of max_model_len tokens the cache holds at once."""
+        return self.num_blocks // self.blocks_per_seq
+
+    @property
+    def total_bytes(self) -> int:
+        """Device memory the engine needs (on CPU, host memory, swap space included)."""
+        if self.device_type == "cuda":
+            used = self.cuda_context_bytes + self.weights.total + self.activation_reserve_bytes
+            return used + self.num_blocks * self.kv_block_bytes
+        kv = self.num_blocks * self.kv_block_bytes
+        return self.weights.total + kv + self.activation_peak_bytes + self.swap_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks >= 1 and self.total_bytes <= self.memory_bytes
+
+
+def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> MemoryPlan:
+    """Plan ``engine_config`` without loading a weight (``memory_bytes`` None: what this
+    machine has: CUDA's device memory, or the host's available memory)."""
+    import torch
+
+    from engine.model_loader import choose_dtype, resolve_quantization
+    from portico.registry import resolve
+
+    source = resolve(engine_config.model)
+    device_type = engine_config.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_type)
+    dtype = str(choose_dtype(engine_config.dtype, device)).removeprefix("torch.")
+    dtype_bytes = DTYPE_BYTES[dtype]
+    quantization = resolve_quantization(engine_config.quantization, source, device)
+    if source.format == "gguf":
+        cfg, tensors = gguf_tensors(Path(source.path))
+    else:
+        cfg, tensors = hf_tensors(Path(source.path))
+    max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's context length "
+            f"({cfg.max_position_embeddings})"
+        )
+    on_cpu = device_type == "cpu"
+    weights = weight_bytes(
+        cfg,
+        tensors,
+        dtype_bytes,
+        gguf_blocks=quantization == "gguf",
+        prepacked=on_cpu and dtype == "bfloat16" and _can_prepack(),
+    )
+    memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
+    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype)
+    context = 0 if on_cpu else CUDA_CONTEXT_BYTES
+    free_after_weights = memory - context - weights.total
+    budget = kv_cache_budget(engine_config, device_type, free_after_weights, memory)
+    if engine_config.num_gpu_blocks_override is not None:
+        blocks = engine_config.num_gpu_blocks_override
+    else:
+        blocks = max(budget // per_block, 0)
+    swapping = engine_config.preemption_mode == "swap"
+    return MemoryPlan(
+        engine_config=engine_config,
+        model_path=str(source.path),
+        model_format=source.format,
+        model_config=cfg,
+        device_type=device_type,
+        dtype=dtype,
+        quantization=quantization,
+        memory_bytes=memory,
+        max_model_len=max_model_len,
+        weights=weights,
+        kv_block_bytes=per_block,
+        kv_budget_bytes=budget,
+        num_blocks=blocks,
+        activation_reserve_bytes=0 if on_cpu else activation_reserve_bytes(engine_config),
+        activation_peak_bytes=activation_peak_bytes(
+            cfg, engine_config.max_num_batched_tokens, engine_config.max_num_seqs, dtype_bytes
+        ),
+        cuda_context_bytes=context,
+        fragmentation_reserve_bytes=0
+        if on_cpu
+        else int(memory * (1 - engine_config.gpu_memory_utilization)),
+        swap_bytes=engine_config.swap_space_bytes // per_block * per_block if swapping else 0,
+    )
+
+
+def _can_prepack() -> bool:
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available())
+
+
+def _machine_memory(device_type: str) -> int:
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here: give the device's size with --memory")
+        return int(torch.cuda.mem_get_info()[1])
+    import psutil
+
+    return int(psutil.virtual_memory().available)

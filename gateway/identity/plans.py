@@ -1,0 +1,95 @@
+"""Plans: the named quotas of ``policies/plans.yaml`` and the limit numbers they are made of.
+
+A plan is read once at start-up; a tenant names one and may put overrides on top of it
+(:class:`LimitsSpec.over`). The gateway's store never writes plans: they are configuration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
+
+from gateway.identity.principal import Limits
+
+DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
+
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
+
+
+def whole_number(value: Any) -> Any:
+    """``5257552.0`` as ``5257552``: JSON Schema's ``integer`` (the admin API's document)
+    includes floats without a fractional part, and some clients write every number so."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(whole_number), Field(ge=0, le=10**15)]
+
+
+class LimitsSpec(BaseModel):
+    """Quota numbers as the admin API and policy files write them (None: not set)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    requests_per_minute: Count | None = None
+    tokens_per_minute: Count | None = None
+    max_concurrency: Count | None = None
+    monthly_token_budget: Count | None = None
+    max_tokens_default: Count | None = None
+
+    def to_limits(self) -> Limits:
+        return Limits(**self.model_dump(include=set(LimitsSpec.model_fields)))
+
+    def over(self, base: Limits) -> Limits:
+        """``base`` with every number this spec sets put on top."""
+        merged = {name: getattr(base, name) for name in LimitsSpec.model_fields}
+        merged.update({k: v for k, v in self.model_dump().items() if v is not None})
+        return Limits(**merged)
+
+
+class Plan(LimitsSpec):
+    """A named quota from ``policies/plans.yaml``."""
+
+    name: str = ""
+    allowed_models: list[ModelName] | None = None
+    share_prefix_cache: bool = False
+    model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
+
+
+class PlansFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    default_plan: str | None = None
+    plans: dict[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")], Plan]
+
+
+def load_plans(path: Path | None = None) -> dict[str, Plan]:
+    """Read the plans file (the packaged ``policies/plans.yaml`` when ``path`` is None).
+
+    The default plan (``default_plan``, else the first listed) comes first in the returned
+    dict. Raises ValueError naming the file and the bad field.
+    """
+    path = path or DEFAULT_PLANS_FILE
+    try:
+        raw = yaml.safe_load(path.read_text())
+        parsed = PlansFile.model_validate(raw)
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ValueError(f"{path}: invalid plans file: {exc}") from exc
+    if not parsed.plans:
+        raise ValueError(f"{path}: no plans defined")
+    default = parsed.default_plan or next(iter(parsed.plans))
+    if default not in parsed.plans:
+        raise ValueError(f"{path}: default_plan {default!r} is not one of the plans")
+    names = [default] + [n for n in parsed.plans if n != default]
+    return {n: parsed.plans[n].model_copy(update={"name": n}) for n in names}

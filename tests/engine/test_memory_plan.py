@@ -1,0 +1,204 @@
+"""engine/memory_plan.py and ``portico plan``: the plan, made from the model's headers alone,
+agrees with what a real engine started with the same flags allocates: the same number of KV
+blocks, the KV bytes and the resident weight bytes within 5 %."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig, parse_memory
+from engine.llm_engine import LLMEngine
+from engine.memory_plan import ACTIVATION_RESERVE_PER_TOKEN, kv_cache_budget, plan
+from engine.models.block_linear import GGUFBlocks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Every tensor the loaded model holds: parameters, buffers, and the tensors its modules
+    keep as plain attributes (RoPE tables, GGUF blocks, oneDNN-prepacked weights), each once."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += _tensor_bytes(t)
+
+    def tensors_of(value: object) -> Iterator[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, GGUFBlocks):
+            for f in dataclasses.fields(value):
+                if isinstance(getattr(value, f.name), torch.Tensor):
+                    yield getattr(value, f.name)
+
+    for module in model.modules():
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            add(t)
+        for value in vars(module).values():
+            for t in tensors_of(value):
+                add(t)
+    return total
+
+
+def assert_close(planned: int, real: int) -> None:
+    assert abs(planned - real) <= 0.05 * real, f"planned {planned}, allocated {real}"
+
+
+def check_against_engine(config: EngineConfig) -> None:
+    p = plan(config, memory_bytes=64 * 2**30)
+    engine = LLMEngine.from_config(config)
+    runner = engine.runner
+    assert p.num_blocks == runner.num_gpu_blocks
+    assert_close(p.num_blocks * p.kv_block_bytes, sum(_tensor_bytes(t) for t in runner.kv_caches))
+    assert p.max_model_len == engine.max_model_len
+    assert_close(p.weights.total, resident_weight_bytes(runner.model))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_matches_the_engine_on_the_tiny_model(
+    tiny_llama_dir: Path, one_torch_thread: None, dtype: str
+) -> None:
+    config = EngineConfig(
+        model=str(tiny_llama_dir),
+        device="cpu",
+        dtype=dtype,
+        max_num_seqs=4,
+        max_model_len=512,
+        kv_cache_memory="3MiB",
+    )
+    check_against_engine(config)
+
+
+@pytest.mark.slow
+def test_plan_matches_the_engine_on_the_default_gguf(
+    smollm2_gguf: Path, one_torch_thread: None
+) -> None:
+    config = EngineConfig(
+        model="smollm2-135m", device="cpu", max_num_seqs=8, kv_cache_memory="64MiB"
+    )
+    p = plan(config, memory_bytes=64 * 2**30)
+    assert p.quantization == "gguf" or p.weights.gguf_blocks == 0
+    check_against_engine(config)
+
+
+def test_cuda_budget_is_free_memory_less_the_reserves() -> None:
+    config = EngineConfig(gpu_memory_utilization=0.9, max_num_batched_tokens=1024)
+    free, total = 60 * 2**30, 80 * 2**30
+    expected = int(free - total * (1 - 0.9) - 1024 * ACTIVATION_RESERVE_PER_TOKEN)
+    assert kv_cache_budget(config, "cuda", free, total) == expected
+    assert kv_cache_budget(EngineConfig(kv_cache_memory="1GiB"), "cpu") == 2**30
+
+
+def test_cuda_plan_for_a_device_this_machine_lacks(tiny_llama_dir: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama_dir), device="cuda", max_model_len=256)
+    p = plan(config, memory_bytes=4 * 2**30)
+    assert p.dtype == "bfloat16" and p.quantization == "none"
+    used = p.cuda_context_bytes + p.weights.total + p.activation_reserve_bytes
+    budget = 4 * 2**30 - used - p.fragmentation_reserve_bytes
+    assert p.num_blocks == budget // p.kv_block_bytes
+    assert p.fits and p.total_bytes <= 4 * 2**30
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def portico(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "portico.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_plan_command_prints_the_flags_that_fit(tiny_llama_dir: Path) -> None:
+    result = portico(
+        "plan", "--model", str(tiny_llama_dir), "--device", "cpu", "--max-model-len", "512",
+        "--max-num-seqs", "8", "--memory", "1GiB", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["fits"] is False  # as given: the default 2 GiB cache exceeds the 1 GiB
+    flags = data["flags"]
+    kv = flags[flags.index("--kv-cache-memory") + 1]
+    # the recommended cache holds every sequence at full length
+    assert int(kv.removesuffix("MiB")) * 2**20 >= 8 * data["kv_bytes_per_seq"]
+    again = plan(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            device="cpu",
+            max_model_len=512,
+            max_num_seqs=8,
+            kv_cache_memory=kv,
+        ),  # fmt: skip
+        memory_bytes=2**30,
+    )
+    assert again.full_length_seqs >= 8 and again.fits
+
+
+@pytest.mark.parametrize(
+    ("memory", "advice"),
+    [
+        # ~12.3 MiB of tiny weights and ~17.5 MiB of activations (logits of 64 rows) leave
+        # ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and ~150 KiB (304 tokens) in 30 MiB
+        ("40MiB", "--max-num-seqs 20 "),
+        ("30MiB", "--max-model-len 304 --max-num-seqs 1 "),
+    ],
+)
+def test_plan_command_shrinks_what_does_not_fit(
+    tiny_llama_dir: Path, memory: str, advice: str
+) -> None:
+    result = portico(
+        "plan", "--model", str(tiny_llama_dir), "--device", "cpu", "--max-model-len", "1024",
+        "--max-num-seqs", "64", "--memory", memory,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "does NOT fit" in result.stdout  # the default 2 GiB cache, as given
+    command = result.stdout.splitlines()[-1]
+    assert command.startswith("portico engine --model") and advice in command
+    kv = command.split("--kv-cache-memory ")[1]
+    flags = command.split()
+    given = EngineConfig(
+        model=str(tiny_llama_dir),
+        device="cpu",
+        max_model_len=int(flags[flags.index("--max-model-len") + 1]),
+        max_num_seqs=int(flags[flags.index("--max-num-seqs") + 1]),
+        kv_cache_memory=kv,
+    )
+    replanned = plan(given, memory_bytes=parse_memory(memory))
+    assert replanned.fits and replanned.full_length_seqs >= given.max_num_seqs
+
+
+def test_plan_command_fails_when_the_weights_alone_do_not_fit(tiny_llama_dir: Path) -> None:
+    result = portico("plan", "--model", str(tiny_llama_dir), "--device", "cpu", "--memory", "8MiB")
+    assert result.returncode == 1
+    assert "do not leave room for one KV block" in result.stdout
+    assert "portico engine" not in result.stdout
+
+
+def test_plan_command_rejects_bad_input(tiny_llama_dir: Path) -> None:
+    bad_memory = portico("plan", "--model", str(tiny_llama_dir), "--memory", "lots")
+    assert bad_memory.returncode == 2 and "--memory" in bad_memory.stderr
+    too_long = portico("plan", "--model", str(tiny_llama_dir), "--max-model-len", "999999")
+    assert too_long.returncode == 2 and "--max-model-len" in too_long.stderr
+    missing = portico("plan", "--model", "/nonexistent/model")
+    assert missing.returncode == 2 and "/nonexistent/model" in missing.stderr
