@@ -120,6 +120,8 @@ class Gateway:
             stack.push_async_callback(redis.aclose)
             identity = open_identity(redis.client, config.redis, config.auth, env)
             stack.push_async_callback(identity.aclose)
+            if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
+                identity.authenticator.keep_outage_copy(config.auth.outage_copy_seconds)
             # Admission's two scripts per request go over one pipelined connection
             # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
             # gateway's CPU.
@@ -132,6 +134,7 @@ class Gateway:
             admission = Admission(
                 redis.client, config.admission, registry=metrics.registry, limiter=limiter
             )
+            admission.start_watch()  # Redis probed on a timer; aclose stops the probe
             stack.push_async_callback(admission.aclose)
             usage = UsageRecorder(identity.store.ledger)
             usage.start()
@@ -206,12 +209,20 @@ class Gateway:
     # ------------------------------------------------------------------ readiness
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: not draining, every pool has a replica, and the store is up, or down under
+        a policy that still serves (``local``/``open``; under ``closed`` nothing is admitted).
+        ``redis`` in the detail is what the failover limiter's timed probe last found
+        (admission.start_watch)."""
         pools = {p.name: sum(1 for r in p.replicas if r.available) for p in self.pools}
-        ready = not self.draining and all(pools.values())
+        redis_up = self.admission.redis_up  # the failover limiter's state, kept by its probe
+        serves_without_redis = self.config.admission.redis_down_policy != "closed"
+        ready = not self.draining and all(pools.values()) and (redis_up or serves_without_redis)
         detail: dict[str, Any] = {
             "status": "ready" if ready else "not_ready",
             "draining": self.draining,
             "healthy_replicas": pools,
+            "redis": "up" if redis_up else "down",
+            "redis_down_policy": self.config.admission.redis_down_policy,
         }
         detail["engines"] = self.supervisor.snapshot()
         return ready, detail
@@ -272,9 +283,15 @@ class Gateway:
             upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
         prompt_tokens = self.counter.count(base, fields)
-        ticket = await self.admit(principal, decision.model, prompt_tokens, fields.max_tokens)
+        ticket = await self.admit(
+            principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
+        )
         try:
-            payload = upstream_body(raw, fields, decision.model, principal.cache_salt)
+            if ticket.max_tokens is not None:  # the client set none: send what was reserved
+                fields.body["max_tokens"] = ticket.max_tokens
+            payload = upstream_body(
+                raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
+            )
             exchange: Exchange = await upstream.exchange(
                 path, payload, fields, ctx.request_id, decision.prefix_key, avoid
             )
@@ -312,14 +329,21 @@ class Gateway:
                 param="model",
                 code="model_not_allowed",
             )
-        prefix = self.router.prefix_key(fields)  # type: ignore[union-attr]
+        prefix = self.router.prefix_key(fields)
         return RouteDecision("direct", adapter.name, f"adapter:{adapter.base_model}", prefix)
 
     async def admit(
-        self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
+        self,
+        principal: Principal,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        num_outputs: int = 1,
     ) -> Ticket:
         try:
-            return await self.admission.admit(principal, model, prompt_tokens, max_tokens)
+            return await self.admission.admit(
+                principal, model, prompt_tokens, max_tokens, num_outputs
+            )
         except LimitExceededError as exc:
             self.metrics.rate_limited.labels(exc.limit).inc()
             raise

@@ -96,6 +96,14 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print("portico serve: " + "\n  ".join(["models not found:", *missing]), file=sys.stderr)
         return 2
+    from gateway.store import DataDirBusy, DataDirLock
+
+    try:
+        # held until the process exits: one gateway per data dir
+        lock = DataDirLock.acquire(config.redis.data_dir, config.listen.port)
+    except DataDirBusy as exc:
+        print(f"portico serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -112,4 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.server import serve
 
-    return serve(create_app(config), config)
+    try:
+        return serve(create_app(config), config)
+    finally:
+        lock.release()

@@ -113,6 +113,9 @@ class GatewayConfig(_Strict):
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     drain_timeout_s: float = Field(default=30.0, ge=0, le=3600)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # header limits without nginx in front (431 beyond them); nginx's defaults
+    max_header_line_bytes: int = Field(default=8 * 1024, ge=1024, le=1024 * 1024)
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=4 * 1024 * 1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
 

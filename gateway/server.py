@@ -22,7 +22,8 @@ import uvicorn
 
 from gateway.app import Gateway
 from gateway.config import GatewayConfig
-from gateway.tls import Tls12Config, TLSScopeProtocol
+from gateway.http_protocol import LimitedHeadersProtocol
+from gateway.tls import Tls12Config
 
 log = logging.getLogger("portico.gateway.server")
 
@@ -99,12 +100,12 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
         )
         if tls.client_ca_file is not None:
             kwargs.update(ssl_ca_certs=str(tls.client_ca_file), ssl_cert_reqs=ssl.CERT_OPTIONAL)
-    return Tls12Config(
+    server_config = Tls12Config(
         app,
         host=config.listen.host,
         port=config.listen.port,
         lifespan="on",
-        http=TLSScopeProtocol,
+        http=LimitedHeadersProtocol,
         loop="uvloop",
         log_config=None,
         access_log=config.access_log,
@@ -113,6 +114,9 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> uvicorn.Config:
         server_header=False,
         **kwargs,
     )
+    server_config.max_header_line_bytes = config.max_header_line_bytes  # type: ignore[attr-defined]
+    server_config.max_header_bytes = config.max_header_bytes  # type: ignore[attr-defined]
+    return server_config
 
 
 def serve(app: Any, config: GatewayConfig) -> int:

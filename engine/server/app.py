@@ -24,9 +24,12 @@ from engine.server.drain import DrainMiddleware, DrainState
 from engine.server.engine_requests import ClientDisconnected
 from engine.server.lora_routes import add_lora_routes, runtime_updates_allowed
 from engine.server.metrics import ServerMetrics
+from engine.server.openapi import openapi_document
 from engine.server.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
+    VLLM_CHAT_UNSUPPORTED,
+    VLLM_COMPLETION_UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -116,9 +119,12 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     app.add_exception_handler(Exception, on_unexpected)
 
+    chat_unsupported = {**CHAT_UNSUPPORTED, **VLLM_CHAT_UNSUPPORTED}
+    completion_unsupported = {**COMPLETION_UNSUPPORTED, **VLLM_COMPLETION_UNSUPPORTED}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body(), CHAT_UNSUPPORTED)
+        req = parse_body(ChatCompletionRequest, await request.body(), chat_unsupported)
         try:
             return await chat.create(req, request)
         except ClientDisconnected:
@@ -126,7 +132,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body(), COMPLETION_UNSUPPORTED)
+        req = parse_body(CompletionRequest, await request.body(), completion_unsupported)
         try:
             return await completions.create(req, request)
         except ClientDisconnected:
@@ -189,6 +195,13 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    document = openapi_document("Portico engine", __version__, name)
+
+    @app.get("/openapi.json")
+    async def openapi() -> dict[str, Any]:
+        """The contract of these routes (engine/server/openapi.py), for clients and tests."""
+        return document
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

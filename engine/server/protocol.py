@@ -43,9 +43,12 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    """``stream_options``: OpenAI's ``include_usage`` (a final chunk carrying usage)."""
+    """``stream_options``: OpenAI's ``include_usage`` (a final chunk carrying usage) and vLLM's
+    ``continuous_usage_stats`` (with ``include_usage``, every chunk carries the usage so far:
+    benchmarks such as guidellm count tokens from it)."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(StrictModel):
@@ -131,6 +134,21 @@ class SamplingFields(StrictModel):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # vLLM's extras this engine does not implement: refused unless harmless (VLLM_UNSUPPORTED)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    add_special_tokens: Any = None
+    request_id: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -145,6 +163,13 @@ class SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's meaning: usage on every chunk only when ``include_usage`` is asked too."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -169,6 +194,16 @@ class ChatCompletionRequest(SamplingFields):
     store: Any = None
     service_tier: Any = None
     verbosity: Any = None
+    # vLLM's chat-only extras this engine does not implement (VLLM_CHAT_UNSUPPORTED)
+    best_of: Any = None
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    include_reasoning: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -197,6 +232,7 @@ class CompletionRequest(SamplingFields):
     # known to OpenAI, refused unless harmless (see COMPLETION_UNSUPPORTED)
     suffix: Any = None
     best_of: Any = None
+    prompt_embeds: Any = None  # vLLM's; see VLLM_UNSUPPORTED
 
     @field_validator("prompt")
     @classmethod
@@ -262,6 +298,43 @@ CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _none_or(""),
     "best_of": _none_or(1),
+}
+
+# Fields vLLM's OpenAI server accepts that this engine does not implement. A client that sends
+# the value meaning "off" (vLLM's default) is served; any other value is a 400 that says the
+# field is not supported, so a vLLM client learns why instead of reading "unrecognized".
+VLLM_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": _none_or(False),
+    "length_penalty": _none_or(1, 1.0),
+    "spaces_between_special_tokens": _none_or(True),
+    "truncate_prompt_tokens": _none_or(),
+    "allowed_token_ids": _none_or(),
+    "bad_words": _none_or([]),
+    "prompt_logprobs": _none_or(),
+    "logits_processors": _none_or(),
+    "return_tokens_as_token_ids": _none_or(False),
+    "return_token_ids": _none_or(False),
+    "request_id": _none_or(),
+    "kv_transfer_params": _none_or(),
+    "vllm_xargs": _none_or(),
+}
+VLLM_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    **VLLM_UNSUPPORTED,
+    "best_of": _none_or(1),
+    "echo": _none_or(False),
+    "add_generation_prompt": _none_or(True),
+    "continue_final_message": _none_or(False),
+    "add_special_tokens": _none_or(False),  # the chat template adds them
+    "documents": _none_or(),
+    "chat_template": _none_or(),
+    "chat_template_kwargs": _none_or({}),
+    "mm_processor_kwargs": _none_or({}),
+    "include_reasoning": _none_or(True, False),  # no reasoning parser: nothing to include
+}
+VLLM_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    **VLLM_UNSUPPORTED,
+    "add_special_tokens": _none_or(True),
+    "prompt_embeds": _none_or(),
 }
 
 RequestT = TypeVar("RequestT", bound=StrictModel)

@@ -121,8 +121,19 @@ class ChatServing:
         created = self.serving.created()
         include_usage = req.include_usage
 
+        num_tokens: dict[int, int] = {}
+        num_cached = 0
+
+        def usage_so_far() -> dict[str, Any]:
+            return usage(num_prompt_tokens, sum(num_tokens.values()), num_cached)
+
         chunk = sse.chunk_writer(
-            request_id, "chat.completion.chunk", created, self.serving.model_name, include_usage
+            request_id,
+            "chat.completion.chunk",
+            created,
+            self.serving.model_name,
+            include_usage,
+            usage_so_far if req.continuous_usage else None,
         )
 
         def choice(
@@ -132,8 +143,6 @@ class ChatServing:
 
         for index in range(req.n):
             yield chunk([choice(index, {"role": "assistant", "content": ""})])
-        num_tokens: dict[int, int] = {}
-        num_cached = 0
         try:
             async for _, out in outputs:
                 num_cached = out.num_cached_tokens
@@ -149,7 +158,7 @@ class ChatServing:
             yield sse.DONE
             return
         if include_usage:
-            yield chunk([], usage=usage(num_prompt_tokens, sum(num_tokens.values()), num_cached))
+            yield chunk([], usage=usage_so_far())
         yield sse.DONE
 
     def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:

@@ -144,8 +144,23 @@ class CompletionServing:
         created = self.serving.created()
         include_usage = req.include_usage
 
+        num_tokens: dict[int, int] = {}
+        num_cached: dict[int, int] = {}
+
+        def usage_so_far() -> dict[str, Any]:
+            return usage(
+                sum(len(p.token_ids) for p in prompts),
+                sum(num_tokens.values()),
+                sum(num_cached.values()),
+            )
+
         chunk = sse.chunk_writer(
-            request_id, "text_completion", created, self.serving.model_name, include_usage
+            request_id,
+            "text_completion",
+            created,
+            self.serving.model_name,
+            include_usage,
+            usage_so_far if req.continuous_usage else None,
         )
 
         def choice(
@@ -156,8 +171,6 @@ class CompletionServing:
         if req.echo:
             for index in range(len(prompts) * req.n):
                 yield chunk([choice(index, prompts[index // req.n].text)])
-        num_tokens: dict[int, int] = {}
-        num_cached: dict[int, int] = {}
         offsets: dict[int, int] = {}
         try:
             async for prompt_index, out in outputs:
@@ -178,14 +191,7 @@ class CompletionServing:
             yield sse.DONE
             return
         if include_usage:
-            yield chunk(
-                [],
-                usage=usage(
-                    sum(len(p.token_ids) for p in prompts),
-                    sum(num_tokens.values()),
-                    sum(num_cached.values()),
-                ),
-            )
+            yield chunk([], usage=usage_so_far())
         yield sse.DONE
 
     def logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict[str, Any]:

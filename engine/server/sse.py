@@ -23,12 +23,19 @@ def event(payload: dict[str, Any]) -> bytes:
 
 
 def chunk_writer(
-    request_id: str, object_name: str, created: int, model: str, include_usage: bool
+    request_id: str,
+    object_name: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    usage_so_far: Callable[[], dict[str, Any]] | None = None,
 ) -> Callable[..., bytes]:
     """``chunk(choices, **extra) -> bytes``: one streamed chunk event of a response.
 
     Every chunk carries the response's id, object, created and model; with ``include_usage``
     it also carries ``"usage": null`` until the final usage chunk sets it, as OpenAI's do.
+    With ``usage_so_far`` (vLLM's ``continuous_usage_stats``) every chunk carries the usage
+    counted up to it instead of null.
     """
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -40,7 +47,7 @@ def chunk_writer(
             "choices": choices,
         }
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage_so_far() if usage_so_far is not None else None
         body.update(extra)
         return event(body)
 

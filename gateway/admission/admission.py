@@ -111,6 +111,9 @@ class Ticket:
     _limiter: Limiter | None
     _slot_id: str
     _done: bool = False
+    # The max_tokens per completion the reservation covers when the client set none: the
+    # gateway sends it to the engine, so no completion generates more than was reserved.
+    max_tokens: int | None = None
 
     @property
     def done(self) -> bool:
@@ -183,7 +186,12 @@ class Admission:
     # ----------------------------------------------------------------- the request path
 
     async def admit(
-        self, principal: Principal, model: str, prompt_tokens: int, max_tokens: int | None
+        self,
+        principal: Principal,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        num_outputs: int = 1,
     ) -> Ticket:
         """Admit one request or raise.
 
@@ -206,7 +214,7 @@ class Admission:
                 scope=plan.closed.scope,
                 headers={"x-should-retry": "false"},
             )
-        reserved = self._reservation(plan, prompt_tokens, max_tokens)
+        reserved, cap = self._reservation(plan, prompt_tokens, max_tokens, num_outputs)
         costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
         outcome = await self._limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
         if outcome is None:  # Redis down, policy "open": admitted without limits
@@ -215,7 +223,7 @@ class Admission:
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
-        return Ticket(headers, reserved, plan, limiter, slot_id)
+        return Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
 
     async def settle(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
         """Settle the token reservation with the real usage and free the slot (one round trip).
@@ -234,8 +242,13 @@ class Admission:
         """
         await self._finish(ticket, None)
 
+    def start_watch(self) -> None:
+        """Probe Redis on a timer for the life of the gateway (see
+        :meth:`FailoverLimiter.start_watch`); :meth:`aclose` stops it."""
+        self._limiter.start_watch()
+
     async def aclose(self) -> None:
-        """Stop the background Redis probe, if one runs."""
+        """Stop the background Redis probes (the timed watch and any PING in flight)."""
         await self._limiter.aclose()
 
     # ----------------------------------------------------------------- internals
@@ -256,27 +269,35 @@ class Admission:
             charges = [used] * len(plan.buckets.budget_keys)
         await self._limiter.settle(limiter, plan.buckets, deltas, charges, ticket._slot_id)
 
-    def _reservation(self, plan: _Plan, prompt_tokens: int, max_tokens: int | None) -> int:
+    def _reservation(
+        self, plan: _Plan, prompt_tokens: int, max_tokens: int | None, num_outputs: int
+    ) -> tuple[int, int | None]:
+        """(tokens to reserve, the max_tokens the engine must be sent or None when the client
+        set one). Every completion the request asks for (``num_outputs``) is reserved."""
         tpm = plan.min_tokens_per_minute
+        cap: int | None = None
         if max_tokens is None:
             # The plan's default cap, lowered so that a request that fits the tokens/min limit
             # with its prompt is never refused for a completion size the client did not ask for.
-            caps = [] if tpm is None else [tpm - prompt_tokens]
+            caps = [] if tpm is None else [(tpm - prompt_tokens) // num_outputs]
             if plan.max_tokens_default is not None:
                 caps.append(plan.max_tokens_default)
-            max_tokens = max(0, min(caps)) if caps else 0
-        reserved = prompt_tokens + max_tokens
+            if caps:
+                cap = max(1, min(caps))
+            max_tokens = cap or 0
+        reserved = prompt_tokens + max_tokens * num_outputs
         if tpm is not None and reserved > tpm:
             self._rejected.labels("request", "tokens_per_minute").inc()
+            outputs = f" x {num_outputs} completions" if num_outputs > 1 else ""
             raise LimitExceededError(
                 f"Request too large: it needs {reserved} tokens ({prompt_tokens} prompt + "
-                f"{max_tokens} max_tokens) and the tokens_per_minute limit is {tpm}. "
-                "Shorten the prompt or lower max_tokens.",
+                f"{max_tokens} max_tokens{outputs}) and the tokens_per_minute limit is {tpm}. "
+                "Shorten the prompt or lower max_tokens or n.",
                 limit="tokens_per_minute",
                 scope="request",
                 headers={"x-should-retry": "false"},
             )
-        return reserved
+        return reserved, cap
 
     def _refuse(
         self, plan: _Plan, decision: Decision, costs: list[int], headers: dict[str, str]

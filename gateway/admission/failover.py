@@ -6,7 +6,8 @@ decides whether Redis is up. A failed call is classified (:func:`failure_kind`):
 got no timely turn on Redis answers 503 ``rate_limiter_busy`` (falling back would admit beyond
 the shared limit); Redis itself gone switches to the policy (``local``: each replica enforces
 its share of every limit; ``open``: admit everything; ``closed``: 503) until a background PING
-gets an answer. The switch is logged once per outage and visible in
+gets an answer. :meth:`FailoverLimiter.start_watch` also PINGs on a timer, so the state (and
+the gateway's readiness) follows Redis when no request arrives. The switch is logged once per outage and visible in
 ``portico_admission_redis_up`` and ``portico_admission_degraded_total``.
 """
 
@@ -85,6 +86,7 @@ class FailoverLimiter:
         self._redis_up = True
         self._last_probe = 0.0
         self._probe: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._up_gauge = Gauge(
             "portico_admission_redis_up", "1 while admission reaches Redis", registry=registry
         )
@@ -159,8 +161,28 @@ class FailoverLimiter:
             else:
                 self._note_busy(exc)
 
+    def start_watch(self) -> None:
+        """Probe Redis on a timer (``probe_interval_s``) for the life of the gateway.
+
+        The probe, not only a failing request, decides :attr:`redis_up`: the gauge and
+        readiness follow the store's real state even when no request arrives (an alert can
+        fire), and after an outage Redis is found again before the next request, which is then
+        judged by the shared buckets, not by the local fallback it no longer needs."""
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            if self._probe is None:
+                self._start_probe()
+
     async def aclose(self) -> None:
-        """Stop the background Redis probe, if one runs."""
+        """Stop the background Redis probes (the timed watch and any PING in flight)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)

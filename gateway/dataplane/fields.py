@@ -36,6 +36,9 @@ class RequestFields:
     num_tools: int
     wants_usage: bool  # stream_options.include_usage asked by the client
     body: dict[str, Any]
+    # completions the request asks for per max_tokens: n (or best_of, which generates that
+    # many and returns n) times the number of prompts; admission reserves that many
+    num_outputs: int = 1
 
 
 def _text_of(content: Any) -> str:
@@ -116,6 +119,28 @@ def parse_fields(raw: bytes, kind: str) -> RequestFields:
     if options is not None and not isinstance(options, dict):
         raise _bad("Invalid value for 'stream_options': must be an object.", "stream_options")
     wants_usage = bool(options and options.get("include_usage"))
+    num_outputs = max(_count(body, "n"), _count(body, "best_of"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        num_outputs *= len(prompt)  # a batch of prompts: each gets its own completions
     return RequestFields(
-        kind, model, stream, max_tokens, messages, prompt, len(tools), wants_usage, body
+        kind,
+        model,
+        stream,
+        max_tokens,
+        messages,
+        prompt,
+        len(tools),
+        wants_usage,
+        body,
+        num_outputs,
     )
+
+
+def _count(body: dict[str, Any], name: str) -> int:
+    """A positive integer output multiplier (``n``, ``best_of``); absent or null: 1."""
+    value = body.get(name)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _bad(f"Invalid value for '{name}': must be a positive integer.", name)
+    return value

@@ -93,13 +93,22 @@ def error_event(message: str, code: str = "upstream_error") -> bytes:
     return b"data: " + payload + b"\n\n" + DONE_EVENT
 
 
-def upstream_body(raw: bytes, fields: RequestFields, model: str, cache_salt: str | None) -> bytes:
+def upstream_body(
+    raw: bytes,
+    fields: RequestFields,
+    model: str,
+    cache_salt: str | None,
+    max_tokens: int | None = None,
+) -> bytes:
     """The body sent to the engine: the client's bytes with the tenant's ``cache_salt``, the
-    upstream model name and ``stream_options.include_usage`` spliced in. The common case (no
-    alias, no client ``cache_salt``/``stream_options``) edits bytes without re-serializing."""
+    upstream model name, ``stream_options.include_usage`` and (when the client set none) the
+    ``max_tokens`` admission reserved spliced in. The common case (no alias, no client
+    ``cache_salt``/``stream_options``) edits bytes without re-serializing."""
     body = fields.body
     if model == fields.model and "cache_salt" not in body and "stream_options" not in body:
         extra = []
+        if max_tokens is not None:
+            extra.append(b'"max_tokens":%d' % max_tokens)
         if cache_salt is not None:
             extra.append(b'"cache_salt":' + _dumps(cache_salt))
         if fields.stream:
@@ -114,7 +123,10 @@ def upstream_body(raw: bytes, fields: RequestFields, model: str, cache_salt: str
     if cache_salt is not None:
         edited["cache_salt"] = cache_salt
     if fields.stream:
-        edited["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        options = {**(body.get("stream_options") or {}), "include_usage": True}
+        if not fields.wants_usage:  # vLLM: no usage on each chunk unless usage was asked for
+            options.pop("continuous_usage_stats", None)
+        edited["stream_options"] = options
     return _dumps(edited)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -55,12 +56,17 @@ class InFlight:
         await self._idle.wait()
 
 
+# The caller's id is kept only when it is safe everywhere it travels (logs, response headers,
+# the engine request's headers): the same rule as nginx/portico.conf's map. Anything else
+# (spaces, non-ASCII bytes, over 128 characters) is replaced by a minted id, as nginx does.
+_CALLER_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,%d}" % MAX_REQUEST_ID_CHARS)
+
+
 def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            text: str = value.decode("latin-1")
-            if 0 < len(text) <= MAX_REQUEST_ID_CHARS and text.isprintable():
-                return text
+            if _CALLER_REQUEST_ID.fullmatch(value):
+                return value.decode("ascii")
             break
     return os.urandom(16).hex()
 

@@ -11,21 +11,23 @@ one response: the one that creates it (create or rotate).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import date, datetime, timedelta, timezone
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query, Request, Response, Security
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, Security
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from gateway.identity.auth import Authenticator
+from gateway.identity.plans import whole_number
 from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
 from gateway.identity.tenants import TenantStore
-from portico.errors import ServiceUnavailableError
+from portico.errors import ERROR_SCHEMA_DOC, InvalidRequestError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,58 @@ class KeyRotate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 0
+    grace_seconds: Annotated[int, BeforeValidator(whole_number), Field(ge=0, le=30 * 86400)] = 0
+
+
+DATE_PATTERN = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"
+# documented here, checked by _usage_date (so the 400 names the bare parameter)
+DATE_SCHEMA: dict[str, Any] = {"format": "date", "pattern": DATE_PATTERN}
+FIRST_USAGE_DATE = date(1970, 1, 1)  # before any usage the gateway can have recorded
+
+
+def _usage_date(value: str | None, param: str) -> date | None:
+    """A ``YYYY-MM-DD`` query value as a date from 1970 on, else a 400 naming ``param`` as
+    FastAPI's own validation errors name query parameters (``query.start``)."""
+    if value is None:
+        return None
+    try:
+        if not re.fullmatch(DATE_PATTERN, value):
+            raise ValueError(value)
+        day = date.fromisoformat(value)
+    except ValueError:
+        raise InvalidRequestError(
+            f"Invalid value for '{param}': {value!r} is not a calendar date (YYYY-MM-DD).",
+            param=f"query.{param}",
+        ) from None
+    if day < FIRST_USAGE_DATE:
+        raise InvalidRequestError(
+            f"Invalid value for '{param}': dates before {FIRST_USAGE_DATE} are out of range.",
+            param=f"query.{param}",
+        )
+    return day
+
+
+_REASONS = {
+    400: "bad input, naming the parameter",
+    401: "no admin credential, or a wrong one",
+    403: "a valid credential that is not an admin's",
+    404: "no such tenant or key",
+    409: "the resource already exists",
+    413: "body too large",
+    429: "too many admin requests from this address",
+    503: "the gateway's store is unavailable",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with OpenAI's error shape."""
+    return {
+        s: {
+            "description": _REASONS[s],
+            "content": {"application/json": {"schema": ERROR_SCHEMA_DOC}},
+        }
+        for s in statuses
+    }
 
 
 def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
@@ -69,14 +122,26 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
 BeforeAuth = Callable[[Request], Awaitable[None]]
 
 
+class _AllowRoute(APIRoute):
+    """A route whose 405 names every method of its path in ``Allow``, not only its own."""
+
+    path_methods: frozenset[str] = frozenset()  # every method of this path, for Allow
+
+    async def handle(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            allow = ", ".join(sorted(self.path_methods or self.methods))
+            raise HTTPException(status_code=405, headers={"Allow": allow})
+        await super().handle(scope, receive, send)
+
+
 def _admin_route_class(
     authenticator: Authenticator, before_auth: BeforeAuth | None
-) -> type[APIRoute]:
+) -> type[_AllowRoute]:
     """The route class of the admin router: it authenticates before FastAPI reads the body, so
     an unauthenticated caller learns nothing from validation errors (401/403 always come
     first), and it turns a Redis failure into a 503."""
 
-    class AdminRoute(APIRoute):
+    class AdminRoute(_AllowRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
 
@@ -173,14 +238,13 @@ class AdminAPI:
     async def usage(
         self,
         tenant_id: TenantIdPath,
-        start: Annotated[date | None, Query()] = None,
-        end: Annotated[date | None, Query()] = None,
+        start: Annotated[str | None, Query(json_schema_extra=DATE_SCHEMA)] = None,
+        end: Annotated[str | None, Query(json_schema_extra=DATE_SCHEMA)] = None,
     ) -> dict[str, Any]:
+        last = _usage_date(end, "end") or datetime.now(timezone.utc).date()
+        first = _usage_date(start, "start") or max(FIRST_USAGE_DATE, last - timedelta(days=29))
         await self.store.require_tenant(tenant_id)
-        today = datetime.now(timezone.utc).date()
-        end = end or today
-        start = start or end - timedelta(days=29)
-        return (await self.store.ledger.usage(tenant_id, start, end)).model_dump()
+        return (await self.store.ledger.usage(tenant_id, first, last)).model_dump()
 
 
 OPENAPI_PATH = "/admin/v1/openapi.json"
@@ -199,31 +263,59 @@ def build_admin_router(
     a successful authentication.
     """
     api = AdminAPI(store, authenticator)
+    route_class = _admin_route_class(authenticator, before_auth)
     # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
     router = APIRouter(
         prefix="/admin/v1",
         tags=["admin"],
-        route_class=_admin_route_class(authenticator, before_auth),
+        route_class=route_class,
         dependencies=[Security(HTTPBearer(auto_error=False))],
+        responses=_errors(400, 401, 403, 413, 429, 503),
     )
+    missing, conflict = _errors(404), _errors(409)
     tenant, key = "/tenants/{tenant_id}", "/tenants/{tenant_id}/keys/{key_id}"
     router.add_api_route("/plans", api.list_plans, methods=["GET"])
-    router.add_api_route("/tenants", api.create_tenant, methods=["POST"], status_code=201)
+    router.add_api_route(
+        "/tenants", api.create_tenant, methods=["POST"], status_code=201, responses=conflict
+    )
     router.add_api_route("/tenants", api.list_tenants, methods=["GET"])
-    router.add_api_route(tenant, api.get_tenant, methods=["GET"])
-    router.add_api_route(tenant, api.update_tenant, methods=["PATCH"])
-    router.add_api_route(tenant, api.delete_tenant, methods=["DELETE"], status_code=204)
-    router.add_api_route(f"{tenant}/keys", api.create_key, methods=["POST"], status_code=201)
-    router.add_api_route(f"{tenant}/keys", api.list_keys, methods=["GET"])
-    router.add_api_route(key, api.get_key, methods=["GET"])
-    router.add_api_route(f"{key}/revoke", api.revoke_key, methods=["POST"])
-    router.add_api_route(f"{key}/rotate", api.rotate_key, methods=["POST"], status_code=201)
-    router.add_api_route(f"{tenant}/usage", api.usage, methods=["GET"])
+    router.add_api_route(tenant, api.get_tenant, methods=["GET"], responses=missing)
+    router.add_api_route(tenant, api.update_tenant, methods=["PATCH"], responses=missing)
+    router.add_api_route(
+        tenant, api.delete_tenant, methods=["DELETE"], status_code=204, responses=missing
+    )
+    router.add_api_route(
+        f"{tenant}/keys", api.create_key, methods=["POST"], status_code=201, responses=missing
+    )
+    router.add_api_route(f"{tenant}/keys", api.list_keys, methods=["GET"], responses=missing)
+    router.add_api_route(key, api.get_key, methods=["GET"], responses=missing)
+    router.add_api_route(f"{key}/revoke", api.revoke_key, methods=["POST"], responses=missing)
+    router.add_api_route(
+        f"{key}/rotate", api.rotate_key, methods=["POST"], status_code=201, responses=missing
+    )
+    router.add_api_route(f"{tenant}/usage", api.usage, methods=["GET"], responses=missing)
 
     async def openapi() -> dict[str, Any]:
-        """This API's own OpenAPI document (also part of the gateway's /openapi.json)."""
+        """This API's own OpenAPI document (also part of the gateway's /openapi.json): the
+        contract tests/hardening holds it to."""
         routes = [r for r in router.routes if getattr(r, "path", "") != OPENAPI_PATH]
-        return get_openapi(title="Portico admin API", version="1", routes=routes)
+        document = get_openapi(title="Portico admin API", version="1", routes=routes)
+        # Validation errors are 400 in OpenAI's shape (install_error_handlers), never the 422
+        # FastAPI documents by default.
+        for operations in document.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            document.get("components", {}).get("schemas", {}).pop(name, None)
+        return document
 
     router.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
+    # A 405 names every method the path has, not only those of the route that matched first.
+    methods_by_path: dict[str, set[str]] = {}
+    for route in router.routes:
+        if isinstance(route, route_class):
+            methods_by_path.setdefault(route.path, set()).update(route.methods or ())
+    for route in router.routes:
+        if isinstance(route, route_class):
+            route.path_methods = frozenset(methods_by_path[route.path])
     return router

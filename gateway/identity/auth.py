@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,6 +71,11 @@ class AuthSettings(BaseModel):
     admin_key_file: Path | None = None
     key_hash_secret_file: Path | None = None
     key_cache_ttl_seconds: float = Field(default=2.0, ge=0, le=30)
+    # While Redis is unreachable (and admission.redis_down_policy is local or open), a key or
+    # JWT tenant verified against Redis within this many seconds keeps working from a local
+    # copy; 0 turns the copy off. See docs/operations.md (outages) for what it means for
+    # revocation.
+    outage_copy_seconds: float = Field(default=3600.0, ge=0, le=86400)
     jwt: JWTSettings | None = None
 
 
@@ -118,6 +124,14 @@ def _generated_secret(path: Path) -> bytes:
     return path.read_bytes().strip()
 
 
+def _confirm(copy: dict[str, Any], name: str, value: Any) -> None:
+    """Put ``name`` last in the bounded outage copy (the oldest confirmation goes first)."""
+    copy.pop(name, None)
+    if len(copy) >= MAX_CACHE_ENTRIES:
+        del copy[next(iter(copy))]
+    copy[name] = value
+
+
 @dataclass
 class _Cached:
     principal: Principal
@@ -153,6 +167,18 @@ class Authenticator:
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else None
         self._keys: dict[str, _Cached] = {}
         self._tenants: dict[str, tuple[Tenant | None, float]] = {}
+        # The outage copy: what Redis last confirmed, with when (monotonic), oldest first.
+        self.outage_copy_seconds = 0.0
+        self._confirmed_keys: dict[str, tuple[_Cached, float]] = {}
+        self._confirmed_tenants: dict[str, tuple[Tenant, float]] = {}
+
+    def keep_outage_copy(self, seconds: float) -> None:
+        """Serve credentials Redis confirmed within ``seconds`` while Redis is unreachable
+        (0: refuse with 503 instead). The gateway turns it on unless admission is ``closed``."""
+        self.outage_copy_seconds = seconds
+        if seconds <= 0:
+            self._confirmed_keys.clear()
+            self._confirmed_tenants.clear()
 
     @property
     def admin_key_enabled(self) -> bool:
@@ -162,6 +188,9 @@ class Authenticator:
         """Forget every cached principal (the admin API calls this after each write)."""
         self._keys.clear()
         self._tenants.clear()
+        # A write may be a revocation: nothing confirmed before it may outlive it here.
+        self._confirmed_keys.clear()
+        self._confirmed_tenants.clear()
 
     # ------------------------------------------------------------------ data plane
 
@@ -196,6 +225,13 @@ class Authenticator:
         try:
             found = await self.store.lookup_digest(digest)
         except RedisError as exc:
+            copy = self._confirmed_keys.get(digest)
+            if (
+                copy is not None
+                and now - copy[1] <= self.outage_copy_seconds
+                and self._wall_clock() < copy[0].expires_at
+            ):
+                return copy[0].principal
             raise _store_down(exc) from None
         if found is None:
             raise AuthenticationError(_BAD_KEY)
@@ -204,14 +240,14 @@ class Authenticator:
             raise AuthenticationError("This API key has been revoked or has expired.")
         _check_enabled(tenant)
         principal = self.store.principal_for(tenant, key)
+        ends = [t for t in (key.expires_at, key.revoked_at) if t is not None]
+        entry = _Cached(
+            principal, now + self.cache_ttl_seconds, min(ends) if ends else float("inf")
+        )
         if self.cache_ttl_seconds > 0:
-            ends = [t for t in (key.expires_at, key.revoked_at) if t is not None]
-            self._remember(
-                digest,
-                _Cached(
-                    principal, now + self.cache_ttl_seconds, min(ends) if ends else float("inf")
-                ),
-            )
+            self._remember(digest, entry)
+        if self.outage_copy_seconds > 0:
+            _confirm(self._confirmed_keys, digest, (entry, now))
         return principal
 
     async def _tenant(self, tenant_id: str) -> Tenant | None:
@@ -222,7 +258,12 @@ class Authenticator:
         try:
             tenant = await self.store.get_tenant(tenant_id)
         except RedisError as exc:
+            copy = self._confirmed_tenants.get(tenant_id)
+            if copy is not None and now - copy[1] <= self.outage_copy_seconds:
+                return copy[0]
             raise _store_down(exc) from None
+        if tenant is not None and self.outage_copy_seconds > 0:
+            _confirm(self._confirmed_tenants, tenant_id, (tenant, now))
         if self.cache_ttl_seconds > 0:
             if len(self._tenants) >= MAX_CACHE_ENTRIES:
                 self._tenants.clear()

@@ -242,8 +242,13 @@ class JWTVerifier:
             raise AuthenticationError(
                 f"Invalid token: {_reason(exc)}", code="invalid_token"
             ) from None
+        wrong = _mistyped_claim(claims, s)
+        if wrong is not None:
+            raise AuthenticationError(
+                f"Invalid token: the '{wrong}' claim has the wrong type.", code="invalid_token"
+            )
         exp, iat = claims["exp"], claims["iat"]
-        if not isinstance(iat, (int, float)) or exp - iat > s.max_lifetime_seconds:
+        if exp - iat > s.max_lifetime_seconds:
             raise AuthenticationError(
                 f"Invalid token: lifetime exceeds {s.max_lifetime_seconds} seconds.",
                 code="invalid_token",
@@ -295,6 +300,40 @@ def _read_hmac_secret(path: Path | None, env: Mapping[str, str]) -> bytes:
             f"(jwt.hmac_secret_file or {HMAC_SECRET_ENV})"
         )
     return raw
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_str_or_strs(value: object) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(v, str) for v in value)
+    )
+
+
+def _mistyped_claim(claims: dict[str, Any], s: JWTSettings) -> str | None:
+    """The first claim whose JSON type is not the one RFC 7519 (or our config) gives it.
+
+    PyJWT converts some claims before comparing them (a numeric string ``exp`` passes its
+    check), so the types are checked here, after the signature: a wrongly typed claim is a
+    bad credential (401), never an error deeper in."""
+    expected = {
+        "exp": _is_number,
+        "iat": _is_number,
+        "nbf": _is_number,
+        "iss": lambda v: isinstance(v, str),
+        "aud": _is_str_or_strs,
+        "jti": lambda v: isinstance(v, str),
+        s.subject_claim: lambda v: isinstance(v, str),
+        s.tenant_claim: lambda v: isinstance(v, str),
+        s.scopes_claim: _is_str_or_strs,
+        s.admin_claim: _is_str_or_strs,
+    }
+    for name, fits in expected.items():
+        if name in claims and not fits(claims[name]):
+            return name
+    return None
 
 
 def _as_set(value: object) -> frozenset[str]:

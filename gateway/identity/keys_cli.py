@@ -2,8 +2,10 @@
 
 A thin httpx client of ``/admin/v1``; it never touches Redis itself. The admin credential
 comes from ``--admin-key-file``, ``--admin-key`` or ``$PORTICO_ADMIN_KEY`` (prefer the file or
-the environment: arguments show up in ``ps``). Every command prints the API's JSON answer;
-``keys create`` and ``keys rotate`` print the new secret, which is shown only this once.
+the environment: arguments show up in ``ps``), else from ``.portico/admin_key``, the key
+``portico serve`` generates on its first start in this folder when none is configured. Every
+command prints the API's JSON answer; ``keys create`` and ``keys rotate`` print the new secret,
+which is shown only this once.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-key",
         default=None,
-        help=f"admin key (default ${ADMIN_KEY_ENV}; prefer --admin-key-file)",
+        help=f"admin key (default ${ADMIN_KEY_ENV}, else the file {_default_key_file()} that "
+        "`portico serve` writes here; prefer --admin-key-file)",
     )
     parser.add_argument(
         "--admin-key-file", type=Path, default=None, help="file holding the admin key"
@@ -112,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("revoke", help="revoke a key now")
     p.add_argument("tenant_id")
     p.add_argument("key_id")
-    p = sub.add_parser("rotate", help="new secret for a key; the old one is revoked")
+    p = sub.add_parser(
+        "rotate", help="new secret for a key; the old one stops working now, or after --grace"
+    )
     p.add_argument("tenant_id")
     p.add_argument("key_id")
     p.add_argument(
@@ -121,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="SECONDS",
-        help="keep the old secret working this long",
+        help="keep the old secret working this long (default 0: it stops working now)",
     )
     p = sub.add_parser("usage", help="a tenant's usage per day and model")
     p.add_argument("tenant_id")
@@ -183,13 +188,24 @@ def _request(
     return "GET", "/admin/v1/plans", None, None
 
 
+def _default_key_file() -> Path:
+    """Where ``portico serve`` writes the admin key it generates (its default data dir)."""
+    from gateway.cli import ADMIN_KEY_FILENAME
+    from gateway.store import StoreSettings
+
+    return StoreSettings().data_dir / ADMIN_KEY_FILENAME
+
+
 def _admin_key(args: argparse.Namespace) -> str | None:
     key: str | None
     if args.admin_key_file is not None:
         key = args.admin_key_file.read_text().strip()
-    else:
-        key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
-    return key
+        return key
+    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
+    if key:
+        return key
+    generated = _default_key_file()
+    return generated.read_text().strip() or None if generated.is_file() else None
 
 
 def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:
@@ -211,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not key:
         print(
-            f"error: no admin key: pass --admin-key-file or set ${ADMIN_KEY_ENV}", file=sys.stderr
+            f"error: no admin key: pass --admin-key-file or set ${ADMIN_KEY_ENV} "
+            f"(or run from the folder where `portico serve` wrote {_default_key_file()})",
+            file=sys.stderr,
         )
         return 2
     url = (args.url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")

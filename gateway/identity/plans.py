@@ -7,17 +7,34 @@ A plan is read once at start-up; a tenant names one and may put overrides on top
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
 
 from gateway.identity.principal import Limits
 
 DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
-Count = Annotated[int, Field(ge=0, le=10**15)]
+
+
+def whole_number(value: Any) -> Any:
+    """``5257552.0`` as ``5257552``: JSON Schema's ``integer`` (the admin API's document)
+    includes floats without a fractional part, and some clients write every number so."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(whole_number), Field(ge=0, le=10**15)]
 
 
 class LimitsSpec(BaseModel):

@@ -11,9 +11,9 @@ import secrets
 import time
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from gateway.identity.plans import LimitsSpec, ModelName
+from gateway.identity.plans import LimitsSpec, ModelName, whole_number
 from portico.errors import APIError
 
 TenantId = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -120,7 +120,9 @@ class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
-    expires_in_seconds: Annotated[int, Field(ge=1, le=10 * 365 * 86400)] | None = None
+    expires_in_seconds: (
+        Annotated[int, BeforeValidator(whole_number), Field(ge=1, le=10 * 365 * 86400)] | None
+    ) = None
     scopes: list[Scope] = Field(default_factory=lambda: ["inference"], max_length=32)
     limits: LimitsSpec | None = None
 

@@ -138,10 +138,44 @@ def test_cli_manages_tenants_and_keys(
     assert code == 0 and out == ""
 
 
+def test_cli_falls_back_to_the_admin_key_portico_serve_generated_in_this_folder(
+    gateway: Gateway,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # `portico serve` with no admin key configured writes one to .portico/admin_key (its
+    # default data dir); the README then runs `portico keys ...` from the same folder.
+    monkeypatch.delenv("PORTICO_ADMIN_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".portico").mkdir()
+    (tmp_path / ".portico" / "admin_key").write_text(ADMIN_KEY + "\n")
+    code, out, err = keys(gateway, capsys, "plans")
+    assert code == 0, err
+    assert json.loads(out)["default"] == "free"
+
+
+def test_keys_help_and_rotate_help_agree_on_the_grace_period(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["keys", "--help"])
+    overview = " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["keys", "rotate", "--help"])
+    rotate = " ".join(capsys.readouterr().out.split())
+    assert "--grace" in rotate and "--grace" in overview
+    assert "revoked" not in overview  # the old secret lives on for --grace seconds
+
+
 def test_cli_reports_errors(
-    gateway: Gateway, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    gateway: Gateway,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     monkeypatch.delenv("PORTICO_ADMIN_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .portico/admin_key here
     code, _, err = keys(gateway, capsys, "tenants", "list")
     assert code == 2 and "no admin key" in err
     code, _, err = keys(gateway, capsys, "--admin-key", "wrong-admin-key-123", "tenants", "list")

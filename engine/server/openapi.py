@@ -1,0 +1,158 @@
+"""The engine server's OpenAPI document: the contract its routes keep, served at /openapi.json.
+
+The routes read raw bodies (protocol.py validates them once), so FastAPI cannot infer their
+schemas; this module writes the document from the same pydantic models, so a field added to a
+request model is documented at once. Responses are described as far as clients rely on them:
+the objects' required fields, and OpenAI's error shape for every status a route can answer.
+The schema-driven tests (tests/hardening/test_openapi_contract.py) hold the server to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from portico.errors import ERROR_SCHEMA_DOC
+
+ERROR_SCHEMA = ERROR_SCHEMA_DOC
+USAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    },
+}
+FINISH_REASON = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+
+
+def _completion_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [kind]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": USAGE_SCHEMA,
+        },
+    }
+
+
+CHAT_COMPLETION = _completion_object(
+    "chat.completion",
+    {
+        "type": "object",
+        "required": ["index", "message", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"enum": ["assistant"]}, "content": {"type": "string"}},
+            },
+            "finish_reason": FINISH_REASON,
+        },
+    },
+)
+TEXT_COMPLETION = _completion_object(
+    "text_completion",
+    {
+        "type": "object",
+        "required": ["index", "text", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            "text": {"type": "string"},
+            "finish_reason": FINISH_REASON,
+        },
+    },
+)
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    reasons = {
+        400: "bad input, naming the parameter",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "body too large",
+        503: "draining, or the engine is not running",
+    }
+    return {
+        str(s): {
+            "description": reasons[s],
+            "content": {"application/json": {"schema": ERROR_SCHEMA}},
+        }
+        for s in statuses
+    }
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _body(model: type[Any]) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+        },
+    }
+
+
+def _generation(schema: dict[str, Any], model: type[Any]) -> dict[str, Any]:
+    ok = _json(schema, "the completion; with stream=true, server-sent events")
+    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "requestBody": _body(model),
+        "responses": {"200": ok, **_errors(400, 401, 404, 413, 503)},
+    }
+
+
+def openapi_document(title: str, version: str, model_name: str) -> dict[str, Any]:
+    """The engine server's OpenAPI 3.1 document; ``model`` can only name the served model."""
+    models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    components: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        schema["properties"]["model"] = {"enum": [model_name]}
+        components[model.__name__] = schema
+    plain = {"type": "object"}
+    probe = {"200": _json(plain), **_errors(401, 503)}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": {"post": _generation(CHAT_COMPLETION, ChatCompletionRequest)},
+            "/v1/completions": {"post": _generation(TEXT_COMPLETION, CompletionRequest)},
+            "/v1/models": {"get": {"responses": {"200": _json(plain), **_errors(401, 503)}}},
+            "/tokenize": {
+                "post": {
+                    "requestBody": _body(TokenizeRequest),
+                    "responses": {"200": _json(plain), **_errors(400, 401, 404, 413, 503)},
+                }
+            },
+            "/detokenize": {
+                "post": {
+                    "requestBody": _body(DetokenizeRequest),
+                    "responses": {"200": _json(plain), **_errors(400, 401, 404, 413, 503)},
+                }
+            },
+            "/health": {"get": {"security": [], "responses": probe}},
+            "/ready": {"get": {"security": [], "responses": probe}},
+            "/version": {"get": {"responses": {"200": _json(plain), **_errors(401, 503)}}},
+        },
+    }

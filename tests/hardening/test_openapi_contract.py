@@ -1,0 +1,55 @@
+"""schemathesis over the OpenAPI documents of a real engine process and a real gateway process:
+0 responses with a 5xx, 0 responses outside the document (status, content type, body schema)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engine.server.engine_server_process import API_KEY, EngineProcess
+from tests.gateway.dataplane.harness import ADMIN_KEY
+from tests.hardening.conftest import HardenedGateway
+from tests.hardening.contract import contract_failures
+
+EXAMPLES_PER_OPERATION = 25  # per generation mode; bounded so the suite stays short
+
+
+@pytest.fixture(scope="module")
+def engine(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    server = EngineProcess(tiny_llama_dir, tmp_path_factory.mktemp("contract") / "engine.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_engine_keeps_its_openapi_document(engine: EngineProcess) -> None:
+    failures, statuses = contract_failures(
+        engine.base_url + "/openapi.json",
+        base_url=engine.base_url,
+        headers={"authorization": f"Bearer {API_KEY}"},
+        max_examples=EXAMPLES_PER_OPERATION,
+    )
+    assert statuses["POST /v1/chat/completions 200"] > 0  # generation itself was exercised
+    assert not failures, "\n".join(failures)
+    assert engine.proc.poll() is None, engine.logs()
+
+
+def test_the_gateway_admin_api_keeps_its_openapi_document(
+    hardened_gateway: HardenedGateway,
+) -> None:
+    failures, statuses = contract_failures(
+        hardened_gateway.url + "/admin/v1/openapi.json",
+        base_url=hardened_gateway.url,
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+        max_examples=EXAMPLES_PER_OPERATION,
+    )
+    assert statuses["POST /admin/v1/tenants 201"] > 0  # writes were exercised, not only refusals
+    assert not failures, "\n".join(failures)
+    assert hardened_gateway.process.proc is not None
+    assert hardened_gateway.process.proc.poll() is None, hardened_gateway.process.log()
