@@ -98,7 +98,8 @@ def plan_tools(
                 "and --tool-call-parser.",
                 param="tool_choice",
             )
-        return ToolPlan(tools=tools, parser=tool_parser(parser_name))
+        parser = tool_parser(parser_name)
+        return ToolPlan(tools, parser if req.parallel_tool_calls else FirstCallOnly(parser))
     if choice == "required":
         one = [call_schema(t) for t in tools]
         item = one[0] if len(one) == 1 else {"anyOf": one}
@@ -114,6 +115,20 @@ def plan_tools(
         f"Invalid value for 'tool_choice': no function named {wanted!r} is in 'tools'.",
         param="tool_choice",
     )
+
+
+class FirstCallOnly:
+    """``parallel_tool_calls: false`` under ``auto``: the reply's first call, and no other.
+
+    Dropping the later calls keeps the parser monotone, so streaming stays exact.
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        parsed = self.parser.parse(text, final)
+        return ParsedOutput(parsed.content, parsed.calls[:1])
 
 
 def call_schema(tool: ToolDefinition) -> dict[str, Any]:
@@ -152,7 +167,7 @@ def _arguments_value(arguments: str) -> Any:
 
 def render_messages(
     messages: list[ChatMessage], plan: ToolPlan, native: bool
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+) -> tuple[list[dict[str, Any]], list[Any] | None]:
     """The conversation and the ``tools`` argument for ``apply_chat_template``.
 
     ``native``: the template supports tools, so tool calls, tool results and the tool list go to

@@ -102,6 +102,13 @@ def test_auto_needs_the_servers_parser_and_then_constrains_nothing() -> None:
     assert isinstance(plan.parser, HermesToolParser) and plan.schema is None
 
 
+def test_auto_without_parallel_calls_keeps_the_first_call() -> None:
+    plan = plan_tools(chat(tools=TOOLS, parallel_tool_calls=False), "hermes", True)
+    assert plan.parser is not None
+    text = '<tool_call>{"name": "now", "arguments": {}}</tool_call>' * 2
+    assert [c.name for c in plan.parser.parse(text, final=True).calls] == ["now"]
+
+
 def test_none_shows_no_tools_and_parses_nothing() -> None:
     plan = plan_tools(chat(tools=TOOLS, tool_choice="none"), "hermes", True)
     assert plan.tools == [] and plan.parser is None and plan.schema is None
