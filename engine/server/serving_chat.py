@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import CompletionOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server import sse
 from engine.server.engine_requests import EngineStreamingResponse, merge, unless_disconnected
 from engine.server.protocol import ChatCompletionRequest, ChatMessage
@@ -234,7 +234,15 @@ class ChatServing:
 
 
 def constrain_to_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
-    """Make the grammar hold the reply to ``schema`` (tool_choice ``required`` or named)."""
-    from engine.sampling_params import StructuredOutputsParams  # the grammar engine's request
+    """Make the grammar hold the reply to ``schema`` (tool_choice ``required`` or named).
 
+    A request has one grammar: a tool choice that forces calls cannot also ask for another
+    output format.
+    """
+    if params.structured_outputs is not None:
+        raise InvalidRequestError(
+            "tool_choice 'required' or a named function cannot be combined with "
+            "response_format or structured_outputs.",
+            param="tool_choice",
+        )
     params.structured_outputs = StructuredOutputsParams(json=schema)
