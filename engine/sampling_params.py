@@ -108,7 +108,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``."""
+        """The constraint set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
         if self.json is not None:
             return "json"
         if self.json_object:

@@ -22,6 +22,9 @@ class EngineStats:
     through the model: prefill work), ``num_generation_tokens`` (tokens sampled),
     ``num_steps``, ``num_requests_finished`` by reason (``finished_stop``, ``finished_length``,
     ``finished_abort``).
+    Structured outputs: ``num_waiting_for_grammar`` (gauge: requests whose grammar is still
+    compiling), ``grammar_compiles`` / ``grammar_cache_hits`` (cold compiles / requests served
+    a cached grammar) and ``grammar_compile_seconds`` (total seconds spent compiling).
     """
 
     num_running: int = 0
@@ -40,3 +43,7 @@ class EngineStats:
     finished_stop: int = 0
     finished_length: int = 0
     finished_abort: int = 0
+    num_waiting_for_grammar: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
