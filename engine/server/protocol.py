@@ -2,7 +2,7 @@
 
 Every body is a strict pydantic model with ``extra="forbid"``: an unknown field is a 400 that
 names it, as OpenAI's API answers. Fields that OpenAI defines but this engine cannot honour yet
-(response formats other than text, audio, the legacy ``functions``, ...) are listed in
+(audio, the legacy ``functions``, ...) are listed in
 :data:`CHAT_UNSUPPORTED` / :data:`COMPLETION_UNSUPPORTED` with the values that are harmless
 (``None``, ``"none"``, ``[]``): any other value is a 400 naming the field, never a silent ignore.
 
@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.server.structured_fields import ResponseFormat, StructuredOutputsField
 from portico.errors import InvalidRequestError
 
 MAX_N = 16
@@ -176,6 +177,15 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # structured outputs (engine/server/structured_fields.py): OpenAI's, vLLM's, vLLM's older
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # annotations that change nothing the engine does
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
@@ -209,7 +219,6 @@ class ChatCompletionRequest(SamplingFields):
     # known to OpenAI, refused unless harmless (see CHAT_UNSUPPORTED)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -287,15 +296,10 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or value in allowed
 
 
-def _only_text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 # field -> predicate "this value asks for nothing the engine cannot do"
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": _none_or([]),
     "function_call": _none_or("none"),
-    "response_format": _only_text_format,
     "audio": _none_or(),
     "modalities": _none_or(["text"]),
     "prediction": _none_or(),

@@ -236,10 +236,58 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("parallel_tool_calls wrong type", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ("unsupported functions", {"functions": [{"name": "f"}]}, "functions"),
     ("unsupported function_call", {"function_call": "auto"}, "function_call"),
+    ("response_format unknown type", {"response_format": {"type": "xml"}}, "response_format.type"),
     (
-        "unsupported response_format",
-        {"response_format": {"type": "json_object"}},
-        "response_format",
+        "response_format json_schema without json_schema",
+        {"response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
+    (
+        "response_format schema with an unsupported keyword",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "response_format schema that is not a schema",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": 1}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "structured_outputs with two constraints",
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs unknown key",
+        {"structured_outputs": {"xml": "a"}},
+        "structured_outputs.xml",
+    ),
+    (
+        "structured_outputs bad regex",
+        {"structured_outputs": {"regex": "(a"}},
+        "structured_outputs.regex",
+    ),
+    ("guided_grammar bad EBNF", {"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ("guided_choice empty", {"guided_choice": []}, "guided_choice"),
+    (
+        "guided_decoding_backend outlines",
+        {"guided_decoding_backend": "outlines", "guided_regex": "a"},
+        "guided_decoding_backend",
+    ),
+    (
+        "two structured-output fields",
+        {"guided_regex": "a", "response_format": {"type": "json_object"}},
+        "guided_regex",
     ),
     ("unsupported audio", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("unsupported modalities", {"modalities": ["text", "audio"]}, "modalities"),
@@ -258,6 +306,7 @@ BAD_COMPLETION: list[tuple[str, dict[str, Any], str | None]] = [
     ("logprobs wrong type", {"logprobs": "x"}, "logprobs"),
     ("unsupported suffix", {"suffix": "end"}, "suffix"),
     ("unsupported best_of", {"best_of": 3}, "best_of"),
+    ("guided_json not a schema", {"guided_json": "{not json"}, "guided_json"),
     ("unknown field", {"messages": []}, "messages"),
 ]
 
