@@ -57,6 +57,7 @@ class GrammarStats:
     compile_seconds_total: float = 0.0
     last_compile_seconds: float = 0.0
     num_failed: int = 0
+    tokenizer_setup_seconds: float = 0.0  # once per engine, at start, on the compile thread
 
 
 class GrammarState:
@@ -136,6 +137,7 @@ class StructuredOutputManager:
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         self.stats = GrammarStats()
+        self._executor.submit(self._ensure_compiler)
 
     # -- validate ---------------------------------------------------------------------------
 
@@ -197,15 +199,10 @@ class StructuredOutputManager:
         return GrammarState(future)
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        compiler = self._ensure_compiler()
         start = time.perf_counter()
         try:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
-                )
-                # cache_enabled=False: our cache (by content) is the one cache.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            compiled = self._compiler.compile_grammar(self._grammar(spec))
+            compiled = compiler.compile_grammar(self._grammar(spec))
         except Exception:
             with self._lock:
                 self.stats.num_failed += 1
@@ -219,6 +216,19 @@ class StructuredOutputManager:
         logger.info("compiled a %s grammar in %.1f ms", spec.kind, seconds * 1000)
         return compiled
 
+    def _ensure_compiler(self) -> xgr.GrammarCompiler:
+        """The vocabulary's token table (about a second for a 50k vocabulary): built once, on
+        the compile thread, queued at start so the first request does not wait for it."""
+        if self._compiler is None:
+            start = time.perf_counter()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+            )
+            # cache_enabled=False: our cache (by content) is the one cache.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self.stats.tokenizer_setup_seconds = time.perf_counter() - start
+        return self._compiler
+
     # -- match ------------------------------------------------------------------------------
 
     def fill_bitmask(self, states: Sequence[GrammarState | None]) -> tuple[torch.Tensor, list[int]]:
@@ -227,8 +237,12 @@ class StructuredOutputManager:
         Returns the bitmask (``[len(states), ceil(vocab/32)]`` int32, a view of a buffer
         reused every step) and the rows it constrains; rows without a grammar are not filled.
         """
-        rows = [i for i, s in enumerate(states) if s is not None]
-        matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
+        rows: list[int] = []
+        matchers: list[xgr.GrammarMatcher] = []
+        for i, state in enumerate(states):
+            if state is not None and state.matcher is not None:
+                rows.append(i)
+                matchers.append(state.matcher)
         if len(states) > self._bitmask.shape[0]:
             self._bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
         bitmask = self._bitmask[: len(states)]
