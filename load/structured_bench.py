@@ -95,8 +95,10 @@ def prompts(llm: LLM, num: int) -> list[list[int]]:
     out = []
     for i in range(num):
         messages = [{"role": "user", "content": f"Describe {SUBJECTS[i % len(SUBJECTS)]} #{i}."}]
-        ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        text = llm.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        out.append(llm.tokenizer.encode(text, add_special_tokens=False))
     return out
 
 
