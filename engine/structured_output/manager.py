@@ -29,6 +29,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ logger = logging.getLogger("portico.engine.structured_output")
 # temperature can spend all of max_tokens on spaces and newlines; 16 still admits pretty
 # printing (a newline and a deep indent).
 MAX_JSON_WHITESPACE = 16
+# Compiled grammars kept (least recently used dropped first): distinct schemas from many
+# tenants must not grow the engine's memory without bound.
+MAX_CACHED_GRAMMARS = 512
 
 
 @dataclass
@@ -131,7 +135,7 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None  # built on the compile thread
-        self._cache: dict[str, Future[xgr.CompiledGrammar]] = {}
+        self._cache: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
@@ -193,9 +197,12 @@ class StructuredOutputManager:
             future = self._cache.get(key)
             if future is not None and not (future.done() and future.exception() is not None):
                 self.stats.num_cache_hits += 1
+                self._cache.move_to_end(key)
             else:
                 future = self._executor.submit(self._compile, spec)
                 self._cache[key] = future
+                if len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)  # its live matchers keep their grammar
         return GrammarState(future)
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
