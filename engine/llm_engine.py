@@ -7,6 +7,8 @@ the KV tensors; the sampler is stateless. The engine owns what is about *text*: 
 :class:`RequestOutput` objects. A request with ``n > 1`` runs as ``n`` child requests with the
 same prompt (equal prompt blocks are shared by prefix caching); child ``i`` samples with
 ``seed + i`` when a seed is given, so the children differ but each is reproducible.
+A request with ``structured_outputs`` is held back from the scheduler until its grammar is
+compiled (in the background, see :mod:`engine.structured_output`); the others keep running.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from engine.structured_output import StructuredOutputManager
 from portico.registry import resolve
 
 __all__ = [
@@ -114,6 +117,11 @@ class LLMEngine:
             self.runner.lora = self.lora
             for spec in config.lora_module_specs:
                 self.lora.register(spec.name, spec.path, spec.base_model_name)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.max_num_seqs
+        )
+        # Requests whose grammar is still compiling, by id, in arrival order.
+        self._waiting_for_grammar: dict[str, Request] = {}
         self._parents: dict[str, _Parent] = {}
         self._completions: dict[str, tuple[_Parent, _Completion]] = {}
         self._counters: dict[str, int] = dict.fromkeys(
@@ -162,6 +170,8 @@ class LLMEngine:
                     f"{name} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                 )
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)
 
     def add_request(
         self,
@@ -207,6 +217,8 @@ class LLMEngine:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
+            if params.structured_outputs is not None:
+                req.grammar = self.structured.grammar_for(params.structured_outputs)
             logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
             parent.completions.append(_Completion(index, req, detok, logprobs))
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
@@ -214,15 +226,45 @@ class LLMEngine:
             if share_prompt and completion.index > 0:
                 parent.pending.append(completion)
             else:
-                self.scheduler.add_request(completion.request)
+                self._admit(completion.request)
             self._completions[completion.request.request_id] = (parent, completion)
         self._parents[request_id] = parent
         self._counters["num_prompt_tokens"] += len(prompt) * params.n
 
     # ------------------------------------------------------------------ the step
 
+    def _admit(self, req: Request) -> None:
+        """To the scheduler now, or once its grammar is compiled."""
+        if req.grammar is not None and not req.grammar.is_ready:
+            self._waiting_for_grammar[req.request_id] = req
+        else:
+            self.scheduler.add_request(req)
+
+    def _admit_compiled(self, touched: list[_Parent]) -> None:
+        """Hand the requests whose grammar just compiled to the scheduler; a failed compile
+        aborts its request (the spec passed :meth:`check_request`, so this is rare)."""
+        ready = [r for r in self._waiting_for_grammar.values() if r.grammar.is_ready]  # type: ignore[union-attr]
+        if not ready and self._waiting_for_grammar and not self.scheduler.has_unfinished():
+            # Nothing can run: wait a little for the compile instead of spinning.
+            next(iter(self._waiting_for_grammar.values())).grammar.wait(0.01)  # type: ignore[union-attr]
+            return
+        for req in ready:
+            del self._waiting_for_grammar[req.request_id]
+            if req.grammar.error is None:  # type: ignore[union-attr]
+                self.scheduler.add_request(req)
+                continue
+            parent, completion = self._completions[req.request_id]
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finish(parent, completion, time.monotonic())
+            if not parent.touched:
+                parent.touched = True
+                touched.append(parent)
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, detokenize; return outputs of requests that moved."""
+        touched: list[_Parent] = []
+        if self._waiting_for_grammar:
+            self._admit_compiled(touched)
         out = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         if out.swap_out or out.swap_in:
@@ -239,12 +281,18 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         row_logprobs: list[TokenLogprob | None] = []
         if rows:
-            result = self.sampler.sample(logits, rows)  # type: ignore[arg-type]
+            grammars = [r.grammar for r in rows]
+            constrained = any(g is not None for g in grammars)
+            mask = self.structured.fill_bitmask(grammars) if constrained else None
+            result = self.sampler.sample(logits, rows, mask)  # type: ignore[arg-type]
             sampled = {r.request_id: t for r, t in zip(rows, result.token_ids, strict=True)}
             row_logprobs = result.logprobs
+            if constrained:
+                for g, t in zip(grammars, result.token_ids, strict=True):
+                    if g is not None:
+                        g.accept(t)
         finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
         now = time.monotonic()
-        touched: list[_Parent] = []
         for req, lp in zip(rows, row_logprobs, strict=True):
             parent, completion = self._completions[req.request_id]
             self._on_token(parent, completion, sampled[req.request_id], lp, now, finished)
@@ -297,6 +345,10 @@ class LLMEngine:
             decode=not stopped_by_token or params.include_stop_str_in_output,
             check_stop=req.num_output_tokens >= params.min_tokens,
         )
+        if stop is None and req.grammar is not None and req.grammar.is_terminated:
+            if req.request_id not in finished:  # e.g. ignore_eos: the grammar still ends it
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                finished.add(req.request_id)
         if stop is not None and req.request_id not in finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
         if stop is not None or req.request_id in finished:
@@ -305,7 +357,7 @@ class LLMEngine:
     def _release_pending(self, parent: _Parent) -> None:
         """Child 0's prompt is computed (and cached): start its siblings."""
         for sibling in parent.pending:
-            self.scheduler.add_request(sibling.request)
+            self._admit(sibling.request)
         parent.pending.clear()
 
     def _finish(self, parent: _Parent, completion: _Completion, now: float) -> None:
@@ -382,6 +434,7 @@ class LLMEngine:
         now = time.monotonic()
         parent.pending.clear()  # never handed to the scheduler: nothing to free
         for c in parent.completions:
+            self._waiting_for_grammar.pop(c.request.request_id, None)
             if c.finish_reason is None:
                 self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)
                 self._finish(parent, c, now)
@@ -409,5 +462,9 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            num_waiting_for_grammar=len(self._waiting_for_grammar),
+            grammar_compiles=self.structured.stats.num_compiled,
+            grammar_cache_hits=self.structured.stats.num_cache_hits,
+            grammar_compile_seconds=self.structured.stats.compile_seconds_total,
             **self._counters,
         )

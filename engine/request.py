@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora import LoRARequest
+    from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +61,7 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "finished_time",
+        "grammar",
     )
 
     def __init__(
@@ -92,6 +94,8 @@ class Request:
         self.first_scheduled_time: float | None = None  # monotonic
         self.first_token_time: float | None = None  # monotonic, set by the engine loop
         self.finished_time: float | None = None  # monotonic
+        # Structured outputs: this sequence's grammar matcher (engine thread only), or None.
+        self.grammar: GrammarState | None = None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -2,6 +2,7 @@
 
 The order of processing for each row (the same as vLLM's):
 
+0. a row with a grammar (structured outputs) keeps only the tokens its bitmask allows;
 1. ``logit_bias`` is added; while fewer than ``min_tokens`` tokens were produced, EOS and
    ``stop_token_ids`` are forbidden;
 2. penalties: ``repetition_penalty`` over prompt + output tokens (divide positive logits,
@@ -91,8 +92,19 @@ class Sampler:
         return self._generator
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Sample from ``logits`` (``[N, vocab]`` float, modified in place) for ``rows``."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> SamplerOutput:
+        """Sample from ``logits`` (``[N, vocab]`` float, modified in place) for ``rows``.
+
+        ``grammar_mask`` is ``(bitmask, constrained_rows)`` from the structured-output
+        manager: one packed int32 bitmask for the batch; only the listed rows are masked.
+        """
+        if grammar_mask is not None and grammar_mask[1]:
+            apply_grammar_mask(logits, *grammar_mask)
         params = [r.sampling_params for r in rows]
         greedy = [is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -170,6 +182,16 @@ class Sampler:
                 gen = seeded_generator(seed, len(r.output_token_ids), probs.device)
                 q[i].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
+
+
+def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf the logits of tokens a row's grammar forbids (xgrammar's kernel: CPU or
+    CUDA, whichever holds the logits)."""
+    import xgrammar as xgr  # only a batch with a grammar pays the import
+
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
 
 def apply_truncation(logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,96 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What a request's output must match: exactly one of the constraints below.
+
+    vLLM's ``structured_outputs`` shape, so its clients' payloads map one to one. ``json`` is a
+    JSON schema (a dict, or a string holding one); ``json_object`` asks for any JSON object;
+    ``regex`` a regular expression the whole output matches; ``choice`` one of the strings;
+    ``grammar`` an EBNF (GBNF) grammar whose root rule is ``root``. ``disable_any_whitespace``
+    forbids whitespace between JSON tokens (compact output). ``whitespace_pattern`` is
+    accepted for vLLM compatibility (``guided_whitespace_pattern``) and not used: xgrammar has
+    no such knob (vLLM's xgrammar backend ignores it too). The constraint is checked for shape here;
+    whether the grammar library supports it is decided when it compiles (a 400 naming the
+    feature).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ParameterError(
+                "structured_outputs",
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}",
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ParameterError(
+                    "structured_outputs.json", f"the JSON schema is not valid JSON: {exc}"
+                ) from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ParameterError("structured_outputs.json", "the JSON schema must be an object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ParameterError(
+                    f"structured_outputs.{name}", f"{name} must be a non-empty string"
+                )
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ParameterError(
+                "structured_outputs.choice", "choice must be a non-empty list of strings"
+            )
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParameterError(f"structured_outputs.{name}", f"{name} must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """The constraint set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        if self.json is not None:
+            return "json"
+        if self.json_object:
+            return "json_object"
+        if self.regex is not None:
+            return "regex"
+        if self.choice is not None:
+            return "choice"
+        return "grammar"
+
+    @property
+    def cache_key(self) -> str:
+        """The constraint as canonical text: equal constraints share one compiled grammar."""
+        spec: Any
+        if self.json is not None:
+            spec = json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        elif self.choice is not None:
+            spec = json.dumps(self.choice)
+        else:
+            spec = self.regex or self.grammar or ""
+        return f"{self.kind}|ws={int(self.disable_any_whitespace)}|{spec}"
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's completion.
 
@@ -70,6 +161,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The grammar the output must match (JSON schema, regex, choice, EBNF); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -121,6 +214,12 @@ class SamplingParams:
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ParameterError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         self.logit_bias = self._checked_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ParameterError(
+                "structured_outputs", "structured_outputs must be a StructuredOutputsParams"
+            )
 
     @staticmethod
     def _checked_stop(stop: Any) -> list[str]:

@@ -22,6 +22,9 @@ class EngineStats:
     through the model: prefill work), ``num_generation_tokens`` (tokens sampled),
     ``num_steps``, ``num_requests_finished`` by reason (``finished_stop``, ``finished_length``,
     ``finished_abort``).
+    Structured outputs: ``num_waiting_for_grammar`` (gauge: requests whose grammar is still
+    compiling), ``grammar_compiles`` / ``grammar_cache_hits`` (cold compiles / requests served
+    a cached grammar) and ``grammar_compile_seconds`` (total seconds spent compiling).
     """
 
     num_running: int = 0
@@ -44,3 +47,7 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    num_waiting_for_grammar: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0

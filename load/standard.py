@@ -43,7 +43,9 @@ from load.standard_report import render_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Run order: the quick, machine-sensitive sections first, the longest (offline) last.
-SECTIONS = ("gateway", "admission", "engine_served", "prefix_caching", "engine_offline")
+SECTIONS = (
+    "gateway", "admission", "engine_served", "prefix_caching", "engine_offline", "structured",
+)  # fmt: skip
 SERVED_MODEL = "smollm2-135m"
 SERVED_NAME = "smollm2"
 ENGINE_FLAGS = (
@@ -76,6 +78,8 @@ class Sizes:
     # torch threads of served engines (OMP_NUM_THREADS); None: torch's default. On a machine
     # shared with other work, more threads than free cores stall every step on OpenMP barriers.
     engine_threads: int | None = None
+    # load/structured_bench.py (JSON schema on every request vs the same requests free)
+    structured_bench_args: tuple[str, ...] = ("--num-requests", "64", "--rounds", "2")
 
 
 ENGINE_BENCH_DEVICE = (
@@ -113,6 +117,7 @@ QUICK = Sizes(
         "1",
     ),
     engine_threads=1,
+    structured_bench_args=("--num-requests", "32", "--max-tokens", "128", "--rounds", "1"),
 )
 FULL = Sizes(
     (16, 600), (16, 128), {1: 16, 16: 64, 64: 128}, 4, 8, 16, 5000, 1800, ENGINE_BENCH_DEVICE
@@ -326,6 +331,16 @@ def engine_offline(sizes: Sizes) -> dict[str, Any]:
     )
 
 
+def structured(sizes: Sizes) -> dict[str, Any]:
+    return run_json_module(
+        "load.structured_bench",
+        sizes.structured_bench_args,
+        sizes.engine_timeout_s * 2,
+        out_flag="--output",
+        env=engine_env(),
+    )
+
+
 def engine_served(sizes: Sizes, img_dir: Path) -> dict[str, Any]:
     from load import datasets
     from load.report import plot_latency_cdfs
@@ -433,6 +448,8 @@ def section_commands(quick: bool, sizes: Sizes) -> dict[str, str]:
         ),
         "gateway": f"python -m load.gateway_bench{q} --plot-dir docs/img",
         "admission": f"python -m load.admission_bench --requests {sizes.admission_requests}",
+        "structured": f"{prefix} python -m load.structured_bench "
+        + " ".join(sizes.structured_bench_args),
     }
 
 
@@ -445,6 +462,7 @@ def run_all(only: Sequence[str], quick: bool, img_dir: Path) -> dict[str, dict[s
         "prefix_caching": lambda: prefix_caching(sizes, img_dir),
         "gateway": lambda: gateway(quick, img_dir),
         "admission": lambda: admission(sizes),
+        "structured": lambda: structured(sizes),
     }
     return {
         name: run_section(name, commands[name], bodies[name]) for name in SECTIONS if name in only

@@ -22,10 +22,12 @@ TITLES = {
     "prefix_caching": "Prefix caching on vs off",
     "gateway": "Gateway vs calling the upstream directly",
     "admission": "Admission cost (Redis token buckets)",
+    "structured": "Structured outputs: JSON schema on every request vs unconstrained",
 }
 TARGET_ENGINE_SPEEDUP = 3.0
 TARGET_PREFIX_RATIO = 3.0
 TARGET_SINGLE_STREAM = 50.0
+TARGET_STRUCTURED_RATIO = 0.90
 
 
 HOW = """## How these numbers are taken
@@ -131,6 +133,20 @@ def targets(sections: Mapping[str, Any]) -> list[dict[str, Any]]:
             "target": target,
             "measured": f"{ratio:.2f}x" if ratio is not None else missing("prefix_caching"),
             "verdict": _verdict(None if ratio is None else ratio >= TARGET_PREFIX_RATIO),
+        }
+    )
+
+    sec = sections.get("structured", {})
+    target = (
+        f"JSON schema on every request >= {TARGET_STRUCTURED_RATIO:.0%} of unconstrained output "
+        "tokens/s at concurrency 16"
+    )
+    ratio = sec.get("result", {}).get("ratio") if sec.get("status") == "ok" else None
+    rows.append(
+        {
+            "target": target,
+            "measured": f"{ratio:.1%}" if ratio is not None else missing("structured"),
+            "verdict": _verdict(None if ratio is None else ratio >= TARGET_STRUCTURED_RATIO),
         }
     )
 
@@ -471,12 +487,60 @@ def _admission(result: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _structured(result: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for mode, runs in result.get("rounds", {}).items():
+        for i, run in enumerate(runs):
+            rows.append(
+                {
+                    "mode": mode,
+                    "round": i + 1,
+                    "output tokens": run["output_tokens"],
+                    "seconds": f"{run['seconds']:.1f}",
+                    "tokens/s": f"{run['tokens_per_s']:.1f}",
+                    "valid JSON": run["valid_json"],
+                    "finished stop": run["finished_stop"],
+                }
+            )
+    compile_rows = [
+        {
+            "schema": name,
+            "cold compile ms": f"{c['compile_only_ms']:.1f}",
+            "cached ms": f"{c['cached_ms']:.3f}",
+            "vocabulary table ms (once per engine)": f"{c['tokenizer_setup_ms']:.0f}",
+        }
+        for name, c in result.get("compile", {}).items()
+    ]
+    parts = [
+        markdown_table(rows, list(rows[0]) if rows else ["mode"]),
+        f"Ratio of the best rounds: {result.get('ratio', 0):.1%} "
+        f"(target {TARGET_STRUCTURED_RATIO:.0%}).",
+        markdown_table(compile_rows, list(compile_rows[0]) if compile_rows else ["schema"]),
+    ]
+    libs = result.get("libraries")
+    if libs:
+        lib_rows = [
+            {
+                "library": name,
+                "vocabulary setup ms": f"{v['tokenizer_setup_ms']:.0f}",
+                "compile ms": f"{v['compile_ms']:.1f}",
+                "mask us/token mean": f"{v['mask_us_mean']:.1f}",
+                "mask us/token max": f"{v['mask_us_max']:.0f}",
+            }
+            for name, v in libs.items()
+            if name != "document_tokens"
+        ]
+        parts.append(markdown_table(lib_rows, list(lib_rows[0])))
+    return parts
+
+
 RENDERERS = {
     "engine_offline": _engine_offline,
     "engine_served": _engine_served,
     "prefix_caching": _prefix,
     "gateway": _gateway,
     "admission": _admission,
+    "structured": _structured,
 }
 
 

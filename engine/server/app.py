@@ -86,7 +86,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     name = settings.served_model_name
     max_model_len = effective_max_model_len(engine)
     serving = OpenAIServing(engine, name, ServerMetrics(name, max_model_len, engine.stats))
-    chat = ChatServing(serving)
+    chat = ChatServing(serving, settings.tool_call_parser, settings.enable_auto_tool_choice)
     completions = CompletionServing(serving)
     drain = DrainState()
     started_at = int(time.time())

@@ -2,7 +2,8 @@
 
 Flags: every engine flag of :class:`~engine.config.EngineConfig` (vLLM's names) plus the
 server's own: ``--host/--port`` or ``--uds``, ``--api-key`` (or ``PORTICO_ENGINE_API_KEY``),
-``--drain-timeout``, ``--max-body-bytes``, ``--health-stall-timeout``.
+``--drain-timeout``, ``--max-body-bytes``, ``--health-stall-timeout``, and tool calling's
+``--tool-call-parser`` / ``--enable-auto-tool-choice`` (vLLM's names and meaning).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.server.settings import (
     DEFAULT_STALL_TIMEOUT_S,
     ServerSettings,
 )
+from engine.server.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PORTICO_ENGINE_API_KEY"
 
@@ -62,6 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "turns 503 (default 60)",
     )
     g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="parser that extracts tool calls from replies to tool_choice='auto' "
+        "(hermes: <tool_call>JSON</tool_call> blocks)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="allow tool_choice='auto' (the model decides whether to call tools); "
+        "needs --tool-call-parser",
+    )
+    g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -76,6 +91,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         return f"--max-body-bytes must be >= 1, got {args.max_body_bytes}"
     if args.health_stall_timeout <= 0:
         return f"--health-stall-timeout must be > 0, got {args.health_stall_timeout}"
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        return "--enable-auto-tool-choice needs --tool-call-parser"
     return None
 
 
@@ -87,6 +104,8 @@ def server_settings(args: argparse.Namespace, model_name: str) -> ServerSettings
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.health_stall_timeout,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 

@@ -2,9 +2,9 @@
 
 Every body is a strict pydantic model with ``extra="forbid"``: an unknown field is a 400 that
 names it, as OpenAI's API answers. Fields that OpenAI defines but this engine cannot honour yet
-(tools, response formats other than text, audio, ...) are listed in :data:`CHAT_UNSUPPORTED` /
-:data:`COMPLETION_UNSUPPORTED` with the values that are harmless (``None``, ``"none"``, ``[]``):
-any other value is a 400 naming the field, never a silent ignore.
+(audio, the legacy ``functions``, ...) are listed in
+:data:`CHAT_UNSUPPORTED` / :data:`COMPLETION_UNSUPPORTED` with the values that are harmless
+(``None``, ``"none"``, ``[]``): any other value is a 400 naming the field, never a silent ignore.
 
 :func:`parse_body` is the one entry: raw bytes in, a typed request out, or an
 :class:`~portico.errors.InvalidRequestError` whose message names the first bad parameter.
@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.server.structured_fields import ResponseFormat, StructuredOutputsField
 from portico.errors import InvalidRequestError
 
 MAX_N = 16
@@ -58,14 +59,62 @@ class TextPart(StrictModel):
     text: str
 
 
-class ChatMessage(StrictModel):
-    """One chat turn. ``developer`` is OpenAI's newer name for ``system`` and is treated so."""
+class FunctionDefinition(StrictModel):
+    """A function the model may call: OpenAI's ``tools[].function``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    """One entry of ``tools``: only ``function`` tools exist in the chat API."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """``tool_choice`` naming one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A tool call of a replayed assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(StrictModel):
+    """One chat turn. ``developer`` is OpenAI's newer name for ``system`` and is treated so.
+
+    An assistant turn may carry ``tool_calls`` (its content may then be null); a ``tool`` turn is
+    the result of one call and names it with ``tool_call_id``.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None  # in replayed assistant turns; history, not instructions
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -75,12 +124,13 @@ class ChatMessage(StrictModel):
             return {k: v for k, v in value.items() if v is not None}
         return value
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calls in messages are not supported by this engine yet")
-        return value
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -130,6 +180,15 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # structured outputs (engine/server/structured_fields.py): OpenAI's, vLLM's, vLLM's older
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # annotations that change nothing the engine does
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
@@ -179,13 +238,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     # known to OpenAI, refused unless harmless (see CHAT_UNSUPPORTED)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -274,18 +332,10 @@ def _none_or(*allowed: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or value in allowed
 
 
-def _only_text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 # field -> predicate "this value asks for nothing the engine cannot do"
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": _none_or([]),
-    "tool_choice": _none_or("none"),
-    "parallel_tool_calls": _none_or(True, False),
     "functions": _none_or([]),
     "function_call": _none_or("none"),
-    "response_format": _only_text_format,
     "audio": _none_or(),
     "modalities": _none_or(["text"]),
     "prediction": _none_or(),

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import CompletionOutput, TokenLogprob
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server import sse
 from engine.server.engine_requests import EngineStreamingResponse, merge, unless_disconnected
 from engine.server.protocol import ChatCompletionRequest, ChatMessage
@@ -18,32 +19,59 @@ from engine.server.serving_engine import (
     random_id,
     usage,
 )
+from engine.server.tool_calling import (
+    NO_TOOLS,
+    ToolCallDeltas,
+    ToolPlan,
+    finish_reason,
+    new_call_id,
+    plan_tools,
+    render_messages,
+    reply_message,
+    template_supports_tools,
+)
 from portico.errors import InvalidRequestError
 
 
 class ChatServing:
-    """Answers chat completions for one model, streaming or not, in OpenAI's exact shapes."""
+    """Answers chat completions for one model, streaming or not, in OpenAI's exact shapes.
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    ``tool_call_parser`` and ``auto_tool_choice`` are the server's ``--tool-call-parser`` and
+    ``--enable-auto-tool-choice`` (see :func:`~engine.server.tool_calling.plan_tools`).
+    """
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        tool_call_parser: str | None = None,
+        auto_tool_choice: bool = False,
+    ) -> None:
         self.serving = serving
+        self.tool_call_parser = tool_call_parser
+        self.auto_tool_choice = auto_tool_choice
+        template = getattr(serving.tokenizer, "chat_template", None)
+        self.native_tools = bool(template) and template_supports_tools(template)
 
     def prompt_token_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        plan: ToolPlan = NO_TOOLS,
     ) -> list[int]:
-        """Render the conversation with the model's chat template and tokenize it."""
+        """Render the conversation (and the plan's tools) with the chat template; tokenize it."""
         tokenizer = self.serving.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "This model has no chat template; use /v1/completions instead.",
                 param="messages",
             )
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
+        conversation, tools = render_messages(messages, plan, self.native_tools)
         try:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as exc:  # jinja raises for conversations the template refuses
             raise InvalidRequestError(
@@ -58,24 +86,37 @@ class ChatServing:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true.", param="top_logprobs"
             )
-        prompt = self.prompt_token_ids(req.messages)
+        plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice)
+        prompt = self.prompt_token_ids(req.messages, plan=plan)
         max_tokens = serving.max_tokens_for(req.requested_max_tokens, len(prompt), "messages")
         params = serving.sampling_params(req, max_tokens)
+        if plan.schema is not None:
+            constrain_to_schema(params, plan.schema)
         request_id = random_id("chatcmpl")
-        submitted = serving.submit_all([(prompt, params)], req, request_id)
+        try:
+            submitted = serving.submit_all([(prompt, params)], req, request_id)
+        except InvalidRequestError as exc:
+            if plan.schema is None or exc.param != "structured_outputs":
+                raise
+            # The grammar was built from the functions' parameters: name what the user wrote.
+            raise InvalidRequestError(
+                f"A function's parameters schema cannot be enforced: {exc.message}",
+                param="tools",
+            ) from None
         outputs = merge(submitted)
         if req.stream:
             return EngineStreamingResponse(
-                self.stream(req, request_id, len(prompt), outputs), submitted
+                self.stream(req, plan, request_id, len(prompt), outputs), submitted
             )
         body = await unless_disconnected(
-            self.collect(req, request_id, len(prompt), outputs), request
+            self.collect(req, plan, request_id, len(prompt), outputs), request
         )
         return JSONResponse(body)
 
     async def collect(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan,
         request_id: str,
         num_prompt_tokens: int,
         outputs: AsyncIterator[tuple[int, Any]],
@@ -91,12 +132,18 @@ class ChatServing:
         choices = []
         for index in sorted(final):
             c = final[index]
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            reason = c.finish_reason
+            if plan.parser is not None:
+                parsed = plan.parser.parse(c.text, final=True)
+                message = reply_message(parsed, [new_call_id() for _ in parsed.calls])
+                reason = finish_reason(reason, parsed)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": self.logprobs(logprobs[index]) if req.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -114,6 +161,7 @@ class ChatServing:
     async def stream(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan,
         request_id: str,
         num_prompt_tokens: int,
         outputs: AsyncIterator[tuple[int, Any]],
@@ -143,16 +191,35 @@ class ChatServing:
 
         for index in range(req.n):
             yield chunk([choice(index, {"role": "assistant", "content": ""})])
+        texts: dict[int, str] = {}
+        tool_deltas = {}
+        if plan.parser is not None:
+            tool_deltas = {index: ToolCallDeltas(plan.parser) for index in range(req.n)}
         try:
             async for _, out in outputs:
                 num_cached = out.num_cached_tokens
                 for c in out.outputs:
                     num_tokens[c.index] = len(c.token_ids)
-                    if c.text_delta or (req.logprobs and c.token_ids_delta):
+                    reason = c.finish_reason
+                    delta: dict[str, Any] = {"content": c.text_delta}
+                    if c.index in tool_deltas:
+                        texts[c.index] = texts.get(c.index, "") + c.text_delta
+                        calls = tool_deltas[c.index]
+                        content, call_deltas = calls.update(texts[c.index], reason is not None)
+                        delta = {"content": content} if content else {}
+                        if call_deltas:
+                            delta["tool_calls"] = call_deltas
+                        if reason is not None:
+                            reason = finish_reason(reason, calls.parsed)
+                    if (
+                        delta.get("content")
+                        or "tool_calls" in delta
+                        or (req.logprobs and c.token_ids_delta)
+                    ):
                         logprobs = self.logprobs(delta_logprobs(c)) if req.logprobs else None
-                        yield chunk([choice(c.index, {"content": c.text_delta}, logprobs=logprobs)])
-                    if c.finish_reason is not None:
-                        yield chunk([choice(c.index, {}, c.finish_reason)])
+                        yield chunk([choice(c.index, delta, logprobs=logprobs)])
+                    if reason is not None:
+                        yield chunk([choice(c.index, {}, reason)])
         except Exception as exc:
             yield sse.error_event(exc)
             yield sse.DONE
@@ -182,3 +249,19 @@ class ChatServing:
                 for e in entries
             ]
         }
+
+
+def constrain_to_schema(params: SamplingParams, schema: dict[str, Any]) -> None:
+    """Make the grammar hold the reply to ``schema`` (tool_choice ``required`` or named).
+
+    A request has one grammar: a tool choice that forces calls cannot also ask for another
+    output format.
+    """
+    if params.structured_outputs is not None:
+        raise InvalidRequestError(
+            "tool_choice 'required' or a named function cannot be combined with "
+            "response_format or structured_outputs.",
+            param="tool_choice",
+        )
+    # Compact JSON, as OpenAI writes arguments: fewer tokens, and no runs of whitespace.
+    params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)

@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.engine_requests import EngineRequest
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.structured_fields import structured_outputs_for
 from portico.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -129,6 +130,12 @@ class OpenAIServing:
             logit_bias[int(key)] = value
         self.check_token_ids(list(logit_bias), "logit_bias")
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        structured = structured_outputs_for(req)
+        if structured is not None:  # validated here so the 400 names the field the user wrote
+            try:
+                self.engine.engine.structured.check(*structured)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=structured[1]) from None
         try:
             return SamplingParams(
                 n=req.n,
@@ -151,6 +158,7 @@ class OpenAIServing:
                 logit_bias=logit_bias,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=None if structured is None else structured[0],
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None

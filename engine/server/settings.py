@@ -15,6 +15,8 @@ class ServerSettings:
 
     ``api_key`` None means no authentication. ``stall_timeout_s`` is how long the engine loop
     may go without progress while requests are pending before ``/health`` reports it stalled.
+    ``tool_call_parser`` names the parser of :data:`~engine.server.tool_parsers.TOOL_PARSERS`
+    that reads replies to ``tool_choice="auto"``, which ``enable_auto_tool_choice`` allows.
     """
 
     served_model_name: str
@@ -22,3 +24,5 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False

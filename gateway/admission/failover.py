@@ -7,8 +7,8 @@ got no timely turn on Redis answers 503 ``rate_limiter_busy`` (falling back woul
 the shared limit); Redis itself gone switches to the policy (``local``: each replica enforces
 its share of every limit; ``open``: admit everything; ``closed``: 503) until a background PING
 gets an answer. :meth:`FailoverLimiter.start_watch` also PINGs on a timer, so the state (and
-the gateway's readiness) follows Redis when no request arrives. The switch is logged once per outage and visible in
-``portico_admission_redis_up`` and ``portico_admission_degraded_total``.
+the gateway's readiness) follows Redis when no request arrives. The switch is logged once per
+outage and visible in ``portico_admission_redis_up`` and ``portico_admission_degraded_total``.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ model folder or GGUF file); chat requests are rendered with the model's chat tem
 exactly as the engine renders them. Counting in-process costs tens of microseconds for a short
 prompt, an HTTP hop to the engine's ``/tokenize`` costs a round trip plus the engine's own
 parse, so the gateway counts itself. Models without a local tokenizer (remote upstreams, custom
-engine commands) get an estimate of one token per four characters.
+engine commands) get an estimate of one token per four characters. Tool definitions are part of
+the prompt the engine renders (a listing of each function's JSON schema), so their JSON text is
+counted too, whether or not the model's template shows them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -43,13 +46,26 @@ class PromptCounter:
         self.tokenizers = tokenizers  # served model name -> tokenizer (absent: estimate)
 
     def count(self, model: str, fields: RequestFields) -> int:
+        tools = (
+            (fields.body.get("tools") or fields.body.get("functions")) if fields.num_tools else []
+        )
+        tool_text = json.dumps(tools) if tools else ""
         tok = self.tokenizers.get(model)
         if tok is not None:
             try:
-                return self._exact(tok, fields)
+                return self._exact(tok, fields) + self._text_tokens(tok, tool_text)
             except Exception:  # a template that rejects these messages: the engine will say why
                 pass
-        return max(1, len(prompt_text(fields)) // 4)
+        return max(1, (len(prompt_text(fields)) + len(tool_text)) // 4)
+
+    @staticmethod
+    def _text_tokens(tok: Any, text: str) -> int:
+        if not text:
+            return 0
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None:
+            return len(backend.encode(text, add_special_tokens=False).ids)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
 
     @staticmethod
     def _exact(tok: Any, fields: RequestFields) -> int:

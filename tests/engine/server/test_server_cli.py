@@ -33,6 +33,13 @@ def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.Monk
     assert cli.server_settings(parse(), "m").api_key is None
 
 
+def test_tool_flags_reach_the_settings() -> None:
+    args = parse("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+    settings = cli.server_settings(args, "m")
+    assert (settings.tool_call_parser, settings.enable_auto_tool_choice) == ("hermes", True)
+    assert cli.server_settings(parse(), "m").tool_call_parser is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -40,6 +47,8 @@ def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.Monk
         (["--drain-timeout", "-1"], "--drain-timeout"),
         (["--max-body-bytes", "0"], "--max-body-bytes"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--enable-auto-tool-choice"], "--tool-call-parser"),
+        (["--tool-call-parser", "nope"], "--tool-call-parser"),
         (["--model", "/no/such/model"], "portico models pull"),
     ],
 )

@@ -147,7 +147,12 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
     ("priority wrong type", {"priority": "high"}, "priority"),
     ("messages empty", {"messages": []}, "messages"),
     ("messages wrong type", {"messages": "hi"}, "messages"),
-    ("role unknown", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("role unknown", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    (
+        "tool message without tool_call_id",
+        {"messages": [{"role": "tool", "content": "x"}]},
+        "messages[0]",
+    ),
     (
         "image content part",
         {
@@ -166,7 +171,7 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
         "messages[0].foo",
     ),
     (
-        "tool calls in a message",
+        "tool call without its function",
         {
             "messages": [
                 {
@@ -177,18 +182,112 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
                 {"role": "user", "content": "x"},
             ]
         },
-        "messages[0].tool_calls",
+        "messages[0].tool_calls[0].function",
     ),
     ("unknown field", {"foo": 1}, "foo"),
     ("model missing", {"model": None}, "model"),
-    ("unsupported tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("unsupported tool_choice", {"tool_choice": "auto"}, "tool_choice"),
+    ("tools wrong type", {"tools": {"type": "function"}}, "tools"),
+    (
+        "tool name with a space",
+        {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        "tools[0].function.name",
+    ),
+    (
+        "tool of another type",
+        {"tools": [{"type": "code_interpreter", "function": {"name": "f"}}]},
+        "tools[0].type",
+    ),
+    ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice"),
+    ("tool_choice unknown word", {"tool_choice": "always"}, "tool_choice"),
+    (
+        "tool_choice names an unknown function",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
+    (
+        "auto tool choice without a parser on the server",
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+    ),
+    (
+        "tool parameters not an object schema",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+            ],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+    ),
+    (
+        "two tools with one name",
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f"}},
+                {"type": "function", "function": {"name": "f"}},
+            ],
+            "tool_choice": "required",
+        },
+        "tools[1].function.name",
+    ),
+    ("parallel_tool_calls wrong type", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ("unsupported functions", {"functions": [{"name": "f"}]}, "functions"),
     ("unsupported function_call", {"function_call": "auto"}, "function_call"),
+    ("response_format unknown type", {"response_format": {"type": "xml"}}, "response_format.type"),
     (
-        "unsupported response_format",
-        {"response_format": {"type": "json_object"}},
-        "response_format",
+        "response_format json_schema without json_schema",
+        {"response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
+    (
+        "response_format schema with an unsupported keyword",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "response_format schema that is not a schema",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": 1}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "structured_outputs with two constraints",
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs unknown key",
+        {"structured_outputs": {"xml": "a"}},
+        "structured_outputs.xml",
+    ),
+    (
+        "structured_outputs bad regex",
+        {"structured_outputs": {"regex": "(a"}},
+        "structured_outputs.regex",
+    ),
+    ("guided_grammar bad EBNF", {"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ("guided_choice empty", {"guided_choice": []}, "guided_choice"),
+    (
+        "guided_decoding_backend outlines",
+        {"guided_decoding_backend": "outlines", "guided_regex": "a"},
+        "guided_decoding_backend",
+    ),
+    (
+        "two structured-output fields",
+        {"guided_regex": "a", "response_format": {"type": "json_object"}},
+        "guided_regex",
     ),
     ("unsupported audio", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("unsupported modalities", {"modalities": ["text", "audio"]}, "modalities"),
@@ -207,6 +306,7 @@ BAD_COMPLETION: list[tuple[str, dict[str, Any], str | None]] = [
     ("logprobs wrong type", {"logprobs": "x"}, "logprobs"),
     ("unsupported suffix", {"suffix": "end"}, "suffix"),
     ("unsupported best_of", {"best_of": 3}, "best_of"),
+    ("guided_json not a schema", {"guided_json": "{not json"}, "guided_json"),
     ("unknown field", {"messages": []}, "messages"),
 ]
 

@@ -258,7 +258,7 @@ def test_client_errors_map_to_openai_exceptions(
         client.chat.completions.create(
             model=MODEL_NAME, messages=USER, tools=[{"type": "function", "function": {"name": "f"}}]
         )
-    assert bad.value.body["param"] == "tools"
+    assert bad.value.body["param"] == "tool_choice"  # "auto" needs a tool-call parser
     wrong = openai.OpenAI(base_url=engine_server.base_url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()

@@ -30,3 +30,32 @@ def test_models_without_a_tokenizer_are_estimated() -> None:
     fields = parse_fields(b'{"model": "remote", "prompt": "' + b"x" * 400 + b'"}', "completion")
     assert counter.count("remote", fields) == 100
     assert load_tokenizer("/no/such/model") is None
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_tool_definitions_are_counted_in_the_prompt(tiny_llama_dir: Path) -> None:
+    tok = load_tokenizer(str(tiny_llama_dir))
+    counter = PromptCounter({"tiny": tok})
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = parse_fields(json.dumps({"model": "tiny", "messages": messages}).encode(), "chat")
+    body = {"model": "tiny", "messages": messages, "tools": TOOLS}
+    with_tools = parse_fields(json.dumps(body).encode(), "chat")
+    tool_tokens = len(tok(json.dumps(TOOLS), add_special_tokens=False)["input_ids"])
+    assert tool_tokens > 20
+    assert counter.count("tiny", with_tools) == counter.count("tiny", plain) + tool_tokens
+    estimated = PromptCounter({})
+    assert (
+        estimated.count("remote", with_tools)
+        == (len("Weather in Oslo?") + len(json.dumps(TOOLS))) // 4
+    )
