@@ -77,161 +77,167 @@ def health_problem(engine: AsyncLLMEngine, stall_timeout_s: float) -> str | None
     return None
 
 
-def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
-    """The app serving ``engine`` as ``settings.served_model_name``.
+class EngineRoutes:
+    """The engine's HTTP routes as named handlers over one engine and its serving objects.
 
-    The app starts the engine loop in its lifespan and shuts it down at exit. ``app.state.drain``
-    is the :class:`DrainState` a process-level SIGTERM handler flips.
+    ``create_app`` builds one and registers each handler; a handler parses its body once
+    (protocol.py) and hands the typed request on. Holds no state beyond what it is given.
     """
-    name = settings.served_model_name
-    max_model_len = effective_max_model_len(engine)
-    serving = OpenAIServing(engine, name, ServerMetrics(name, max_model_len, engine.stats))
-    chat = ChatServing(serving, settings.tool_call_parser, settings.enable_auto_tool_choice)
-    completions = CompletionServing(serving)
-    drain = DrainState()
-    started_at = int(time.time())
+
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.name = settings.served_model_name
+        max_model_len = effective_max_model_len(engine)
+        metrics = ServerMetrics(self.name, max_model_len, engine.stats)
+        self.serving = OpenAIServing(engine, self.name, metrics)
+        self.chat = ChatServing(
+            self.serving, settings.tool_call_parser, settings.enable_auto_tool_choice
+        )
+        self.completions = CompletionServing(self.serving)
+        self.drain = DrainState()
+        self.started_at = int(time.time())
+        self.document = openapi_document("Portico engine", __version__, self.name)
+        self.chat_unsupported = {**CHAT_UNSUPPORTED, **VLLM_CHAT_UNSUPPORTED}
+        self.completion_unsupported = {**COMPLETION_UNSUPPORTED, **VLLM_COMPLETION_UNSUPPORTED}
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        log_capacity(engine, serving.max_model_len)
-        logger.info("serving %r (max_model_len=%d)", name, serving.max_model_len)
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        await self.engine.start()
+        log_capacity(self.engine, self.serving.max_model_len)
+        logger.info("serving %r (max_model_len=%d)", self.name, self.serving.max_model_len)
         try:
             yield
         finally:
-            await engine.shutdown()
+            await self.engine.shutdown()
 
-    app = FastAPI(
-        title="Portico engine",
-        version=__version__,
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-    )
-    app.state.drain = drain
-    app.state.serving = serving
-    install_error_handlers(app)
-
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(self, request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
         return error_response(exc)
 
-    app.add_exception_handler(Exception, on_unexpected)
-
-    chat_unsupported = {**CHAT_UNSUPPORTED, **VLLM_CHAT_UNSUPPORTED}
-    completion_unsupported = {**COMPLETION_UNSUPPORTED, **VLLM_COMPLETION_UNSUPPORTED}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body(), chat_unsupported)
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await request.body(), self.chat_unsupported)
         try:
-            return await chat.create(req, request)
+            return await self.chat.create(req, request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @app.post("/v1/completions")
-    async def create_completion(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body(), completion_unsupported)
+    async def create_completion(self, request: Request) -> Response:
+        req = parse_body(CompletionRequest, await request.body(), self.completion_unsupported)
         try:
-            return await completions.create(req, request)
+            return await self.completions.create(req, request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
+    def _model_card(self, model_id: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "portico",
+            "root": root,
+            "parent": parent,
+            "max_model_len": self.serving.max_model_len,
+        }
+
+    async def list_models(self) -> dict[str, Any]:
+        root = str(getattr(self.engine.config, "model", self.name))
+        lora = self.serving.lora
+        adapters = list(lora.registry.values()) if lora else []
         return {
             "object": "list",
             "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": started_at,
-                    "owned_by": "portico",
-                    "root": str(getattr(engine.config, "model", name)),
-                    "parent": None,
-                    "max_model_len": serving.max_model_len,
-                },
-                *(
-                    {
-                        "id": lora.name,
-                        "object": "model",
-                        "created": started_at,
-                        "owned_by": "portico",
-                        "root": lora.path,
-                        "parent": name,
-                        "max_model_len": serving.max_model_len,
-                    }
-                    for lora in list(serving.lora.registry.values() if serving.lora else ())
-                ),
+                self._model_card(self.name, root, None),
+                *(self._model_card(a.name, a.path, self.name) for a in adapters),
             ],
         }
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        problem = health_problem(engine, settings.stall_timeout_s)
+    async def health(self) -> JSONResponse:
+        problem = health_problem(self.engine, self.settings.stall_timeout_s)
         if problem is not None:
             return JSONResponse(
                 error_body(problem, "service_unavailable", code="engine_dead"), status_code=503
             )
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        if drain.draining:
+    async def ready(self) -> JSONResponse:
+        if self.drain.draining:
             reason = "the server is draining"
-        elif not engine.is_alive:
+        elif not self.engine.is_alive:
             reason = "the engine is not running"
         else:
-            return JSONResponse({"status": "ready", "model": name})
+            return JSONResponse({"status": "ready", "model": self.name})
         return JSONResponse(
             error_body(reason, "service_unavailable", code="not_ready"), status_code=503
         )
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(serving.metrics.render(), media_type=metrics_module.CONTENT_TYPE)
+    async def metrics(self) -> Response:
+        return Response(self.serving.metrics.render(), media_type=metrics_module.CONTENT_TYPE)
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
+    async def version(self) -> dict[str, str]:
         return {"version": __version__}
 
-    document = openapi_document("Portico engine", __version__, name)
-
-    @app.get("/openapi.json")
-    async def openapi() -> dict[str, Any]:
+    async def openapi(self) -> dict[str, Any]:
         """The contract of these routes (engine/server/openapi.py), for clients and tests."""
-        return document
+        return self.document
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        serving = self.serving
         req = parse_body(TokenizeRequest, await request.body())
         if req.model is not None:
             serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("Give exactly one of 'prompt' or 'messages'.", param="prompt")
         if req.messages is not None:
-            tokens = chat.prompt_token_ids(req.messages, req.add_generation_prompt)
+            tokens = self.chat.prompt_token_ids(req.messages, req.add_generation_prompt)
         else:
             tokens = list(
                 serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
+    async def detokenize(self, request: Request) -> dict[str, Any]:
         req = parse_body(DetokenizeRequest, await request.body())
         if req.model is not None:
-            serving.check_model(req.model)
-        serving.check_token_ids(req.tokens, "tokens")
-        return {"prompt": serving.tokenizer.decode(req.tokens)}
+            self.serving.check_model(req.model)
+        self.serving.check_token_ids(req.tokens, "tokens")
+        return {"prompt": self.serving.tokenizer.decode(req.tokens)}
 
+
+def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """The app serving ``engine`` as ``settings.served_model_name``.
+
+    The app starts the engine loop in its lifespan and shuts it down at exit. ``app.state.drain``
+    is the :class:`DrainState` a process-level SIGTERM handler flips.
+    """
+    routes = EngineRoutes(engine, settings)
+    app = FastAPI(
+        title="Portico engine",
+        version=__version__,
+        lifespan=routes.lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.drain = routes.drain
+    app.state.serving = routes.serving
+    install_error_handlers(app)
+    app.add_exception_handler(Exception, routes.on_unexpected)
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", routes.create_completion, methods=["POST"])
+    app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/ready", routes.ready, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    app.add_api_route("/version", routes.version, methods=["GET"])
+    app.add_api_route("/openapi.json", routes.openapi, methods=["GET"])
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
     lora_flag = bool(getattr(engine.config, "allow_runtime_lora_updating", False))
-    if serving.lora is not None and runtime_updates_allowed(lora_flag):
-        add_lora_routes(app, serving.lora)
-
+    if routes.serving.lora is not None and runtime_updates_allowed(lora_flag):
+        add_lora_routes(app, routes.serving.lora)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(DrainMiddleware, state=drain)
+    app.add_middleware(DrainMiddleware, state=routes.drain)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
