@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine.registry import ModelSource
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
+from portico.registry import ModelSource
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

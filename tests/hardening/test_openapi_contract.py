@@ -20,7 +20,13 @@ EXAMPLES_PER_OPERATION = 25  # per generation mode; bounded so the suite stays s
 def engine(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    server = EngineProcess(tiny_llama_dir, tmp_path_factory.mktemp("contract") / "engine.log")
+    # With a tool-call parser, generated `tools` + `tool_choice: auto` bodies are valid requests
+    # (vLLM's rule refuses auto without one), so more of the generated chats really generate.
+    server = EngineProcess(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("contract") / "engine.log",
+        extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    )
     try:
         server.wait_ready()
         yield server
@@ -35,7 +41,10 @@ def test_the_engine_keeps_its_openapi_document(engine: EngineProcess) -> None:
         headers={"authorization": f"Bearer {API_KEY}"},
         max_examples=EXAMPLES_PER_OPERATION,
     )
-    assert statuses["POST /v1/chat/completions 200"] > 0  # generation itself was exercised
+    # Generation itself was exercised. The chat document is wide (tools, structured outputs,
+    # every vLLM field), so a bounded run may draw only refused chats: either route counts.
+    generated = statuses["POST /v1/chat/completions 200"] + statuses["POST /v1/completions 200"]
+    assert generated > 0, dict(statuses)
     assert not failures, "\n".join(failures)
     assert engine.proc.poll() is None, engine.logs()
 
