@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+from engine.model_loader import LoadedModel, load_model
+from portico.registry import ModelSource
 
 
 @pytest.fixture(scope="module")
@@ -17,3 +21,9 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> LoadedModel:
+    """The tiny random Llama loaded in float32 on the CPU (a module may define its own)."""
+    return load_model(ModelSource("tiny", tiny_llama_dir, "hf"), torch.float32, "cpu")

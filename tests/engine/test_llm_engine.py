@@ -3,43 +3,16 @@ bad input, block accounting, prefix cache counters, seeds, n > 1, stops, streami
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
-import torch
 
-from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import ParameterError, SamplingParams
-from portico.registry import ModelSource
+from tests.engine.tiny_engine import make_engine, run_all
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir: Path) -> LoadedModel:
-    return load_model(ModelSource("tiny", tiny_llama_dir, "hf"), torch.float32, "cpu")
-
-
-def make_engine(loaded: LoadedModel, **overrides: Any) -> LLMEngine:
-    fields: dict[str, Any] = {"model": "tiny", "device": "cpu", "num_gpu_blocks_override": 256}
-    fields.update(overrides)
-    return LLMEngine(EngineConfig(**fields), loaded)
-
-
-def run_all(engine: LLMEngine) -> dict[str, RequestOutput]:
-    """Step until idle; return each request's final output (exactly one per request)."""
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in final
-                final[out.request_id] = out
-    return final
 
 
 def assert_no_blocks_held(engine: LLMEngine) -> None:

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import ParameterError, SamplingParams, StructuredOutputsParams
-from portico.registry import ModelSource
+from tests.engine.tiny_engine import make_engine, run_all
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,26 +27,6 @@ SCHEMA = {
     "required": ["name", "age", "tag"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir: Path) -> LoadedModel:
-    return load_model(ModelSource("tiny", tiny_llama_dir, "hf"), torch.float32, "cpu")
-
-
-def make_engine(loaded: LoadedModel, **overrides: Any) -> LLMEngine:
-    fields: dict[str, Any] = {"model": "tiny", "device": "cpu", "num_gpu_blocks_override": 256}
-    fields.update(overrides)
-    return LLMEngine(EngineConfig(**fields), loaded)
-
-
-def run_all(engine: LLMEngine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
