@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("auto", "none", "gguf")
+GGUF_ACTIVATIONS = ("int8", "exact")
 
 _MEMORY_UNITS = {
     "": 1, "b": 1,
@@ -60,6 +61,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     # auto: a GGUF model on CPU keeps its Q4_1/Q8_0 blocks for small batches ("gguf")
     quantization: str = "auto"
+    # int8: GGUF block linears round bf16 inputs to int8 per 32 values (llama.cpp's way) and
+    # small steps run the whole model in one native call; exact: exact products
+    gguf_activations: str = "int8"
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -86,6 +90,7 @@ class EngineConfig:
         _check_choice("--dtype", self.dtype, DTYPES)
         _check_choice("--device", self.device, DEVICES)
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("--gguf-activations", self.gguf_activations, GGUF_ACTIVATIONS)
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
         _check_int("--block-size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
@@ -156,6 +161,14 @@ class EngineConfig:
             choices=QUANTIZATIONS,
             help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
             "(CPU); auto: gguf when the model is GGUF and the device the CPU",
+        )
+        g.add_argument(
+            "--gguf-activations",
+            default=d.gguf_activations,
+            choices=GGUF_ACTIVATIONS,
+            help="int8 (bfloat16 only): round the GGUF block linears' inputs to int8 per 32 "
+            "values, as llama.cpp does, and run steps of a few tokens in one native call "
+            "(faster single-stream decode; not bit-exact); exact: exact products",
         )
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

@@ -137,7 +137,11 @@ class LLMEngine:
         """Resolve and load ``config.model`` on ``config.device`` and build the engine."""
         device = choose_device(config.device)
         loaded = load_model(
-            resolve(config.model), choose_dtype(config.dtype, device), device, config.quantization
+            resolve(config.model),
+            choose_dtype(config.dtype, device),
+            device,
+            config.quantization,
+            config.gguf_activations,
         )
         return cls(config, loaded)
 

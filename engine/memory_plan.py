@@ -166,8 +166,11 @@ def weight_bytes(
     *,
     gguf_blocks: bool,
     prepacked: bool,
+    int8_packed: bool = False,
 ) -> WeightBytes:
-    """What the loaded model keeps resident (see the module doc)."""
+    """What the loaded model keeps resident (see the module doc). ``int8_packed``: the blocks
+    are kept a second time, repacked for the int8-activation kernels (the same bytes per
+    weight, counted in ``gguf_blocks``)."""
     tensors = list(tensors)
     dense = sum(t.numel for t in tensors) * dtype_bytes
     blocks = 0
@@ -175,7 +178,8 @@ def weight_bytes(
         for t in tensors:
             if t.block_kind is not None:
                 numel = t.numel or cfg.vocab_size * cfg.hidden_size
-                blocks += int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
+                copies = 2 if int8_packed and (numel // cfg.hidden_size) % 64 == 0 else 1
+                blocks += copies * int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
     packed = 0
     if prepacked:  # every projection and the head, once more in bfloat16
         layer = (
@@ -279,6 +283,10 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         dtype_bytes,
         gguf_blocks=quantization == "gguf",
         prepacked=on_cpu and dtype == "bfloat16" and _can_prepack(),
+        int8_packed=quantization == "gguf"
+        and dtype == "bfloat16"
+        and engine_config.gguf_activations == "int8"
+        and _has_int8_kernels(),
     )
     memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
     per_block = kv_block_bytes(cfg, engine_config.block_size, dtype)
@@ -314,6 +322,12 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         else int(memory * (1 - engine_config.gpu_memory_utilization)),
         swap_bytes=engine_config.swap_space_bytes // per_block * per_block if swapping else 0,
     )
+
+
+def _has_int8_kernels() -> bool:
+    from engine.kernels import cpu
+
+    return "avx512_vnni" in cpu.compiled_features()
 
 
 def _can_prepack() -> bool:

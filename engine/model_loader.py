@@ -26,10 +26,11 @@ from gguf import GGMLQuantizationType
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine import kernels
-from engine.config import QUANTIZATIONS
+from engine.config import GGUF_ACTIVATIONS, QUANTIZATIONS
 from engine.gguf_file import GGUFFile
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
+from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
 from portico.registry import ModelNotFound, ModelSource, models_dir
 
@@ -285,16 +286,24 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str = "none",
+    gguf_activations: str = "exact",
 ) -> LoadedModel:
     """Load ``source`` (``format`` "hf" or "gguf") as ``dtype`` weights on ``device``.
 
     ``quantization`` (:func:`resolve_quantization`): with ``gguf`` the linear layers also keep
     the file's Q4_1/Q8_0 blocks and small batches run on them (:mod:`engine.models.block_linear`).
+    ``gguf_activations`` ``int8`` (bfloat16 only) rounds their inputs to int8 per block of 32,
+    as llama.cpp does, and lets steps of a few tokens run the whole model in one native call
+    (:mod:`engine.models.fused_step`); ``exact`` keeps the products exact.
     Raises :class:`~portico.registry.ModelNotFound` (a ``ValueError``) naming the model when its
     files are missing, and ``ValueError`` for an unsupported architecture.
     """
     path = Path(source.path)
     quantization = resolve_quantization(quantization, source, device)
+    if gguf_activations not in GGUF_ACTIVATIONS:
+        choices = ", ".join(GGUF_ACTIVATIONS)
+        raise ValueError(f"gguf_activations must be one of {choices}; got '{gguf_activations}'")
+    int8 = gguf_activations == "int8" and dtype == torch.bfloat16
     found: dict[str, GGUFBlocks] = {}
     if source.format == "gguf":
         if not path.is_file():
@@ -321,6 +330,8 @@ def load_model(
     model.to(device)
     model.eval()
     for name, blocks in found.items():
+        if int8:
+            blocks.pack_q8()
         if name == "lm_head":
             if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
                 model.lm_head_blocks = blocks
@@ -333,4 +344,7 @@ def load_model(
     packed = model.prepack_weights()
     if packed:
         log.info("%s: %d weight matrices prepacked for oneDNN", source.name, packed)
+    model.fused_step = FusedDecodeStep.build(model) if int8 else None
+    if model.fused_step is not None:
+        log.info("%s: steps of up to %d tokens run in one native call", source.name, MAX_ROWS)
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=source.name)

@@ -18,6 +18,7 @@ import time
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.config import GGUF_ACTIVATIONS
 from engine.model_loader import (
     QUANTIZATIONS,
     LoadedModel,
@@ -80,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=QUANTIZATIONS,
         help="auto: keep a GGUF model's blocks for small batches on CPU",
     )
+    parser.add_argument(
+        "--gguf-activations",
+        default="int8",
+        choices=GGUF_ACTIVATIONS,
+        help="int8: llama.cpp-style int8 inputs to the block linears, fused small steps",
+    )
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
@@ -90,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = choose_device(args.device)
     loaded = load_model(
-        resolve(args.model), choose_dtype(args.dtype, device), device, args.quantization
+        resolve(args.model),
+        choose_dtype(args.dtype, device),
+        device,
+        args.quantization,
+        args.gguf_activations,
     )
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         tps = max(
@@ -99,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{loaded.name} {loaded.dtype} {device} quantization={args.quantization} "
+            f"gguf-activations={args.gguf_activations} "
             f"threads={torch.get_num_threads()} "
             f"batch={batch} context={args.context_len}: {tps:.1f} tok/s"
         )

@@ -167,12 +167,25 @@ def quantized_linear(
     scales: torch.Tensor,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
+    packed_q8: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (:func:`cpu.quantized_linear`), or ``None``
-    where no block kernel serves these inputs (the caller then uses the dense weight)."""
+    where no block kernel serves these inputs (the caller then uses the dense weight).
+    ``packed_q8`` (:func:`pack_blocks_q8`): bfloat16 ``x`` is rounded to int8 per block of 32
+    and runs the integer kernel (not exact)."""
     if _choice(x).quantized_linear != "cpu":
         return None
-    return cpu.quantized_linear(x, kind, qs, scales, mins, bias)
+    return cpu.quantized_linear(x, kind, qs, scales, mins, bias, packed_q8)
+
+
+def pack_blocks_q8(
+    kind: str, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+) -> torch.Tensor | None:
+    """GGUF blocks repacked for the int8-activation kernel (:func:`cpu.pack_blocks_q8`), or
+    None where no such kernel serves them (another device, no AVX512-VNNI, odd sizes)."""
+    if choose("cpu").quantized_linear != "cpu":
+        return None
+    return cpu.pack_blocks_q8(kind, qs, scales, mins)
 
 
 def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -204,6 +217,7 @@ __all__ = [
     "add_rms_norm",
     "choose",
     "paged_attention",
+    "pack_blocks_q8",
     "paged_attention_ref",
     "prepack_linear_weight",
     "prepacked_linear",

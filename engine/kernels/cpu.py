@@ -47,6 +47,7 @@ _FEATURE_BITS = {
     "amx_bf16": 32,
 }
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_Q8_KINDS = {"q4_1": 0, "q8_0": 1}
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I = ctypes.c_int
@@ -158,6 +159,21 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q4_1_linear.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I]
     lib.q8_0_linear.restype = _I
     lib.q8_0_linear.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _P, _I]
+    lib.block_linear_q8.restype = _I
+    lib.block_linear_q8.argtypes = [_I, _P, _I, _I, _P, _P, _I, _I, _P, _I]
+    lib.q8_packed_bytes.restype = ctypes.c_size_t
+    lib.q8_packed_bytes.argtypes = [_I, _I, _I]
+    lib.q8_pack.restype = _I
+    lib.q8_pack.argtypes = [_I, _I, _I, _P, _P, _P, _P]
+    lib.q8_supported.restype = _I
+    lib.q8_supported.argtypes = [_I]
+    lib.decode_step_supported.restype = _I
+    lib.decode_step_supported.argtypes = [_P]
+    lib.decode_step.restype = _I
+    lib.decode_step.argtypes = [
+        _P, _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, _I, _P, _P, _P, _P, _P, _I64, _I,
+        _P, _I, _P, _P, _I, _I,
+    ]  # fmt: skip
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
     lib.rope_write_kv.restype = None
@@ -259,9 +275,14 @@ def quantized_linear(
     scales: torch.Tensor,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
+    packed_q8: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (``kind`` "q4_1" or "q8_0"), or ``None`` when
-    the kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16."""
+    the kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16.
+
+    With ``packed_q8`` (:func:`pack_blocks_q8` of the same blocks) and bfloat16 ``x``: each block
+    of 32 values of ``x`` is rounded to int8 (scale = max |x| / 127) and the products run on
+    VNNI's integer dot products (csrc/quantized_int8.c). Not exact; float32 ``x`` never does."""
     lib = load()
     if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2:
         return None
@@ -272,6 +293,13 @@ def quantized_linear(
     bias_ptr = bias.data_ptr() if bias is not None else None
     threads = torch.get_num_threads()
     code = _DTYPE_CODES[x.dtype]
+    if packed_q8 is not None and x.dtype == torch.bfloat16:
+        status = lib.block_linear_q8(
+            _Q8_KINDS[kind], x.data_ptr(), rows, k, packed_q8.data_ptr(), bias_ptr, n, code,
+            out.data_ptr(), threads,
+        )  # fmt: skip
+        if status == 0:
+            return out
     if kind == "q4_1":
         if mins is None:
             raise ValueError("q4_1 weights need their block minimums")
@@ -284,6 +312,30 @@ def quantized_linear(
             x.data_ptr(), rows, k, qs.data_ptr(), scales.data_ptr(), bias_ptr, n, code,
             out.data_ptr(), threads,
         )  # fmt: skip
+    return out if status == 0 else None
+
+
+def pack_blocks_q8(
+    kind: str, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+) -> torch.Tensor | None:
+    """GGUF blocks (as :func:`quantized_linear` takes them) repacked into the int8-activation
+    kernel's records: every 4 output rows' quants and scales for 64 inputs side by side, so a
+    thread reads one forward stream (csrc/quantized_int8.c). ``None`` where that kernel does not
+    serve (no library, no AVX512-VNNI, ``K`` not a multiple of 64)."""
+    lib = load()
+    n, k = scales.shape[0], scales.shape[1] * 32
+    if lib is None or kind not in _Q8_KINDS or not lib.q8_supported(k):
+        return None
+    if kind == "q4_1" and mins is None:
+        raise ValueError("q4_1 weights need their block minimums")
+    code = _Q8_KINDS[kind]
+    out = torch.empty(int(lib.q8_packed_bytes(code, n, k)), dtype=torch.uint8)
+    qs, scales = qs.contiguous(), scales.float().contiguous()
+    mins_t = mins.float().contiguous() if mins is not None else None
+    status = lib.q8_pack(
+        code, n, k, qs.data_ptr(), scales.data_ptr(),
+        mins_t.data_ptr() if mins_t is not None else None, out.data_ptr(),
+    )  # fmt: skip
     return out if status == 0 else None
 
 

@@ -38,12 +38,19 @@ class GGUFBlocks:
     ``q4_1``: ``qs`` uint8 ``[out, in / 2]`` (a block's 16 bytes: low nibbles are weights 0-15,
     high nibbles 16-31), ``scales`` and ``mins`` float32 ``[out, in / 32]``; w = scale * q + min.
     ``q8_0``: ``qs`` int8 ``[out, in]``, ``scales`` ``[out, in / 32]``; w = scale * q.
+
+    ``packed_q8``: the same weights repacked for the int8-activation kernel
+    (:func:`engine.kernels.pack_blocks_q8`); when set, bfloat16 inputs are rounded to int8 per
+    block of 32 values before the products (llama.cpp's way; faster, not exact:
+    docs/engine-benchmark.md measures it). Set by the loader with ``--gguf-activations int8``;
+    float32 inputs are always exact.
     """
 
     kind: str
     qs: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    packed_q8: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -52,6 +59,12 @@ class GGUFBlocks:
     @property
     def shape(self) -> tuple[int, int]:
         return self.scales.shape[0], self.scales.shape[1] * 32
+
+    def pack_q8(self) -> bool:
+        """Attach :attr:`packed_q8` (int8 activations from now on); False where no kernel
+        serves these blocks, which then stay exact."""
+        self.packed_q8 = kernels.pack_blocks_q8(self.kind, self.qs, self.scales, self.mins)
+        return self.packed_q8 is not None
 
     @classmethod
     def from_raw(cls, kind: str, raw: np.ndarray) -> GGUFBlocks:
@@ -119,7 +132,7 @@ def block_matmul(
     if blocks is not None and 0 < rows <= blocks.max_rows:
         bias32 = bias.float() if bias is not None else None
         out = kernels.quantized_linear(
-            x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32
+            x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32, blocks.packed_q8
         )
         if out is not None:
             return out

@@ -8,6 +8,8 @@ one ``[num_tokens, hidden]`` tensor; attention runs per request over its own cac
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,9 @@ from engine.attention import AttentionMetadata, attend_paged
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul
 from engine.models.rotary import RopeAngles, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from engine.models.fused_step import FusedDecodeStep
 
 
 class RMSNorm(nn.Module):
@@ -139,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         # prepacked for oneDNN (bf16 on CPU, see prepack_weights).
         self.lm_head_blocks: GGUFBlocks | None = None
         self.lm_head_packed: torch.Tensor | None = None
+        # Small steps in one native call (set by the loader where it serves this model).
+        self.fused_step: FusedDecodeStep | None = None
 
     def forward(
         self,
@@ -148,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Run the ``[T]`` flattened tokens at ``positions``; returns hidden states [T, hidden]."""
+        if self.fused_step is not None and self.fused_step.serves(input_ids.shape[0]):
+            hidden = self.fused_step.run(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         x = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, in place
         rope = self.rotary_emb.lookup(positions, x.dtype)
         pending: torch.Tensor | None = None

@@ -87,11 +87,12 @@ def test_plan_matches_the_engine_on_the_tiny_model(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: int8-packed blocks too
 def test_plan_matches_the_engine_on_the_default_gguf(
-    smollm2_gguf: Path, one_torch_thread: None
+    smollm2_gguf: Path, one_torch_thread: None, dtype: str
 ) -> None:
     config = EngineConfig(
-        model="smollm2-135m", device="cpu", max_num_seqs=8, kv_cache_memory="64MiB"
+        model="smollm2-135m", device="cpu", dtype=dtype, max_num_seqs=8, kv_cache_memory="64MiB"
     )
     p = plan(config, memory_bytes=64 * 2**30)
     assert p.quantization == "gguf" or p.weights.gguf_blocks == 0

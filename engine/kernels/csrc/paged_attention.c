@@ -3,33 +3,7 @@
  * query rows); the query heads that share a KV head are served by one pass over K and V, so the
  * cache is read once per item. Called through ctypes (engine/kernels/cpu.py).
  */
-#include "common.h"
-
-#define ROW_TILE 4     /* query rows (positions) per work item */
-#define MAX_QUERIES 32 /* ROW_TILE * heads per KV head must fit */
-
-/* The arguments of one call, shared read-only by every work item. */
-typedef struct {
-    const void *query;
-    int64_t q_stride_t, q_stride_h;
-    const void *cache;
-    int block_size, kv_heads, head_dim, heads, group, max_blocks, dt, max_seq;
-    int64_t half; /* elements from K to V in the cache */
-    const int32_t *tables, *query_start, *seq_lens;
-    float scale;
-    void *out;
-} Attn;
-
-/* One work item, resolved: the request's rows row0..row0+rows-1 against KV head kvh. */
-typedef struct {
-    int r, kvh, q_len, seq_len, row0, rows, nq, ctx_end;
-    const int32_t *table;
-} Item;
-
-/* Per-thread scratch. */
-typedef struct {
-    float *scores, *qbuf, *obuf, *kv;
-} Scratch;
+#include "paged_attention.h"
 
 #ifdef __AVX512F__
 /* e^x for 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6 Taylor
@@ -236,7 +210,7 @@ static void store_outputs(const Attn *a, const Item *it, const float *obuf) {
 }
 
 /* Item `local` of request r (the items of one request are its KV heads times its row tiles). */
-static Item resolve_item(const Attn *a, int r, int64_t local) {
+Item resolve_item(const Attn *a, int r, int64_t local) {
     Item it;
     it.r = r;
     it.kvh = (int)(local % a->kv_heads);
@@ -252,7 +226,7 @@ static Item resolve_item(const Attn *a, int r, int64_t local) {
     return it;
 }
 
-static void attend_item(const Attn *a, const Item *it, Scratch *s) {
+void attend_item(const Attn *a, const Item *it, Scratch *s) {
     load_queries(a, it, s->qbuf);
     const int fast = use_vector_path(a);
     if (fast) scores_fast(a, it, s->qbuf, s->scores);
@@ -268,7 +242,7 @@ static void attend_item(const Attn *a, const Item *it, Scratch *s) {
 
 /* Offsets of each request's first work item into item_start[0..num_reqs]; returns the
  * positions read in all (the work), and the longest context in *max_seq. */
-static int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs,
+int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs,
                           int kv_heads, int64_t *item_start, int *max_seq) {
     item_start[0] = 0;
     *max_seq = 0;
@@ -283,6 +257,21 @@ static int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, i
     return work;
 }
 
+int scratch_alloc(Scratch *s, int max_seq, int head_dim) {
+    s->scores = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)max_seq);
+    s->qbuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)head_dim);
+    s->obuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)head_dim);
+    s->kv = (float *)malloc(sizeof(float) * (size_t)head_dim);
+    return s->scores && s->qbuf && s->obuf && s->kv ? 0 : -1;
+}
+
+void scratch_free(Scratch *s) {
+    free(s->scores);
+    free(s->qbuf);
+    free(s->obuf);
+    free(s->kv);
+}
+
 static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int64_t work,
                      int num_threads) {
     const int64_t total = item_start[num_reqs];
@@ -291,11 +280,7 @@ static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int
 #pragma omp parallel num_threads(num_threads) if (work >= 8192)
     {
         Scratch s;
-        s.scores = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)a->max_seq);
-        s.qbuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)a->head_dim);
-        s.obuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)a->head_dim);
-        s.kv = (float *)malloc(sizeof(float) * (size_t)a->head_dim);
-        if (!s.scores || !s.qbuf || !s.obuf || !s.kv) {
+        if (scratch_alloc(&s, a->max_seq, a->head_dim)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -308,10 +293,7 @@ static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int
             const Item it = resolve_item(a, r, item - item_start[r]);
             attend_item(a, &it, &s);
         }
-        free(s.scores);
-        free(s.qbuf);
-        free(s.obuf);
-        free(s.kv);
+        scratch_free(&s);
     }
     return failed ? -1 : 0;
 }

@@ -1,0 +1,278 @@
+/* decode_step: a whole forward pass of a Llama-family model for a step of a few tokens (one
+ * stream decoding, a few streams, a short speculative check) in one native call.
+ *
+ * Why: at one row a layer's work is ~10 small kernels of 10-100 us each. Called from Python,
+ * every one pays the interpreter, a tensor allocation and an OpenMP team wake-up (tens of us
+ * under OMP_WAIT_POLICY=PASSIVE), which added up to as much as the arithmetic. Here the threads
+ * are woken once per step, stay in one parallel region for every layer, and meet at a spinning
+ * barrier (that yields the core after a bounded spin) between the stages of a layer. Work
+ * inside a stage is handed out in chunks from a shared counter; each output is still computed
+ * by one thread in a fixed order, so results never depend on the schedule or thread count.
+ *
+ * The stages are the engine's own kernels: add_rms_norm and rope_write_kv (norm_rope.c), the
+ * paged attention work items (paged_attention.c), and the int8-activation block linears
+ * (quantized_int8.c). bfloat16 activations only, linears in GGUF Q4_1/Q8_0 blocks.
+ */
+#include <sched.h>
+#include <stdatomic.h>
+#include <omp.h>
+
+#include "paged_attention.h"
+#include "quantized_int8.h"
+
+void add_rms_norm(void *x, const void *delta, const void *weight, float eps, void *out, int rows,
+                  int hidden, int dt, int num_threads);
+void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
+                   int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
+                   void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
+                   int num_threads);
+
+/* A layer's row of the table the model passes: norm weights, then four linears of five fields
+ * each (kind, weights packed by q8_pack, two unused, bias float32; pointers as int64, 0 for
+ * none). */
+enum { LF_IN_NORM = 0, LF_POST_NORM = 1, LF_QKV = 2, LF_O = 7, LF_GATE_UP = 12, LF_DOWN = 17, LF_FIELDS = 22 };
+/* The model's sizes, in the dims array. */
+enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_FIELDS };
+
+#define SPIN_LIMIT 20000 /* pauses before a waiting thread yields its core */
+#define LINEAR_CHUNK 8   /* tiles of 4 output rows a thread takes at a time */
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int generation;
+    int threads;
+} Barrier;
+
+static void barrier_wait(Barrier *b) {
+    if (b->threads == 1) return;
+    const int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        return;
+    }
+    for (int spin = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; spin++) {
+        if (spin < SPIN_LIMIT)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+}
+
+/* Everything one step shares between its threads. */
+typedef struct {
+    const int64_t *table;
+    const int *dims;
+    int m;
+    float eps;
+    const float *cos_t, *sin_t;
+    const int64_t *positions, *slots;
+    const int64_t *caches;
+    int64_t num_blocks;
+    int block_size;
+    Attn attn; /* per layer: cache and nothing else change */
+    const int64_t *item_start;
+    int num_reqs;
+    /* activations, bf16 */
+    uint16_t *x, *h, *qkv, *att, *delta, *gu, *act, *pending, *out;
+    Q8Rows rows; /* the quantized input of the next linear */
+    void *rows_scratch;
+    atomic_int *counters; /* one per stage that hands out work */
+    Barrier barrier;
+} Step;
+
+static Q8Weights weights_at(const int64_t *f, int n, int k) {
+    const Q8Weights w = {(int)f[0], n, k, k / 32, (const uint8_t *)(intptr_t)f[1]};
+    return w;
+}
+
+/* Stage: y = rows W^T (+ bias), tiles handed out in chunks. */
+static void linear_stage(Step *st, int stage, const int64_t *f, int n, int k, uint16_t *y) {
+    const Q8Weights w = weights_at(f, n, k);
+    const float *bias = (const float *)(intptr_t)f[4];
+    const int tiles = q8_num_tiles(&w);
+    for (;;) {
+        const int t = atomic_fetch_add_explicit(&st->counters[stage], LINEAR_CHUNK, memory_order_relaxed);
+        if (t >= tiles) break;
+        q8_linear_range(&w, &st->rows, bias, DT_BF16, y, n, t, t + LINEAR_CHUNK < tiles ? t + LINEAR_CHUNK : tiles);
+    }
+}
+
+/* Stage: attention work items, one at a time. */
+static void attention_stage(Step *st, int stage, const Attn *a, Scratch *s) {
+    const int64_t total = st->item_start[st->num_reqs];
+    int r = 0;
+    for (;;) {
+        const int64_t item = atomic_fetch_add_explicit(&st->counters[stage], 1, memory_order_relaxed);
+        if (item >= total) break;
+        while (item >= st->item_start[r + 1]) r++;
+        const Item it = resolve_item(a, r, item - st->item_start[r]);
+        attend_item(a, &it, s);
+    }
+}
+
+/* act = round(silu(gate)) * up, each rounded to bf16 as PyTorch's bf16 ops do. */
+static void silu_mul(const uint16_t *gu, uint16_t *act, int m, int inter) {
+    for (int r = 0; r < m; r++) {
+        const uint16_t *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
+        for (int i = 0; i < inter; i++) {
+            const float gv = bf16_to_f32(g[i]);
+            const float s = bf16_to_f32(f32_to_bf16(gv / (1.f + expf(-gv))));
+            act[(int64_t)r * inter + i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* One decoder layer, run by every thread of the team (tid 0 does the serial parts). */
+static void run_layer(Step *st, int layer, int tid, Scratch *s) {
+    const int *d = st->dims;
+    const int hidden = d[D_HIDDEN], heads = d[D_HEADS], kvh = d[D_KV_HEADS], hd = d[D_HEAD_DIM];
+    const int inter = d[D_INTER], m = st->m;
+    const int qkv_n = (heads + 2 * kvh) * hd;
+    const int64_t *f = st->table + (int64_t)layer * LF_FIELDS;
+    if (tid == 0) {
+        add_rms_norm(st->x, layer ? st->pending : NULL, (const void *)(intptr_t)f[LF_IN_NORM], st->eps, st->h, m,
+                     hidden, DT_BF16, 1);
+        q8_rows_init(&st->rows, (int)f[LF_QKV], m, hidden, st->rows_scratch);
+        quantize_rows_q8(&st->rows, st->h, DT_BF16);
+    }
+    barrier_wait(&st->barrier);
+    linear_stage(st, layer * 5 + 0, f + LF_QKV, qkv_n, hidden, st->qkv);
+    barrier_wait(&st->barrier);
+    void *cache = (void *)(intptr_t)st->caches[layer];
+    if (tid == 0)
+        rope_write_kv(st->qkv, m, qkv_n, heads, kvh, hd, st->cos_t, st->sin_t, st->positions, cache, st->num_blocks,
+                      st->block_size, st->slots, DT_BF16, 1);
+    barrier_wait(&st->barrier);
+    Attn a = st->attn;
+    a.cache = cache;
+    attention_stage(st, layer * 5 + 1, &a, s);
+    barrier_wait(&st->barrier);
+    if (tid == 0) {
+        q8_rows_init(&st->rows, (int)f[LF_O], m, heads * hd, st->rows_scratch);
+        quantize_rows_q8(&st->rows, st->att, DT_BF16);
+    }
+    barrier_wait(&st->barrier);
+    linear_stage(st, layer * 5 + 2, f + LF_O, hidden, heads * hd, st->delta);
+    barrier_wait(&st->barrier);
+    if (tid == 0) {
+        add_rms_norm(st->x, st->delta, (const void *)(intptr_t)f[LF_POST_NORM], st->eps, st->h, m, hidden, DT_BF16, 1);
+        q8_rows_init(&st->rows, (int)f[LF_GATE_UP], m, hidden, st->rows_scratch);
+        quantize_rows_q8(&st->rows, st->h, DT_BF16);
+    }
+    barrier_wait(&st->barrier);
+    linear_stage(st, layer * 5 + 3, f + LF_GATE_UP, 2 * inter, hidden, st->gu);
+    barrier_wait(&st->barrier);
+    if (tid == 0) {
+        silu_mul(st->gu, st->act, m, inter);
+        q8_rows_init(&st->rows, (int)f[LF_DOWN], m, inter, st->rows_scratch);
+        quantize_rows_q8(&st->rows, st->act, DT_BF16);
+    }
+    barrier_wait(&st->barrier);
+    linear_stage(st, layer * 5 + 4, f + LF_DOWN, hidden, inter, st->pending);
+    barrier_wait(&st->barrier);
+}
+
+/* Whether the fused step serves a model of these sizes (the int8 path, attention limits). */
+int decode_step_supported(const int *dims) {
+    const int hidden = dims[D_HIDDEN], heads = dims[D_HEADS], kvh = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM];
+    if (kvh <= 0 || heads % kvh || (heads / kvh) * ROW_TILE > MAX_QUERIES || hd > 256 || hd % 32) return 0;
+    return q8_supported(hidden) && q8_supported(heads * hd) && q8_supported(dims[D_INTER]);
+}
+
+static void step_buffers(Step *st, uint16_t *arena) {
+    const int *d = st->dims;
+    const int64_t m = st->m, hidden = d[D_HIDDEN], inter = d[D_INTER];
+    const int64_t qkv_n = (int64_t)(d[D_HEADS] + 2 * d[D_KV_HEADS]) * d[D_HEAD_DIM];
+    st->h = arena;
+    st->qkv = st->h + m * hidden;
+    st->att = st->qkv + m * qkv_n;
+    st->delta = st->att + m * d[D_HEADS] * d[D_HEAD_DIM];
+    st->gu = st->delta + m * hidden;
+    st->act = st->gu + m * 2 * inter;
+    st->pending = st->act + m * inter;
+}
+
+static size_t arena_elements(const int *d, int m) {
+    const int64_t qkv_n = (int64_t)(d[D_HEADS] + 2 * d[D_KV_HEADS]) * d[D_HEAD_DIM];
+    return (size_t)m * (size_t)(3 * d[D_HIDDEN] + qkv_n + d[D_HEADS] * d[D_HEAD_DIM] + 3 * d[D_INTER]);
+}
+
+/*
+ * table [layers, LF_FIELDS] int64 (see LF_*), dims [D_FIELDS] int (see D_*), final_norm [hidden]
+ * bf16. x [m, hidden] bf16: the step's token embeddings in, the residual stream after the last
+ * layer out; out [m, hidden] bf16: the final norm of it (the hidden states to sample from).
+ * Positions, slots, cos/sin tables, block tables, query_start, seq_lens as rope_write_kv and
+ * paged_attention take them; caches [layers] pointers to each layer's bf16 cache
+ * [2, num_blocks, block_size, kv_heads, head_dim]. Returns 0; -2 when these sizes are not
+ * served (decode_step_supported); -1 out of memory.
+ */
+int decode_step(const int64_t *table, const int *dims, const void *final_norm, float eps, float scale, void *x,
+                void *out, int m, const float *cos_t, const float *sin_t, const int64_t *positions,
+                const int64_t *slots, const int64_t *caches, int64_t num_blocks, int block_size,
+                const int32_t *tables, int max_blocks, const int32_t *query_start, const int32_t *seq_lens,
+                int num_reqs, int num_threads) {
+    if (!decode_step_supported(dims) || m <= 0) return -2;
+    const int layers = dims[D_LAYERS];
+    Step st = {0};
+    st.table = table;
+    st.dims = dims;
+    st.m = m;
+    st.eps = eps;
+    st.cos_t = cos_t;
+    st.sin_t = sin_t;
+    st.positions = positions;
+    st.slots = slots;
+    st.caches = caches;
+    st.num_blocks = num_blocks;
+    st.block_size = block_size;
+    st.num_reqs = num_reqs;
+    st.x = (uint16_t *)x;
+    st.out = (uint16_t *)out;
+    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
+    uint16_t *arena = (uint16_t *)malloc(sizeof(uint16_t) * arena_elements(dims, m));
+    int widest = dims[D_INTER] > dims[D_HIDDEN] ? dims[D_INTER] : dims[D_HIDDEN];
+    if (dims[D_HEADS] * dims[D_HEAD_DIM] > widest) widest = dims[D_HEADS] * dims[D_HEAD_DIM];
+    st.rows_scratch = aligned_alloc(64, q8_rows_bytes(m, widest));
+    st.counters = (atomic_int *)calloc((size_t)layers * 5, sizeof(atomic_int));
+    int failed = !item_start || !arena || !st.rows_scratch || !st.counters;
+    if (!failed) {
+        int max_seq = 0;
+        plan_items(query_start, seq_lens, num_reqs, dims[D_KV_HEADS], item_start, &max_seq);
+        st.item_start = item_start;
+        step_buffers(&st, arena);
+        const int heads = dims[D_HEADS], kvh = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM];
+        const Attn a = {
+            .query = st.qkv, .q_stride_t = (int64_t)(heads + 2 * kvh) * hd, .q_stride_h = hd, .cache = NULL,
+            .block_size = block_size, .kv_heads = kvh, .head_dim = hd, .heads = heads, .group = heads / kvh,
+            .max_blocks = max_blocks, .dt = DT_BF16, .max_seq = max_seq,
+            .half = num_blocks * (int64_t)block_size * kvh * hd, .tables = tables, .query_start = query_start,
+            .seq_lens = seq_lens, .scale = scale, .out = st.att,
+        };
+        st.attn = a;
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int tid = omp_get_thread_num();
+#pragma omp single
+            st.barrier.threads = omp_get_num_threads();
+            /* (the single's implicit barrier publishes the team size) */
+            Scratch s;
+            const int ok = scratch_alloc(&s, max_seq, hd) == 0;
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp barrier
+            if (!failed) {
+                for (int layer = 0; layer < layers; layer++) run_layer(&st, layer, tid, &s);
+                if (tid == 0) add_rms_norm(st.x, st.pending, final_norm, eps, st.out, m, dims[D_HIDDEN], DT_BF16, 1);
+            }
+            scratch_free(&s);
+        }
+    }
+    free(item_start);
+    free(arena);
+    free(st.rows_scratch);
+    free(st.counters);
+    return failed ? -1 : 0;
+}

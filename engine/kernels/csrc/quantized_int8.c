@@ -1,0 +1,250 @@
+/* q4_1_linear_q8 / q8_0_linear_q8: the GGUF block linears with the activations quantized to
+ * int8 per block of 32 values, as llama.cpp does (its Q8_1 / Q8_0 activations). The products run
+ * in AVX512-VNNI's vpdpbusd (unsigned 8-bit x signed 8-bit, 64 multiply-adds per instruction)
+ * with int32 sums per block, then one float multiply-add per pair of blocks with both scales:
+ * about half the instructions of the exact bf16 path (quantized_linear.c), which is bound by
+ * unpacking and converting the weights, not by memory.
+ *
+ * Not exact: each activation block is rounded to 8 bits (relative error up to 1/254 of the
+ * block's largest value). The engine uses this path only where asked (docs/engine-benchmark.md
+ * gives the measured effect on outputs); float32 models never do.
+ *
+ * Q4_1's nibbles are unsigned (0..15), so they meet the signed activations directly. Q8_0's
+ * weights are signed, so they are offset by 128 (w ^ 0x80) and 128 * sum(x) of each block is
+ * taken back out with the block's scale.
+ */
+#include "quantized_int8.h"
+
+#define TILE_OUT 4 /* weight rows per tile */
+#define TILE_IN 4  /* activation rows per tile */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAVE_Q8 1
+#else
+#define HAVE_Q8 0
+#endif
+
+int q8_supported(int k) { return HAVE_Q8 && k > 0 && k % 64 == 0; }
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+size_t q8_rows_bytes(int m, int k) {
+    const size_t nb = (size_t)k / 32;
+    return align64((size_t)m * k) + align64((size_t)m * nb / 2 * 16 * sizeof(float)) +
+           align64((size_t)m * nb * sizeof(float));
+}
+
+void q8_rows_init(Q8Rows *rows, int kind, int m, int k, void *scratch) {
+    const size_t nb = (size_t)k / 32;
+    char *p = (char *)scratch;
+    rows->kind = kind;
+    rows->m = m;
+    rows->k = k;
+    rows->nb = (int)nb;
+    rows->q = (int8_t *)p;
+    p += align64((size_t)m * k);
+    rows->dpat = (float *)p;
+    p += align64((size_t)m * nb / 2 * 16 * sizeof(float));
+    rows->xs = (float *)p;
+}
+
+/* Where value j (0..31) of block b lands in a row: Q8_0 keeps the natural order; Q4_1 puts each
+ * pair of blocks A, B as [A 0-15, B 0-15, A 16-31, B 16-31], the order its unpacked nibbles
+ * take in a 512-bit register. */
+static inline int q8_slot(int kind, int b, int j) {
+    if (kind == Q8_KIND_Q8_0) return b * 32 + j;
+    return (b / 2) * 64 + (j < 16 ? 0 : 32) + (b % 2) * 16 + (j & 15);
+}
+
+void quantize_rows_q8(Q8Rows *rows, const void *x, int dt) {
+    const int k = rows->k, nb = rows->nb;
+    for (int r = 0; r < rows->m; r++) {
+        float v[32];
+        for (int b = 0; b < nb; b++) {
+            load_row(x, dt, (int64_t)r * k + b * 32, 32, v);
+            float amax = 0.f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+            const float d = amax / 127.f;
+            const float id = d != 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                int q = (int)nearbyintf(v[j] * id); /* ties to even, as torch.round */
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                rows->q[(int64_t)r * k + q8_slot(rows->kind, b, j)] = (int8_t)q;
+                sum += q;
+            }
+            rows->xs[(int64_t)r * nb + b] = d * (float)sum;
+            /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4, A x4, B x4], Q8_0 [A x8, B x8]. */
+            float *pat = rows->dpat + ((int64_t)r * (nb / 2) + b / 2) * 16;
+            for (int lane = 0; lane < 16; lane++) {
+                const int block_of_lane = rows->kind == Q8_KIND_Q4_1 ? (lane / 4) % 2 : lane / 8;
+                if (block_of_lane == b % 2) pat[lane] = d;
+            }
+        }
+    }
+}
+
+/* Packed weights: for each tile of 4 output rows and each pair of blocks, one record holding
+ * the 4 rows' quants of the pair, then their 2 scales each, then (Q4_1) their 2 minimums each:
+ * Q4_1 4 x 32 + 4 x 8 + 4 x 8 = 192 bytes, Q8_0 4 x 64 + 4 x 8 = 288 bytes per 256 weights.
+ * A thread's work is then one forward stream of memory, which the hardware prefetcher follows
+ * (the GGUF layout is 12 interleaved streams for 4 rows, and stalled on their loads). Rows past
+ * n repeat the last row; their results are never stored. */
+static int record_bytes(int kind) { return kind == Q8_KIND_Q4_1 ? 192 : 288; }
+static int quant_bytes(int kind) { return kind == Q8_KIND_Q4_1 ? 32 : 64; }
+
+size_t q8_packed_bytes(int kind, int n, int k) {
+    const size_t tiles = (size_t)(n + TILE_OUT - 1) / TILE_OUT;
+    return tiles * (size_t)(k / 64) * (size_t)record_bytes(kind);
+}
+
+int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const float *mins, uint8_t *out) {
+    if (k % 64) return -2;
+    const int nb = k / 32, pairs = k / 64, qb = quant_bytes(kind);
+    const int64_t row_bytes = kind == Q8_KIND_Q4_1 ? k / 2 : k;
+    const int tiles = (n + TILE_OUT - 1) / TILE_OUT;
+    for (int t = 0; t < tiles; t++) {
+        for (int p = 0; p < pairs; p++) {
+            uint8_t *rec = out + ((int64_t)t * pairs + p) * record_bytes(kind);
+            float *scales = (float *)(rec + TILE_OUT * qb);
+            for (int j = 0; j < TILE_OUT; j++) {
+                const int row = t * TILE_OUT + j < n ? t * TILE_OUT + j : n - 1;
+                memcpy(rec + j * qb, qs + row * row_bytes + (int64_t)p * qb, (size_t)qb);
+                memcpy(scales + j * 2, d + (int64_t)row * nb + 2 * p, 2 * sizeof(float));
+                if (kind == Q8_KIND_Q4_1)
+                    memcpy(scales + TILE_OUT * 2 + j * 2, mins + (int64_t)row * nb + 2 * p, 2 * sizeof(float));
+            }
+        }
+    }
+    return 0;
+}
+
+#if HAVE_Q8
+/* Sums of one tile (records from rec on): 4 weight rows times activation rows r0..r0+ri-1,
+ * scales applied (acc), and the per-block term's sum (macc: Q4_1 mins . xs, Q8_0 d . xs). */
+static inline __attribute__((always_inline)) void q8_tile(const Q8Weights *w, const uint8_t *rec,
+                                                          const Q8Rows *x, int r0, int ri,
+                                                          __m512 acc[TILE_OUT][TILE_IN],
+                                                          __m128 macc[TILE_OUT][TILE_IN]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i pat4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i pat8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const int pairs = w->nb / 2, q4 = w->kind == Q8_KIND_Q4_1, rb = record_bytes(w->kind);
+    for (int p = 0; p < pairs; p++, rec += rb) {
+        _mm_prefetch((const char *)rec + 8 * rb, _MM_HINT_T0);
+        _mm_prefetch((const char *)rec + 8 * rb + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)rec + 8 * rb + 128, _MM_HINT_T0);
+        if (!q4) _mm_prefetch((const char *)rec + 8 * rb + 192, _MM_HINT_T0);
+        __m512 pat[TILE_IN];
+        __m512i xv[TILE_IN];
+        __m128 xs[TILE_IN];
+        for (int i = 0; i < ri; i++) {
+            xv[i] = _mm512_loadu_si512(x->q + (int64_t)(r0 + i) * w->k + p * 64);
+            pat[i] = _mm512_loadu_ps(x->dpat + ((int64_t)(r0 + i) * pairs + p) * 16);
+            xs[i] = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(x->xs + (int64_t)(r0 + i) * w->nb + 2 * p)));
+        }
+        const float *scales = (const float *)(rec + TILE_OUT * quant_bytes(w->kind));
+        for (int j = 0; j < TILE_OUT; j++) {
+            __m512i wv;
+            if (q4) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
+                __m256i lo = _mm256_and_si256(raw, low4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            } else {
+                wv = _mm512_xor_si512(_mm512_loadu_si512(rec + j * 64), flip);
+            }
+            const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(scales + j * 2)));
+            const __m128 per_block = q4 ? _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(scales + TILE_OUT * 2 + j * 2)))
+                                        : two;
+            const __m512 dw = _mm512_permutexvar_ps(q4 ? pat4 : pat8, _mm512_castps128_ps512(two));
+            for (int i = 0; i < ri; i++) {
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
+                acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, pat[i]), acc[j][i]);
+                macc[j][i] = _mm_fmadd_ps(per_block, xs[i], macc[j][i]);
+            }
+        }
+    }
+}
+
+/* A tile's sums plus the per-block term (Q4_1: + mins . xs; Q8_0: - 128 d . xs) and bias. */
+static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, __m512 acc[TILE_OUT][TILE_IN],
+                            __m128 macc[TILE_OUT][TILE_IN], const float *bias, int dt, void *y, int64_t ldy) {
+    const float term = w->kind == Q8_KIND_Q4_1 ? 1.f : -128.f;
+    for (int j = 0; j < TILE_OUT && o0 + j < w->n; j++) {
+        const int o = o0 + j;
+        for (int i = 0; i < ri; i++) {
+            float m2[4];
+            _mm_storeu_ps(m2, macc[j][i]);
+            float v = _mm512_reduce_add_ps(acc[j][i]) + term * (m2[0] + m2[1]);
+            if (bias) v += bias[o];
+            const int64_t at = (int64_t)(r0 + i) * ldy + o;
+            if (dt == DT_F32)
+                ((float *)y)[at] = v;
+            else
+                ((uint16_t *)y)[at] = f32_to_bf16(v);
+        }
+    }
+}
+#endif
+
+int q8_num_tiles(const Q8Weights *w) { return (w->n + TILE_OUT - 1) / TILE_OUT; }
+
+void q8_linear_range(const Q8Weights *w, const Q8Rows *x, const float *bias, int dt, void *y, int64_t ldy,
+                     int t_begin, int t_end) {
+#if HAVE_Q8
+    const int64_t tile_bytes = (int64_t)(w->nb / 2) * record_bytes(w->kind);
+    for (int t = t_begin; t < t_end; t++) {
+        const uint8_t *rec = w->packed + t * tile_bytes;
+        for (int r0 = 0; r0 < x->m; r0 += TILE_IN) {
+            const int ri = x->m - r0 < TILE_IN ? x->m - r0 : TILE_IN;
+            __m512 acc[TILE_OUT][TILE_IN];
+            __m128 macc[TILE_OUT][TILE_IN];
+            for (int j = 0; j < TILE_OUT; j++)
+                for (int i = 0; i < TILE_IN; i++) {
+                    acc[j][i] = _mm512_setzero_ps();
+                    macc[j][i] = _mm_setzero_ps();
+                }
+            /* Literal row counts keep every accumulator in a register. */
+            switch (ri) {
+            case 1: q8_tile(w, rec, x, r0, 1, acc, macc); break;
+            case 2: q8_tile(w, rec, x, r0, 2, acc, macc); break;
+            case 3: q8_tile(w, rec, x, r0, 3, acc, macc); break;
+            default: q8_tile(w, rec, x, r0, 4, acc, macc); break;
+            }
+            q8_store(w, t * TILE_OUT, r0, ri, acc, macc, bias, dt, y, ldy);
+        }
+    }
+#else
+    (void)w, (void)x, (void)bias, (void)dt, (void)y, (void)ldy, (void)t_begin, (void)t_end;
+#endif
+}
+
+static int linear_q8(int kind, const void *x, int m, int k, const uint8_t *packed, const float *bias, int n,
+                     int dt, void *y, int num_threads) {
+    if (!q8_supported(k) || m <= 0) return -2;
+    void *scratch = aligned_alloc(64, q8_rows_bytes(m, k));
+    if (!scratch) return -1;
+    Q8Rows rows;
+    q8_rows_init(&rows, kind, m, k, scratch);
+    quantize_rows_q8(&rows, x, dt);
+    const Q8Weights w = {kind, n, k, k / 32, packed};
+    const int tiles = q8_num_tiles(&w);
+    /* Dynamic chunks: a descheduled thread does not hold the others up; every output is still
+     * computed by one thread in one order, so results do not depend on the schedule. */
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads) if ((int64_t)n * k >= (1 << 17))
+    for (int t = 0; t < tiles; t++) q8_linear_range(&w, &rows, bias, dt, y, n, t, t + 1);
+    free(scratch);
+    return 0;
+}
+
+/*
+ * y [m, n] (dtype dt) = x [m, k] W^T (+ bias [n] float32) with x quantized to int8 per block of
+ * 32, W of `kind` (0 Q4_1, 1 Q8_0) packed by q8_pack. Returns 0; -2 when this build or k does
+ * not suit the int8 path (k % 64 != 0, no AVX512-VNNI); -1 out of memory.
+ */
+int block_linear_q8(int kind, const void *x, int m, int k, const uint8_t *packed, const float *bias, int n, int dt,
+                    void *y, int num_threads) {
+    return linear_q8(kind, x, m, k, packed, bias, n, dt, y, num_threads);
+}

@@ -1,0 +1,146 @@
+"""The whole forward pass of a small step in one native call (``csrc/decode_step.c``).
+
+One stream decoding runs one token per step through 30 layers of ~10 small kernels each. From
+Python every kernel pays the interpreter, a tensor allocation and an OpenMP wake-up, which on
+the default model added up to about as much as the arithmetic. :class:`FusedDecodeStep` hands
+the native library one table of every layer's weights once, and each step of at most
+:data:`MAX_ROWS` tokens then runs embedding-to-final-norm in one call.
+
+It serves a model only where that call computes the same layers the Python path would with
+int8 activations: bfloat16 on a CPU whose native kernels built with AVX512-VNNI, every
+projection in GGUF Q4_1/Q8_0 blocks packed for them (``--gguf-activations int8``),
+no biases on the norms, and sizes the kernels take. LoRA steps that carry adapter rows use the
+Python path (the fused call has no adapter deltas).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from engine.kernels import cpu
+from engine.models.block_linear import BlockLinear, GGUFBlocks
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionMetadata
+    from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+# Steps of up to this many tokens take the fused call; bigger ones the dense matmuls win.
+MAX_ROWS = 8
+_KIND_CODES = {"q4_1": 0, "q8_0": 1}
+
+
+def _layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+    return cast("list[LlamaDecoderLayer]", list(model.model.layers))
+
+
+def _linear_fields(linear: BlockLinear, keep: list[torch.Tensor]) -> list[int] | None:
+    blocks: GGUFBlocks | None = linear.blocks
+    if blocks is None or blocks.packed_q8 is None or blocks.kind not in _KIND_CODES:
+        return None
+    keep.append(blocks.packed_q8)
+    bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+    if bias is not None:
+        keep.append(bias)
+    bias_ptr = bias.data_ptr() if bias is not None else 0
+    return [_KIND_CODES[blocks.kind], blocks.packed_q8.data_ptr(), 0, 0, bias_ptr]
+
+
+class FusedDecodeStep:
+    """A model's layer table for the native fused step, built once (:meth:`build`).
+
+    Holds references to every tensor whose address the table carries, so they outlive it.
+    Not thread-safe (one step at a time, as the model runner calls it).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]):
+        cfg = model.config
+        self.model = model
+        self.table = table
+        self.keep = keep
+        self.dims = torch.tensor(
+            [cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+             cfg.intermediate_size, cfg.num_hidden_layers],
+            dtype=torch.int32,
+        )  # fmt: skip
+        self.final_norm = model.model.norm.weight.detach().contiguous()
+        self.eps = float(model.model.norm.eps)
+        self.scale = cfg.head_dim**-0.5
+        self._cache_ptrs: tuple[int, torch.Tensor] | None = None
+        self._first_qkv = _layers(model)[0].self_attn.qkv_proj
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> FusedDecodeStep | None:
+        """The fused step for ``model``, or None where it would not compute the same layers."""
+        first = next(model.parameters())
+        if first.device.type != "cpu" or first.dtype != torch.bfloat16:
+            return None
+        lib = cpu.load()
+        if lib is None:
+            return None
+        rows: list[list[int]] = []
+        keep: list[torch.Tensor] = []
+        for layer in _layers(model):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            fields = [_linear_fields(linear, keep) for linear in linears]
+            if any(f is None for f in fields):
+                return None
+            norms = [
+                layer.input_layernorm.weight.detach().contiguous(),
+                layer.post_attention_layernorm.weight.detach().contiguous(),
+            ]
+            keep.extend(norms)
+            row = [norms[0].data_ptr(), norms[1].data_ptr()]
+            for f in fields:
+                row.extend(f or [])
+            rows.append(row)
+        step = cls(model, torch.tensor(rows, dtype=torch.int64), keep)
+        if not lib.decode_step_supported(step.dims.data_ptr()):
+            return None
+        return step
+
+    def serves(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens takes the fused call now (LoRA steps with
+        adapter rows do not)."""
+        lora = self._first_qkv.lora
+        return 0 < num_tokens <= MAX_ROWS and (lora is None or lora.batch.slots is None)
+
+    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        key = kv_caches[0].data_ptr()
+        if self._cache_ptrs is None or self._cache_ptrs[0] != key:
+            ptrs = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64)
+            self._cache_ptrs = (key, ptrs)
+        return self._cache_ptrs[1]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Final hidden states ``[T, hidden]`` of the step, its K/V written to the caches; None
+        (nothing written) where the native call declines."""
+        lib = cpu.load()
+        if lib is None or not all(c.is_contiguous() for c in kv_caches[:1]):
+            return None
+        x = self.model.model.embed_tokens(input_ids).contiguous()
+        out = torch.empty_like(x)
+        rotary = self.model.rotary_emb
+        pos = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        starts = meta.query_start_loc.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        status = lib.decode_step(
+            self.table.data_ptr(), self.dims.data_ptr(), self.final_norm.data_ptr(), self.eps,
+            self.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+            self._caches(kv_caches).data_ptr(), num_blocks, block_size, tables.data_ptr(),
+            tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out if status == 0 else None
