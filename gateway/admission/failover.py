@@ -21,15 +21,24 @@ from typing import Literal
 
 import redis.exceptions
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from redis.asyncio import Redis
 
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter
+from gateway.store import RedisClient
 from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger("portico.admission")
 
-# Everything redis-py raises when a command did not get its answer.
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Everything redis-py raises when a command did not get its answer. On a Redis Cluster:
+# CLUSTERDOWN (a master lost, its slots uncovered), TRYAGAIN (a slot migrating), a slot no
+# known node serves, or redirections that never settled (ClusterError "TTL exhausted").
+REDIS_ERRORS = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+    OSError,
+)
 FailureKind = Literal["busy", "slow", "down"]
 RedisDownPolicy = Literal["local", "open", "closed"]
 BUSY_LOG_INTERVAL_S = 60.0
@@ -43,9 +52,11 @@ def failure_kind(exc: BaseException) -> FailureKind:
     ``BlockingConnectionPool`` wait that timed out): the replica is overloaded, Redis is not
     known to be down, and falling back to local buckets would admit beyond the shared limit.
     ``slow``: a socket timed out (connecting or reading): Redis is down, or this replica is too
-    loaded to read its answer in time; a PING decides. ``down``: refused, reset, socket gone.
+    loaded to read its answer in time; a PING decides. ``down``: refused, reset, socket gone,
+    or a Redis Cluster that cannot serve the key's slot (CLUSTERDOWN and the like).
+    A cluster's TRYAGAIN (its slot is being moved between nodes) is ``busy``: it passes.
     """
-    if isinstance(exc, redis.exceptions.MaxConnectionsError):
+    if isinstance(exc, redis.exceptions.MaxConnectionsError | redis.exceptions.TryAgainError):
         return "busy"
     if isinstance(exc, redis.exceptions.ConnectionError) and isinstance(
         exc.__cause__, TimeoutError
@@ -67,7 +78,7 @@ class FailoverLimiter:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         shared: Limiter,
         local: LocalLimiter,
         *,
