@@ -34,6 +34,7 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -308,7 +309,7 @@ async def open_redis(
         log.info("started embedded Redis in %s", data_dir)
     client = connect(RedisTopology.parse(url), settings or StoreSettings())
     try:
-        await client.ping()
+        await ping_redis(client)
     except Exception:
         await client.aclose()
         if embedded is not None:
@@ -335,6 +336,10 @@ def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
             max_connections=tuning.max_connections,
             socket_connect_timeout=timeout_s,
             socket_timeout=timeout_s,
+            # One retry follows a topology change (a node gone: the slot map is read again).
+            # More would only hold a request during an outage, which the admission's outage
+            # policy answers for (gateway/admission/failover.py).
+            retry=AsyncRetry(NoBackoff(), 1),
         )
     if topology.kind == "sentinel":
         connection = {
@@ -356,6 +361,21 @@ def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
         socket_timeout=timeout_s,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
+
+
+async def ping_redis(client: RedisClient) -> None:
+    """Raise unless the store can serve every key: one server answers PING; every master of
+    a cluster answers and reports ``cluster_state:ok`` (a PING alone would pass on the live
+    masters while a dead one's slots are down)."""
+    if not isinstance(client, aioredis.RedisCluster):
+        await client.ping()
+        return
+    states: dict[str, dict[str, str]] = await client.cluster_info(  # type: ignore[assignment]
+        target_nodes=aioredis.RedisCluster.PRIMARIES
+    )
+    for node, info in states.items():
+        if info.get("cluster_state") != "ok":
+            raise redis.exceptions.ClusterDownError(f"cluster state of {node} is not ok")
 
 
 async def close_redis(client: RedisClient, embedded: EmbeddedRedis | None) -> None:

@@ -188,9 +188,9 @@ class LocalRedisCluster:
         """The master that serves ``key``'s slot."""
         with self.nodes[0].client() as c:
             slot = int(c.cluster("KEYSLOT", key))
-            for (start, end), owners in c.cluster("SLOTS").items():
-                if start <= slot <= end:
-                    port = int(owners["primary"][1])
+            for start, end, primary, *_ in c.execute_command("CLUSTER SLOTS"):
+                if int(start) <= slot <= int(end):
+                    port = int(primary[1])
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(key)
 

@@ -6,9 +6,11 @@ decides whether Redis is up. A failed call is classified (:func:`failure_kind`):
 got no timely turn on Redis answers 503 ``rate_limiter_busy`` (falling back would admit beyond
 the shared limit); Redis itself gone switches to the policy (``local``: each replica enforces
 its share of every limit; ``open``: admit everything; ``closed``: 503) until a background PING
-gets an answer. :meth:`FailoverLimiter.start_watch` also PINGs on a timer, so the state (and
-the gateway's readiness) follows Redis when no request arrives. The switch is logged once per
-outage and visible in ``portico_admission_redis_up`` and ``portico_admission_degraded_total``.
+gets an answer (on a Redis Cluster: until every master answers and reports the cluster ok,
+:func:`gateway.store.ping_redis`). :meth:`FailoverLimiter.start_watch` also PINGs on a timer,
+so the state (and the gateway's readiness) follows Redis when no request arrives. The switch is
+logged once per outage and visible in ``portico_admission_redis_up`` and
+``portico_admission_degraded_total``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import redis.exceptions
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter
-from gateway.store import RedisClient
+from gateway.store import RedisClient, ping_redis
 from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger("portico.admission")
@@ -262,7 +264,7 @@ class FailoverLimiter:
         """PING Redis once: mark it down if it fails, up again if it answers."""
         try:
             async with asyncio.timeout(self._ping_timeout_s):
-                await self._redis.ping()
+                await ping_redis(self._redis)
         except (*REDIS_ERRORS, TimeoutError) as exc:
             self._mark_down(exc)
             return
