@@ -24,7 +24,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeAlias
@@ -34,6 +34,7 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -329,7 +330,7 @@ def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
     """
     timeout_s = tuning.socket_timeout_s
     if topology.kind == "cluster":
-        return aioredis.RedisCluster(
+        cluster = aioredis.RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in topology.nodes],
             username=topology.username,
             password=topology.password,
@@ -341,6 +342,12 @@ def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
             # policy answers for (gateway/admission/failover.py).
             retry=AsyncRetry(NoBackoff(), 1),
         )
+        # Nodes found later are built from the shared connection_kwargs; the startup nodes
+        # exist already (redis-py itself injects per-connection settings this way).
+        cluster.connection_kwargs["connection_class"] = PeerCloseAwareConnection
+        for node in cluster.nodes_manager.startup_nodes.values():
+            node.connection_class = PeerCloseAwareConnection
+        return cluster
     if topology.kind == "sentinel":
         connection = {
             "username": topology.username,
@@ -361,6 +368,23 @@ def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
         socket_timeout=timeout_s,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
+
+
+class PeerCloseAwareConnection(Connection):
+    """redis-py's TCP connection, except that writing to a connection the server has closed
+    raises ``ConnectionError``.
+
+    redis-py lets the event loop's own error escape there (uvloop's ``RuntimeError: ... the
+    handler is closed``; ``TypeError``/``AttributeError`` on some CPython versions: redis-py
+    issue 4287), which no retry or outage policy recognises: a Redis Cluster master killed
+    under load turned requests on its idle pooled connections into 500s.
+    """
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        writer = self._writer
+        if writer is None or writer.transport.is_closing():
+            raise redis.exceptions.ConnectionError("Connection closed by the server.")
+        await super()._send_packed_command(command)
 
 
 async def ping_redis(client: RedisClient) -> None:
