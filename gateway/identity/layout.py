@@ -107,7 +107,9 @@ async def migrate_layout(redis: RedisClient) -> int:
             moved += await _move(redis, old, new)
     await redis.set(LAYOUT_KEY, LAYOUT_VERSION)
     if moved:
-        log.warning("moved %d Redis keys to the hash-tagged layout %s", moved, LAYOUT_VERSION)
+        log.warning(
+            "moved %d Redis keys to the hash-tagged layout %s", moved, LAYOUT_VERSION.decode()
+        )
     return moved
 
 
