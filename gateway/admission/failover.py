@@ -6,9 +6,11 @@ decides whether Redis is up. A failed call is classified (:func:`failure_kind`):
 got no timely turn on Redis answers 503 ``rate_limiter_busy`` (falling back would admit beyond
 the shared limit); Redis itself gone switches to the policy (``local``: each replica enforces
 its share of every limit; ``open``: admit everything; ``closed``: 503) until a background PING
-gets an answer. :meth:`FailoverLimiter.start_watch` also PINGs on a timer, so the state (and
-the gateway's readiness) follows Redis when no request arrives. The switch is logged once per
-outage and visible in ``portico_admission_redis_up`` and ``portico_admission_degraded_total``.
+gets an answer (on a Redis Cluster: until every master answers and reports the cluster ok,
+:func:`gateway.store.ping_redis`). :meth:`FailoverLimiter.start_watch` also PINGs on a timer,
+so the state (and the gateway's readiness) follows Redis when no request arrives. The switch is
+logged once per outage and visible in ``portico_admission_redis_up`` and
+``portico_admission_degraded_total``.
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ from typing import Literal
 
 import redis.exceptions
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from redis.asyncio import Redis
 
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter
+from gateway.store import RedisClient, ping_redis
 from portico.errors import ServiceUnavailableError
 
 log = logging.getLogger("portico.admission")
 
-# Everything redis-py raises when a command did not get its answer.
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Everything redis-py raises when a command did not get its answer. On a Redis Cluster:
+# CLUSTERDOWN (a master lost, its slots uncovered), TRYAGAIN (a slot migrating), a slot no
+# known node serves, or redirections that never settled (ClusterError "TTL exhausted").
+REDIS_ERRORS = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+    OSError,
+)
 FailureKind = Literal["busy", "slow", "down"]
 RedisDownPolicy = Literal["local", "open", "closed"]
 BUSY_LOG_INTERVAL_S = 60.0
@@ -43,9 +54,11 @@ def failure_kind(exc: BaseException) -> FailureKind:
     ``BlockingConnectionPool`` wait that timed out): the replica is overloaded, Redis is not
     known to be down, and falling back to local buckets would admit beyond the shared limit.
     ``slow``: a socket timed out (connecting or reading): Redis is down, or this replica is too
-    loaded to read its answer in time; a PING decides. ``down``: refused, reset, socket gone.
+    loaded to read its answer in time; a PING decides. ``down``: refused, reset, socket gone,
+    or a Redis Cluster that cannot serve the key's slot (CLUSTERDOWN and the like).
+    A cluster's TRYAGAIN (its slot is being moved between nodes) is ``busy``: it passes.
     """
-    if isinstance(exc, redis.exceptions.MaxConnectionsError):
+    if isinstance(exc, redis.exceptions.MaxConnectionsError | redis.exceptions.TryAgainError):
         return "busy"
     if isinstance(exc, redis.exceptions.ConnectionError) and isinstance(
         exc.__cause__, TimeoutError
@@ -67,7 +80,7 @@ class FailoverLimiter:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         shared: Limiter,
         local: LocalLimiter,
         *,
@@ -251,7 +264,7 @@ class FailoverLimiter:
         """PING Redis once: mark it down if it fails, up again if it answers."""
         try:
             async with asyncio.timeout(self._ping_timeout_s):
-                await self._redis.ping()
+                await ping_redis(self._redis)
         except (*REDIS_ERRORS, TimeoutError) as exc:
             self._mark_down(exc)
             return

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
-
 from gateway.admission.redis_pipe import RedisPipe, script_sha
+from gateway.store import RedisClient
 
 US_PER_MINUTE = 60_000_000
 LUA_SOURCE = resources.files("gateway.admission").joinpath("limiter.lua").read_text()
@@ -125,7 +124,7 @@ class RedisLimiter:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         budget_ttl_s: int = 62 * 86400,
         clock: Callable[[], int] | None = None,

@@ -17,8 +17,9 @@ Failures keep redis-py's exception types, so admission classifies them as before
   longer be matched to its command);
 * an error reply: :class:`redis.exceptions.ResponseError` for that command only.
 
-A TLS Redis (``rediss://``) is not supported here: :meth:`RedisPipe.from_client` answers None
-for it and the limiter stays on redis-py.
+A TLS Redis (``rediss://``), a Redis Cluster and a Redis behind Sentinel are not supported
+here: :meth:`RedisPipe.from_client` answers None for them and the limiter stays on redis-py,
+which follows TLS, MOVED/ASK redirections and failovers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, cast
 
 import hiredis
 import redis.exceptions
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 
 DEFAULT_TIMEOUT_S = 1.0
@@ -131,9 +132,13 @@ class RedisPipe:
         self._closed = False
 
     @classmethod
-    def from_client(cls, client: Redis) -> RedisPipe | None:
+    def from_client(cls, client: Redis | RedisCluster) -> RedisPipe | None:
         """A pipe to the Redis ``client`` talks to, with its credentials, database and socket
-        timeouts; None when the client connects in a way the pipe does not (TLS)."""
+        timeouts; None when the client connects in a way the pipe does not: TLS, a Redis
+        Cluster (a key's node changes with MOVED/ASK) or Sentinel (the master changes with a
+        failover). redis-py's client follows those; the limiter stays on it."""
+        if not isinstance(client, Redis):
+            return None
         pool = client.connection_pool
         kwargs = pool.connection_kwargs
         common: dict[str, Any] = {

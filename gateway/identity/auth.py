@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
@@ -33,7 +32,7 @@ from gateway.identity.plans import load_plans
 from gateway.identity.principal import Limits, Principal
 from gateway.identity.records import Tenant
 from gateway.identity.tenants import TenantStore
-from gateway.store import StoreSettings
+from gateway.store import RedisClient, StoreSettings
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 
 __all__ = [
@@ -352,7 +351,7 @@ class Identity:
     both on the Redis client it was handed (the gateway owns and closes that client)."""
 
     def __init__(
-        self, redis: aioredis.Redis, store: TenantStore, authenticator: Authenticator
+        self, redis: RedisClient, store: TenantStore, authenticator: Authenticator
     ) -> None:
         self.redis = redis
         self.store = store
@@ -363,7 +362,7 @@ class Identity:
 
 
 def open_identity(
-    redis: aioredis.Redis,
+    redis: RedisClient,
     store: StoreSettings,
     auth: AuthSettings,
     env: Mapping[str, str] | None = None,

@@ -1,16 +1,13 @@
 """The tenant store: tenants and API keys in Redis, and the Principal they add up to.
 
-Redis layout (every key under ``portico:``):
-
-- ``tenant:{id}`` JSON tenant record; ``tenants`` set of tenant ids
-- ``key:{key_id}`` JSON key record (HMAC-SHA-256 hex digest of the secret, never the secret)
-- ``keyhash:{digest}`` hash ``key_id``, ``tenant_id``: the lookup index for authentication
-- ``tenant_keys:{tenant_id}`` set of key ids
-- ``usage:...``: see :mod:`gateway.identity.usage` (the store's :attr:`TenantStore.ledger`)
+The Redis key names are :mod:`gateway.identity.layout`'s: every key of one tenant (its record,
+its key set, its key records, its usage) shares the tenant's hash tag, so the writes that must
+go together run as one MULTI in one slot, on one server or on a Redis Cluster. Usage lives in
+:mod:`gateway.identity.usage` (the store's :attr:`TenantStore.ledger`).
 
 A key secret is ``sk-`` + 32 random bytes (url-safe base64), shown once at creation. Only its
 HMAC-SHA-256 under the server's key-hash secret is stored; authentication looks the digest
-up, then compares it with :func:`hmac.compare_digest`.
+up in the ``keyhash`` index, then compares it with :func:`hmac.compare_digest`.
 """
 
 from __future__ import annotations
@@ -23,10 +20,18 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel
+from redis.asyncio import RedisCluster
 from redis.exceptions import WatchError
 
+from gateway.identity.layout import (
+    PREFIX,
+    TENANTS,
+    api_key_key,
+    keyhash_key,
+    tenant_key,
+    tenant_keys_key,
+)
 from gateway.identity.plans import LimitsSpec, Plan
 from gateway.identity.principal import Limits, Principal
 from gateway.identity.records import (
@@ -39,17 +44,22 @@ from gateway.identity.records import (
     display_form,
     new_key_secret,
 )
-from gateway.identity.usage import PREFIX, UsageLedger
+from gateway.identity.usage import UsageLedger
+from gateway.store import RedisClient
 from portico.errors import APIError, InvalidRequestError, NotFoundError, PermissionDeniedError
 
 Record = TypeVar("Record", bound=BaseModel)
 
-# One round trip per authentication: the digest index, then the key and tenant records.
+
+# One round trip per authentication on one server: the digest index, then the key and tenant
+# records (names as gateway/identity/layout.py builds them). A cluster cannot run it: the index
+# and the records are in different slots.
 _LOOKUP_LUA = """
 local ids = redis.call('HMGET', KEYS[1], 'key_id', 'tenant_id')
 if not ids[1] then return false end
-return {redis.call('GET', ARGV[1] .. 'key:' .. ids[1]),
-        redis.call('GET', ARGV[1] .. 'tenant:' .. ids[2])}
+local tag = '{' .. ids[2] .. '}'
+return {redis.call('GET', ARGV[1] .. 'key:' .. tag .. ':' .. ids[1]),
+        redis.call('GET', ARGV[1] .. 'tenant:' .. tag)}
 """
 
 
@@ -58,15 +68,18 @@ def _text(value: bytes | str) -> str:
 
 
 class TenantStore:
-    """Tenants and keys over one ``redis.asyncio.Redis`` client (their usage: :attr:`ledger`).
+    """Tenants and keys over one Redis client, a single server's or a cluster's (their usage:
+    :attr:`ledger`).
 
     Safe for concurrent use from one event loop; read-modify-write updates use WATCH/MULTI so
-    concurrent admin writes never lose an update. Never sees or stores a key secret except
-    while hashing it.
+    concurrent admin writes never lose an update. Writes that span the tenant's slot and a
+    global key (the tenant list, the digest index) are ordered so that a failure half way
+    leaves nothing that authenticates: the digest index is written last and deleted first.
+    Never sees or stores a key secret except while hashing it.
     """
 
     def __init__(
-        self, redis: aioredis.Redis, key_hash_secret: bytes, plans: Mapping[str, Plan]
+        self, redis: RedisClient, key_hash_secret: bytes, plans: Mapping[str, Plan]
     ) -> None:
         if not plans:
             raise ValueError("plans must not be empty")
@@ -76,8 +89,10 @@ class TenantStore:
         self.plans: Mapping[str, Plan] = MappingProxyType(dict(plans))
         self.default_plan = next(iter(plans))  # load_plans puts the default first
         self._secret = key_hash_secret
-        self._lookup = redis.register_script(_LOOKUP_LUA)
         self.ledger = UsageLedger(redis)  # usage counters, same Redis
+        self._lookup = (
+            None if isinstance(redis, RedisCluster) else redis.register_script(_LOOKUP_LUA)
+        )
 
     # ------------------------------------------------------------------ hashing
 
@@ -108,16 +123,14 @@ class TenantStore:
             **spec.model_dump(exclude={"id", "plan"}),
             plan=self._plan(spec.plan),
         )
-        created = await self.redis.set(
-            f"{PREFIX}tenant:{tenant.id}", tenant.model_dump_json(), nx=True
-        )
+        created = await self.redis.set(tenant_key(tenant.id), tenant.model_dump_json(), nx=True)
         if not created:
             raise ConflictError(f"Tenant {tenant.id!r} already exists.", param="id")
-        await self.redis.sadd(f"{PREFIX}tenants", tenant.id)
+        await self.redis.sadd(TENANTS, tenant.id)
         return tenant
 
     async def get_tenant(self, tenant_id: str) -> Tenant | None:
-        raw = await self.redis.get(f"{PREFIX}tenant:{tenant_id}")
+        raw = await self.redis.get(tenant_key(tenant_id))
         return Tenant.model_validate_json(raw) if raw else None
 
     async def require_tenant(self, tenant_id: str) -> Tenant:
@@ -127,10 +140,15 @@ class TenantStore:
         return tenant
 
     async def list_tenants(self) -> list[Tenant]:
-        ids = sorted(_text(m) for m in await self.redis.smembers(f"{PREFIX}tenants"))
+        ids = sorted(_text(m) for m in await self.redis.smembers(TENANTS))
         if not ids:
             return []
-        raws = await self.redis.mget([f"{PREFIX}tenant:{i}" for i in ids])
+        # One GET per tenant in one pipeline: each record is in its tenant's slot (a cluster
+        # pipeline sends each node its share at once), where MGET needs one slot.
+        pipe = self.redis.pipeline(transaction=False)
+        for tenant_id in ids:
+            pipe.get(tenant_key(tenant_id))
+        raws = await pipe.execute()
         return [Tenant.model_validate_json(r) for r in raws if r]
 
     async def update_tenant(self, tenant_id: str, patch: TenantPatch) -> Tenant:
@@ -167,7 +185,7 @@ class TenantStore:
             return tenant.model_copy(update=update)
 
         return await self._update(
-            f"{PREFIX}tenant:{tenant_id}",
+            tenant_key(tenant_id),
             Tenant,
             apply,
             NotFoundError(f"No tenant {tenant_id!r}.", code="tenant_not_found"),
@@ -177,14 +195,16 @@ class TenantStore:
         """Delete the tenant and every key of it (they stop working at once). Usage history
         stays until it expires."""
         await self.require_tenant(tenant_id)
-        members = await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")
-        keys = await self._get_keys([_text(m) for m in members])
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(f"{PREFIX}tenant:{tenant_id}", f"{PREFIX}tenant_keys:{tenant_id}")
-        pipe.srem(f"{PREFIX}tenants", tenant_id)
+        members = await self.redis.smembers(tenant_keys_key(tenant_id))
+        keys = await self._get_keys(tenant_id, [_text(m) for m in members])
+        if keys:  # the digest index first: no key authenticates from here on
+            await self.redis.delete(*(keyhash_key(key.digest) for key in keys))
+        pipe = self.redis.pipeline(transaction=True)  # all in the tenant's slot
+        pipe.delete(tenant_key(tenant_id), tenant_keys_key(tenant_id))
         for key in keys:
-            pipe.delete(f"{PREFIX}key:{key.id}", f"{PREFIX}keyhash:{key.digest}")
+            pipe.delete(api_key_key(tenant_id, key.id))
         await pipe.execute()
+        await self.redis.srem(TENANTS, tenant_id)
 
     # ------------------------------------------------------------------ keys
 
@@ -205,31 +225,32 @@ class TenantStore:
             limits=spec.limits,
             tenant_uid=tenant.uid,
         )
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(f"{PREFIX}key:{key.id}", key.model_dump_json())
-        pipe.hset(
-            f"{PREFIX}keyhash:{key.digest}", mapping={"key_id": key.id, "tenant_id": tenant_id}
-        )
-        pipe.sadd(f"{PREFIX}tenant_keys:{tenant_id}", key.id)
+        pipe = self.redis.pipeline(transaction=True)  # all in the tenant's slot
+        pipe.set(api_key_key(tenant_id, key.id), key.model_dump_json())
+        pipe.sadd(tenant_keys_key(tenant_id), key.id)
         await pipe.execute()
+        # The digest index last: the key authenticates only once its record exists.
+        await self.redis.hset(
+            keyhash_key(key.digest), mapping={"key_id": key.id, "tenant_id": tenant_id}
+        )
         return key, secret
 
-    async def _get_keys(self, key_ids: list[str]) -> list[ApiKey]:
+    async def _get_keys(self, tenant_id: str, key_ids: list[str]) -> list[ApiKey]:
         if not key_ids:
             return []
-        raws = await self.redis.mget([f"{PREFIX}key:{k}" for k in key_ids])
+        raws = await self.redis.mget([api_key_key(tenant_id, k) for k in key_ids])
         return [ApiKey.model_validate_json(r) for r in raws if r]
 
     async def list_keys(self, tenant_id: str) -> list[ApiKey]:
         await self.require_tenant(tenant_id)
-        members = await self.redis.smembers(f"{PREFIX}tenant_keys:{tenant_id}")
+        members = await self.redis.smembers(tenant_keys_key(tenant_id))
         ids = [_text(m) for m in members]
-        return sorted(await self._get_keys(ids), key=lambda k: (k.created, k.id))
+        return sorted(await self._get_keys(tenant_id, ids), key=lambda k: (k.created, k.id))
 
     async def get_key(self, tenant_id: str, key_id: str) -> ApiKey:
         """The tenant's key ``key_id``; 404 when it does not exist *or belongs to another
         tenant* (the two are indistinguishable on purpose)."""
-        raw = await self.redis.get(f"{PREFIX}key:{key_id}")
+        raw = await self.redis.get(api_key_key(tenant_id, key_id))
         key = ApiKey.model_validate_json(raw) if raw else None
         if key is None or not hmac.compare_digest(key.tenant_id, tenant_id):
             raise NotFoundError(
@@ -248,7 +269,7 @@ class TenantStore:
             return key.model_copy(update={"revoked_at": when})
 
         return await self._update(
-            f"{PREFIX}key:{key_id}",
+            api_key_key(tenant_id, key_id),
             ApiKey,
             apply,
             NotFoundError(f"No key {key_id!r}.", code="key_not_found"),
@@ -283,7 +304,7 @@ class TenantStore:
             return key.model_copy(update={"revoked_at": revoked, "replaced_by": new.id})
 
         await self._update(
-            f"{PREFIX}key:{key_id}",
+            api_key_key(tenant_id, key_id),
             ApiKey,
             link,
             NotFoundError(f"No key {key_id!r}.", code="key_not_found"),
@@ -292,22 +313,39 @@ class TenantStore:
 
     async def lookup_key(self, secret: str) -> tuple[ApiKey, Tenant | None] | None:
         """The key record for ``secret`` and its tenant (None if the tenant is gone, or was
-        re-created under the same id since), in one round trip. None when no key has this
-        secret."""
+        re-created under the same id since). None when no key has this secret."""
         return await self.lookup_digest(self.digest(secret))
 
     async def lookup_digest(self, digest: str) -> tuple[ApiKey, Tenant | None] | None:
-        """:meth:`lookup_key` for a digest already computed with :meth:`digest`."""
-        found = await self._lookup(keys=[f"{PREFIX}keyhash:{digest}"], args=[PREFIX])
-        if not found or not found[0]:
+        """:meth:`lookup_key` for a digest already computed with :meth:`digest`.
+
+        One round trip on one server (a script); two on a cluster, where the digest index (a
+        global key) and the tenant's records live in different slots: the index, then the key
+        and tenant records in one MGET (they share the tenant's slot). The authenticator
+        caches the answer either way."""
+        found = await self._fetch_key_and_tenant(digest)
+        if found is None:
             return None
-        key = ApiKey.model_validate_json(found[0])
+        raw_key, raw_tenant = found
+        if not raw_key:
+            return None
+        key = ApiKey.model_validate_json(raw_key)
         if not hmac.compare_digest(key.digest, digest):
             return None
-        tenant = Tenant.model_validate_json(found[1]) if found[1] else None
+        tenant = Tenant.model_validate_json(raw_tenant) if raw_tenant else None
         if tenant is not None and not hmac.compare_digest(tenant.uid, key.tenant_uid):
             tenant = None  # the key outlived its tenant (deleted, id reused): an orphan
         return key, tenant
+
+    async def _fetch_key_and_tenant(self, digest: str) -> list[Any] | None:
+        if self._lookup is not None:
+            found = await self._lookup(keys=[keyhash_key(digest)], args=[PREFIX])
+            return list(found) if found else None
+        key_id, tenant_id = await self.redis.hmget(keyhash_key(digest), ["key_id", "tenant_id"])
+        if key_id is None or tenant_id is None:
+            return None
+        tenant = _text(tenant_id)
+        return list(await self.redis.mget([api_key_key(tenant, _text(key_id)), tenant_key(tenant)]))
 
     # ------------------------------------------------------------------ principals
 

@@ -1,8 +1,9 @@
 """Usage per tenant, per model, per UTC day: counted in Redis, read back by the admin API.
 
-Layout: ``portico:usage:{tenant_id}:{YYYY-MM-DD}`` is a hash of counters (``requests``,
-``prompt_tokens``, ``completion_tokens`` and ``{model}|{counter}`` per model), expiring after
-400 days. The gateway adds to it in batches (``gateway/admission/usage_recorder.py``).
+Layout: ``portico:usage:{<tenant_id>}:<YYYY-MM-DD>`` (:func:`gateway.identity.layout.usage_key`,
+hash-tagged by tenant) is a hash of counters (``requests``, ``prompt_tokens``,
+``completion_tokens`` and ``<model>|<counter>`` per model), expiring after 400 days. The gateway
+adds to it in batches (``gateway/admission/usage_recorder.py``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import date, datetime, timedelta, timezone
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
+from gateway.identity.layout import usage_key
+from gateway.store import RedisClient
 from portico.errors import InvalidRequestError
 
-PREFIX = "portico:"
 USAGE_TTL_SECONDS = 400 * 86400
 MAX_USAGE_DAYS = 366
 USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
@@ -68,13 +69,14 @@ def _add(target: UsageCounters, prompt: int, completion: int, requests: int) -> 
 
 
 class UsageLedger:
-    """The usage counters of every tenant over one ``redis.asyncio.Redis`` client.
+    """The usage counters of every tenant over one Redis client (a server's or a cluster's).
 
     Writes are pipelined ``HINCRBY`` (commutative, so concurrent writers from any number of
-    replicas never lose a count); reads return whole days.
+    replicas never lose a count; not a transaction, so a cluster pipeline may spread a batch
+    over its nodes); reads return whole days (one tenant's days share its slot).
     """
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self.redis = redis
 
     async def record_usage(
@@ -96,7 +98,7 @@ class UsageLedger:
         """
         pipe = self.redis.pipeline(transaction=False)
         for (tenant_id, day), fields in counts.items():
-            key = f"{PREFIX}usage:{tenant_id}:{day}"
+            key = usage_key(tenant_id, day)
             for field, amount in fields.items():
                 pipe.hincrby(key, field, amount)
             pipe.expire(key, USAGE_TTL_SECONDS)
@@ -111,7 +113,7 @@ class UsageLedger:
         days = [start + timedelta(days=i) for i in range(num_days)]
         pipe = self.redis.pipeline(transaction=False)
         for day in days:
-            pipe.hgetall(f"{PREFIX}usage:{tenant_id}:{day.isoformat()}")
+            pipe.hgetall(usage_key(tenant_id, day.isoformat()))
         rows = await pipe.execute()
         totals = UsageCounters()
         per_model: dict[str, UsageCounters] = {}

