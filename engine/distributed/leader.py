@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ from torch.utils.hooks import RemovableHandle
 from engine.config import EngineConfig
 from engine.distributed import step_plan
 from engine.distributed.group import TensorParallelGroup, rendezvous_store
+from engine.distributed.sharding import check_divisible
 from engine.distributed.worker import config_to_json, cpu_threads_per_rank, load_shard, rank_device
+from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner, num_kv_blocks
 
@@ -65,6 +68,7 @@ class TensorParallelLeader:
         self.num_gpu_blocks = 0
         self.on_worker_death: Callable[[str], None] | None = None
         self._closing = False
+        self._serving = False  # workers are in their plan loop: STOP reaches them
         self._lock = threading.Lock()
         self._hook: RemovableHandle | None = None
         self._watcher: threading.Thread | None = None
@@ -84,6 +88,7 @@ class TensorParallelLeader:
 
     def _start(self) -> LoadedModel:
         device = rank_device(self.config, 0)
+        check_divisible(header_config(self.config.model), self.world_size)  # before any spawn
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(cpu_threads_per_rank(self.world_size))
         store = rendezvous_store(0, self.world_size)
@@ -96,6 +101,7 @@ class TensorParallelLeader:
         loaded = load_shard(self.config, self.group)
         self.num_gpu_blocks = self.group.min_int(num_kv_blocks(loaded, self.config))
         self._hook = loaded.model.register_forward_pre_hook(self._broadcast_run)
+        self._serving = True
         log.info("tensor parallel: %d ranks, workers %s", self.world_size, self.worker_pids)
         return loaded
 
@@ -165,15 +171,16 @@ class TensorParallelLeader:
     # ------------------------------------------------------------------ stop
 
     def close(self) -> None:
-        """Stop the workers: ``STOP`` to each, then kill what has not left in time.
-        Call it only from the step thread, or once that thread is gone."""
+        """Stop the workers: ``STOP`` to each, then kill what has not left in time (before
+        they reached their plan loop: kill them at once). Call it only from the step thread,
+        or once that thread is gone."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
         if self._hook is not None:
             self._hook.remove()
-        if self.group is not None and self.failure is None:
+        if self.group is not None and self._serving and self.failure is None:
             try:
                 step_plan.send_stop(self.group)
             except RuntimeError as exc:  # a worker died meanwhile: killing is all that is left
@@ -185,6 +192,16 @@ class TensorParallelLeader:
             except subprocess.TimeoutExpired:
                 log.warning("tensor-parallel worker %d did not stop; killing it", p.pid)
         self._kill_workers()
+
+
+def header_config(model: str) -> ModelConfig:
+    """The model's shapes from its config.json or GGUF header (no weight read)."""
+    from engine.memory_plan import gguf_tensors, hf_tensors
+    from portico.registry import resolve
+
+    source = resolve(model)
+    read = gguf_tensors if source.format == "gguf" else hf_tensors
+    return read(Path(source.path))[0]
 
 
 class TensorParallelRunner(ModelRunner):
