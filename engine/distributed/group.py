@@ -37,7 +37,7 @@ def rendezvous_store(
 
 
 def _gloo(store: dist.Store, prefix: str, rank: int, world_size: int) -> dist.ProcessGroup:
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     options._timeout = IDLE_TIMEOUT
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, options)  # type: ignore[return-value]
@@ -50,9 +50,7 @@ class TensorParallelGroup:
     broadcasts). Not thread-safe: the engine's step thread, and only it, calls in.
     """
 
-    def __init__(
-        self, store: dist.Store, rank: int, world_size: int, device: torch.device
-    ) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -78,6 +76,6 @@ class TensorParallelGroup:
         """The smallest ``value`` any rank holds (e.g. KV blocks that fit on every device)."""
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
         self.plan.allreduce([t], opts).wait()
         return int(t.item())

@@ -109,7 +109,7 @@ class TensorParallelLeader:
         argv = [
             sys.executable, "-m", "engine.distributed.worker",
             "--rank", str(rank), "--world-size", str(self.world_size), "--port", str(port),
-            "--config", config_to_json(self.config),
+            "--config", config_to_json(self.config), "--parent-pid", str(os.getpid()),
             "--log-level", logging.getLevelName(log.getEffectiveLevel()),
         ]  # fmt: skip
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
@@ -134,7 +134,11 @@ class TensorParallelLeader:
             with self._lock:
                 if self._closing:
                     return
-                dead = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
+                dead = [
+                    (r + 1, p.returncode)
+                    for r, p in enumerate(self.workers)
+                    if p.poll() is not None
+                ]
                 if not dead:
                     continue
                 rank, code = dead[0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from torch import nn
 from engine.distributed.group import TensorParallelGroup
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -121,19 +122,25 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> ModelCon
         [
             _span(rank * q_size, q_size),
             _span(cfg.num_attention_heads * d + rank * kv_size, kv_size),
-            _span((cfg.num_attention_heads + cfg.num_key_value_heads) * d + rank * kv_size, kv_size),
+            _span(
+                (cfg.num_attention_heads + cfg.num_key_value_heads) * d + rank * kv_size, kv_size
+            ),
         ]
     )
     gate_up_rows = torch.cat(
         [_span(rank * inter, inter), _span(cfg.intermediate_size + rank * inter, inter)]
     )
-    for layer in model.model.layers:
+    for layer in cast("list[LlamaDecoderLayer]", list(model.model.layers)):
         attn, mlp = layer.self_attn, layer.mlp
         _keep_rows(attn.qkv_proj, qkv_rows)
-        attn.o_proj = RowParallelLinear(attn.o_proj, slice(rank * q_size, (rank + 1) * q_size), group)
+        attn.o_proj = RowParallelLinear(
+            attn.o_proj, slice(rank * q_size, (rank + 1) * q_size), group
+        )
         attn.num_heads, attn.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
         _keep_rows(mlp.gate_up_proj, gate_up_rows)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, slice(rank * inter, (rank + 1) * inter), group)
+        mlp.down_proj = RowParallelLinear(
+            mlp.down_proj, slice(rank * inter, (rank + 1) * inter), group
+        )
         mlp.intermediate_size = inter
     for module in model.modules():  # packed copies of the whole weights are stale now
         if isinstance(module, BlockLinear):

@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True, help="rank 0's rendezvous port")
     parser.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the engine's pid")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent(os.getppid())
+    _exit_with_parent(args.parent_pid)  # the engine may already be gone: then at once
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s tp-rank-{args.rank}: %(message)s",

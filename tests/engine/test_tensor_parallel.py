@@ -17,10 +17,10 @@ import torch
 from engine.config import EngineConfig
 from engine.distributed.sharding import _input_blocks, check_divisible, shard_config
 from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
 from engine.models.block_linear import GGUFBlocks
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
-from engine.model_config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,8 +56,8 @@ def greedy_tokens(
 def tiny_config(model: Path, **overrides: Any) -> EngineConfig:
     fields: dict[str, Any] = {
         "model": str(model), "device": "cpu", "dtype": "float32",
-        "num_gpu_blocks_override": 12, "block_size": 8, "preemption_mode": "swap", "swap_space": 0.01,
-        "max_num_batched_tokens": 32,
+        "num_gpu_blocks_override": 12, "block_size": 8, "max_num_batched_tokens": 32,
+        "preemption_mode": "swap", "swap_space": 0.01,
     }  # fmt: skip
     fields.update(overrides)
     return EngineConfig(**fields)
@@ -67,7 +67,9 @@ def test_tp2_greedy_output_equals_tp1_on_tiny_llama(tiny_llama_dir: Path) -> Non
     """Chunked prefill, a cached prefix, and a pool small enough that requests are swapped
     out and back in (the swaps are part of the broadcast plan): every token as at TP=1."""
     single, _ = greedy_tokens(tiny_config(tiny_llama_dir), TINY_PROMPTS, 24)
-    split, stats = greedy_tokens(tiny_config(tiny_llama_dir, tensor_parallel_size=2), TINY_PROMPTS, 24)
+    split, stats = greedy_tokens(
+        tiny_config(tiny_llama_dir, tensor_parallel_size=2), TINY_PROMPTS, 24
+    )
     assert split == single
     assert all(len(tokens) == 24 for tokens in split.values())
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -75,14 +77,18 @@ def test_tp2_greedy_output_equals_tp1_on_tiny_llama(tiny_llama_dir: Path) -> Non
 
 def test_tp_refuses_heads_it_cannot_split_and_leaves_no_worker(tiny_llama_dir: Path) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(ValueError, match="--tensor-parallel-size 3 must divide the model's attention heads"):
+    with pytest.raises(
+        ValueError, match="--tensor-parallel-size 3 must divide the model's attention heads"
+    ):
         LLMEngine.from_config(tiny_config(tiny_llama_dir, tensor_parallel_size=3))
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
 
 
 def test_tp_with_lora_is_refused() -> None:
-    with pytest.raises(ValueError, match="--enable-lora is not supported with --tensor-parallel-size"):
+    with pytest.raises(
+        ValueError, match="--enable-lora is not supported with --tensor-parallel-size"
+    ):
         EngineConfig(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="--tensor-parallel-size must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
