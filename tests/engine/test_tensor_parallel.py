@@ -140,3 +140,21 @@ def test_tp3_greedy_output_equals_tp1_on_the_default_model(smollm2_gguf: Path) -
     single, _ = greedy_tokens(EngineConfig(**fields), prompts, 24)
     split, _ = greedy_tokens(EngineConfig(**fields, tensor_parallel_size=3), prompts, 24)
     assert split == single
+
+
+def test_plan_sizes_one_rank(smollm2_gguf: Path) -> None:
+    """`portico plan --tensor-parallel-size 3`: a third of the KV cache per token, the split
+    projections divided by 3 and the replicated embedding whole."""
+    from engine.memory_plan import plan
+
+    fields: dict[str, Any] = {"model": str(smollm2_gguf), "device": "cpu", "dtype": "float32"}
+    whole = plan(EngineConfig(**fields), memory_bytes=4 * 2**30)
+    rank = plan(EngineConfig(**fields, tensor_parallel_size=3), memory_bytes=4 * 2**30)
+    assert rank.kv_block_bytes * 3 == whole.kv_block_bytes
+    cfg = whole.model_config
+    embedding = cfg.vocab_size * cfg.hidden_size * 4
+    norms = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size * 4
+    replicated = embedding + norms
+    assert rank.weights.dense == replicated + (whole.weights.dense - replicated) // 3
+    with pytest.raises(ValueError, match="must divide the model's attention heads \\(9\\)"):
+        plan(EngineConfig(**fields, tensor_parallel_size=2), memory_bytes=4 * 2**30)
