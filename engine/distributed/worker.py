@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     store.set(f"hello/{args.rank}", str(os.getpid()))
     group = TensorParallelGroup(store, args.rank, args.world_size, device)
-    serve(config, group)
+    try:
+        serve(config, group)
+    except RuntimeError as exc:  # gloo: rank 0 closed its end (it exited without STOP)
+        log.error("rank %d: lost the engine: %s", args.rank, str(exc).splitlines()[0][:200])
+        return EXIT_PARENT_GONE
     log.info("rank %d: stopped", args.rank)
     return 0
 
