@@ -83,6 +83,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded in memory (LRU); None: max_loras
     allow_runtime_lora_updating: bool = False  # or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+    # Ranks one model is split over (engine.distributed): heads and MLP columns per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -122,6 +124,9 @@ class EngineConfig:
         names = [m.name for m in self.lora_module_specs]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names must be unique, got {names}")
+        _check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
 
     @property
     def lora_module_specs(self) -> list[LoRAModuleSpec]:
@@ -188,6 +193,14 @@ class EngineConfig:
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="fix the number of KV blocks")  # fmt: skip
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="split the model over this many ranks (worker processes; gloo on CPU, "
+            "NCCL on CUDA with one GPU per rank); heads must divide evenly",
+        )
         lora = parser.add_argument_group("LoRA adapters")
         lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
         lora.add_argument(

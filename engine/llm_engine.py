@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -31,6 +32,9 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from portico.registry import resolve
+
+if TYPE_CHECKING:
+    from engine.distributed.leader import TensorParallelLeader
 
 __all__ = [
     "CompletionOutput",
@@ -80,8 +84,15 @@ class LLMEngine:
     a dedicated thread).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        parallel: TensorParallelLeader | None = None,
+    ) -> None:
         self.config = config
+        # With --tensor-parallel-size > 1: the worker ranks (``loaded`` is rank 0's shard).
+        self.parallel = parallel
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         model_len = loaded.config.max_position_embeddings
@@ -96,8 +107,12 @@ class LLMEngine:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
-        num_gpu_blocks = num_kv_blocks(loaded, config)
-        self.runner = ModelRunner(loaded, config, num_gpu_blocks)
+        if parallel is None:
+            num_gpu_blocks = num_kv_blocks(loaded, config)
+            self.runner = ModelRunner(loaded, config, num_gpu_blocks)
+        else:  # every rank holds as many blocks (of its own KV heads)
+            num_gpu_blocks = parallel.num_gpu_blocks
+            self.runner = parallel.make_runner(loaded, config)
         self.scheduler = Scheduler(
             config,
             num_gpu_blocks,
@@ -134,7 +149,17 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Resolve and load ``config.model`` on ``config.device`` and build the engine."""
+        """Resolve and load ``config.model`` on ``config.device`` and build the engine; with
+        ``tensor_parallel_size`` > 1 start the worker ranks too (stop them with :meth:`close`)."""
+        if config.tensor_parallel_size > 1:
+            from engine.distributed.leader import TensorParallelLeader
+
+            parallel, shard = TensorParallelLeader.start(config)
+            try:
+                return cls(config, shard, parallel)
+            except BaseException:
+                parallel.close()
+                raise
         device = choose_device(config.device)
         loaded = load_model(
             resolve(config.model),
@@ -443,6 +468,11 @@ class LLMEngine:
                 self.scheduler.finish_request(c.request.request_id, RequestStatus.FINISHED_ABORTED)
                 self._finish(parent, c, now)
         return self._make_output(parent)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; no step may run after)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     def has_unfinished(self) -> bool:
         return bool(self._parents) or self.scheduler.has_unfinished()

@@ -7,6 +7,9 @@ KV blocks. Weight bytes follow what ``engine.model_loader.load_model`` keeps res
 tensor as dense ``dtype``, plus the GGUF Q4_1/Q8_0 blocks on CPU (``--quantization gguf``),
 plus the oneDNN-prepacked copy of each projection for bfloat16 on CPU, plus the RoPE tables.
 
+With ``--tensor-parallel-size N`` the plan is one rank's: its shard of the projections, the
+replicated embedding, norms and head, and a KV cache of its ``KV heads / N``.
+
 Units are bytes throughout.
 """
 
@@ -159,6 +162,20 @@ def _block_kind(name: str, info: object, tied: bool) -> str | None:
     return kind
 
 
+# Weights split over tensor-parallel ranks (HF and GGUF names); the rest is on every rank.
+_SPLIT_TENSORS = ("q_proj.", "k_proj.", "v_proj.", "o_proj.weight", "gate_proj.", "up_proj.",
+                  "down_proj.weight", "attn_q.", "attn_k.", "attn_v.", "attn_output.weight",
+                  "ffn_gate.", "ffn_up.", "ffn_down.weight")  # fmt: skip
+
+
+def rank_share(tensor: WeightTensor, world_size: int) -> WeightTensor:
+    """What one of ``world_size`` tensor-parallel ranks keeps of ``tensor``
+    (engine.distributed.sharding: projections split, embedding, norms and head replicated)."""
+    if not any(part in tensor.name for part in _SPLIT_TENSORS):
+        return tensor
+    return WeightTensor(tensor.name, tensor.numel // world_size, tensor.block_kind)
+
+
 def weight_bytes(
     cfg: ModelConfig,
     tensors: Iterable[WeightTensor],
@@ -270,6 +287,12 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         cfg, tensors = gguf_tensors(Path(source.path))
     else:
         cfg, tensors = hf_tensors(Path(source.path))
+    world = engine_config.tensor_parallel_size
+    if world > 1:  # one rank: its heads, its MLP slice, its share of the split weights
+        from engine.distributed.sharding import shard_config
+
+        cfg = shard_config(cfg, world)
+        tensors = [rank_share(t, world) for t in tensors]
     max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(

@@ -59,6 +59,8 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
     """
     cfg = p.engine_config
     flags = ["--max-model-len", str(p.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs)]
+    if cfg.tensor_parallel_size > 1:
+        flags += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     notes: list[str] = []
     wanted_blocks = cfg.max_num_seqs * p.blocks_per_seq
     if p.device_type == "cuda":
@@ -102,6 +104,11 @@ def _rows(p: MemoryPlan) -> list[tuple[str, str]]:
             f"{m.num_key_value_heads} KV heads x {m.head_dim})",
         ),  # fmt: skip
         ("device / dtype", f"{p.device_type} / {p.dtype} (quantization {p.quantization})"),
+        *(
+            [("tensor parallel", f"{cfg.tensor_parallel_size} ranks: every figure is per rank")]
+            if cfg.tensor_parallel_size > 1
+            else []
+        ),
         (
             "weights",
             f"{_size(w.total)}  (dense {_size(w.dense)}, GGUF blocks "

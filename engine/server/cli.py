@@ -142,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ModelNotFound) as exc:
         print(f"portico engine: {exc}", file=sys.stderr)
         return 2
+    if engine.engine.parallel is not None:  # a dead worker: exit now, the supervisor restarts us
+        from engine.distributed.leader import exit_process
+
+        engine.engine.parallel.on_worker_death = exit_process
     app = create_app(engine, server_settings(args, config.model_name))
     # Like vLLM: move the model's long-lived objects out of the collector's reach, so
     # serving-time collections do not walk them again and again.
@@ -158,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         cut_in_flight=engine.shutdown,
     )
+    engine.engine.close()  # tensor-parallel workers: stopped and reaped
     # Everything is shut down (engine loop joined, socket removed). Tearing the interpreter
     # down would only spend seconds collecting the model's objects and make Triton's bindings
     # report them as leaks, so leave now.
