@@ -87,12 +87,15 @@ def _input_blocks(blocks: GGUFBlocks | None, columns: slice) -> GGUFBlocks | Non
     first, last = columns.start // BLOCK, columns.stop // BLOCK
     per_block = blocks.qs.shape[1] // blocks.scales.shape[1]  # 16 bytes (q4_1) or 32 (q8_0)
     mins = blocks.mins[:, first:last].contiguous() if blocks.mins is not None else None
-    return GGUFBlocks(
+    shard = GGUFBlocks(
         blocks.kind,
         blocks.qs[:, first * per_block : last * per_block].contiguous(),
         blocks.scales[:, first:last].contiguous(),
         mins,
     )
+    if blocks.packed_q8 is not None:
+        shard.pack_q8()
+    return shard
 
 
 def _keep_rows(linear: BlockLinear, rows: torch.Tensor) -> None:
@@ -101,7 +104,10 @@ def _keep_rows(linear: BlockLinear, rows: torch.Tensor) -> None:
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias[rows].contiguous(), requires_grad=False)
     if linear.blocks is not None:
+        int8 = linear.blocks.packed_q8 is not None
         linear.blocks = linear.blocks.rows(rows)
+        if int8:
+            linear.blocks.pack_q8()
     linear.out_features = int(rows.numel())
 
 
@@ -145,5 +151,8 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> ModelCon
     for module in model.modules():  # packed copies of the whole weights are stale now
         if isinstance(module, BlockLinear):
             module.packed = None
+    # The fused native step has no all-reduce: a rank runs its layers from Python. Shards cut
+    # from int8-packed blocks are packed again for the int8 kernels.
+    model.fused_step = None
     model.config = local
     return local

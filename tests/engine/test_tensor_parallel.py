@@ -127,6 +127,9 @@ def test_gguf_blocks_cut_by_input_blocks_of_32_match_the_dense_columns(kind: str
     assert cut is not None and cut.shape == (rows, 64)
     assert torch.equal(cut.dequantize(), dense[:, 32:96])
     assert _input_blocks(blocks, slice(16, 48)) is None  # not on block edges: dense instead
+    if blocks.pack_q8():  # int8-packed blocks (bf16 on VNNI) stay packed for their shard
+        packed_cut = _input_blocks(blocks, slice(32, 96))
+        assert packed_cut is not None and packed_cut.packed_q8 is not None
 
 
 @pytest.mark.slow
