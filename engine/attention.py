@@ -15,6 +15,9 @@ import torch
 
 from engine import kernels
 
+# Steps of at most this many tokens build their slot mapping in plain Python.
+_SMALL_STEP = 64
+
 
 @dataclass
 class AttentionMetadata:
@@ -66,14 +69,27 @@ class AttentionMetadata:
         width = max((len(t) for t in block_tables), default=0)
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
         tables = torch.tensor(padded, dtype=torch.int32).view(-1, width)
-        q_lens = torch.tensor(list(query_lens), dtype=torch.int64)
-        s_lens = torch.tensor(list(seq_lens), dtype=torch.int64)
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=starts[1:])
-        # Slot of every new token, vectorized: its request, its absolute position, its block.
-        owner = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        pos = torch.arange(int(starts[-1])) - starts[owner] + (s_lens - q_lens)[owner]
-        slots = tables[owner, pos // block_size].to(torch.int64) * block_size + pos % block_size
+        num_tokens = sum(query_lens)
+        if num_tokens <= _SMALL_STEP:
+            # Decode-sized steps: plain Python beats a dozen small tensor ops (every step of
+            # one stream pays this).
+            start_list, slot_list = [0], []
+            for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+                start_list.append(start_list[-1] + q_len)
+                for p in range(s_len - q_len, s_len):
+                    slot_list.append(table[p // block_size] * block_size + p % block_size)
+            starts = torch.tensor(start_list, dtype=torch.int32)
+            slots = torch.tensor(slot_list, dtype=torch.int64)
+            s_lens = torch.tensor(list(seq_lens), dtype=torch.int32)
+        else:
+            q_lens = torch.tensor(list(query_lens), dtype=torch.int64)
+            s_lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+            starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+            torch.cumsum(q_lens, 0, out=starts[1:])
+            # Slot of every new token, vectorized: its request, its absolute position, its block.
+            owner = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+            pos = torch.arange(num_tokens) - starts[owner] + (s_lens - q_lens)[owner]
+            slots = tables[owner, pos // block_size].to(torch.int64) * block_size + pos % block_size
         return cls(
             slot_mapping=slots.to(device),
             query_start_loc=starts.to(device=device, dtype=torch.int32),

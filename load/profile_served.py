@@ -35,6 +35,7 @@ from load import datasets, serve_bench, standard
 # (share, markers): a sample goes to the first share, in the order below, one of whose markers
 # occurs anywhere in its stack (forward-pass shares first for stacks inside the model).
 _FORWARD: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("forward: fused native step (every layer in one call)", ("fused_step.py",)),
     ("forward: attention", ("paged_attention", "attend_paged", "scaled_dot_product")),
     ("forward: lm_head", ("compute_logits",)),
     ("forward: linears, GGUF blocks (steps of <= 8 rows)", ("quantized_linear",)),

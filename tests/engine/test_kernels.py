@@ -140,6 +140,21 @@ def test_dispatcher_on_cpu_matches_the_reference() -> None:
     )  # fmt: skip
 
 
+def test_metadata_of_small_and_large_steps_follow_one_layout(monkeypatch) -> None:
+    """Decode-sized steps build their slots in plain Python, bigger ones with tensor ops: the
+    same tables, starts, lengths and slots either way."""
+    from engine import attention
+
+    args = ([1, 3, 2], [5, 7, 2], [[4, 2], [9, 1], [6]], 4)
+    small = AttentionMetadata.build(*args)
+    monkeypatch.setattr(attention, "_SMALL_STEP", 0)
+    large = AttentionMetadata.build(*args)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        a, b = getattr(small, name), getattr(large, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert small.slot_mapping.tolist() == [8 + 0, 4 + 0, 4 + 1, 4 + 2, 6 * 4 + 0, 6 * 4 + 1]
+
+
 def test_metadata_rejects_a_table_too_short_for_its_context() -> None:
     with pytest.raises(ValueError, match="cannot hold"):
         AttentionMetadata.build([1], [9], [[3, 4]], 4)
