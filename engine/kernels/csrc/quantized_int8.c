@@ -30,8 +30,7 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 size_t q8_rows_bytes(int m, int k) {
     const size_t nb = (size_t)k / 32;
-    return align64((size_t)m * k) + align64((size_t)m * nb / 2 * 16 * sizeof(float)) +
-           align64((size_t)m * nb * sizeof(float));
+    return align64((size_t)m * k) + 2 * align64((size_t)m * nb / 2 * 16 * sizeof(float));
 }
 
 void q8_rows_init(Q8Rows *rows, int kind, int m, int k, void *scratch) {
@@ -45,7 +44,7 @@ void q8_rows_init(Q8Rows *rows, int kind, int m, int k, void *scratch) {
     p += align64((size_t)m * k);
     rows->dpat = (float *)p;
     p += align64((size_t)m * nb / 2 * 16 * sizeof(float));
-    rows->xs = (float *)p;
+    rows->xspat = (float *)p;
 }
 
 /* Where value j (0..31) of block b lands in a row: Q8_0 keeps the natural order; Q4_1 puts each
@@ -73,12 +72,16 @@ void quantize_rows_q8(Q8Rows *rows, const void *x, int dt) {
                 rows->q[(int64_t)r * k + q8_slot(rows->kind, b, j)] = (int8_t)q;
                 sum += q;
             }
-            rows->xs[(int64_t)r * nb + b] = d * (float)sum;
-            /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4, A x4, B x4], Q8_0 [A x8, B x8]. */
-            float *pat = rows->dpat + ((int64_t)r * (nb / 2) + b / 2) * 16;
+            /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4, A x4, B x4], Q8_0 [A x8, B x8].
+             * The per-block term (Q4_1: + min * d sum(q); Q8_0: - 128 * scale * d sum(q), the
+             * weights' offset taken back out) is spread over the block's 8 lanes: / 8 is exact. */
+            const int64_t at = ((int64_t)r * (nb / 2) + b / 2) * 16;
+            const float term = (rows->kind == Q8_KIND_Q4_1 ? 1.f : -128.f) * d * (float)sum / 8.f;
             for (int lane = 0; lane < 16; lane++) {
                 const int block_of_lane = rows->kind == Q8_KIND_Q4_1 ? (lane / 4) % 2 : lane / 8;
-                if (block_of_lane == b % 2) pat[lane] = d;
+                if (block_of_lane != b % 2) continue;
+                rows->dpat[at + lane] = d;
+                rows->xspat[at + lane] = term;
             }
         }
     }
@@ -120,34 +123,31 @@ int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const flo
 }
 
 #if HAVE_Q8
-/* Sums of one tile (records from rec on): 4 weight rows times activation rows r0..r0+ri-1,
- * scales applied (acc), and the per-block term's sum (macc: Q4_1 mins . xs, Q8_0 d . xs). */
-static inline __attribute__((always_inline)) void q8_tile(const Q8Weights *w, const uint8_t *rec,
-                                                          const Q8Rows *x, int r0, int ri,
-                                                          __m512 acc[TILE_OUT][TILE_IN],
-                                                          __m128 macc[TILE_OUT][TILE_IN]) {
+/* Sums of one tile (records from rec on): 4 weight rows times activation rows r0..r0+ri-1, with
+ * the scales and the per-block term applied. KIND and ri are literals at every call, so each
+ * specialization keeps its accumulators in registers and has no branch inside. */
+static inline __attribute__((always_inline)) void q8_tile(const int kind, const Q8Weights *w, const uint8_t *rec,
+                                                          const Q8Rows *x, int r0, const int ri,
+                                                          __m512 acc[TILE_OUT][TILE_IN]) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i pat4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-    const __m512i pat8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const int pairs = w->nb / 2, q4 = w->kind == Q8_KIND_Q4_1, rb = record_bytes(w->kind);
+    const __m512i pat = kind == Q8_KIND_Q4_1 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const int pairs = w->nb / 2, rb = record_bytes(kind), qb = quant_bytes(kind);
     for (int p = 0; p < pairs; p++, rec += rb) {
-        _mm_prefetch((const char *)rec + 8 * rb, _MM_HINT_T0);
-        _mm_prefetch((const char *)rec + 8 * rb + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)rec + 8 * rb + 128, _MM_HINT_T0);
-        if (!q4) _mm_prefetch((const char *)rec + 8 * rb + 192, _MM_HINT_T0);
-        __m512 pat[TILE_IN];
+        for (int off = 0; off < rb; off += 64) _mm_prefetch((const char *)rec + 8 * rb + off, _MM_HINT_T0);
+        __m512 dx[TILE_IN], term[TILE_IN];
         __m512i xv[TILE_IN];
-        __m128 xs[TILE_IN];
         for (int i = 0; i < ri; i++) {
+            const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16;
             xv[i] = _mm512_loadu_si512(x->q + (int64_t)(r0 + i) * w->k + p * 64);
-            pat[i] = _mm512_loadu_ps(x->dpat + ((int64_t)(r0 + i) * pairs + p) * 16);
-            xs[i] = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(x->xs + (int64_t)(r0 + i) * w->nb + 2 * p)));
+            dx[i] = _mm512_loadu_ps(x->dpat + at);
+            term[i] = _mm512_loadu_ps(x->xspat + at);
         }
-        const float *scales = (const float *)(rec + TILE_OUT * quant_bytes(w->kind));
+        const float *scales = (const float *)(rec + TILE_OUT * qb);
         for (int j = 0; j < TILE_OUT; j++) {
             __m512i wv;
-            if (q4) {
+            if (kind == Q8_KIND_Q4_1) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
                 __m256i lo = _mm256_and_si256(raw, low4);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -156,28 +156,28 @@ static inline __attribute__((always_inline)) void q8_tile(const Q8Weights *w, co
                 wv = _mm512_xor_si512(_mm512_loadu_si512(rec + j * 64), flip);
             }
             const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(scales + j * 2)));
-            const __m128 per_block = q4 ? _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(scales + TILE_OUT * 2 + j * 2)))
-                                        : two;
-            const __m512 dw = _mm512_permutexvar_ps(q4 ? pat4 : pat8, _mm512_castps128_ps512(two));
+            const __m512 dw = _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(two));
+            /* Q4_1: the block minimums; Q8_0: the scales again (the offset's factor). */
+            const __m512 mw = kind == Q8_KIND_Q4_1
+                                  ? _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(_mm_castsi128_ps(
+                                                                   _mm_loadl_epi64((const __m128i *)(scales + 8 + j * 2)))))
+                                  : dw;
             for (int i = 0; i < ri; i++) {
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
-                acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, pat[i]), acc[j][i]);
-                macc[j][i] = _mm_fmadd_ps(per_block, xs[i], macc[j][i]);
+                acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[i]), acc[j][i]);
+                acc[j][i] = _mm512_fmadd_ps(mw, term[i], acc[j][i]);
             }
         }
     }
 }
 
-/* A tile's sums plus the per-block term (Q4_1: + mins . xs; Q8_0: - 128 d . xs) and bias. */
+/* A tile's sums plus the bias, stored. */
 static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, __m512 acc[TILE_OUT][TILE_IN],
-                            __m128 macc[TILE_OUT][TILE_IN], const float *bias, int dt, void *y, int64_t ldy) {
-    const float term = w->kind == Q8_KIND_Q4_1 ? 1.f : -128.f;
+                            const float *bias, int dt, void *y, int64_t ldy) {
     for (int j = 0; j < TILE_OUT && o0 + j < w->n; j++) {
         const int o = o0 + j;
         for (int i = 0; i < ri; i++) {
-            float m2[4];
-            _mm_storeu_ps(m2, macc[j][i]);
-            float v = _mm512_reduce_add_ps(acc[j][i]) + term * (m2[0] + m2[1]);
+            float v = _mm512_reduce_add_ps(acc[j][i]);
             if (bias) v += bias[o];
             const int64_t at = (int64_t)(r0 + i) * ldy + o;
             if (dt == DT_F32)
@@ -186,6 +186,24 @@ static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, __m512 a
                 ((uint16_t *)y)[at] = f32_to_bf16(v);
         }
     }
+}
+
+/* One tile of either kind, ri rows (dispatch to the literal specializations). */
+static void q8_tile_any(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x, int r0, int ri,
+                        __m512 acc[TILE_OUT][TILE_IN]) {
+#define Q8_CASES(KIND)                                                                             \
+    switch (ri) {                                                                                  \
+    case 1: q8_tile(KIND, w, rec, x, r0, 1, acc); break;                                           \
+    case 2: q8_tile(KIND, w, rec, x, r0, 2, acc); break;                                           \
+    case 3: q8_tile(KIND, w, rec, x, r0, 3, acc); break;                                           \
+    default: q8_tile(KIND, w, rec, x, r0, 4, acc); break;                                          \
+    }
+    if (w->kind == Q8_KIND_Q4_1) {
+        Q8_CASES(Q8_KIND_Q4_1)
+    } else {
+        Q8_CASES(Q8_KIND_Q8_0)
+    }
+#undef Q8_CASES
 }
 #endif
 
@@ -200,20 +218,10 @@ void q8_linear_range(const Q8Weights *w, const Q8Rows *x, const float *bias, int
         for (int r0 = 0; r0 < x->m; r0 += TILE_IN) {
             const int ri = x->m - r0 < TILE_IN ? x->m - r0 : TILE_IN;
             __m512 acc[TILE_OUT][TILE_IN];
-            __m128 macc[TILE_OUT][TILE_IN];
             for (int j = 0; j < TILE_OUT; j++)
-                for (int i = 0; i < TILE_IN; i++) {
-                    acc[j][i] = _mm512_setzero_ps();
-                    macc[j][i] = _mm_setzero_ps();
-                }
-            /* Literal row counts keep every accumulator in a register. */
-            switch (ri) {
-            case 1: q8_tile(w, rec, x, r0, 1, acc, macc); break;
-            case 2: q8_tile(w, rec, x, r0, 2, acc, macc); break;
-            case 3: q8_tile(w, rec, x, r0, 3, acc, macc); break;
-            default: q8_tile(w, rec, x, r0, 4, acc, macc); break;
-            }
-            q8_store(w, t * TILE_OUT, r0, ri, acc, macc, bias, dt, y, ldy);
+                for (int i = 0; i < TILE_IN; i++) acc[j][i] = _mm512_setzero_ps();
+            q8_tile_any(w, rec, x, r0, ri, acc);
+            q8_store(w, t * TILE_OUT, r0, ri, acc, bias, dt, y, ldy);
         }
     }
 #else

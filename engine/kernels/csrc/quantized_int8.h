@@ -12,8 +12,8 @@ enum { Q8_KIND_Q4_1 = 0, Q8_KIND_Q8_0 = 1 };
 typedef struct {
     int kind, m, k, nb;
     int8_t *q;   /* [m, k] */
-    float *dpat; /* [m, nb / 2, 16]: each pair of blocks' scales as the lanes of its products */
-    float *xs;   /* [m, nb]: d * sum(q) of each block (the Q4_1 minimum's and Q8_0 offset's factor) */
+    float *dpat;  /* [m, nb / 2, 16]: each pair of blocks' scales as the lanes of its products */
+    float *xspat; /* [m, nb / 2, 16]: d * sum(q) of each block / 8 on its lanes (Q8_0: * -128) */
 } Q8Rows;
 
 /* One weight matrix [n, k] in GGUF blocks of 32, packed by q8_pack. */
