@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #else
 #define _mm_prefetch(p, hint) __builtin_prefetch((p))
+#define _mm_pause() ((void)0)
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };

@@ -4,8 +4,10 @@
  * Why: at one row a layer's work is ~10 small kernels of 10-100 us each. Called from Python,
  * every one pays the interpreter, a tensor allocation and an OpenMP team wake-up (tens of us
  * under OMP_WAIT_POLICY=PASSIVE), which added up to as much as the arithmetic. Here the threads
- * are woken once per step, stay in one parallel region for every layer, and meet at a spinning
- * barrier (that yields the core after a bounded spin) between the stages of a layer. Work
+ * are woken once per step, stay in one parallel region for every layer, and meet at a barrier
+ * between the stages of a layer that spins briefly (the usual wait: the other thread finishing
+ * its last chunk) and then sleeps on a futex, so a thread whose peer was descheduled on a busy
+ * machine gives its core back instead of spinning through the peer's time slice. Work
  * inside a stage is handed out in chunks from a shared counter; each output is still computed
  * by one thread in a fixed order, so results never depend on the schedule or thread count.
  *
@@ -13,9 +15,13 @@
  * paged attention work items (paged_attention.c), and the int8-activation block linears
  * (quantized_int8.c). bfloat16 activations only, linears in GGUF Q4_1/Q8_0 blocks.
  */
-#include <sched.h>
-#include <stdatomic.h>
+#define _GNU_SOURCE /* syscall() */
+#include <limits.h>
+#include <linux/futex.h>
 #include <omp.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "paged_attention.h"
 #include "quantized_int8.h"
@@ -34,29 +40,38 @@ enum { LF_IN_NORM = 0, LF_POST_NORM = 1, LF_QKV = 2, LF_O = 7, LF_GATE_UP = 12, 
 /* The model's sizes, in the dims array. */
 enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_FIELDS };
 
-#define SPIN_LIMIT 20000 /* pauses before a waiting thread yields its core */
+#define SPIN_LIMIT 2000 /* pauses (tens of microseconds) before a waiting thread sleeps */
 #define LINEAR_CHUNK 8   /* tiles of 4 output rows a thread takes at a time */
 
 typedef struct {
     atomic_int arrived;
     atomic_int generation;
+    atomic_int sleepers;
     int threads;
 } Barrier;
 
+static void futex(atomic_int *word, int op, int value) {
+    syscall(SYS_futex, (int *)word, op, value, NULL, NULL, 0);
+}
+
+/* Sequentially consistent atomics: either the last arriver sees a sleeper and wakes it, or the
+ * sleeper's FUTEX_WAIT sees the new generation and returns at once. */
 static void barrier_wait(Barrier *b) {
     if (b->threads == 1) return;
-    const int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+    const int gen = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == b->threads - 1) {
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers)) futex(&b->generation, FUTEX_WAKE_PRIVATE, INT_MAX);
         return;
     }
-    for (int spin = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; spin++) {
-        if (spin < SPIN_LIMIT)
-            _mm_pause();
-        else
-            sched_yield();
+    for (int spin = 0; spin < SPIN_LIMIT; spin++) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+        _mm_pause();
     }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == gen) futex(&b->generation, FUTEX_WAIT_PRIVATE, gen);
+    atomic_fetch_sub(&b->sleepers, 1);
 }
 
 /* Everything one step shares between its threads. */
