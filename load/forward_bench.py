@@ -35,8 +35,14 @@ def measure_decode(
     context_len: int = 128,
     steps: int = 8,
     block_size: int = 16,
+    clock: str = "wall",
 ) -> float:
-    """Decode tokens per second (forward + logits of every row) at ``batch_size``."""
+    """Decode tokens per second (forward + logits of every row) at ``batch_size``.
+
+    ``clock`` "cpu": this thread's CPU time instead of wall time (with one torch thread, the
+    process's whole compute; robust to other work on a shared machine, which only stretches
+    wall time)."""
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     cfg = loaded.config
     blocks_per_seq = -(-(context_len + steps + 1) // block_size)
     num_blocks = batch_size * blocks_per_seq + 1
@@ -61,12 +67,12 @@ def measure_decode(
         step(context_len)  # warm-up
         if loaded.device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = now()
         for i in range(steps):
             step(context_len + 1 + i)
         if loaded.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
     return batch_size * steps / elapsed
 
 
@@ -87,12 +93,25 @@ def main(argv: list[str] | None = None) -> int:
         choices=GGUF_ACTIVATIONS,
         help="int8: llama.cpp-style int8 inputs to the block linears, fused small steps",
     )
+    parser.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="run small steps layer by layer from Python even where the fused step serves",
+    )
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: this thread's CPU time (needs --threads 1): robust on a shared machine",
+    )
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--repeats", type=int, default=1, help="report the best of N runs")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: pass --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = choose_device(args.device)
@@ -103,14 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         args.quantization,
         args.gguf_activations,
     )
+    if args.no_fused:
+        loaded.model.fused_step = None
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         tps = max(
-            measure_decode(loaded, batch, args.context_len, args.steps)
+            measure_decode(loaded, batch, args.context_len, args.steps, clock=args.clock)
             for _ in range(max(1, args.repeats))
         )
         print(
             f"{loaded.name} {loaded.dtype} {device} quantization={args.quantization} "
             f"gguf-activations={args.gguf_activations} "
+            f"fused={loaded.model.fused_step is not None} clock={args.clock} "
             f"threads={torch.get_num_threads()} "
             f"batch={batch} context={args.context_len}: {tps:.1f} tok/s"
         )
