@@ -195,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         quantization=args.quantization,
     )
-    engine = LLMEngine(config, load_model(source, dtype, device, args.quantization))
+    engine = LLMEngine(
+        config,
+        load_model(source, dtype, device, args.quantization, config.gguf_activations),
+    )
     work = make_workload(args, engine.vocab_size)
     print(
         f"workload: {len(work.prompts)} requests, {work.num_prompt_tokens} prompt tokens, "

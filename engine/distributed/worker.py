@@ -72,7 +72,13 @@ def load_shard(config: EngineConfig, group: TensorParallelGroup) -> LoadedModel:
     source = resolve(config.model)
     device = group.device
     quantization = resolve_quantization(config.quantization, source, device)
-    loaded = load_model(source, choose_dtype(config.dtype, device), "cpu", quantization)
+    loaded = load_model(
+        source,
+        choose_dtype(config.dtype, device),
+        "cpu",
+        quantization,
+        config.gguf_activations,
+    )
     check_divisible(loaded.config, group.world_size)
     local = shard_model(loaded.model, group)
     loaded.model.to(device)
