@@ -61,6 +61,7 @@ from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.dataplane.transport import LeanTransport
 from gateway.identity.admin import build_admin_router
+from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity, open_identity
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
@@ -97,6 +98,7 @@ class Gateway:
     pools: list[Pool]
     supervisor: Supervisor
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
+    audit: AuditLog  # every admin change (identity/audit.py)
     usage: UsageRecorder
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
@@ -193,6 +195,7 @@ class Gateway:
                 pools=local.pools,
                 supervisor=supervisor,
                 adapters=adapters,
+                audit=AuditLog(redis.client, config.audit),
                 _engine_tasks=engine_tasks,
                 usage=usage,
                 runtime_dir=runtime_dir,
@@ -587,6 +590,7 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
             gateway.identity.store,
             gateway.identity.authenticator,
             before_auth=gateway.guard.admin_dependency,
+            audit=gateway.audit,
         )
     )
     app.include_router(
@@ -595,6 +599,7 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
             gateway.identity.store,
             gateway.identity.authenticator,
             before_auth=gateway.guard.admin_dependency,
+            audit=gateway.audit,
         )
     )
     # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
