@@ -35,9 +35,12 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.console.routes import build_console_router
+from gateway.console.sessions import ConsoleSessions
 from gateway.dataplane.adapter_admin import build_adapter_router
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.discovery import DNSDiscovery
+from gateway.dataplane.engine_admin import build_engine_router
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.fields import RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
@@ -583,25 +586,52 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
 
 
 def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
-    """Put the built gateway behind the app: its state, the admin API and the hot routes."""
+    """Put the built gateway behind the app: its state, the admin API, the console and the
+    hot routes."""
     app.state.gateway = gateway
+    config = gateway.config
+    authenticator = gateway.identity.authenticator
+    admin_limit = gateway.guard.admin_dependency
+    # With the console on, the admin API also takes a console session (cookie + CSRF token).
+    sessions = ConsoleSessions(gateway.redis.client, authenticator, config.console)
+    resolve = sessions.resolve_admin if config.console.enabled else None
     app.include_router(
         build_admin_router(
             gateway.identity.store,
-            gateway.identity.authenticator,
-            before_auth=gateway.guard.admin_dependency,
+            authenticator,
+            before_auth=admin_limit,
             audit=gateway.audit,
+            resolve=resolve,
         )
     )
     app.include_router(
         build_adapter_router(
             gateway.adapters,
             gateway.identity.store,
-            gateway.identity.authenticator,
-            before_auth=gateway.guard.admin_dependency,
+            authenticator,
+            before_auth=admin_limit,
             audit=gateway.audit,
+            resolve=resolve,
         )
     )
+
+    async def bearer_admin(request: Request) -> Principal:
+        return await authenticator.resolve_admin(request.headers.get("authorization"))
+
+    app.include_router(
+        build_engine_router(
+            gateway.pools, gateway.supervisor, resolve or bearer_admin, before_auth=admin_limit
+        )
+    )
+    if config.console.enabled:
+        app.include_router(
+            build_console_router(
+                sessions,
+                gateway.audit,
+                secure_cookies=config.tls is not None,
+                before_auth=admin_limit,
+            )
+        )
     # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
     # but keep the request context and the body-size limit.
     app.hot_app = RequestContextMiddleware(

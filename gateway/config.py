@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.admission.admission import AdmissionSettings
+from gateway.console.sessions import ConsoleSettings
 from gateway.dataplane.discovery import DiscoverySpec
 from gateway.dataplane.remote import RemoteSpec
 from gateway.identity.audit import AuditSettings
@@ -108,6 +109,7 @@ class GatewayConfig(_Strict):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     audit: AuditSettings = Field(default_factory=AuditSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])
     remotes: list[RemoteSpec] = []
     policies_dir: Path = PACKAGED_POLICIES  # routing.yaml, retry.yaml (plans: redis.plans_file)

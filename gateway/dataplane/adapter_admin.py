@@ -15,6 +15,7 @@ from starlette.requests import Request
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.identity.audit import Actor, AuditLog
 from gateway.identity.auth import Authenticator
+from gateway.identity.principal import Principal
 from gateway.identity.tenants import TenantStore
 from portico.errors import InvalidRequestError
 
@@ -37,6 +38,7 @@ def build_adapter_router(
     *,
     before_auth: Callable[[Request], Awaitable[None]] | None = None,
     audit: AuditLog | None = None,
+    resolve: Callable[[Request], Awaitable[Principal]] | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix="/admin/v1", tags=["admin"])
     audit_log = audit if audit is not None else AuditLog(store.redis)
@@ -44,7 +46,10 @@ def build_adapter_router(
     async def admin(request: Request) -> Actor:
         if before_auth is not None:
             await before_auth(request)
-        principal = await authenticator.resolve_admin(request.headers.get("authorization"))
+        if resolve is not None:  # the console's session check (gateway/console/sessions.py)
+            principal = await resolve(request)
+        else:
+            principal = await authenticator.resolve_admin(request.headers.get("authorization"))
         return Actor.of_request(request, principal)
 
     @router.post("/adapters", status_code=201)

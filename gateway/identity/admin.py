@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from gateway.identity.audit import Actor, AuditLog, entry_json
 from gateway.identity.auth import Authenticator
 from gateway.identity.plans import whole_number
+from gateway.identity.principal import Principal
 from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
 from gateway.identity.tenants import TenantStore
 from portico.errors import ERROR_SCHEMA_DOC, InvalidRequestError, ServiceUnavailableError
@@ -121,6 +122,9 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
 
 
 BeforeAuth = Callable[[Request], Awaitable[None]]
+# Resolves the admin principal of a request (default: its Authorization header through
+# Authenticator.resolve_admin; the console's sessions add the session cookie + CSRF token).
+AdminResolver = Callable[[Request], Awaitable[Principal]]
 
 
 class _AllowRoute(APIRoute):
@@ -136,7 +140,7 @@ class _AllowRoute(APIRoute):
 
 
 def _admin_route_class(
-    authenticator: Authenticator, before_auth: BeforeAuth | None
+    authenticator: Authenticator, before_auth: BeforeAuth | None, resolve: AdminResolver | None
 ) -> type[_AllowRoute]:
     """The route class of the admin router: it authenticates before FastAPI reads the body, so
     an unauthenticated caller learns nothing from validation errors (401/403 always come
@@ -149,8 +153,12 @@ def _admin_route_class(
             async def guarded(request: Request) -> Response:
                 if before_auth is not None:
                     await before_auth(request)
-                auth = request.headers.get("authorization")
-                request.state.admin = admin = await authenticator.resolve_admin(auth)
+                if resolve is not None:
+                    admin = await resolve(request)
+                else:
+                    auth = request.headers.get("authorization")
+                    admin = await authenticator.resolve_admin(auth)
+                request.state.admin = admin
                 request.state.actor = Actor.of_request(request, admin)
                 # Read (and cache) the body here, outside FastAPI's body parsing, which turns
                 # any exception — BodySizeLimitMiddleware's 413 signal included — into a 400.
@@ -327,6 +335,7 @@ def build_admin_router(
     *,
     before_auth: BeforeAuth | None = None,
     audit: AuditLog | None = None,
+    resolve: AdminResolver | None = None,
 ) -> APIRouter:
     """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once and are
     appended to ``audit`` (default: an :class:`AuditLog` with default retention on the
@@ -334,10 +343,11 @@ def build_admin_router(
 
     ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
     checked, so failed guesses count too; router-level ``dependencies`` would run only after
-    a successful authentication.
+    a successful authentication. ``resolve`` replaces the bearer-only credential check (the
+    console's sessions: gateway/console/sessions.py).
     """
     api = AdminAPI(store, authenticator, audit)
-    route_class = _admin_route_class(authenticator, before_auth)
+    route_class = _admin_route_class(authenticator, before_auth, resolve)
     # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
     router = APIRouter(
         prefix="/admin/v1",
