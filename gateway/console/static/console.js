@@ -475,6 +475,7 @@
       else a.removeAttribute("aria-current");
     }
     document.getElementById("alert").textContent = "";
+    document.getElementById("status").textContent = "";
     await attempt(() => show(arg ? decodeURIComponent(arg) : undefined));
   }
 
