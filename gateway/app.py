@@ -70,6 +70,7 @@ from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tls import AdminClientCertGuard
+from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
@@ -107,6 +108,7 @@ class Gateway:
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
     draining: bool = False
+    tracing: GatewayTracing | None = None  # None: off (OTEL_* unset), no span is ever made
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
 
     @classmethod
@@ -121,6 +123,9 @@ class Gateway:
         the router and the supervisor; start the engines. On failure, what was opened closes."""
         async with contextlib.AsyncExitStack() as stack:
             runtime_dir = stack.enter_context(_runtime_dir(config.runtime_dir))
+            tracing = GatewayTracing.from_env(env)
+            if tracing is not None:  # closed last: the spans of the drain are exported too
+                stack.push_async_callback(asyncio.to_thread, tracing.shutdown)
             redis = await open_shared_redis(config.redis, env)
             stack.push_async_callback(redis.aclose)
             identity = open_identity(redis.client, config.redis, config.auth, env)
@@ -153,6 +158,8 @@ class Gateway:
                 for replica in pool.replicas:
                     stack.push_async_callback(replica.client.aclose)
             upstreams: dict[str, Upstream] = dict(local.upstreams)
+            for upstream in local.upstreams.values():
+                upstream.tracer = tracing
             for spec in config.remotes:
                 upstreams[spec.name] = RemoteUpstream(spec, retry, metrics)
             router = Router(
@@ -202,6 +209,7 @@ class Gateway:
                 _engine_tasks=engine_tasks,
                 usage=usage,
                 runtime_dir=runtime_dir,
+                tracing=tracing,
                 _resources=stack.pop_all(),
             )
         _freeze_startup_objects()
@@ -266,7 +274,19 @@ class Gateway:
     # ------------------------------------------------------------------ the request path
 
     async def complete(self, request: Request, kind: str, path: str) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``, top to bottom."""
+        """``/v1/chat/completions`` and ``/v1/completions``, traced when tracing is on."""
+        tracing = self.tracing
+        if tracing is None:
+            return await self._complete(request, kind, path, NO_TRACE)
+        trace = tracing.start(request, kind, path, request.scope[CTX_KEY].request_id)
+        try:
+            return await self._complete(request, kind, path, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+
+    async def _complete(self, request: Request, kind: str, path: str, trace: NoTrace) -> Response:
+        """The request path, top to bottom; ``trace`` gets its steps (NO_TRACE: nothing)."""
         ctx: RequestContext = request.scope[CTX_KEY]
         if self.draining:
             raise ServiceUnavailableError(
@@ -274,41 +294,50 @@ class Gateway:
                 code="draining",
                 headers={"retry-after": "1"},
             )
-        principal = await self.authenticate(request)
+        with trace.phase("authenticate"):
+            principal = await self.authenticate(request)
         ctx.tenant = principal.tenant_id
         raw = await request.body()
-        fields = parse_fields(raw, kind)
-        adapter = self.adapters.resolve(fields.model, principal)
-        avoid: tuple[Replica, ...] = ()
-        if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
-            decision = self._adapter_decision(adapter, fields, principal)
-            upstream, base = self.upstreams[adapter.base_model], adapter.base_model
-            avoid = self.adapters.lacking(adapter)
-        else:  # another tenant's private adapter lands here too: the same 404 as no model
-            decision = self.router.route(fields, principal)
-            upstream, base = self.upstreams[decision.model], decision.model
-        ctx.model, ctx.tier = decision.model, decision.tier
-        prompt_tokens = self.counter.count(base, fields)
-        ticket = await self.admit(
-            principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
-        )
+        with trace.phase("route"):
+            fields = parse_fields(raw, kind)
+            adapter = self.adapters.resolve(fields.model, principal)
+            avoid: tuple[Replica, ...] = ()
+            if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
+                decision = self._adapter_decision(adapter, fields, principal)
+                upstream, base = self.upstreams[adapter.base_model], adapter.base_model
+                avoid = self.adapters.lacking(adapter)
+            else:  # another tenant's private adapter lands here too: the same 404 as no model
+                decision = self.router.route(fields, principal)
+                upstream, base = self.upstreams[decision.model], decision.model
+            ctx.model, ctx.tier = decision.model, decision.tier
+            prompt_tokens = self.counter.count(base, fields)
+        trace.routed(decision, fields, principal)
+        with trace.phase("admit"):
+            ticket = await self.admit(
+                principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
+            )
         try:
             if ticket.max_tokens is not None:  # the client set none: send what was reserved
                 fields.body["max_tokens"] = ticket.max_tokens
             payload = upstream_body(
                 raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
             )
-            exchange: Exchange = await upstream.exchange(
-                path, payload, fields, ctx.request_id, decision.prefix_key, avoid
-            )
+            with trace.current():  # upstream attempts are children of the request's span
+                exchange: Exchange = await upstream.exchange(
+                    path, payload, fields, ctx.request_id, decision.prefix_key, avoid
+                )
         except BaseException:
             await self.admission.release(ticket)
             raise
         ctx.upstream_s = exchange.upstream_s
+        trace.answered(exchange)
         headers = {**ticket.headers, "x-portico-route": decision.header}
 
         async def finish() -> None:
-            await self.settle(ticket, principal, decision.model, exchange)
+            try:
+                await self.settle(ticket, principal, decision.model, exchange)
+            finally:
+                trace.end(exchange)
 
         if exchange.body is not None:
             return Response(

@@ -142,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ModelNotFound) as exc:
         print(f"portico engine: {exc}", file=sys.stderr)
         return 2
-    app = create_app(engine, server_settings(args, config.model_name))
+    from engine.server.tracing import EngineTracing
+
+    tracing = EngineTracing.from_env(os.environ)  # None unless OTEL_* asks for traces
+    app = create_app(engine, server_settings(args, config.model_name), tracing)
     # Like vLLM: move the model's long-lived objects out of the collector's reach, so
     # serving-time collections do not walk them again and again.
     gc.collect()
@@ -158,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         cut_in_flight=engine.shutdown,
     )
+    if tracing is not None:
+        tracing.shutdown()  # export what is buffered before leaving
     # Everything is shut down (engine loop joined, socket removed). Tearing the interpreter
     # down would only spend seconds collecting the model's objects and make Triton's bindings
     # report them as leaks, so leave now.
