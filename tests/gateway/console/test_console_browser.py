@@ -223,7 +223,5 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
 def _refused(gateway: GatewayProcess, secret: str) -> bool:
     import httpx
 
-    resp = httpx.get(
-        gateway.base_url + "/v1/models", headers={"authorization": f"Bearer {secret}"}
-    )
+    resp = httpx.get(gateway.base_url + "/v1/models", headers={"authorization": f"Bearer {secret}"})
     return resp.status_code == 401
