@@ -9,16 +9,21 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from fastapi import FastAPI
 from starlette.requests import Request
 
+from gateway.console.routes import build_console_router
 from gateway.console.sessions import COOKIE_NAME, ConsoleSessions, ConsoleSettings
+from gateway.identity.audit import AuditLog
 from gateway.identity.auth import AuthSettings, Identity, JWTSettings, open_identity
 from gateway.store import StoreSettings, open_shared_redis
 from portico.errors import AuthenticationError, PermissionDeniedError
+from portico.http_errors import install_error_handlers
 
 ADMIN_KEY = "adm-" + "c" * 40
 KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -145,3 +150,25 @@ async def test_a_new_admin_key_ends_the_old_keys_sessions(
     finally:
         await restarted.aclose()
         await redis.aclose()
+
+
+@pytest.mark.parametrize(
+    ("tls_in_gateway", "base_url", "secure"),
+    [(True, "http://gw", True), (False, "https://gw", True), (False, "http://gw", False)],
+)
+async def test_cookie_is_secure_when_tls_is_on(
+    identity: Identity, tls_in_gateway: bool, base_url: str, secure: bool
+) -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    sessions = ConsoleSessions(identity.redis, identity.authenticator)
+    app.include_router(
+        build_console_router(sessions, AuditLog(identity.redis), secure_cookies=tls_in_gateway)
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=base_url) as client:
+        resp = await client.post("/admin/ui/session", json={"credential": ADMIN_KEY})
+    assert resp.status_code == 200, resp.text
+    attributes = [p.strip().lower() for p in resp.headers["set-cookie"].split(";")]
+    assert ("secure" in attributes) is secure
+    assert "httponly" in attributes and "samesite=strict" in attributes
