@@ -57,6 +57,7 @@ if max_entries > 0 then redis.call('XTRIM', KEYS[1], 'MAXLEN', max_entries) end
 return 1
 """
 SCAN_BATCH = 200
+MAX_SCAN = 10_000  # entries one read looks at; a sparse filter pages on with the cursor
 
 
 class AuditSettings(BaseModel):
@@ -184,13 +185,16 @@ class AuditLog:
         """Newest first: up to ``limit`` entries older than the cursor ``before`` (a stream
         id) that match every filter given (``action`` matches exactly or as a prefix ending in
         a dot, e.g. ``tenant.``). Returns the entries and the cursor of the next page (None:
-        no more)."""
+        no more). One call scans at most :data:`MAX_SCAN` entries, so with a filter that
+        matches rarely a page may hold fewer than ``limit`` entries and still have a cursor."""
         limit = max(1, min(limit, MAX_PAGE))
         high = f"({before}" if before else ("+" if until is None else f"{int(until * 1000)}")
         low = "-" if since is None else f"{int(since * 1000)}"
         found: list[AuditEntry] = []
+        scanned = 0
         while True:
             batch = await self.redis.xrevrange(STREAM_KEY, high, low, count=SCAN_BATCH)
+            scanned += len(batch)
             for raw_id, raw in batch:
                 entry = _entry(raw_id, raw)
                 if _matches(entry, actor, action, tenant_id):
@@ -199,7 +203,10 @@ class AuditLog:
                         return found, entry.id
             if len(batch) < SCAN_BATCH:
                 return found, None
-            high = f"({_text(batch[-1][0])}"
+            last = _text(batch[-1][0])
+            if scanned >= MAX_SCAN:
+                return found, last
+            high = f"({last}"
 
 
 def _matches(

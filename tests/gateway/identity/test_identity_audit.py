@@ -175,3 +175,22 @@ async def test_a_redis_failure_is_logged_not_raised(
     assert json.loads(messages[0])["action"] == "tenant.delete"  # the log line still went out
     assert "could not append" in messages[1]
     await broken.aclose()
+
+
+async def test_a_sparse_filter_scans_a_bounded_stretch_per_page(
+    identity: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gateway.identity.audit as audit_module
+
+    monkeypatch.setattr(audit_module, "SCAN_BATCH", 4)
+    monkeypatch.setattr(audit_module, "MAX_SCAN", 8)
+    log = AuditLog(identity.store.redis)
+    actor = Actor("admin-x", "admin_key", "::1")
+    await log.record(actor, "key.revoke", "key-a", tenant_id="rare")
+    for i in range(12):
+        await log.record(actor, "tenant.update", f"tenant:t{i}", tenant_id="common")
+    # The one match is older than the first 8 entries: the first page is empty, with a cursor.
+    first, cursor = await log.read(tenant_id="rare")
+    assert first == [] and cursor is not None
+    second, cursor = await log.read(tenant_id="rare", before=cursor)
+    assert [e.target for e in second] == ["key-a"] and cursor is None
