@@ -60,7 +60,7 @@
   }
 
   function page(title, ...children) {
-    main.replaceChildren(h("h1", {}, title), ...children);
+    main.replaceChildren(h("h1", {}, title), ...children.filter((c) => c !== null && c !== undefined));
     main.focus();
   }
 

@@ -1,6 +1,7 @@
 """The admin console in a real headless Chromium (Debian's ``chromium`` + ``chromium-driver``,
 driven by selenium) against a real ``portico serve`` with a tiny real engine: sign in, create a
-tenant, create a key (its secret shown once), revoke it, read usage, and visit every page with
+tenant, create a key (its secret shown once), rotate it, revoke it, edit and disable the tenant,
+read usage, and visit every page with
 no Content-Security-Policy violation and a label on every field.
 
 Screenshots of each page go to the test's tmp folder; with ``PORTICO_UPDATE_SCREENSHOTS=1``
@@ -35,6 +36,10 @@ if (CHROMIUM is None or CHROMEDRIVER is None) and not os.environ.get("CI"):
     pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
 
 from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support import expected_conditions as ec  # noqa: E402
@@ -92,7 +97,11 @@ class Console:
         self.driver = driver
         self.base_url = base_url
         self.shots = shots
-        self.wait = WebDriverWait(driver, 60)
+        # The page re-renders its tables after each change: a node found a moment ago may be
+        # gone when read, so a wait retries on a stale element as on a missing one.
+        self.wait = WebDriverWait(
+            driver, 60, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+        )
 
     def heading(self, text: str) -> None:
         self.wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, "main h1"), text))
@@ -171,12 +180,37 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     assert "active" in row.text and shown not in row.text  # the table shows sk-...xxxx only
     c.every_field_is_labelled()
     c.shot("keys")
-    # The key works, then the console revokes it and it stops working.
+    # The key works; rotating it with no grace shows a new secret and ends the old one.
     OpenAI(base_url=gateway.base_url + "/v1", api_key=shown).models.list()
+    browser.find_element(By.CSS_SELECTOR, "button[aria-label^='Rotate key']").click()
+    grace = c.visible("#grace")
+    grace.clear()
+    grace.send_keys("0", Keys.ENTER)
+    c.wait.until(lambda d: d.find_element(By.ID, "new-secret").text not in ("", shown))
+    rotated = browser.find_element(By.ID, "new-secret").text
+    assert rotated.startswith("sk-")
+    assert wait_until(lambda: _refused(gateway, shown), timeout=10)
+    OpenAI(base_url=gateway.base_url + "/v1", api_key=rotated).models.list()
+    # Revoke the new key: it stops working too.
     browser.find_element(By.CSS_SELECTOR, "button[aria-label^='Revoke key']").click()
     c.status("revoked")
-    c.wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, "main tbody"), "revoked"))
-    assert wait_until(lambda: _refused(gateway, shown), timeout=10)
+    c.wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, "button[aria-label^='Revoke key']"))
+    assert wait_until(lambda: _refused(gateway, rotated), timeout=10)
+
+    # Edit the tenant's plan overrides, then disable it.
+    c.go("tenants", "Tenants")
+    browser.find_element(By.CSS_SELECTOR, "button[aria-label='Edit tenant browser-co']").click()
+    rpm = c.visible("#edit-requests_per_minute")
+    rpm.send_keys("7")
+    browser.find_element(
+        By.CSS_SELECTOR, "form[aria-label='Edit tenant browser-co'] button"
+    ).click()
+    c.status("Tenant browser-co saved.")
+    row = "//tr[td[1][text()='browser-co']]"
+    c.wait.until(lambda d: d.find_element(By.XPATH, row + "/td[5]").text == "7")
+    browser.find_element(By.CSS_SELECTOR, "button[aria-label='Disable tenant browser-co']").click()
+    c.status("Tenant browser-co disabled.")
+    c.wait.until(lambda d: "disabled" in d.find_element(By.XPATH, row).text)
 
     # Usage of the tenant that had traffic: a chart and the per-model table.
     c.go(f"usage/{traffic_tenant}", f"Usage of {traffic_tenant}")
@@ -198,8 +232,13 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     c.go("audit", "Audit log")
     body = c.visible("main tbody")
     c.wait.until(lambda d: "key.revoke" in d.find_element(By.CSS_SELECTOR, "main tbody").text)
-    assert body.text.index("key.revoke") < body.text.index("key.create")
+    text = body.text
+    order = ["tenant.update", "key.revoke", "key.rotate", "key.create", "tenant.create"]
+    assert [text.index(a) for a in order] == sorted(text.index(a) for a in order)
     assert "tenant.create" in body.text and "console.sign_in" in body.text
+    assert "null" not in c.visible("main").text
+    browser.find_element(By.CSS_SELECTOR, "main tbody tr details summary").click()  # before/after
+    assert '"disabled": true' in c.visible("main tbody tr details").text  # the newest change
     c.shot("audit")
 
     # Keyboard: Tab from the top (the skip link) reaches the navigation and the page's controls.
