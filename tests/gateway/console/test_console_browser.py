@@ -264,3 +264,22 @@ def _refused(gateway: GatewayProcess, secret: str) -> bool:
 
     resp = httpx.get(gateway.base_url + "/v1/models", headers={"authorization": f"Bearer {secret}"})
     return resp.status_code == 401
+
+
+def test_engines_api_reports_the_engines_own_gauges(gateway: GatewayProcess) -> None:
+    """``GET /admin/v1/engines`` (the engines page's data) over the real engine's /metrics."""
+    import httpx
+
+    resp = httpx.get(
+        gateway.base_url + "/admin/v1/engines", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert resp.status_code == 200, resp.text
+    (engine,) = resp.json()["data"]
+    assert (engine["name"], engine["model"], engine["state"], engine["up"]) == (
+        "tiny-0", "tiny", "ready", True
+    )  # fmt: skip
+    assert engine["restarts"] == 0 and isinstance(engine["pid"], int)
+    gauges = engine["metrics"]
+    assert set(gauges) == {"running", "waiting", "kv_cache_usage", "preemptions"}
+    assert 0.0 <= gauges["kv_cache_usage"] <= 1.0 and gauges["waiting"] >= 0
+    assert httpx.get(gateway.base_url + "/admin/v1/engines").status_code == 401
