@@ -27,6 +27,7 @@ from tests.gateway.dataplane.harness import (
     tiny_engine,
     wait_until,
 )
+from tests.gateway.tracing.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -49,15 +50,28 @@ DOCS_IMG = REPO_ROOT / "docs" / "img"
 
 
 @pytest.fixture(scope="module")
+def receiver() -> Iterator[OTLPReceiver]:
+    r = OTLPReceiver()
+    r.start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
 def gateway(
-    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, receiver: OTLPReceiver
 ) -> Iterator[GatewayProcess]:
+    """``portico serve`` with a tiny real engine, both exporting traces to ``receiver`` (one
+    real-engine gateway serves this module's console, engines and cross-process trace tests)."""
     gw = GatewayProcess(
         tmp_path_factory.mktemp("console-browser"),
         {"engines": [tiny_engine(tiny_llama_dir)]},
         routing={},
     )
-    gw.start(timeout=300)
+    with pytest.MonkeyPatch.context() as env:  # the gateway and its engine inherit these
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        gw.start(timeout=300)
     yield gw
     gw.terminate()
 
@@ -283,3 +297,53 @@ def test_engines_api_reports_the_engines_own_gauges(gateway: GatewayProcess) -> 
     assert set(gauges) == {"running", "waiting", "kv_cache_usage", "preemptions"}
     assert 0.0 <= gauges["kv_cache_usage"] <= 1.0 and gauges["waiting"] >= 0
     assert httpx.get(gateway.base_url + "/admin/v1/engines").status_code == 401
+
+
+def test_one_trace_across_the_gateway_and_engine_processes(
+    gateway: GatewayProcess, receiver: OTLPReceiver
+) -> None:
+    """The gateway's upstream attempt is the parent of the engine's span: ``traceparent``
+    crossed the engine socket; the engine's ``queue`` and ``execute`` are its children."""
+    _, secret = gateway.create_tenant()
+    client = OpenAI(base_url=gateway.base_url + "/v1", api_key=secret)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        stream=True,
+        extra_headers={"x-request-id": "trace-e2e-1"},
+    )
+    assert list(stream)
+
+    def spans_of_request() -> dict[tuple[str, str], Any]:
+        found: dict[tuple[str, str], Any] = {}
+        ours = {
+            s.span_id
+            for _, s in receiver.spans()
+            if receiver.attributes(s).get("portico.request_id") == "trace-e2e-1"
+        }
+        for service, span in receiver.spans():
+            if span.span_id in ours or span.parent_span_id in ours:
+                found[(service, span.name)] = span
+        return found
+
+    want = {
+        ("portico-gateway", "chat tiny"),
+        ("portico-gateway", "upstream attempt"),
+        ("portico-gateway", "stream"),
+        ("portico-engine", "engine /v1/chat/completions"),
+        ("portico-engine", "queue"),
+        ("portico-engine", "execute"),
+    }
+    assert wait_until(lambda: want <= set(spans_of_request()), timeout=30), spans_of_request()
+    spans = spans_of_request()
+    root = spans[("portico-gateway", "chat tiny")]
+    attempt = spans[("portico-gateway", "upstream attempt")]
+    served = spans[("portico-engine", "engine /v1/chat/completions")]
+    assert served.trace_id == attempt.trace_id == root.trace_id
+    assert attempt.parent_span_id == root.span_id and served.parent_span_id == attempt.span_id
+    for name in ("queue", "execute"):
+        assert spans[("portico-engine", name)].parent_span_id == served.span_id
+    execute = receiver.attributes(spans[("portico-engine", "execute")])
+    assert execute["gen_ai.usage.output_tokens"] == 3
+    assert receiver.attributes(root)["gen_ai.server.time_to_first_token"] > 0

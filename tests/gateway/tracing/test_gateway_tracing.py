@@ -5,19 +5,13 @@ receiver (a local HTTP server decoding the protobuf export requests). Off by def
 from __future__ import annotations
 
 import contextlib
-import http.server
 import os
-import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -28,6 +22,7 @@ from gateway.config import parse_config
 from gateway.tracing import GatewayTracing
 from portico.tracing import tracing_enabled
 from tests.gateway.dataplane.harness import ADMIN_KEY, fake_engine_command
+from tests.gateway.tracing.otlp_receiver import OTLPReceiver
 
 A = {"authorization": f"Bearer {ADMIN_KEY}"}
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -209,59 +204,12 @@ async def test_off_by_default_no_tracer_anywhere(tmp_path: Path, redis_url: str)
         assert resp.status_code == 200
 
 
-class OTLPReceiver:
-    """A real OTLP/HTTP traces receiver: decodes each ExportTraceServiceRequest it is sent."""
-
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                receiver.requests.append(request)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.paths: list[str] = []
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def spans(self) -> list[tuple[str, Any]]:
-        """(service name, span) of everything received."""
-        out = []
-        for request in self.requests:
-            for resource_spans in request.resource_spans:
-                service = next(
-                    a.value.string_value
-                    for a in resource_spans.resource.attributes
-                    if a.key == "service.name"
-                )
-                for scope_spans in resource_spans.scope_spans:
-                    out.extend((service, span) for span in scope_spans.spans)
-        return out
-
-
 @pytest.fixture
 def receiver() -> Iterator[OTLPReceiver]:
     r = OTLPReceiver()
-    r.thread.start()
+    r.start()
     yield r
-    r.server.shutdown()
-    r.server.server_close()
+    r.stop()
 
 
 async def test_spans_reach_a_real_otlp_receiver(
