@@ -298,20 +298,20 @@ class Gateway:
             principal = await self.authenticate(request)
         ctx.tenant = principal.tenant_id
         raw = await request.body()
-        with trace.phase("route"):
-            fields = parse_fields(raw, kind)
-            adapter = self.adapters.resolve(fields.model, principal)
-            avoid: tuple[Replica, ...] = ()
-            if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
-                decision = self._adapter_decision(adapter, fields, principal)
-                upstream, base = self.upstreams[adapter.base_model], adapter.base_model
-                avoid = self.adapters.lacking(adapter)
-            else:  # another tenant's private adapter lands here too: the same 404 as no model
-                decision = self.router.route(fields, principal)
-                upstream, base = self.upstreams[decision.model], decision.model
-            ctx.model, ctx.tier = decision.model, decision.tier
-            prompt_tokens = self.counter.count(base, fields)
-        trace.routed(decision, fields, principal)
+        routing_began = trace.mark()
+        fields = parse_fields(raw, kind)
+        adapter = self.adapters.resolve(fields.model, principal)
+        avoid: tuple[Replica, ...] = ()
+        if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
+            decision = self._adapter_decision(adapter, fields, principal)
+            upstream, base = self.upstreams[adapter.base_model], adapter.base_model
+            avoid = self.adapters.lacking(adapter)
+        else:  # another tenant's private adapter lands here too: the same 404 as no model
+            decision = self.router.route(fields, principal)
+            upstream, base = self.upstreams[decision.model], decision.model
+        ctx.model, ctx.tier = decision.model, decision.tier
+        prompt_tokens = self.counter.count(base, fields)
+        trace.routed(routing_began, decision, fields, principal)
         with trace.phase("admit"):
             ticket = await self.admit(
                 principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs

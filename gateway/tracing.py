@@ -1,10 +1,11 @@
 """The gateway's OpenTelemetry spans: one per completion request, with its steps as children.
 
 A traced request has a SERVER span (``chat <model>`` / ``text_completion <model>``, continuing
-the client's ``traceparent`` if it sent one) and, under it, ``authenticate``, ``route``,
-``admit``, one CLIENT span per ``upstream attempt`` (whose context travels to the engine as
-``traceparent``, so the engine's spans join the trace) and ``stream`` (first event relayed to
-the end of a streamed answer). Attributes follow the GenAI semantic conventions:
+the client's ``traceparent`` if it sent one) and, under it, ``authenticate``, ``route``
+(parsing, routing, prompt counting), ``admit``, one CLIENT span per ``upstream attempt``
+(whose context travels to the engine as ``traceparent``, so the engine's spans join the trace)
+and ``stream`` (first event relayed to the end of a streamed answer). Attributes follow the
+GenAI semantic conventions:
 ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.response.model``,
 ``gen_ai.request.max_tokens``, ``gen_ai.usage.input_tokens``/``output_tokens``, and
 ``gen_ai.server.time_to_first_token`` (seconds to the first streamed event) — plus
@@ -64,7 +65,12 @@ class NoTrace:
     def current(self) -> _Nothing:
         return _NOTHING
 
-    def routed(self, decision: RouteDecision, fields: RequestFields, principal: Principal) -> None:
+    def mark(self) -> int:
+        return 0
+
+    def routed(
+        self, began: int, decision: RouteDecision, fields: RequestFields, principal: Principal
+    ) -> None:
         pass
 
     def answered(self, exchange: Exchange) -> None:
@@ -101,7 +107,17 @@ class RequestTrace(NoTrace):
         """Make the request span current, so upstream attempts find their parent."""
         return trace_api.use_span(self.span, end_on_exit=False)
 
-    def routed(self, decision: RouteDecision, fields: RequestFields, principal: Principal) -> None:
+    def mark(self) -> int:
+        """Now, for a step recorded once it is over (:meth:`routed`)."""
+        return time.time_ns()
+
+    def routed(
+        self, began: int, decision: RouteDecision, fields: RequestFields, principal: Principal
+    ) -> None:
+        """Routing is done: its span (from ``began``), and the request's model attributes.
+        A request refused while routing (unknown model, not allowed) has no ``route`` span;
+        the request's span carries the refusal."""
+        self.tracer.start_span("route", self.context, start_time=began).end()
         span = self.span
         span.update_name(f"{self.operation} {decision.model}")
         span.set_attributes(

@@ -19,9 +19,8 @@ def request_path_calls() -> None:
     trace = NO_TRACE
     with trace.phase("authenticate"):
         pass
-    with trace.phase("route"):
-        pass
-    trace.routed(None, None, None)  # type: ignore[arg-type]
+    began = trace.mark()
+    trace.routed(began, None, None, None)  # type: ignore[arg-type]
     with trace.phase("admit"):
         pass
     with trace.current():
