@@ -27,7 +27,7 @@ COPY gateway ./gateway
 COPY engine ./engine
 COPY load ./load
 COPY policies ./policies
-RUN pip install . \
+RUN pip install ".[otel]" \
  && for model in ${PORTICO_MODELS}; do portico models pull "$model"; done
 
 # ---------------------------------------------------------------------------- runtime

@@ -35,9 +35,12 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
+from gateway.console.routes import build_console_router
+from gateway.console.sessions import ConsoleSessions
 from gateway.dataplane.adapter_admin import build_adapter_router
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.discovery import DNSDiscovery
+from gateway.dataplane.engine_admin import build_engine_router
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.fields import RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
@@ -61,12 +64,14 @@ from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.dataplane.transport import LeanTransport
 from gateway.identity.admin import build_admin_router
+from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity, open_identity
 from gateway.identity.layout import migrate_layout
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tls import AdminClientCertGuard
+from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
@@ -98,11 +103,13 @@ class Gateway:
     pools: list[Pool]
     supervisor: Supervisor
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
+    audit: AuditLog  # every admin change (identity/audit.py)
     usage: UsageRecorder
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
     draining: bool = False
+    tracing: GatewayTracing | None = None  # None: off (OTEL_* unset), no span is ever made
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
 
     @classmethod
@@ -117,6 +124,9 @@ class Gateway:
         the router and the supervisor; start the engines. On failure, what was opened closes."""
         async with contextlib.AsyncExitStack() as stack:
             runtime_dir = stack.enter_context(_runtime_dir(config.runtime_dir))
+            tracing = GatewayTracing.from_env(env)
+            if tracing is not None:  # closed last: the spans of the drain are exported too
+                stack.push_async_callback(asyncio.to_thread, tracing.shutdown)
             redis = await open_shared_redis(config.redis, env)
             stack.push_async_callback(redis.aclose)
             await migrate_layout(redis.client)  # keys named before hash tags, renamed once
@@ -151,6 +161,8 @@ class Gateway:
                 for replica in pool.replicas:
                     stack.push_async_callback(replica.client.aclose)
             upstreams: dict[str, Upstream] = dict(local.upstreams)
+            for upstream in local.upstreams.values():
+                upstream.tracer = tracing
             for spec in config.remotes:
                 upstreams[spec.name] = RemoteUpstream(spec, retry, metrics)
             router = Router(
@@ -196,9 +208,11 @@ class Gateway:
                 pools=local.pools,
                 supervisor=supervisor,
                 adapters=adapters,
+                audit=AuditLog(redis.client, config.audit),
                 _engine_tasks=engine_tasks,
                 usage=usage,
                 runtime_dir=runtime_dir,
+                tracing=tracing,
                 _resources=stack.pop_all(),
             )
         _freeze_startup_objects()
@@ -263,7 +277,19 @@ class Gateway:
     # ------------------------------------------------------------------ the request path
 
     async def complete(self, request: Request, kind: str, path: str) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``, top to bottom."""
+        """``/v1/chat/completions`` and ``/v1/completions``, traced when tracing is on."""
+        tracing = self.tracing
+        if tracing is None:
+            return await self._complete(request, kind, path, NO_TRACE)
+        trace = tracing.start(request, kind, path, request.scope[CTX_KEY].request_id)
+        try:
+            return await self._complete(request, kind, path, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+
+    async def _complete(self, request: Request, kind: str, path: str, trace: NoTrace) -> Response:
+        """The request path, top to bottom; ``trace`` gets its steps (NO_TRACE: nothing)."""
         ctx: RequestContext = request.scope[CTX_KEY]
         if self.draining:
             raise ServiceUnavailableError(
@@ -271,9 +297,11 @@ class Gateway:
                 code="draining",
                 headers={"retry-after": "1"},
             )
-        principal = await self.authenticate(request)
+        with trace.phase("authenticate"):
+            principal = await self.authenticate(request)
         ctx.tenant = principal.tenant_id
         raw = await request.body()
+        routing_began = trace.mark()
         fields = parse_fields(raw, kind)
         adapter = self.adapters.resolve(fields.model, principal)
         avoid: tuple[Replica, ...] = ()
@@ -286,26 +314,33 @@ class Gateway:
             upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
         prompt_tokens = self.counter.count(base, fields)
-        ticket = await self.admit(
-            principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
-        )
+        trace.routed(routing_began, decision, fields, principal)
+        with trace.phase("admit"):
+            ticket = await self.admit(
+                principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
+            )
         try:
             if ticket.max_tokens is not None:  # the client set none: send what was reserved
                 fields.body["max_tokens"] = ticket.max_tokens
             payload = upstream_body(
                 raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
             )
-            exchange: Exchange = await upstream.exchange(
-                path, payload, fields, ctx.request_id, decision.prefix_key, avoid
-            )
+            with trace.current():  # upstream attempts are children of the request's span
+                exchange: Exchange = await upstream.exchange(
+                    path, payload, fields, ctx.request_id, decision.prefix_key, avoid
+                )
         except BaseException:
             await self.admission.release(ticket)
             raise
         ctx.upstream_s = exchange.upstream_s
+        trace.answered(exchange)
         headers = {**ticket.headers, "x-portico-route": decision.header}
 
         async def finish() -> None:
-            await self.settle(ticket, principal, decision.model, exchange)
+            try:
+                await self.settle(ticket, principal, decision.model, exchange)
+            finally:
+                trace.end(exchange)
 
         if exchange.body is not None:
             return Response(
@@ -583,23 +618,52 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
 
 
 def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
-    """Put the built gateway behind the app: its state, the admin API and the hot routes."""
+    """Put the built gateway behind the app: its state, the admin API, the console and the
+    hot routes."""
     app.state.gateway = gateway
+    config = gateway.config
+    authenticator = gateway.identity.authenticator
+    admin_limit = gateway.guard.admin_dependency
+    # With the console on, the admin API also takes a console session (cookie + CSRF token).
+    sessions = ConsoleSessions(gateway.redis.client, authenticator, config.console)
+    resolve = sessions.resolve_admin if config.console.enabled else None
     app.include_router(
         build_admin_router(
             gateway.identity.store,
-            gateway.identity.authenticator,
-            before_auth=gateway.guard.admin_dependency,
+            authenticator,
+            before_auth=admin_limit,
+            audit=gateway.audit,
+            resolve=resolve,
         )
     )
     app.include_router(
         build_adapter_router(
             gateway.adapters,
             gateway.identity.store,
-            gateway.identity.authenticator,
-            before_auth=gateway.guard.admin_dependency,
+            authenticator,
+            before_auth=admin_limit,
+            audit=gateway.audit,
+            resolve=resolve,
         )
     )
+
+    async def bearer_admin(request: Request) -> Principal:
+        return await authenticator.resolve_admin(request.headers.get("authorization"))
+
+    app.include_router(
+        build_engine_router(
+            gateway.pools, gateway.supervisor, resolve or bearer_admin, before_auth=admin_limit
+        )
+    )
+    if config.console.enabled:
+        app.include_router(
+            build_console_router(
+                sessions,
+                gateway.audit,
+                secure_cookies=config.tls is not None,
+                before_auth=admin_limit,
+            )
+        )
     # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
     # but keep the request context and the body-size limit.
     app.hot_app = RequestContextMiddleware(

@@ -15,8 +15,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.admission.admission import AdmissionSettings
+from gateway.console.sessions import ConsoleSettings
 from gateway.dataplane.discovery import DiscoverySpec
 from gateway.dataplane.remote import RemoteSpec
+from gateway.identity.audit import AuditSettings
 from gateway.identity.auth import AuthSettings
 from gateway.store import StoreSettings
 
@@ -106,6 +108,8 @@ class GatewayConfig(_Strict):
     redis: StoreSettings = Field(default_factory=StoreSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    audit: AuditSettings = Field(default_factory=AuditSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])
     remotes: list[RemoteSpec] = []
     policies_dir: Path = PACKAGED_POLICIES  # routing.yaml, retry.yaml (plans: redis.plans_file)

@@ -40,6 +40,7 @@ from engine.server.serving_chat import ChatServing
 from engine.server.serving_completions import CompletionServing
 from engine.server.serving_engine import OpenAIServing, effective_max_model_len
 from engine.server.settings import ServerSettings
+from engine.server.tracing import EngineTraceMiddleware, EngineTracing
 from portico import __version__
 from portico.errors import InvalidRequestError, error_body
 from portico.http_errors import BodySizeLimitMiddleware, error_response, install_error_handlers
@@ -204,8 +205,11 @@ class EngineRoutes:
         return {"prompt": self.serving.tokenizer.decode(req.tokens)}
 
 
-def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
-    """The app serving ``engine`` as ``settings.served_model_name``.
+def create_app(
+    engine: AsyncLLMEngine, settings: ServerSettings, tracing: EngineTracing | None = None
+) -> FastAPI:
+    """The app serving ``engine`` as ``settings.served_model_name`` (traced with ``tracing``
+    when given: engine/server/tracing.py).
 
     The app starts the engine loop in its lifespan and shuts it down at exit. ``app.state.drain``
     is the :class:`DrainState` a process-level SIGTERM handler flips.
@@ -240,4 +244,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(DrainMiddleware, state=routes.drain)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if tracing is not None:
+        routes.serving.metrics.on_finished = tracing.record_timing
+        app.add_middleware(EngineTraceMiddleware, tracing=tracing)
     return app

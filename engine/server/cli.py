@@ -146,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
         from engine.distributed.leader import exit_process
 
         engine.engine.parallel.on_worker_death = exit_process
-    app = create_app(engine, server_settings(args, config.model_name))
+    from engine.server.tracing import EngineTracing
+
+    tracing = EngineTracing.from_env(os.environ)  # None unless OTEL_* asks for traces
+    app = create_app(engine, server_settings(args, config.model_name), tracing)
     # Like vLLM: move the model's long-lived objects out of the collector's reach, so
     # serving-time collections do not walk them again and again.
     gc.collect()
@@ -163,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         cut_in_flight=engine.shutdown,
     )
     engine.engine.close()  # tensor-parallel workers: stopped and reaped
+    if tracing is not None:
+        tracing.shutdown()  # export what is buffered before leaving
     # Everything is shut down (engine loop joined, socket removed). Tearing the interpreter
     # down would only spend seconds collecting the model's objects and make Triton's bindings
     # report them as leaks, so leave now.

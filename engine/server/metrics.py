@@ -241,6 +241,10 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
 
+    # Called with a request's final output (engine/server/tracing.py records its spans);
+    # None: nothing is called.
+    on_finished: Callable[[RequestOutput], None] | None = None
+
     def track(self, num_prompt_tokens: int) -> RequestTracker:
         """Start tracking one engine request (its prompt counts as processed from now)."""
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
@@ -277,6 +281,8 @@ class RequestTracker:
             if choice.finish_reason is not None and choice.index not in self.finish_reasons:
                 self.finish_reasons[choice.index] = choice.finish_reason
                 m.request_success.labels(model, choice.finish_reason).inc()
+        if output.finished and m.on_finished is not None:
+            m.on_finished(output)
         if new_tokens:
             m.generation_tokens.labels(model).inc(new_tokens)
             if self.last_token_time is None:

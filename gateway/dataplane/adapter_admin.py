@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
+from gateway.identity.audit import Actor, AuditLog
 from gateway.identity.auth import Authenticator
+from gateway.identity.principal import Principal
 from gateway.identity.tenants import TenantStore
 from portico.errors import InvalidRequestError
 
@@ -35,17 +37,24 @@ def build_adapter_router(
     authenticator: Authenticator,
     *,
     before_auth: Callable[[Request], Awaitable[None]] | None = None,
+    audit: AuditLog | None = None,
+    resolve: Callable[[Request], Awaitable[Principal]] | None = None,
 ) -> APIRouter:
     router = APIRouter(prefix="/admin/v1", tags=["admin"])
+    audit_log = audit if audit is not None else AuditLog(store.redis)
 
-    async def admin(request: Request) -> None:
+    async def admin(request: Request) -> Actor:
         if before_auth is not None:
             await before_auth(request)
-        await authenticator.resolve_admin(request.headers.get("authorization"))
+        if resolve is not None:  # the console's session check (gateway/console/sessions.py)
+            principal = await resolve(request)
+        else:
+            principal = await authenticator.resolve_admin(request.headers.get("authorization"))
+        return Actor.of_request(request, principal)
 
     @router.post("/adapters", status_code=201)
     async def create_adapter(request: Request) -> dict[str, Any]:
-        await admin(request)
+        actor = await admin(request)
         try:
             spec = AdapterCreate.model_validate_json(await request.body())
         except ValueError as exc:
@@ -55,6 +64,10 @@ def build_adapter_router(
                 f"No tenant '{spec.tenant_id}'.", param="tenant_id", code="tenant_not_found"
             )
         adapter = await catalog.register(Adapter(**spec.model_dump()))
+        await audit_log.record(
+            actor, "adapter.create", f"adapter:{adapter.name}", tenant_id=adapter.tenant_id,
+            after=asdict(adapter),
+        )  # fmt: skip
         return {"object": "adapter", **asdict(adapter)}
 
     @router.get("/adapters")
@@ -68,8 +81,12 @@ def build_adapter_router(
 
     @router.delete("/adapters/{name:path}")
     async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
-        await admin(request)
+        actor = await admin(request)
         adapter = await catalog.remove(name)
+        await audit_log.record(
+            actor, "adapter.delete", f"adapter:{adapter.name}", tenant_id=adapter.tenant_id,
+            before=asdict(adapter),
+        )  # fmt: skip
         return {"object": "adapter", "name": adapter.name, "deleted": True}
 
     return router

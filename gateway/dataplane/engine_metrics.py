@@ -57,7 +57,8 @@ def relabel(expositions: Sequence[tuple[str, str]]) -> bytes:
     return generate_latest(_Families(merged.values()))
 
 
-async def _fetch(replica: Replica) -> tuple[str, str] | None:
+async def fetch_exposition(replica: Replica) -> tuple[str, str] | None:
+    """``(replica name, its /metrics text)``, or None when it does not answer or parse."""
     try:
         response = await replica.client.get("/metrics", timeout=SCRAPE_TIMEOUT_S)
         if response.status_code != 200:
@@ -73,5 +74,5 @@ async def _fetch(replica: Replica) -> tuple[str, str] | None:
 
 async def scrape_engines(replicas: Iterable[Replica]) -> bytes:
     """Fetch every ready replica's metrics concurrently and relabel them (see module doc)."""
-    results = await asyncio.gather(*(_fetch(r) for r in replicas if r.up))
+    results = await asyncio.gather(*(fetch_exposition(r) for r in replicas if r.up))
     return relabel([r for r in results if r is not None])

@@ -181,8 +181,25 @@ class Upstream(Protocol):
     ) -> Exchange: ...
 
 
+class AttemptTracer(Protocol):
+    """Wraps each upstream attempt in a span and adds ``traceparent`` to its headers
+    (gateway/tracing.py); None when tracing is off."""
+
+    async def attempt(
+        self,
+        send: Callable[[Replica, str, bytes, dict[str, str], RequestFields], Awaitable[Exchange]],
+        replica: Replica,
+        path: str,
+        payload: bytes,
+        headers: dict[str, str],
+        fields: RequestFields,
+    ) -> Exchange: ...
+
+
 class LocalUpstream:
     """A pool of engine replicas behind one model name; one shared HTTP client per replica."""
+
+    tracer: AttemptTracer | None = None  # set by the gateway when tracing is on
 
     def __init__(self, pool: Pool, policy: RetryPolicy, metrics: GatewayMetrics) -> None:
         self.pool = pool
@@ -219,7 +236,12 @@ class LocalUpstream:
                 started = time.monotonic()
                 replica.outstanding += 1
                 try:
-                    result = await self._attempt(replica, path, payload, headers, fields)
+                    if self.tracer is None:
+                        result = await self._attempt(replica, path, payload, headers, fields)
+                    else:
+                        result = await self.tracer.attempt(
+                            self._attempt, replica, path, payload, headers, fields
+                        )
                 except (httpx.TransportError, _BrokenAnswer) as exc:
                     self.pool.record_failure(replica)
                     last_failure = f"{type(exc).__name__} from replica {replica.name}"

@@ -23,8 +23,10 @@ from fastapi.security import HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from redis.exceptions import RedisError
 
+from gateway.identity.audit import Actor, AuditLog, entry_json
 from gateway.identity.auth import Authenticator
 from gateway.identity.plans import whole_number
+from gateway.identity.principal import Principal
 from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
 from gateway.identity.tenants import TenantStore
 from portico.errors import ERROR_SCHEMA_DOC, InvalidRequestError, ServiceUnavailableError
@@ -120,6 +122,9 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
 
 
 BeforeAuth = Callable[[Request], Awaitable[None]]
+# Resolves the admin principal of a request (default: its Authorization header through
+# Authenticator.resolve_admin; the console's sessions add the session cookie + CSRF token).
+AdminResolver = Callable[[Request], Awaitable[Principal]]
 
 
 class _AllowRoute(APIRoute):
@@ -135,7 +140,7 @@ class _AllowRoute(APIRoute):
 
 
 def _admin_route_class(
-    authenticator: Authenticator, before_auth: BeforeAuth | None
+    authenticator: Authenticator, before_auth: BeforeAuth | None, resolve: AdminResolver | None
 ) -> type[_AllowRoute]:
     """The route class of the admin router: it authenticates before FastAPI reads the body, so
     an unauthenticated caller learns nothing from validation errors (401/403 always come
@@ -148,8 +153,13 @@ def _admin_route_class(
             async def guarded(request: Request) -> Response:
                 if before_auth is not None:
                     await before_auth(request)
-                auth = request.headers.get("authorization")
-                request.state.admin = await authenticator.resolve_admin(auth)
+                if resolve is not None:
+                    admin = await resolve(request)
+                else:
+                    auth = request.headers.get("authorization")
+                    admin = await authenticator.resolve_admin(auth)
+                request.state.admin = admin
+                request.state.actor = Actor.of_request(request, admin)
                 # Read (and cache) the body here, outside FastAPI's body parsing, which turns
                 # any exception — BodySizeLimitMiddleware's 413 signal included — into a 400.
                 await request.body()
@@ -169,15 +179,30 @@ def _admin_route_class(
 
 class AdminAPI:
     """The admin routes' handlers, one method per route, over one store. Every write
-    invalidates the authenticator's cache and is logged (never with a secret)."""
+    invalidates the authenticator's cache and is recorded in the audit log (never with a
+    secret)."""
 
-    def __init__(self, store: TenantStore, authenticator: Authenticator) -> None:
+    def __init__(
+        self, store: TenantStore, authenticator: Authenticator, audit: AuditLog | None = None
+    ) -> None:
         self.store = store
         self.authenticator = authenticator
+        self.audit = audit if audit is not None else AuditLog(store.redis)
 
-    def _changed(self, action: str, **fields: str) -> None:
+    async def _changed(
+        self,
+        request: Request,
+        action: str,
+        target: str,
+        tenant_id: str | None,
+        before: Any = None,
+        after: Any = None,
+    ) -> None:
         self.authenticator.invalidate()
-        log.info("admin: %s %s", action, " ".join(f"{k}={v}" for k, v in fields.items()))
+        actor: Actor = request.state.actor
+        await self.audit.record(
+            actor, action, target, tenant_id=tenant_id, before=before, after=after
+        )
 
     async def list_plans(self) -> dict[str, Any]:
         store = self.store
@@ -187,9 +212,11 @@ class AdminAPI:
             "data": [p.model_dump() for p in store.plans.values()],
         }
 
-    async def create_tenant(self, spec: TenantCreate) -> dict[str, Any]:
+    async def create_tenant(self, spec: TenantCreate, request: Request) -> dict[str, Any]:
         tenant = await self.store.create_tenant(spec)
-        self._changed("create tenant", tenant=tenant.id)
+        await self._changed(
+            request, "tenant.create", f"tenant:{tenant.id}", tenant.id, None, tenant.model_dump()
+        )
         return _tenant_view(self.store, tenant)
 
     async def list_tenants(self) -> dict[str, Any]:
@@ -199,20 +226,34 @@ class AdminAPI:
     async def get_tenant(self, tenant_id: TenantIdPath) -> dict[str, Any]:
         return _tenant_view(self.store, await self.store.require_tenant(tenant_id))
 
-    async def update_tenant(self, tenant_id: TenantIdPath, patch: TenantPatch) -> dict[str, Any]:
+    async def update_tenant(
+        self, tenant_id: TenantIdPath, patch: TenantPatch, request: Request
+    ) -> dict[str, Any]:
+        before = await self.store.require_tenant(tenant_id)
         tenant = await self.store.update_tenant(tenant_id, patch)
-        fields = ",".join(sorted(patch.model_fields_set))
-        self._changed("update tenant", tenant=tenant_id, fields=fields)
+        await self._changed(
+            request,
+            "tenant.update",
+            f"tenant:{tenant_id}",
+            tenant_id,
+            before.model_dump(),
+            tenant.model_dump(),
+        )
         return _tenant_view(self.store, tenant)
 
-    async def delete_tenant(self, tenant_id: TenantIdPath) -> Response:
+    async def delete_tenant(self, tenant_id: TenantIdPath, request: Request) -> Response:
+        before = await self.store.require_tenant(tenant_id)
         await self.store.delete_tenant(tenant_id)
-        self._changed("delete tenant", tenant=tenant_id)
+        await self._changed(
+            request, "tenant.delete", f"tenant:{tenant_id}", tenant_id, before.model_dump()
+        )
         return Response(status_code=204)
 
-    async def create_key(self, tenant_id: TenantIdPath, spec: KeyCreate) -> dict[str, Any]:
+    async def create_key(
+        self, tenant_id: TenantIdPath, spec: KeyCreate, request: Request
+    ) -> dict[str, Any]:
         key, secret = await self.store.create_key(tenant_id, spec)
-        self._changed("create key", tenant=tenant_id, key=key.id)
+        await self._changed(request, "key.create", key.id, tenant_id, None, key.public())
         return {**key.public(), "key": secret}
 
     async def list_keys(self, tenant_id: TenantIdPath) -> dict[str, Any]:
@@ -222,17 +263,33 @@ class AdminAPI:
     async def get_key(self, tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
         return (await self.store.get_key(tenant_id, key_id)).public()
 
-    async def revoke_key(self, tenant_id: TenantIdPath, key_id: KeyIdPath) -> dict[str, Any]:
+    async def revoke_key(
+        self, tenant_id: TenantIdPath, key_id: KeyIdPath, request: Request
+    ) -> dict[str, Any]:
+        before = await self.store.get_key(tenant_id, key_id)
         key = await self.store.revoke_key(tenant_id, key_id)
-        self._changed("revoke key", tenant=tenant_id, key=key_id)
+        await self._changed(request, "key.revoke", key_id, tenant_id, before.public(), key.public())
         return key.public()
 
     async def rotate_key(
-        self, tenant_id: TenantIdPath, key_id: KeyIdPath, body: KeyRotate | None = None
+        self,
+        tenant_id: TenantIdPath,
+        key_id: KeyIdPath,
+        request: Request,
+        body: KeyRotate | None = None,
     ) -> dict[str, Any]:
         grace = body.grace_seconds if body is not None else 0
+        before = await self.store.get_key(tenant_id, key_id)
         key, secret = await self.store.rotate_key(tenant_id, key_id, grace)
-        self._changed("rotate key", tenant=tenant_id, key=key_id, new_key=key.id)
+        old = await self.store.get_key(tenant_id, key_id)
+        await self._changed(
+            request,
+            "key.rotate",
+            key_id,
+            tenant_id,
+            before.public(),
+            {"old_key": old.public(), "new_key": key.public(), "grace_seconds": grace},
+        )
         return {**key.public(), "key": secret, "replaces": key_id}
 
     async def usage(
@@ -246,6 +303,28 @@ class AdminAPI:
         await self.store.require_tenant(tenant_id)
         return (await self.store.ledger.usage(tenant_id, first, last)).model_dump()
 
+    async def audit_log(
+        self,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        before: Annotated[str | None, Query(pattern=r"^[0-9]{1,19}-[0-9]{1,19}$")] = None,
+        actor: Annotated[str | None, Query(max_length=256)] = None,
+        action: Annotated[str | None, Query(max_length=64)] = None,
+        tenant_id: Annotated[str | None, Query(max_length=63)] = None,
+        since: Annotated[float | None, Query(ge=0, le=1e11, description="unix seconds")] = None,
+        until: Annotated[float | None, Query(ge=0, le=1e11, description="unix seconds")] = None,
+    ) -> dict[str, Any]:
+        """Audit entries, newest first; ``next`` is the ``before`` of the next page."""
+        entries, cursor = await self.audit.read(
+            limit=limit,
+            before=before,
+            actor=actor,
+            action=action,
+            tenant_id=tenant_id,
+            since=since,
+            until=until,
+        )
+        return {"object": "list", "data": [entry_json(e) for e in entries], "next": cursor}
+
 
 OPENAPI_PATH = "/admin/v1/openapi.json"
 
@@ -255,15 +334,20 @@ def build_admin_router(
     authenticator: Authenticator,
     *,
     before_auth: BeforeAuth | None = None,
+    audit: AuditLog | None = None,
+    resolve: AdminResolver | None = None,
 ) -> APIRouter:
-    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once.
+    """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once and are
+    appended to ``audit`` (default: an :class:`AuditLog` with default retention on the
+    store's Redis).
 
     ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
     checked, so failed guesses count too; router-level ``dependencies`` would run only after
-    a successful authentication.
+    a successful authentication. ``resolve`` replaces the bearer-only credential check (the
+    console's sessions: gateway/console/sessions.py).
     """
-    api = AdminAPI(store, authenticator)
-    route_class = _admin_route_class(authenticator, before_auth)
+    api = AdminAPI(store, authenticator, audit)
+    route_class = _admin_route_class(authenticator, before_auth, resolve)
     # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
     router = APIRouter(
         prefix="/admin/v1",
@@ -294,6 +378,7 @@ def build_admin_router(
         f"{key}/rotate", api.rotate_key, methods=["POST"], status_code=201, responses=missing
     )
     router.add_api_route(f"{tenant}/usage", api.usage, methods=["GET"], responses=missing)
+    router.add_api_route("/audit", api.audit_log, methods=["GET"])
 
     async def openapi() -> dict[str, Any]:
         """This API's own OpenAPI document (also part of the gateway's /openapi.json): the

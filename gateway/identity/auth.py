@@ -180,6 +180,12 @@ class Authenticator:
             self._confirmed_tenants.clear()
 
     @property
+    def admin_key_id(self) -> str | None:
+        """A stable name for the admin key (a prefix of its SHA-256), for the audit log."""
+        digest = self._admin_digest
+        return None if digest is None else f"admin-{digest.hex()[:12]}"
+
+    @property
     def admin_key_enabled(self) -> bool:
         return self._admin_digest is not None
 
@@ -289,6 +295,7 @@ class Authenticator:
                 tenant_id="*",
                 plan="admin",
                 limits=Limits(),
+                key_id=self.admin_key_id,  # names the key in the audit log, never reveals it
                 subject="admin-key",
                 scopes=frozenset({"admin"}),
                 is_admin=True,

@@ -33,7 +33,9 @@ def _compose(docker_compose: str, env_file: Path, *args: str) -> subprocess.Comp
 @pytest.fixture(scope="module")
 def resolved(docker_compose: str) -> dict[str, Any]:
     """The compose file as docker-compose resolves it with env.example's values."""
-    result = _compose(docker_compose, ENV_EXAMPLE, "--profile", "gpu", "config")
+    result = _compose(
+        docker_compose, ENV_EXAMPLE, "--profile", "gpu", "--profile", "tracing", "config"
+    )
     assert result.returncode == 0, result.stderr
     return dict(yaml.safe_load(result.stdout))
 
@@ -49,7 +51,25 @@ def _env_example() -> dict[str, str]:
 
 def test_compose_config_validates(resolved: dict[str, Any]) -> None:
     services = resolved["services"]
-    assert set(services) == {"redis", "gateway", "gateway-gpu", "nginx", "prometheus", "grafana"}
+    assert set(services) == {
+        "redis", "gateway", "gateway-gpu", "nginx", "prometheus", "grafana",
+        "otel-collector", "jaeger",
+    }  # fmt: skip
+    assert services["otel-collector"]["profiles"] == services["jaeger"]["profiles"] == ["tracing"]
+
+
+def test_tracing_profile_adds_a_collector_and_jaeger(docker_compose: str) -> None:
+    result = _compose(docker_compose, ENV_EXAMPLE, "--profile", "tracing", "config")
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert {"otel-collector", "jaeger"} <= set(services)
+    collector = services["otel-collector"]
+    assert any("collector.yaml" in str(v) for v in collector["volumes"])
+    gateway_env = services["gateway"]["environment"]
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in gateway_env  # empty in env.example: tracing off
+    config = yaml.safe_load((COMPOSE_DIR / "otel" / "collector.yaml").read_text())
+    assert config["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    assert config["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
 
 
 def test_a_missing_secret_stops_compose_with_its_name(docker_compose: str, tmp_path: Path) -> None:

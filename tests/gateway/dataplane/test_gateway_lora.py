@@ -139,5 +139,13 @@ def test_adapters_are_tenant_scoped_models(gateway: GatewayProcess, adapters, ex
     with admin(gateway) as client:
         assert client.delete("/admin/v1/adapters/private").status_code == 200
         assert client.delete("/admin/v1/adapters/private").status_code == 404
+        # The audit log has the two registrations and the removal (not the refused one).
+        entries = client.get("/admin/v1/audit", params={"action": "adapter."}).json()["data"]
+        assert [(e["action"], e["target"]) for e in entries] == [
+            ("adapter.delete", "adapter:private"),
+            ("adapter.create", "adapter:private"),
+            ("adapter.create", "adapter:shared"),
+        ]
+        assert entries[0]["tenant_id"] == tenant_a and entries[0]["before"]["base_model"] == "tiny"
     assert complete(gateway, key_a, "private").status_code == 404
     assert complete(gateway, key_a, "shared").json()["choices"][0]["text"] == expected["shared"]

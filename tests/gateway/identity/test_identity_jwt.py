@@ -283,6 +283,9 @@ async def test_admin_role_token_opens_the_admin_api(pem_client: httpx.AsyncClien
         "/admin/v1/tenants", headers=bearer(admin), json={"id": "new", "name": "New"}
     )
     assert resp.status_code == 201
+    # The audit log names the token's subject as the one who made the change.
+    entry = (await pem_client.get("/admin/v1/audit", headers=bearer(admin))).json()["data"][0]
+    assert (entry["actor"], entry["actor_kind"], entry["action"]) == ("ops", "jwt", "tenant.create")
     # Without the role a valid tenant token is 403 at /admin.
     user = sign(claims(roles=["reader"]))
     err = assert_openai_error(await pem_client.get("/admin/v1/tenants", headers=bearer(user)), 403)
