@@ -163,11 +163,13 @@ def write_gateway_files(
     redis_url: str,
     models: Sequence[str] = MODELS,
     upstream_cpus: str | None = None,
+    remotes: Sequence[dict[str, Any]] = (),
 ) -> Path:
     """The gateway's config, plans and policies for the bench; returns the config's path.
 
-    Each model is a supervised fake upstream on a Unix socket; the plan ``bench`` sets every
-    limit (so admission does its full work) far above what the bench sends.
+    Each model is a supervised fake upstream on a Unix socket; ``remotes`` (``remotes[]``
+    items) are added as they are. The plan ``bench`` sets every limit (so admission does its
+    full work) far above what the bench sends.
     """
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
@@ -205,6 +207,7 @@ def write_gateway_files(
             }
             for name in models
         ],
+        "remotes": list(remotes),
         "log_level": "warning",
         "access_log": False,
         "drain_timeout_s": 5,
@@ -236,10 +239,11 @@ def gateway(
     cpus: str | None,
     upstream_cpus: str | None,
     models: Sequence[str] = MODELS,
+    remotes: Sequence[dict[str, Any]] = (),
 ) -> Iterator[GatewayHandle]:
-    """``portico serve`` on ``cpus`` in front of fake engines, ready."""
+    """``portico serve`` on ``cpus`` in front of fake engines (and ``remotes``), ready."""
     port = free_port()
-    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus)
+    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus, remotes)
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
     env = {
         **os.environ,
