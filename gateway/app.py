@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
@@ -396,7 +397,14 @@ class Gateway:
         keys = self.identity.provider_keys
         if not upstream.tenant_keys or keys is None:
             return None
-        return await keys.get(principal.tenant_id, upstream.name)
+        try:
+            return await keys.get(principal.tenant_id, upstream.name)
+        except RedisError:  # fail closed: never bill the operator's key for a tenant's
+            raise ServiceUnavailableError(
+                "Provider keys are temporarily unavailable; retry shortly.",
+                code="provider_keys_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
 
     def _adapter_decision(
         self, adapter: Adapter, fields: RequestFields, principal: Principal
