@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,12 @@ ROUTING = {
         {
             "name": "slow",
             "model": "lean",
-            "max_score": 5.0,
+            "max_score": 2.0,
             "latency_budget_s": 0.3,
             "fallbacks": ["live"],
         },
+        # a keyword and three code blocks score 4+: a tier out of quota (429) falls back
+        {"name": "quota", "model": "over-quota", "max_score": 10.0, "fallbacks": ["live"]},
         {"name": "live", "model": "nousage"},
     ],
 }
@@ -99,6 +102,7 @@ def fakes(certs: dict[str, Path]) -> Iterator[dict[str, int]]:
         "keyed": _fake("--model", "up", "--require-key", UPSTREAM_KEY, TENANT_KEY),
         "nousage": _fake("--no-usage"),
         "flaky": _fake("--fail-first", "2"),
+        "quota": _fake("--status", "429"),
         "tls": _fake(
             "--tls-cert",
             str(certs["server"]),
@@ -145,9 +149,13 @@ def gateway(
         {"name": "counted", "model": "openai/plain", "tokenizer": str(tiny_llama_dir),
          "api_base": f"http://127.0.0.1:{fakes['nousage']}/v1"},
         {"name": "flaky", "model": "openai/f", "api_base": f"http://127.0.0.1:{fakes['flaky']}/v1"},
+        {"name": "over-quota", "model": "openai/q",
+         "api_base": f"http://127.0.0.1:{fakes['quota']}/v1"},
         {"name": "dead", "model": "openai/d", "api_base": f"http://127.0.0.1:{free_port()}/v1"},
         {"name": "secure", "model": "openai/s", "api_base": secure, "ca_file": str(certs["ca"]),
          "client_cert_file": str(certs["client"])},
+        {"name": "secure-h2", "model": "openai/s", "api_base": secure, "http2": True,
+         "ca_file": str(certs["ca"]), "client_cert_file": str(certs["client"])},
         {"name": "public-roots", "model": "openai/s", "api_base": secure,
          "client_cert_file": str(certs["client"])},
         {"name": "no-client-cert", "model": "openai/s", "api_base": secure,
@@ -246,6 +254,8 @@ def test_tls_with_a_private_ca_and_a_client_certificate(
     assert ask(oa, "secure", max_tokens=2).choices[0].message.content == " tok tok"
     chunks = list(oa.completions.create(model="secure", prompt="x", max_tokens=3, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 3
+    # http2: httpx's transport, offering h2 by ALPN; this server takes HTTP/1.1 only
+    assert ask(oa, "secure-h2", max_tokens=1).choices[0].message.content == " tok"
     # Verification is on: a CA it does not trust, or no client certificate, and no answer.
     for model in ("public-roots", "no-client-cert"):
         with pytest.raises(openai.APIStatusError) as exc:
@@ -293,6 +303,40 @@ def test_fallback_from_a_dead_tier_and_from_a_slow_one(
     assert slow.headers["x-portico-route"].startswith("tier=live; model=nousage")
     assert "fallback from slow (latency_budget)" in slow.headers["x-portico-route"]
     assert metric(gateway, 'portico_gateway_fallbacks_total{from_tier="slow"') == 1
+    code = "prove these:\n```\na\n```\n```\nb\n```\n```\nc\n```"
+    quota = oa.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": code}], max_tokens=1
+    )
+    assert "; fallback from quota (status_429)" in quota.headers["x-portico-route"]
+    assert quota.parse().choices[0].message.content == " tok"
+
+
+def test_a_remote_stream_is_relayed_chunk_by_chunk(
+    gateway: GatewayProcess, tenant: tuple[str, str]
+) -> None:
+    arrivals = []
+    started = time.perf_counter()
+    with httpx.stream(
+        "POST",
+        gateway.base_url + "/v1/completions",
+        json={
+            "model": "lean",
+            "prompt": "x",
+            "max_tokens": 8,
+            "stream": True,
+            "fake_chunk_delay_ms": 60,
+        },  # fmt: skip
+        headers={"authorization": f"Bearer {tenant[1]}"},
+        timeout=30,
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter() - started)
+    assert len(arrivals) == 8
+    # the fake sleeps 60 ms between chunks: relayed as they come, they arrive spread out
+    # (a lower bound only: load makes the sleeps longer, never shorter)
+    assert arrivals[-1] - arrivals[0] >= 0.5 * 7 * 0.060
 
 
 def test_usage_without_a_provider_report_is_counted_and_said_so(
