@@ -72,9 +72,9 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _fake(*args: str) -> tuple[subprocess.Popen[bytes], int]:
+def _fake(*args: str, module: str = "load.fake_upstream") -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "load.fake_upstream", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", module, "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     return proc, port
 
@@ -103,6 +103,13 @@ def fakes(certs: dict[str, Path]) -> Iterator[dict[str, int]]:
         "nousage": _fake("--no-usage"),
         "flaky": _fake("--fail-first", "2"),
         "quota": _fake("--status", "429"),
+        "h2": _fake(
+            "--tls-cert",
+            str(certs["server"]),
+            "--tls-key",
+            str(certs["server"]),
+            module="load.fake_h2_upstream",
+        ),
         "tls": _fake(
             "--tls-cert",
             str(certs["server"]),
@@ -114,7 +121,7 @@ def fakes(certs: dict[str, Path]) -> Iterator[dict[str, int]]:
     }
     try:
         for name, (_, port) in started.items():
-            if name != "tls":
+            if name not in ("tls", "h2"):
                 assert wait_until(lambda p=port: answers(f"http://127.0.0.1:{p}/health"), 30)
             else:
                 assert wait_until(lambda p=port: _listening(p), 30)
@@ -156,6 +163,8 @@ def gateway(
          "client_cert_file": str(certs["client"])},
         {"name": "secure-h2", "model": "openai/s", "api_base": secure, "http2": True,
          "ca_file": str(certs["ca"]), "client_cert_file": str(certs["client"])},
+        {"name": "h2-only", "model": "openai/m", "http2": True, "ca_file": str(certs["ca"]),
+         "api_base": f"https://localhost:{fakes['h2']}/v1"},
         {"name": "public-roots", "model": "openai/s", "api_base": secure,
          "client_cert_file": str(certs["client"])},
         {"name": "no-client-cert", "model": "openai/s", "api_base": secure,
@@ -256,6 +265,11 @@ def test_tls_with_a_private_ca_and_a_client_certificate(
     assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 3
     # http2: httpx's transport, offering h2 by ALPN; this server takes HTTP/1.1 only
     assert ask(oa, "secure-h2", max_tokens=1).choices[0].message.content == " tok"
+    # ... and this one HTTP/2 only: an answer means it was spoken
+    reply = ask(oa, "h2-only", max_tokens=2)
+    assert reply.model == "h2:m" and reply.choices[0].message.content == " tok tok"
+    chunks = list(oa.completions.create(model="h2-only", prompt="x", max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == " tok" * 3
     # Verification is on: a CA it does not trust, or no client certificate, and no answer.
     for model in ("public-roots", "no-client-cert"):
         with pytest.raises(openai.APIStatusError) as exc:
