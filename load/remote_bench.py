@@ -15,7 +15,10 @@ fakes on the other. Phases:
 1. **Latency at a fixed rate** (open loop, ``--rate``, alternating rounds with a warm-up per
    side): p50/p90/p99 per tier and directly against the TCP fake; "added" = tier minus direct,
    for streams the time to the first chunk.
-2. **Saturation** (``wrk``, one thread, ``--connections``): requests/s per tier, JSON and
+2. **Paired latency, engine vs remote** (``--paired-rate``): one open loop whose requests
+   alternate between the two tiers, so both see the same moments of a noisy machine; the p50
+   difference (remote minus engine) is the verdict's number.
+3. **Saturation** (``wrk``, one thread, ``--connections``): requests/s per tier, JSON and
    streams, and the gateway's CPU per request (``requests_per_cpu_second`` is what one whole
    core would serve, whatever share of it the gateway got on a busy machine).
 
@@ -50,8 +53,9 @@ from load.gateway_stack import (
     gateway,
     redis_server,
 )
+from load.open_loop import Shot, run_async
 from load.open_loop import open_loop as open_loop_run
-from load.open_loop import run_async
+from load.serve_bench import percentiles
 
 TIERS = {"engine": "fake-a", "remote": "remote-lean", "litellm": "remote-litellm"}
 KEY_ENV = "PORTICO_BENCH_UPSTREAM_KEY"  # both remotes send a key, as to a real provider
@@ -112,6 +116,45 @@ def fixed_rate(
     return out
 
 
+def paired(
+    gw: GatewayHandle,
+    tenants: Sequence[BenchTenant],
+    rate: float,
+    duration_s: float,
+    warmup_s: float,
+) -> dict[str, Any]:
+    """Engine and remote requests interleaved in one open loop at ``rate``: the same requests
+    (key, kind, stream) to each tier one after the other. Percentiles per tier and kind, and
+    remote minus engine."""
+    host = f"127.0.0.1:{gw.port}"
+    engine = build_shots(host, tenants, [TIERS["engine"]])
+    remote = build_shots(host, tenants, [TIERS["remote"]])
+    shots = []
+    for e, r in zip(engine, remote, strict=True):  # same seed: the same request, tier apart
+        shots.append(Shot("engine:" + e.label, e.tenant, e.raw))
+        shots.append(Shot("remote:" + r.label, r.tenant, r.raw))
+    if warmup_s:
+        run_async(open_loop_run("127.0.0.1", gw.port, shots, rate, round(rate * warmup_s)))
+    samples = run_async(
+        open_loop_run("127.0.0.1", gw.port, shots, rate, max(2, round(rate * duration_s)))
+    )
+    out: dict[str, Any] = {"rate": rate, "requests": len(samples)}
+    for tier in ("engine", "remote"):
+        for label in ("json", "stream"):
+            ok = [s for s in samples if s.status == 200 and s.label == f"{tier}:{label}"]
+            values = [s.first_s if label == "stream" else s.total_s for s in ok]
+            out[f"{tier}_{label}"] = percentiles(values) | {"count": float(len(values))}
+    out["errors"] = sum(1 for s in samples if s.status != 200)
+    out["remote_minus_engine_ms"] = {
+        label: {
+            k: out[f"remote_{label}"][k] - out[f"engine_{label}"][k]
+            for k in ("median", "p90", "p99")
+        }
+        for label in ("json", "stream")
+    }
+    return out
+
+
 def saturation(
     gw: GatewayHandle,
     tenants: Sequence[BenchTenant],
@@ -157,11 +200,10 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
                         "met": share >= TARGET_RPS_SHARE,
                     }
                 )
-    fixed = result.get("fixed_rate")
-    if fixed:
+    pair = result.get("paired")
+    if pair:
         for label in ("json", "stream"):
-            gap = fixed["added_ms"]["remote"][label]["median"]
-            gap -= fixed["added_ms"]["engine"][label]["median"]
+            gap = pair["remote_minus_engine_ms"][label]["median"]
             out.append(
                 {
                     "target": f"remote added p50 within {TARGET_P50_GAP_MS} ms of engine ({label})",
@@ -212,6 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration,
             "rounds": args.rounds,
             "warmup_s": args.warmup,
+            "paired_rate": args.paired_rate,
             "wrk_duration_s": args.wrk_duration,
             "connections": args.connections,
             "tenants": args.tenants,
@@ -235,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["fixed_rate"] = fixed_rate(
                 port, gw, tenants, args.rate, args.duration, args.rounds, args.warmup
             )
+        if "paired" in args.phases:
+            result["paired"] = paired(gw, tenants, args.paired_rate, args.duration * 2, args.warmup)
         if "saturation" in args.phases:
             result["saturation"] = saturation(
                 gw, tenants, args.wrk_duration, args.connections, client_cpus, workdir
@@ -253,8 +298,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--keys-per-tenant", type=int, default=2)
-    p.add_argument("--phases", nargs="+", choices=("fixed", "saturation"),
-                   default=["fixed", "saturation"])  # fmt: skip
+    p.add_argument("--paired-rate", type=float, default=100.0, help="req/s, both tiers")
+    p.add_argument("--phases", nargs="+", choices=("fixed", "paired", "saturation"),
+                   default=["fixed", "paired", "saturation"])  # fmt: skip
     p.add_argument("--gateway-cpus", default=None, help='taskset list; "" for no pinning')
     p.add_argument("--client-cpus", default=None, help='taskset list; "" for no pinning')
     p.add_argument("--out", type=Path, default=Path("load/results/remote.json"))
