@@ -42,6 +42,7 @@ from portico.errors import error_body
 log = logging.getLogger("portico.gateway.openai_remote")
 
 OPENAI_BASE = "https://api.openai.com/v1"
+USER_AGENT = "portico-gateway"
 MAX_IDLE_CONNECTIONS = 256
 
 
@@ -115,7 +116,12 @@ class OpenAIRemoteUpstream(LocalUpstream):
         )
         super().__init__(pool, policy, metrics, counter=counter or OutputCounter(None))
         self._urls: dict[str, httpx.URL] = {}
-        self._headers = {"content-type": "application/json"}
+        # identity: the relay forwards the bytes as they come, so they must not be compressed
+        self._headers = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            "user-agent": USER_AGENT,
+        }
         if self.api_key is not None:
             self._headers.update(self._auth(self.api_key))
 

@@ -214,7 +214,7 @@ class RemoteUpstream:
                     or attempt >= self.policy.max_attempts
                     or time.monotonic() + delay > deadline
                 ):
-                    return self._error_exchange(exc, status, attempt, started)
+                    return self._error_exchange(exc, status, attempt, started, credential)
                 self.metrics.retries.labels(self.spec.name, str(status or "connect")).inc()
                 await asyncio.sleep(delay)
 
@@ -239,17 +239,25 @@ class RemoteUpstream:
         return int(getattr(exc, "status_code", 0) or 0)
 
     def _error_exchange(
-        self, exc: Exception, status: int, attempt: int, started: float
+        self,
+        exc: Exception,
+        status: int,
+        attempt: int,
+        started: float,
+        credential: str | None = None,
     ) -> Exchange:
         status = status if 400 <= status < 600 else 502
         log.warning(
             "remote %s failed after %d attempt(s): %s",
             self.spec.name,
             attempt,
-            redact(str(exc), self.api_key),
+            redact(str(exc), self.api_key, credential),
         )
         message = f"The remote upstream '{self.spec.name}' failed: {type(exc).__name__}."
-        body = _dumps(error_body(message, status_error_type(status), None, "upstream_error"))
+        code = "upstream_error"
+        if status in (401, 403):  # the gateway's provider key, not the client's: our 502
+            status, code = 502, "upstream_auth_error"
+        body = _dumps(error_body(message, status_error_type(status), None, code))
         return Exchange(
             status,
             "application/json",
