@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,7 +361,9 @@ class Gateway:
         """Send to the decision's upstream; when its tier is down, out of quota or over its
         latency budget, to its fallback tiers in order. Only before the first byte: an
         :class:`Exchange` is returned with its first byte ready, and is never abandoned after.
-        Returns the answer and the decision that produced it (for ``x-portico-route``)."""
+        Returns the answer and the decision that produced it (for ``x-portico-route``); the
+        time spent on tiers that failed counts as upstream time (``x-portico-overhead-ms``)."""
+        spent = 0.0
         while True:
             upstream = self.upstreams[decision.model]
             credential = await self._credential(upstream, principal)
@@ -368,6 +371,7 @@ class Gateway:
                 raw, fields, decision.model, principal.cache_salt, max_tokens
             )
             args = (path, payload, fields, ctx.request_id, decision.prefix_key, (), credential)
+            started = time.monotonic()
             try:
                 if decision.fallbacks and decision.latency_budget_s is not None:
                     async with asyncio.timeout(decision.latency_budget_s):
@@ -375,6 +379,8 @@ class Gateway:
                 else:
                     exchange = await upstream.exchange(*args)
             except TimeoutError:
+                if not decision.fallbacks or decision.latency_budget_s is None:
+                    raise  # not the budget's timeout
                 why = "latency_budget"
             except (ServiceUnavailableError, UpstreamError) as exc:
                 if not decision.fallbacks:
@@ -382,10 +388,12 @@ class Gateway:
                 why = exc.code or "unavailable"
             else:
                 if not decision.fallbacks or not _tier_failed(exchange.status):
+                    exchange.upstream_s += spent
                     return exchange, decision
                 why = f"status_{exchange.status}"
                 if exchange.close is not None:
                     await exchange.close()
+            spent += time.monotonic() - started
             log.info("request %s: tier %s %s; trying %s", ctx.request_id, decision.tier, why,
                      decision.fallbacks[0].name)  # fmt: skip
             self.metrics.fallbacks.labels(decision.tier, decision.fallbacks[0].name, why).inc()

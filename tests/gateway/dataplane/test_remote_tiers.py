@@ -171,6 +171,8 @@ def gateway(
          "ca_file": str(certs["ca"])},
         {"name": "claude", "model": "anthropic/claude-3-5-haiku-20241022", "api_base": keyed,
          "api_key_env": KEY_ENV},
+        {"name": "claude-bad-key", "model": "anthropic/claude-3-5-haiku-20241022",
+         "api_base": keyed, "api_key_env": KEY_ENV + "_WRONG"},
         {"name": "via-litellm", "model": "openai/up", "api": "litellm",
          "api_base": keyed + "/v1", "api_key_env": KEY_ENV},
     ]  # fmt: skip
@@ -186,6 +188,7 @@ def gateway(
     )
     mp = pytest.MonkeyPatch()
     mp.setenv(KEY_ENV, UPSTREAM_KEY)
+    mp.setenv(KEY_ENV + "_WRONG", "sk-wrong-gateway-key-0000000000LMNO")
     try:
         gw.start(timeout=120)
         yield gw
@@ -454,6 +457,11 @@ def test_translation_tier_through_litellm_against_a_fake_anthropic(
     assert (
         "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip() == "tok tok"
     )
+    with pytest.raises(openai.APIStatusError) as exc:  # the provider refused *our* key: 502
+        ask(oa, "claude-bad-key", max_tokens=1)
+    assert exc.value.status_code == 502
+    assert exc.value.body["code"] == "upstream_auth_error"  # type: ignore[index]
+    assert "LMNO" not in exc.value.response.text
     forced = ask(oa, "via-litellm", max_tokens=2)
     assert (forced.choices[0].message.content or "").strip() == "tok tok"
 
