@@ -4,6 +4,10 @@ Three tiers of one gateway, each in front of the fast fake OpenAI upstream
 (``load/fake_upstream.py``), with auth (API keys) and every Redis limit on:
 
 * ``engine``: a local engine pool (the fake, supervised on a Unix socket, as engines are);
+* ``engine_tcp``: an engine pool whose replica is the TCP fake (``discovery`` of 127.0.0.1):
+  the engine path over the very socket and server the remote tiers use, so ``remote`` minus
+  ``engine_tcp`` is what the remote path itself adds, and ``engine_tcp`` minus ``engine`` what
+  TCP costs over a Unix socket;
 * ``remote``: an OpenAI-compatible remote (``model: openai/...``, the fake on loopback TCP)
   over the gateway's lean transport (``gateway/dataplane/openai_remote.py``);
 * ``litellm``: the same remote forced through litellm (``api: litellm``), the path translation
@@ -57,7 +61,12 @@ from load.open_loop import Shot, run_async
 from load.open_loop import open_loop as open_loop_run
 from load.serve_bench import percentiles
 
-TIERS = {"engine": "fake-a", "remote": "remote-lean", "litellm": "remote-litellm"}
+TIERS = {
+    "engine": "fake-a",
+    "engine_tcp": "engine-tcp",
+    "remote": "remote-lean",
+    "litellm": "remote-litellm",
+}
 KEY_ENV = "PORTICO_BENCH_UPSTREAM_KEY"  # both remotes send a key, as to a real provider
 TARGET_RPS_SHARE = 0.8  # remote >= 80 % of the engine tier's requests/s
 TARGET_P50_GAP_MS = 0.3  # remote's added p50 within 0.3 ms of the engine tier's
@@ -70,6 +79,16 @@ def remotes(port: int) -> list[dict[str, Any]]:
         {"name": TIERS["remote"], **common},
         {"name": TIERS["litellm"], "api": "litellm", **common},
     ]
+
+
+def tcp_engine(port: int) -> dict[str, Any]:
+    """An engine pool found by "DNS" at the TCP fake: the engine path over TCP."""
+    return {
+        "name": TIERS["engine_tcp"],
+        "model": "fake-a",
+        "count_tokens_with": "estimate",
+        "discovery": {"dns": "127.0.0.1", "port": port, "interval_s": 60},
+    }
 
 
 def fixed_rate(
@@ -123,35 +142,36 @@ def paired(
     duration_s: float,
     warmup_s: float,
 ) -> dict[str, Any]:
-    """Engine and remote requests interleaved in one open loop at ``rate``: the same requests
-    (key, kind, stream) to each tier one after the other. Percentiles per tier and kind, and
-    remote minus engine."""
+    """Requests to the engine, engine_tcp and remote tiers interleaved in one open loop at
+    ``rate``: the same request (key, kind, stream) to each tier in turn. Percentiles per tier
+    and kind, and remote minus each engine tier."""
     host = f"127.0.0.1:{gw.port}"
-    engine = build_shots(host, tenants, [TIERS["engine"]])
-    remote = build_shots(host, tenants, [TIERS["remote"]])
+    paired_tiers = ("engine", "engine_tcp", "remote")
+    lists = [build_shots(host, tenants, [TIERS[t]]) for t in paired_tiers]
     shots = []
-    for e, r in zip(engine, remote, strict=True):  # same seed: the same request, tier apart
-        shots.append(Shot("engine:" + e.label, e.tenant, e.raw))
-        shots.append(Shot("remote:" + r.label, r.tenant, r.raw))
+    for same in zip(*lists, strict=True):  # same seed: the same request, tier apart
+        pairs = zip(paired_tiers, same, strict=True)
+        shots += [Shot(f"{t}:{s.label}", s.tenant, s.raw) for t, s in pairs]
     if warmup_s:
         run_async(open_loop_run("127.0.0.1", gw.port, shots, rate, round(rate * warmup_s)))
     samples = run_async(
         open_loop_run("127.0.0.1", gw.port, shots, rate, max(2, round(rate * duration_s)))
     )
     out: dict[str, Any] = {"rate": rate, "requests": len(samples)}
-    for tier in ("engine", "remote"):
+    for tier in paired_tiers:
         for label in ("json", "stream"):
             ok = [s for s in samples if s.status == 200 and s.label == f"{tier}:{label}"]
             values = [s.first_s if label == "stream" else s.total_s for s in ok]
             out[f"{tier}_{label}"] = percentiles(values) | {"count": float(len(values))}
     out["errors"] = sum(1 for s in samples if s.status != 200)
-    out["remote_minus_engine_ms"] = {
-        label: {
-            k: out[f"remote_{label}"][k] - out[f"engine_{label}"][k]
-            for k in ("median", "p90", "p99")
+    for base in ("engine", "engine_tcp"):
+        out[f"remote_minus_{base}_ms"] = {
+            label: {
+                k: out[f"remote_{label}"][k] - out[f"{base}_{label}"][k]
+                for k in ("median", "p90", "p99")
+            }
+            for label in ("json", "stream")
         }
-        for label in ("json", "stream")
-    }
     return out
 
 
@@ -183,11 +203,16 @@ def saturation(
 
 
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets against the engine tier; the same against engine_tcp (the engine
+    path over the remote's socket) when it ran."""
     out = []
     sat = result.get("saturation", {})
-    for label in ("json", "stream"):
-        engine, remote = sat.get(f"engine_{label}"), sat.get(f"remote_{label}")
-        if engine and remote:
+    pair = result.get("paired", {})
+    for base in ("engine", "engine_tcp"):
+        for label in ("json", "stream"):
+            engine, remote = sat.get(f"{base}_{label}"), sat.get(f"remote_{label}")
+            if not (engine and remote):
+                continue
             for key, what in (
                 ("requests_per_s", "req/s"),
                 ("requests_per_cpu_second", "req/CPU-s"),
@@ -195,18 +220,17 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
                 share = remote[key] / engine[key]
                 out.append(
                     {
-                        "target": f"remote {what} >= {TARGET_RPS_SHARE:.0%} of engine ({label})",
+                        "target": f"remote {what} >= {TARGET_RPS_SHARE:.0%} of {base} ({label})",
                         "measured": f"{remote[key]:.0f} vs {engine[key]:.0f} ({share:.0%})",
                         "met": share >= TARGET_RPS_SHARE,
                     }
                 )
-    pair = result.get("paired")
-    if pair:
-        for label in ("json", "stream"):
-            gap = pair["remote_minus_engine_ms"][label]["median"]
+        gaps = pair.get(f"remote_minus_{base}_ms")
+        for label in ("json", "stream") if gaps else ():
+            gap = gaps[label]["median"]
             out.append(
                 {
-                    "target": f"remote added p50 within {TARGET_P50_GAP_MS} ms of engine ({label})",
+                    "target": f"remote added p50 within {TARGET_P50_GAP_MS} ms of {base} ({label})",
                     "measured": f"{gap:+.2f} ms",
                     "met": gap <= TARGET_P50_GAP_MS,
                 }
@@ -269,7 +293,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_url = stack.enter_context(redis_server(workdir, client_cpus))
         port = stack.enter_context(direct_upstream(workdir, client_cpus))
         gw = stack.enter_context(
-            gateway(workdir, redis_url, gateway_cpus, client_cpus, remotes=remotes(port))
+            gateway(
+                workdir,
+                redis_url,
+                gateway_cpus,
+                client_cpus,
+                remotes=remotes(port),
+                engines=[tcp_engine(port)],
+            )
         )
         tenants = create_tenants(
             f"http://127.0.0.1:{gw.port}", gw.admin_key, args.tenants, args.keys_per_tenant

@@ -21,7 +21,11 @@ def test_verdicts_compare_remote_with_engine() -> None:
             "remote_minus_engine_ms": {
                 "json": {"median": 0.1, "p90": 0.0, "p99": 0.0},
                 "stream": {"median": 0.5, "p90": 0.0, "p99": 0.0},
-            }
+            },
+            "remote_minus_engine_tcp_ms": {
+                "json": {"median": 0.0, "p90": 0.0, "p99": 0.0},
+                "stream": {"median": 0.0, "p90": 0.0, "p99": 0.0},
+            },
         },
     }
     met = {v["target"]: v["met"] for v in verdicts(result)}
@@ -30,8 +34,9 @@ def test_verdicts_compare_remote_with_engine() -> None:
     assert met["remote req/s >= 80% of engine (stream)"] is True
     assert met["remote added p50 within 0.3 ms of engine (json)"] is True
     assert met["remote added p50 within 0.3 ms of engine (stream)"] is False
+    assert met["remote added p50 within 0.3 ms of engine_tcp (stream)"] is True
     rows = table(result).splitlines()
-    assert len(rows) == 2 + len(TIERS) and rows[3].startswith("| remote | 790 | 900 |")
+    assert len(rows) == 2 + len(TIERS) and rows[4].startswith("| remote | 790 | 900 |")
 
 
 def test_defaults_run_every_phase() -> None:
