@@ -305,9 +305,16 @@ class Gateway:
             upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
         prompt_tokens = self.counter.count(base, fields)
-        ticket = await self.admit(
-            principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
-        )
+        while True:
+            try:
+                ticket = await self.admit(
+                    principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
+                )
+                break
+            except LimitExceededError as exc:  # this tier's model is out of quota here
+                if exc.scope != "model" or not decision.fallbacks:
+                    raise
+                decision = self._fall_back(decision, f"quota_{exc.limit}", ctx)
         try:
             if ticket.max_tokens is not None:  # the client set none: send what was reserved
                 fields.body["max_tokens"] = ticket.max_tokens
@@ -394,11 +401,16 @@ class Gateway:
                 if exchange.close is not None:
                     await exchange.close()
             spent += time.monotonic() - started
-            log.info("request %s: tier %s %s; trying %s", ctx.request_id, decision.tier, why,
-                     decision.fallbacks[0].name)  # fmt: skip
-            self.metrics.fallbacks.labels(decision.tier, decision.fallbacks[0].name, why).inc()
-            decision = decision.fall_back(why)
-            ctx.model, ctx.tier = decision.model, decision.tier
+            decision = self._fall_back(decision, why, ctx)
+
+    def _fall_back(self, decision: RouteDecision, why: str, ctx: RequestContext) -> RouteDecision:
+        """The decision's next tier (it has one); logged and counted."""
+        to = decision.fallbacks[0].name
+        log.info("request %s: tier %s %s; trying %s", ctx.request_id, decision.tier, why, to)
+        self.metrics.fallbacks.labels(decision.tier, to, why).inc()
+        decision = decision.fall_back(why)
+        ctx.model, ctx.tier = decision.model, decision.tier
+        return decision
 
     async def _credential(self, upstream: Upstream, principal: Principal) -> str | None:
         """The tenant's own provider key for this upstream, if it takes one and has one."""

@@ -8,8 +8,9 @@ configured keywords — as a weighted sum, and takes the first tier (in policy o
 ``policies/routing.yaml``.
 
 Fallbacks: a tier may list other tiers (``fallbacks``) to try, in order, when it is down (no
-healthy replica, connection failures after the retries, 5xx), out of quota (429) or slower to
-its first byte than its ``latency_budget_s``. The decision carries them; the gateway tries them
+healthy replica, connection failures after the retries, 5xx), out of quota (429, or a
+model-scoped limit of the tenant refused it at admission) or slower to its first byte than its
+``latency_budget_s``. The decision carries them; the gateway tries them
 only before the first byte reached the client (``gateway/app.py``), and ``x-portico-route``
 names the tier that answered and the ones it fell back from.
 """

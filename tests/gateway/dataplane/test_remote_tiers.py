@@ -328,6 +328,15 @@ def test_fallback_from_a_dead_tier_and_from_a_slow_one(
     assert quota.parse().choices[0].message.content == " tok"
 
 
+def test_a_tier_whose_model_is_out_of_quota_here_falls_back(gateway: GatewayProcess) -> None:
+    _, key = gateway.create_tenant(
+        "standard", model_limits={"dead": {"requests_per_minute": 0}}
+    )  # the tier's model may take nothing from this tenant: admission refuses it, not the tier
+    raw = ask_raw(client(gateway, key), "auto", max_tokens=1)
+    assert "fallback from down (quota_requests_per_minute)" in raw.headers["x-portico-route"]
+    assert raw.headers["x-portico-route"].startswith("tier=live; model=nousage")
+
+
 def test_a_remote_stream_is_relayed_chunk_by_chunk(
     gateway: GatewayProcess, tenant: tuple[str, str]
 ) -> None:
