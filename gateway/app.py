@@ -1,7 +1,8 @@
 """The gateway application: ``create_app(config)`` builds it, its lifespan starts and stops
 everything it holds, and each route reads top to bottom as the request path of
 ARCHITECTURE.md: request id -> authenticate -> parse -> authorize + route -> admit -> forward
-(retries) -> relay -> settle + release -> record usage.
+(retries; then the route's fallback tiers, all before the first byte) -> relay -> settle +
+release -> record usage.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gc
 import logging
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
@@ -44,6 +47,8 @@ from gateway.dataplane.engine_admin import build_engine_router
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.fields import RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
+from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
+from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import (
     Exchange,
@@ -68,11 +73,17 @@ from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity, open_identity
 from gateway.identity.layout import migrate_layout
 from gateway.identity.principal import Principal
+from gateway.identity.provider_keys import build_provider_key_router
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tls import AdminClientCertGuard
 from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
-from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
+from portico.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+    UpstreamError,
+)
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
@@ -100,7 +111,7 @@ class Gateway:
     router: Router
     counter: PromptCounter
     upstreams: Mapping[str, Upstream]  # model -> local engine pool or remote provider
-    pools: list[Pool]
+    pools: list[Pool]  # local engine pools (readiness, /metrics/engines); remotes are not here
     supervisor: Supervisor
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
     audit: AuditLog  # every admin change (identity/audit.py)
@@ -163,8 +174,17 @@ class Gateway:
             upstreams: dict[str, Upstream] = dict(local.upstreams)
             for upstream in local.upstreams.values():
                 upstream.tracer = tracing
-            for spec in config.remotes:
-                upstreams[spec.name] = RemoteUpstream(spec, retry, metrics)
+            remote_tokenizers = await _load_remote_tokenizers(config)
+            remote_pools: list[Pool] = []
+            for spec in config.remotes:  # a missing credential stops the start-up here
+                if spec.kind == "litellm":  # translation (Anthropic, Bedrock, ...)
+                    upstreams[spec.name] = RemoteUpstream(spec, retry, metrics, env)
+                    continue
+                counter = OutputCounter(remote_tokenizers.get(spec.name))
+                remote = OpenAIRemoteUpstream(spec, retry, metrics, env, counter=counter)
+                stack.push_async_callback(remote.client.aclose)
+                remote_pools.append(remote.pool)
+                upstreams[spec.name] = remote
             router = Router(
                 routing,
                 set(upstreams),
@@ -184,7 +204,9 @@ class Gateway:
             for discovery in local.discoveries:  # closes the clients of what it found
                 stack.push_async_callback(discovery.aclose)
             await asyncio.gather(*(d.refresh() for d in local.discoveries))
-            probers = [asyncio.create_task(pool.run_prober()) for pool in local.pools]
+            probers = [
+                asyncio.create_task(pool.run_prober()) for pool in [*local.pools, *remote_pools]
+            ]
             probers += [asyncio.create_task(d.run()) for d in local.discoveries]
             stack.push_async_callback(_cancel, probers)
             stack.push_async_callback(supervisor.stop, config.supervisor.stop_timeout_s)
@@ -203,7 +225,7 @@ class Gateway:
                 admission=admission,
                 guard=guard,
                 router=router,
-                counter=PromptCounter(tokenizers),
+                counter=PromptCounter({**tokenizers, **remote_tokenizers}),
                 upstreams=upstreams,
                 pools=local.pools,
                 supervisor=supervisor,
@@ -316,29 +338,46 @@ class Gateway:
         prompt_tokens = self.counter.count(base, fields)
         trace.routed(routing_began, decision, fields, principal)
         with trace.phase("admit"):
-            ticket = await self.admit(
-                principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
-            )
+            while True:
+                try:
+                    ticket = await self.admit(
+                        principal,
+                        decision.model,
+                        prompt_tokens,
+                        fields.max_tokens,
+                        fields.num_outputs,
+                    )
+                    break
+                except LimitExceededError as exc:  # this tier's model is out of quota here
+                    if exc.scope != "model" or not decision.fallbacks:
+                        raise
+                    decision = self._fall_back(decision, f"quota_{exc.limit}", ctx)
         try:
             if ticket.max_tokens is not None:  # the client set none: send what was reserved
                 fields.body["max_tokens"] = ticket.max_tokens
-            payload = upstream_body(
-                raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
-            )
             with trace.current():  # upstream attempts are children of the request's span
-                exchange: Exchange = await upstream.exchange(
-                    path, payload, fields, ctx.request_id, decision.prefix_key, avoid
-                )
+                if adapter is not None:
+                    payload = upstream_body(
+                        raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
+                    )
+                    exchange: Exchange = await upstream.exchange(
+                        path, payload, fields, ctx.request_id, decision.prefix_key, avoid
+                    )
+                else:
+                    exchange, decision = await self.forward(
+                        path, raw, fields, decision, principal, ticket.max_tokens, ctx
+                    )
         except BaseException:
             await self.admission.release(ticket)
             raise
         ctx.upstream_s = exchange.upstream_s
         trace.answered(exchange)
         headers = {**ticket.headers, "x-portico-route": decision.header}
+        served = decision.model
 
         async def finish() -> None:
             try:
-                await self.settle(ticket, principal, decision.model, exchange)
+                await self.settle(ticket, principal, served, exchange, prompt_tokens)
             finally:
                 trace.end(exchange)
 
@@ -357,6 +396,77 @@ class Gateway:
             (b"x-accel-buffering", b"no"),
         ]
         return RelayResponse(exchange, raw_headers, finish)
+
+    async def forward(
+        self,
+        path: str,
+        raw: bytes,
+        fields: RequestFields,
+        decision: RouteDecision,
+        principal: Principal,
+        max_tokens: int | None,
+        ctx: RequestContext,
+    ) -> tuple[Exchange, RouteDecision]:
+        """Send to the decision's upstream; when its tier is down, out of quota or over its
+        latency budget, to its fallback tiers in order. Only before the first byte: an
+        :class:`Exchange` is returned with its first byte ready, and is never abandoned after.
+        Returns the answer and the decision that produced it (for ``x-portico-route``); the
+        time spent on tiers that failed counts as upstream time (``x-portico-overhead-ms``)."""
+        spent = 0.0
+        while True:
+            upstream = self.upstreams[decision.model]
+            credential = await self._credential(upstream, principal)
+            payload = upstream.payload(
+                raw, fields, decision.model, principal.cache_salt, max_tokens
+            )
+            args = (path, payload, fields, ctx.request_id, decision.prefix_key, (), credential)
+            started = time.monotonic()
+            try:
+                if decision.fallbacks and decision.latency_budget_s is not None:
+                    async with asyncio.timeout(decision.latency_budget_s):
+                        exchange = await upstream.exchange(*args)
+                else:
+                    exchange = await upstream.exchange(*args)
+            except TimeoutError:
+                if not decision.fallbacks or decision.latency_budget_s is None:
+                    raise  # not the budget's timeout
+                why = "latency_budget"
+            except (ServiceUnavailableError, UpstreamError) as exc:
+                if not decision.fallbacks:
+                    raise
+                why = exc.code or "unavailable"
+            else:
+                if not decision.fallbacks or not _tier_failed(exchange.status):
+                    exchange.upstream_s += spent
+                    return exchange, decision
+                why = f"status_{exchange.status}"
+                if exchange.close is not None:
+                    await exchange.close()
+            spent += time.monotonic() - started
+            decision = self._fall_back(decision, why, ctx)
+
+    def _fall_back(self, decision: RouteDecision, why: str, ctx: RequestContext) -> RouteDecision:
+        """The decision's next tier (it has one); logged and counted."""
+        to = decision.fallbacks[0].name
+        log.info("request %s: tier %s %s; trying %s", ctx.request_id, decision.tier, why, to)
+        self.metrics.fallbacks.labels(decision.tier, to, why).inc()
+        decision = decision.fall_back(why)
+        ctx.model, ctx.tier = decision.model, decision.tier
+        return decision
+
+    async def _credential(self, upstream: Upstream, principal: Principal) -> str | None:
+        """The tenant's own provider key for this upstream, if it takes one and has one."""
+        keys = self.identity.provider_keys
+        if not upstream.tenant_keys or keys is None:
+            return None
+        try:
+            return await keys.get(principal.tenant_id, upstream.name)
+        except RedisError:  # fail closed: never bill the operator's key for a tenant's
+            raise ServiceUnavailableError(
+                "Provider keys are temporarily unavailable; retry shortly.",
+                code="provider_keys_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
 
     def _adapter_decision(
         self, adapter: Adapter, fields: RequestFields, principal: Principal
@@ -390,18 +500,30 @@ class Gateway:
             raise
 
     async def settle(
-        self, ticket: Ticket, principal: Principal, model: str, exchange: Exchange
+        self,
+        ticket: Ticket,
+        principal: Principal,
+        model: str,
+        exchange: Exchange,
+        prompt_tokens: int = 0,
     ) -> None:
-        """Settle with the real usage (or release the slot when there is none); record it."""
+        """Settle with the real usage (or release the slot when there is none); record it.
+
+        Usage the gateway counted itself (the upstream reported none) takes the prompt tokens
+        admission counted, and the usage record says how the output was counted."""
         admission = self.admission
         recorder = self.usage
         usage = exchange.usage
         try:
             if usage.reported:  # usage is summed in memory and written in batches
+                prompt = usage.prompt_tokens
+                if usage.source != "upstream":
+                    prompt = prompt_tokens
+                    self.metrics.usage_counted.labels(model, usage.source).inc()
                 recorder.record(
-                    principal.tenant_id, model, usage.prompt_tokens, usage.completion_tokens
+                    principal.tenant_id, model, prompt, usage.completion_tokens, usage.source
                 )
-                await admission.settle(ticket, usage.prompt_tokens, usage.completion_tokens)
+                await admission.settle(ticket, prompt, usage.completion_tokens)
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
         finally:
@@ -421,6 +543,11 @@ class Gateway:
                  "parent": a.base_model}
             )  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
+
+
+def _tier_failed(status: int) -> bool:
+    """An answer that sends the request on to a fallback tier: out of quota or down."""
+    return status == 429 or status >= 500
 
 
 class _LocalEngines:
@@ -525,6 +652,15 @@ def _supervisor(
         on_state=on_state,
         on_restart=lambda p: metrics.engine_restarts.labels(p.name).inc(),
     )
+
+
+async def _load_remote_tokenizers(config: GatewayConfig) -> dict[str, Any]:
+    """Tokenizers of remotes that name one (``remotes[].tokenizer``), by remote name."""
+    wanted = [r for r in config.remotes if r.tokenizer is not None]
+    loaded = await asyncio.gather(
+        *(asyncio.to_thread(load_tokenizer, str(r.tokenizer)) for r in wanted)
+    )
+    return {r.name: tok for r, tok in zip(wanted, loaded, strict=True) if tok is not None}
 
 
 async def _load_tokenizers(config: GatewayConfig) -> dict[str, Any]:
@@ -655,6 +791,16 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
             gateway.pools, gateway.supervisor, resolve or bearer_admin, before_auth=admin_limit
         )
     )
+    if gateway.identity.provider_keys is not None:
+        app.include_router(
+            build_provider_key_router(
+                gateway.identity.provider_keys,
+                gateway.identity.store,
+                authenticator,
+                {r.name for r in gateway.config.remotes if r.tenant_keys},
+                before_auth=admin_limit,
+            )
+        )
     if config.console.enabled:
         app.include_router(
             build_console_router(

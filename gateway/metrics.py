@@ -56,6 +56,18 @@ class GatewayMetrics:
             ["upstream", "replica"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            p + "fallbacks",
+            "Requests sent on to a fallback tier before the first byte, by tier and reason",
+            ["from_tier", "to_tier", "reason"],
+            registry=r,
+        )
+        self.usage_counted = Counter(
+            p + "usage_counted",
+            "Answers without upstream usage whose output the gateway counted, by rule",
+            ["model", "source"],
+            registry=r,
+        )
         self.rate_limited = Counter(
             p + "rate_limited",
             "Requests refused by admission, by the limit that refused them",

@@ -29,6 +29,8 @@ from starlette.requests import Request
 from portico.tracing import provider_from_env
 
 if TYPE_CHECKING:
+    import httpx
+
     from gateway.dataplane.fields import RequestFields
     from gateway.dataplane.pool import Replica
     from gateway.dataplane.proxy import Exchange
@@ -197,9 +199,11 @@ class GatewayTracing:
 
     async def attempt(
         self,
-        send: Callable[[Replica, str, bytes, dict[str, str], RequestFields], Awaitable[Exchange]],
+        send: Callable[
+            [Replica, httpx.URL, bytes, dict[str, str], RequestFields], Awaitable[Exchange]
+        ],
         replica: Replica,
-        path: str,
+        url: httpx.URL,
         payload: bytes,
         headers: dict[str, str],
         fields: RequestFields,
@@ -209,11 +213,11 @@ class GatewayTracing:
         with self.tracer.start_as_current_span(
             "upstream attempt",
             kind=SpanKind.CLIENT,
-            attributes={"portico.replica": replica.name, "url.path": path},
+            attributes={"portico.replica": replica.name, "url.path": url.path},
         ) as span:
             carried = dict(headers)
             self.propagator.inject(carried)
-            exchange = await send(replica, path, payload, carried, fields)
+            exchange = await send(replica, url, payload, carried, fields)
             span.set_attribute("http.response.status_code", exchange.status)
             if exchange.status >= 500:
                 span.set_status(Status(StatusCode.ERROR))

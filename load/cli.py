@@ -51,6 +51,7 @@ def _delegated() -> list[tuple[str, str, str]]:
     candidates = [
         ("engine", "load.engine_bench", "offline engine vs transformers static batching"),
         ("gateway", "load.gateway_bench", "gateway overhead vs direct, rate-limit correctness"),
+        ("remote", "load.remote_bench", "engine tier vs OpenAI-compatible remote vs litellm"),
         ("admission", "load.admission_bench", "admission cost per request (Redis Lua)"),
         ("soak", "load.soak", "mixed traffic for a while, gateway memory over time"),
         ("standard", "load.standard", "everything `make bench` runs"),

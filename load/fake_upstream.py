@@ -6,12 +6,23 @@ never the bottleneck of a gateway benchmark. It does no inference: every complet
 ``num_chunks`` copies of the word ``"tok"``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` and
-``stream_options.include_usage`` honoured), ``GET /v1/models``, ``GET /health``, ``GET /ready``.
+``stream_options.include_usage`` honoured; any path ending in ``/chat/completions`` or
+``/completions`` answers too, so Azure's ``/openai/deployments/<d>/...?api-version=`` does, which
+needs its ``api-version``), ``POST /v1/messages`` (Anthropic's Messages API, stream and not,
+for translation tests), ``GET /v1/models``, ``GET /health``, ``GET /ready``.
 
 Command line (stable; other tests rely on it)::
 
     python -m load.fake_upstream --port 9000 [--host 127.0.0.1] [--uds PATH]
         [--chunks 8] [--chunk-delay-ms 0] [--model fake-model] [--status 200]
+        [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]] [--no-usage]
+        [--require-key KEY ...] [--fail-first N]
+
+``--tls-*``: serve HTTPS (with ``--tls-client-ca``, require a client certificate it signs).
+``--no-usage``: never report usage (streams or not), like providers that do not.
+``--require-key``: answer 401 unless ``Authorization: Bearer <key>`` (or ``api-key``,
+``x-api-key``) is one of these; the 401 message echoes the key's last characters, as OpenAI's
+does. ``--fail-first N``: the first N completions answer 503.
 
 Per request, these body fields override the flags: ``max_tokens`` (number of chunks, capped by
 ``--max-chunks``), ``fake_chunk_delay_ms`` and ``fake_status`` (answer with that HTTP status and
@@ -26,6 +37,7 @@ import gc
 import json
 import os
 import signal
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -50,6 +62,10 @@ class FakeSettings:
     max_chunks: int = 4096
     chunk_delay_ms: float = 0.0
     status: int = 200
+    usage: bool = True
+    keys: tuple[str, ...] = ()
+    fail_first: int = 0
+    served: int = 0  # completions answered so far (all connections)
 
 
 def _response(
@@ -122,7 +138,9 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             if item is None or self.transport is None or self.transport.is_closing():
                 return
             method, target, headers, body = item
-            path = target.split("?", 1)[0]
+            path, _, query = target.partition("?")
+            if method == "POST" and not self._authorized(headers):
+                continue
             if method == "GET" and path in ("/health", "/ready"):
                 self.transport.write(_response(200, b'{"status":"ok"}'))
             elif method == "GET" and path == "/v1/models":
@@ -136,13 +154,87 @@ class FakeUpstreamProtocol(asyncio.Protocol):
                 self.transport.write(
                     _response(200, json.dumps({"object": "list", "data": [card]}).encode())
                 )
-            elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            elif method == "POST" and path.endswith("/messages"):
+                await self._anthropic(body)
+            elif method == "POST" and path.endswith("/completions"):
+                if "/openai/deployments/" in path and "api-version=" not in query:
+                    self.transport.write(_error(404, "Azure paths need an api-version"))
+                    continue
                 await self._complete(path.endswith("chat/completions"), body)
             else:
                 self.transport.write(_error(404, f"no route {method} {path}"))
 
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if not self.settings.keys or self.transport is None:
+            return True
+        given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").decode()
+        given = given or headers.get(b"api-key", headers.get(b"x-api-key", b"")).decode()
+        if given in self.settings.keys:
+            return True
+        shown = f"{given[:3]}****{given[-4:]}" if given else "(none)"
+        self.transport.write(_error(401, f"Incorrect API key provided: {shown}."))
+        return False
+
+    async def _anthropic(self, body: bytes) -> None:
+        """Anthropic's Messages API, just enough for litellm's translation."""
+        if self.transport is None:
+            return
+        req = json.loads(body or b"{}")
+        n = max(
+            1, min(int(req.get("max_tokens") or self.settings.chunks), self.settings.max_chunks)
+        )
+        rid = f"msg_{os.urandom(6).hex()}"
+        model = req.get("model") or self.settings.model
+        usage = {"input_tokens": len(json.dumps(req.get("messages"))) // 4 + 1, "output_tokens": n}
+        if not req.get("stream"):
+            message = {
+                "id": rid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [{"type": "text", "text": " tok" * n}],
+                "stop_reason": "max_tokens",
+                "stop_sequence": None,
+                "usage": usage,
+            }
+            self.transport.write(_response(200, json.dumps(message).encode()))
+            return
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+
+        def event(kind: str, data: dict[str, object]) -> None:
+            payload = json.dumps({"type": kind, **data}).encode()
+            self._write_chunk(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
+
+        start: dict[str, object] = {
+            "id": rid,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": usage["input_tokens"], "output_tokens": 0},
+        }
+        event("message_start", {"message": start})
+        event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        for _ in range(n):
+            event("content_block_delta",
+                  {"index": 0, "delta": {"type": "text_delta", "text": " tok"}})  # fmt: skip
+        event("content_block_stop", {"index": 0})
+        event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                "usage": {"output_tokens": n}})  # fmt: skip
+        event("message_stop", {})
+        self.transport.write(b"0\r\n\r\n")
+
     async def _complete(self, chat: bool, body: bytes) -> None:
         if self.transport is None:
+            return
+        self.settings.served += 1
+        if self.settings.served <= self.settings.fail_first:
+            self.transport.write(_error(503, "fake upstream fails its first requests"))
             return
         try:
             req = json.loads(body or b"{}")
@@ -188,11 +280,13 @@ class FakeUpstreamProtocol(asyncio.Protocol):
                 "created": created,
                 "model": model,
                 "choices": [choice],
-                "usage": usage,
             }
+            if self.settings.usage:
+                payload["usage"] = usage
             self.transport.write(_response(200, json.dumps(payload).encode()))
             return
         include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        include_usage = include_usage and self.settings.usage
         self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -239,15 +333,34 @@ class FakeUpstreamProtocol(asyncio.Protocol):
 
 
 async def serve(
-    settings: FakeSettings, host: str = "127.0.0.1", port: int = 0, uds: str | None = None
+    settings: FakeSettings,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    uds: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> asyncio.base_events.Server:
     """Start the fake; returns the asyncio server (its sockets tell the bound port)."""
     loop = asyncio.get_running_loop()
     if uds:
         return await loop.create_unix_server(lambda: FakeUpstreamProtocol(settings), uds)
     return await loop.create_server(
-        lambda: FakeUpstreamProtocol(settings), host, port, reuse_address=True, backlog=2048
+        lambda: FakeUpstreamProtocol(settings),
+        host,
+        port,
+        reuse_address=True,
+        backlog=2048,
+        ssl=ssl_context,
     )
+
+
+def server_ssl_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["http/1.1"])
+    if client_ca:
+        ctx.load_verify_locations(client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chunks", type=int, default=4096)
     parser.add_argument("--chunk-delay-ms", type=float, default=0.0)
     parser.add_argument("--status", type=int, default=200)
+    parser.add_argument("--tls-cert", default=None)
+    parser.add_argument("--tls-key", default=None)
+    parser.add_argument("--tls-client-ca", default=None)
+    parser.add_argument("--no-usage", action="store_true")
+    parser.add_argument("--require-key", nargs="+", default=[])
+    parser.add_argument("--fail-first", type=int, default=0)
     args = parser.parse_args(argv)
     settings = FakeSettings(
         model=args.model,
@@ -267,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         max_chunks=args.max_chunks,
         chunk_delay_ms=args.chunk_delay_ms,
         status=args.status,
+        usage=not args.no_usage,
+        keys=tuple(args.require_key),
+        fail_first=args.fail_first,
+    )
+    tls = (
+        server_ssl_context(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_cert
+        else None
     )
 
     async def run() -> None:
@@ -274,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             import uvloop  # noqa: F401  (installed with uvicorn[standard])
         except ImportError:
             pass
-        server = await serve(settings, args.host, args.port, args.uds)
+        server = await serve(settings, args.host, args.port, args.uds, tls)
         # What start-up loaded lives as long as the process: full collections skip it, so the
         # fake never pauses tens of ms in the middle of a benchmark (gc.freeze).
         gc.collect()

@@ -163,10 +163,13 @@ def write_gateway_files(
     redis_url: str,
     models: Sequence[str] = MODELS,
     upstream_cpus: str | None = None,
+    remotes: Sequence[dict[str, Any]] = (),
+    engines: Sequence[dict[str, Any]] = (),
 ) -> Path:
     """The gateway's config, plans and policies for the bench; returns the config's path.
 
-    Each model is a supervised fake upstream on a Unix socket; the plan ``bench`` sets every
+    Each model is a supervised fake upstream on a Unix socket; ``remotes`` and ``engines``
+    (``remotes[]`` / ``engines[]`` items) are added as they are. The plan ``bench`` sets every
     limit (so admission does its full work) far above what the bench sends.
     """
     policies = workdir / "policies"
@@ -204,7 +207,9 @@ def write_gateway_files(
                 "startup_timeout_s": 60,
             }
             for name in models
-        ],
+        ]
+        + list(engines),
+        "remotes": list(remotes),
         "log_level": "warning",
         "access_log": False,
         "drain_timeout_s": 5,
@@ -236,10 +241,12 @@ def gateway(
     cpus: str | None,
     upstream_cpus: str | None,
     models: Sequence[str] = MODELS,
+    remotes: Sequence[dict[str, Any]] = (),
+    engines: Sequence[dict[str, Any]] = (),
 ) -> Iterator[GatewayHandle]:
-    """``portico serve`` on ``cpus`` in front of fake engines, ready."""
+    """``portico serve`` on ``cpus`` in front of fake engines (and ``remotes``), ready."""
     port = free_port()
-    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus)
+    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus, remotes, engines)
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
     env = {
         **os.environ,

@@ -32,7 +32,8 @@ class UsageRecorder:
         self._ledger = ledger
         self._interval_s = interval_s
         self._pending: dict[tuple[str, str], dict[str, int]] = {}
-        # (tenant, day, model) -> [requests, prompt tokens, completion tokens] since the flush
+        # (tenant, day, model) -> [requests, prompt tokens, completion tokens, requests whose
+        # output the gateway counted with a tokenizer, ... by the estimate] since the flush
         self._counts: dict[tuple[str, str, str], list[int]] = {}
         self._day = ""
         self._day_start = self._day_end = 0.0
@@ -41,19 +42,29 @@ class UsageRecorder:
         self._failing = False
 
     def record(
-        self, tenant_id: str, model: str, prompt_tokens: int, completion_tokens: int
+        self,
+        tenant_id: str,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        source: str = "upstream",
     ) -> None:
+        """Count one request; ``source`` is who counted its output (proxy.Usage.source)."""
         now = time.time()
         if not self._day_start <= now < self._day_end:
             self._set_day(now)
         key = (tenant_id, self._day, model)
         counts = self._counts.get(key)
         if counts is None:
-            self._counts[key] = [1, prompt_tokens, completion_tokens]
-        else:  # the hot case: three additions, the usage fields are built once per flush
-            counts[0] += 1
-            counts[1] += prompt_tokens
-            counts[2] += completion_tokens
+            counts = self._counts[key] = [0, 0, 0, 0, 0]
+        # the hot case: three additions, the usage fields are built once per flush
+        counts[0] += 1
+        counts[1] += prompt_tokens
+        counts[2] += completion_tokens
+        if source == "tokenizer":
+            counts[3] += 1
+        elif source == "estimate":
+            counts[4] += 1
 
     def _set_day(self, now: float) -> None:
         start = datetime.fromtimestamp(now, timezone.utc).replace(
@@ -66,8 +77,9 @@ class UsageRecorder:
     def _take_counts(self) -> None:
         """Turn the per-(tenant, day, model) sums into pending usage fields."""
         counts, self._counts = self._counts, {}
-        for (tenant_id, day, model), (requests, prompt, completion) in counts.items():
-            self._add((tenant_id, day), usage_fields(model, prompt, completion, requests))
+        for (tenant_id, day, model), (requests, prompt, completion, *counted) in counts.items():
+            fields = usage_fields(model, prompt, completion, requests, *counted)
+            self._add((tenant_id, day), fields)
 
     def _add(self, key: tuple[str, str], fields: dict[str, int]) -> None:
         into = self._pending.get(key)

@@ -9,7 +9,9 @@ keys of a replica that leaves, and needs no ring to rebuild.
 
 Ejection: ``eject_after_failures`` consecutive failed attempts eject a replica for
 ``eject_cooldown_s``; after the cool-down a probe of its ``/health`` readmits it (or starts a
-new cool-down). Everything here runs on the event loop thread; no locks are needed.
+new cool-down). A replica without a probe path (a remote endpoint) is readmitted half-open
+instead: the next request is the probe, and one more failure ejects it again. Everything here
+runs on the event loop thread; no locks are needed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Replica:
     transport: httpx.AsyncBaseTransport | None = None
     timeouts: dict[str, float | None] = field(default_factory=dict)
     up: bool = False  # set by the supervisor (process running and ready)
+    probe_path: str | None = "/health"  # None: readmitted half-open after the cool-down
     outstanding: int = 0
     consecutive_failures: int = 0
     ejected: bool = False
@@ -125,8 +128,13 @@ class Pool:
         for replica in self.replicas:
             if not replica.ejected or replica.ejected_until > now or not replica.up:
                 continue
+            if replica.probe_path is None:  # half-open: one more failure ejects it again
+                replica.ejected = False
+                replica.consecutive_failures = max(0, self.eject_after_failures - 1)
+                log.info("replica %s readmitted half-open after its cool-down", replica.name)
+                continue
             try:
-                resp = await replica.client.get("/health", timeout=2.0)
+                resp = await replica.client.get(replica.probe_path, timeout=2.0)
                 ok = resp.status_code == 200
             except httpx.HTTPError:
                 ok = False

@@ -1,4 +1,6 @@
-"""Forwarding to a local engine pool: replica choice, retries before the first byte, SSE relay.
+"""Forwarding to a pool of OpenAI-compatible servers: replica choice, retries before the first
+byte, SSE relay. The pool is a local engine pool, or (``gateway/dataplane/openai_remote.py``) the
+endpoints of a remote OpenAI-compatible provider reached over the same lean transport.
 
 ``LocalUpstream.exchange`` runs the attempt loop: pick a replica (prefix affinity, least
 outstanding), send, and retry on connect errors, broken answers and the policy's statuses
@@ -9,7 +11,10 @@ like any other failure. Once an :class:`Exchange` is returned nothing is retried
 broken later ends with an error event and ``data: [DONE]``.
 
 Usage for settlement: the engine is always asked for ``stream_options.include_usage``; the
-usage event is read here and dropped from the relay when the client did not ask for it.
+usage event is read here and dropped from the relay when the client did not ask for it. An
+upstream that reports no usage (some remote providers' streams) is counted by the upstream's
+:class:`~gateway.dataplane.output_tokens.OutputCounter`, when it has one, and ``Usage.source``
+says how.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import httpx
 from starlette.responses import Response
 
 from gateway.dataplane.fields import RequestFields
+from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import read_body
@@ -55,17 +61,32 @@ _USAGE_MARKS = (b'"usage":{', b'"usage": {')
 
 @dataclass(slots=True)
 class Usage:
-    """Token counts reported by the upstream (zero until it reports them)."""
+    """Token counts of one answer (zero until known).
+
+    ``source`` says who counted: ``"upstream"`` (its usage report), or the gateway itself when
+    the upstream reported none: ``"tokenizer"`` (the model's tokenizer over the output text) or
+    ``"estimate"`` (the provider's documented rule, ~4 characters per token). When the gateway
+    counted, ``prompt_tokens`` is 0 and the caller uses its own admission count instead.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reported: bool = False
+    source: str = "upstream"
 
     def take(self, usage: Any) -> None:
         if isinstance(usage, dict):
             self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
             self.reported = True
+            self.source = "upstream"
+
+    def count(self, counter: OutputCounter, completion_tokens: int) -> None:
+        """Usage the gateway counted itself (the upstream reported none)."""
+        self.prompt_tokens = 0
+        self.completion_tokens = completion_tokens
+        self.reported = True
+        self.source = counter.source
 
 
 @dataclass(eq=False)
@@ -166,9 +187,27 @@ async def sse_blocks(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
 
 
 class Upstream(Protocol):
-    """Where the gateway forwards a routed request: a local engine pool (:class:`LocalUpstream`)
-    or a remote provider (:class:`~gateway.dataplane.remote.RemoteUpstream`). Both retry only
-    before the first byte and answer with an :class:`Exchange` the gateway relays as is."""
+    """Where the gateway forwards a routed request: a local engine pool (:class:`LocalUpstream`),
+    an OpenAI-compatible remote over the same transport
+    (:class:`~gateway.dataplane.openai_remote.OpenAIRemoteUpstream`) or a provider that needs
+    translation (:class:`~gateway.dataplane.remote.RemoteUpstream`, litellm). All retry only
+    before the first byte and answer with an :class:`Exchange` the gateway relays as is.
+
+    ``tenant_keys``: the upstream may send a tenant's own provider key (``credential``) instead
+    of its configured one.
+    """
+
+    name: str
+    tenant_keys: bool
+
+    def payload(
+        self,
+        raw: bytes,
+        fields: RequestFields,
+        model: str,
+        cache_salt: str | None,
+        max_tokens: int | None,
+    ) -> bytes: ...
 
     async def exchange(
         self,
@@ -178,6 +217,7 @@ class Upstream(Protocol):
         request_id: str,
         prefix_key: bytes | None,
         avoid: tuple[Replica, ...] = (),  # replicas to pick last (e.g. lacking an adapter)
+        credential: str | None = None,
     ) -> Exchange: ...
 
 
@@ -187,9 +227,11 @@ class AttemptTracer(Protocol):
 
     async def attempt(
         self,
-        send: Callable[[Replica, str, bytes, dict[str, str], RequestFields], Awaitable[Exchange]],
+        send: Callable[
+            [Replica, httpx.URL, bytes, dict[str, str], RequestFields], Awaitable[Exchange]
+        ],
         replica: Replica,
-        path: str,
+        url: httpx.URL,
         payload: bytes,
         headers: dict[str, str],
         fields: RequestFields,
@@ -197,14 +239,46 @@ class AttemptTracer(Protocol):
 
 
 class LocalUpstream:
-    """A pool of engine replicas behind one model name; one shared HTTP client per replica."""
+    """A pool of engine replicas behind one model name; one shared HTTP client per replica.
 
+    Subclasses for other OpenAI-compatible servers change where a request goes
+    (:meth:`request_url`), what it carries (:meth:`request_headers`, :meth:`payload`) and who
+    counts usage an upstream did not report (``counter``); the attempt loop is this one.
+    """
+
+    tenant_keys = False
     tracer: AttemptTracer | None = None  # set by the gateway when tracing is on
 
-    def __init__(self, pool: Pool, policy: RetryPolicy, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        policy: RetryPolicy,
+        metrics: GatewayMetrics,
+        *,
+        counter: OutputCounter | None = None,
+    ) -> None:
         self.pool = pool
+        self.name = pool.name
         self.policy = policy
         self.metrics = metrics
+        self.counter = counter
+
+    def payload(
+        self,
+        raw: bytes,
+        fields: RequestFields,
+        model: str,
+        cache_salt: str | None,
+        max_tokens: int | None,
+    ) -> bytes:
+        """The body the engine gets (:func:`upstream_body`)."""
+        return upstream_body(raw, fields, model, cache_salt, max_tokens)
+
+    def request_url(self, path: str) -> httpx.URL:
+        return _engine_url(path)
+
+    def request_headers(self, request_id: str, credential: str | None) -> dict[str, str]:
+        return {"content-type": "application/json", "x-request-id": request_id}
 
     async def exchange(
         self,
@@ -214,12 +288,14 @@ class LocalUpstream:
         request_id: str,
         prefix_key: bytes | None,
         avoid: tuple[Replica, ...] = (),
+        credential: str | None = None,
     ) -> Exchange:
         """Send until an answer's first byte is ready or the policy gives up; replicas in
         ``avoid`` (e.g. not holding the request's adapter) are picked only when no other can."""
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+        headers = self.request_headers(request_id, credential)
+        url = self.request_url(path)
         tried: tuple[Replica, ...] = ()
         waited = 0.0
         attempt = 0
@@ -237,10 +313,10 @@ class LocalUpstream:
                 replica.outstanding += 1
                 try:
                     if self.tracer is None:
-                        result = await self._attempt(replica, path, payload, headers, fields)
+                        result = await self._attempt(replica, url, payload, headers, fields)
                     else:
                         result = await self.tracer.attempt(
-                            self._attempt, replica, path, payload, headers, fields
+                            self._attempt, replica, url, payload, headers, fields
                         )
                 except (httpx.TransportError, _BrokenAnswer) as exc:
                     self.pool.record_failure(replica)
@@ -283,7 +359,7 @@ class LocalUpstream:
     async def _attempt(
         self,
         replica: Replica,
-        path: str,
+        url: httpx.URL,
         payload: bytes,
         headers: dict[str, str],
         fields: RequestFields,
@@ -291,7 +367,7 @@ class LocalUpstream:
         # The replica's outstanding count was raised by the caller; every path below that does
         # not hand the open stream to ``close`` lowers it again.
         try:
-            return await self._attempt_open(replica, path, payload, headers, fields)
+            return await self._attempt_open(replica, url, payload, headers, fields)
         except BaseException:
             replica.outstanding -= 1
             raise
@@ -299,7 +375,7 @@ class LocalUpstream:
     async def _attempt_open(
         self,
         replica: Replica,
-        path: str,
+        url: httpx.URL,
         payload: bytes,
         headers: dict[str, str],
         fields: RequestFields,
@@ -307,7 +383,7 @@ class LocalUpstream:
         if replica.transport is not None:
             request = httpx.Request(
                 "POST",
-                _engine_url(path),
+                url,
                 headers=headers,
                 content=payload,
                 extensions={"timeout": replica.timeouts},
@@ -316,7 +392,7 @@ class LocalUpstream:
         else:
             client = replica.client
             resp = await client.send(
-                client.build_request("POST", path, content=payload, headers=headers), stream=True
+                client.build_request("POST", url, content=payload, headers=headers), stream=True
             )
         content_type = resp.headers.get("content-type", "application/json")
         if not fields.stream or resp.status_code != 200:
@@ -333,6 +409,8 @@ class LocalUpstream:
                     exchange.usage.take(_loads(body).get("usage"))
                 except (ValueError, AttributeError):
                     pass
+                if not exchange.usage.reported and self.counter is not None:
+                    exchange.usage.count(self.counter, self.counter.count_body(body))
             return exchange
         blocks = sse_blocks(resp)
         try:
@@ -340,8 +418,15 @@ class LocalUpstream:
         except (httpx.HTTPError, StopAsyncIteration) as exc:
             await resp.aclose()
             raise _BrokenAnswer(str(exc) or "empty stream") from exc
+        except BaseException:  # cancelled (a tier's latency budget): free the connection
+            await resp.aclose()
+            raise
         exchange = Exchange(200, content_type)
+        usage = exchange.usage
         closed = False
+        # Without a usage report the gateway counts the output itself: the events are kept
+        # (references only) until the stream ends, and parsed only if no report came.
+        seen: list[bytes] | None = [first] if self.counter is not None else None
 
         async def close() -> None:
             nonlocal closed
@@ -350,17 +435,26 @@ class LocalUpstream:
                 replica.outstanding -= 1
                 await blocks.aclose()
                 await resp.aclose()
+                if seen is not None and not usage.reported and self.counter is not None:
+                    usage.count(self.counter, self.counter.count_stream(seen))
 
-        exchange.first = _take_usage(first, exchange.usage, fields.wants_usage)
-        exchange.rest = self._relay(blocks, exchange.usage, fields.wants_usage, replica)
+        exchange.first = _take_usage(first, usage, fields.wants_usage)
+        exchange.rest = self._relay(blocks, usage, fields.wants_usage, replica, seen)
         exchange.close = close
         return exchange
 
     async def _relay(
-        self, blocks: AsyncIterator[bytes], usage: Usage, keep_usage: bool, replica: Replica
+        self,
+        blocks: AsyncIterator[bytes],
+        usage: Usage,
+        keep_usage: bool,
+        replica: Replica,
+        seen: list[bytes] | None = None,
     ) -> AsyncIterator[bytes]:
         try:
             async for block in blocks:
+                if seen is not None and not usage.reported:
+                    seen.append(block)
                 out = _take_usage(block, usage, keep_usage)
                 if out:
                     yield out

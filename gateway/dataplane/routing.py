@@ -6,6 +6,13 @@ and so the tokenizer, is not known yet), max_tokens, user turns, fenced code blo
 configured keywords — as a weighted sum, and takes the first tier (in policy order) whose
 ``max_score`` is at least the score and whose model the caller may use. The policy lives in
 ``policies/routing.yaml``.
+
+Fallbacks: a tier may list other tiers (``fallbacks``) to try, in order, when it is down (no
+healthy replica, connection failures after the retries, 5xx), out of quota (429, or a
+model-scoped limit of the tenant refused it at admission) or slower to its first byte than its
+``latency_budget_s``. The decision carries them; the gateway tries them
+only before the first byte reached the client (``gateway/app.py``), and ``x-portico-route``
+names the tier that answered and the ones it fell back from.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.dataplane.fields import RequestFields, prefix_text, prompt_text
 from gateway.identity.principal import Principal
@@ -46,6 +53,8 @@ class Tier(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     model: str = Field(min_length=1)
     max_score: float | None = None  # None: catches everything (the last tier)
+    fallbacks: list[str] = []  # tier names to try next, in order, before the first byte
+    latency_budget_s: float | None = Field(default=None, gt=0, le=3600)  # to the first byte
 
 
 class RoutingPolicy(_Strict):
@@ -57,6 +66,15 @@ class RoutingPolicy(_Strict):
     keywords: list[str] = []
     prefix_chars: int = Field(default=256, ge=0, le=100_000)
     affinity_slack: int = Field(default=2, ge=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _fallbacks_name_tiers(self) -> RoutingPolicy:
+        names = [t.name for t in self.tiers]
+        for tier in self.tiers:
+            unknown = [f for f in tier.fallbacks if f not in names or f == tier.name]
+            if unknown:
+                raise ValueError(f"tier {tier.name}: fallbacks name no other tier: {unknown}")
+        return self
 
 
 def load_routing_policy(path: Path) -> RoutingPolicy:
@@ -74,10 +92,21 @@ class RouteDecision:
     model: str  # the upstream's model name (a pool or a remote upstream)
     reason: str
     prefix_key: bytes | None
+    fallbacks: tuple[Tier, ...] = ()  # tiers to try next, before the first byte
+    latency_budget_s: float | None = None
 
     @property
     def header(self) -> str:
         return f"tier={self.tier}; model={self.model}; reason={self.reason}"
+
+    def fall_back(self, why: str) -> RouteDecision:
+        """The decision for the next fallback tier (there must be one); the reason keeps the
+        route so far: ``...; fallback from small (no_healthy_replica)``."""
+        tier, rest = self.fallbacks[0], self.fallbacks[1:]
+        reason = f"{self.reason}; fallback from {self.tier} ({why})"
+        return RouteDecision(
+            tier.name, tier.model, reason, self.prefix_key, rest, tier.latency_budget_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +129,7 @@ class Router:
         (the packaged default policy in front of a user's own models) it is dropped and logged."""
         unknown = [t.model for t in policy.tiers if t.model not in models]
         unknown += [m for m in policy.aliases.values() if m not in models]
+        served = {t.name for t in policy.tiers if t.model in models}
         if unknown and strict:
             raise ValueError(f"routing policy names models that are not served: {unknown}")
         if unknown:
@@ -109,13 +139,18 @@ class Router:
             )
             policy = policy.model_copy(
                 update={
-                    "tiers": [t for t in policy.tiers if t.model in models],
+                    "tiers": [
+                        t.model_copy(update={"fallbacks": [f for f in t.fallbacks if f in served]})
+                        for t in policy.tiers
+                        if t.model in models
+                    ],
                     "aliases": {a: m for a, m in policy.aliases.items() if m in models},
                 }
             )
         self.policy = policy
         self.models = models
         self._keywords = [k.lower() for k in policy.keywords]
+        self._tiers = {t.name: t for t in policy.tiers}
 
     def visible_models(self, principal: Principal) -> list[str]:
         names = [m for m in sorted(self.models) if principal.may_use(m)]
@@ -188,7 +223,19 @@ class Router:
             f"max_tokens={f.max_tokens} turns={f.turns} code={f.code_blocks} "
             f"tools={f.tools} keywords={f.keywords})"
         )
-        return RouteDecision(tier.name, tier.model, reason, self.prefix_key(fields))
+        fallbacks = tuple(
+            self._tiers[name]
+            for name in tier.fallbacks
+            if principal.may_use(self._tiers[name].model)
+        )
+        return RouteDecision(
+            tier.name,
+            tier.model,
+            reason,
+            self.prefix_key(fields),
+            fallbacks,
+            tier.latency_budget_s,
+        )
 
     def prefix_key(self, fields: RequestFields) -> bytes | None:
         if not self.policy.prefix_chars:

@@ -1,16 +1,21 @@
-"""A lean HTTP/1.1 transport for httpx, for the gateway's own engines (Unix socket or TCP).
+"""A lean HTTP/1.1 transport for httpx: the gateway's engines (Unix socket or TCP) and its
+OpenAI-compatible remote upstreams (TCP, optionally TLS).
 
-The gateway keeps one ``httpx.AsyncClient`` per engine replica (one HTTP client pool); this is
-the transport underneath it. httpcore, httpx's default, spends about a millisecond of CPU per
-request in its connection state machine and anyio layers, which is the whole overhead budget
-of the gateway; this transport parses responses with ``httptools`` (the parser uvicorn uses) on
-a plain asyncio protocol and costs a small fraction of that.
+The gateway keeps one ``httpx.AsyncClient`` per engine replica or remote endpoint (one HTTP
+client pool); this is the transport underneath it. httpcore, httpx's default, spends about a
+millisecond of CPU per request in its connection state machine and anyio layers, which is the
+whole overhead budget of the gateway; this transport parses responses with ``httptools`` (the
+parser uvicorn uses) on a plain asyncio protocol and costs a small fraction of that.
 
-Scope, on purpose: HTTP/1.1 to trusted local servers, one request per connection at a time,
-idle connections reused last-in first-out, bodies given as bytes. Response bodies stream as
-they arrive (chunked or sized); the socket is paused while more than ``HIGH_WATER`` bytes wait
-for the reader. Errors map to httpx's: ``ConnectError``/``ConnectTimeout`` before the request
-is written, ``RemoteProtocolError`` when the server closes early, ``ReadTimeout`` when it goes
+Scope, on purpose: HTTP/1.1, one request per connection at a time, idle connections reused
+last-in first-out (and closed once idle longer than ``idle_timeout_s``, so a server's own
+keep-alive timeout does not race a reuse), bodies given as bytes. TLS is asyncio's
+(``ssl.SSLContext``: certificate verification, a private CA, a client certificate). HTTP/2 is
+not spoken here: an upstream configured for it gets httpx's own transport (httpcore + h2).
+Response bodies stream as they arrive (chunked or sized); the socket is paused while more than
+``HIGH_WATER`` bytes wait for the reader. Errors map to httpx's: ``ConnectError`` /
+``ConnectTimeout`` before the request is written (a failed TLS handshake or certificate check
+included), ``RemoteProtocolError`` when the server closes early, ``ReadTimeout`` when it goes
 silent for longer than the request's read timeout.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import AsyncIterator
 
 import httptools
@@ -37,6 +43,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.error: Exception | None = None
         self.deadline: float | None = None
+        self.idle_since = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -164,12 +171,28 @@ async def read_body(response: httpx.Response) -> bytes:
 
 
 class LeanTransport(httpx.AsyncBaseTransport):
-    """httpx transport: HTTP/1.1 keep-alive to one server on ``uds`` or ``host:port``."""
+    """httpx transport: HTTP/1.1 keep-alive to one server on ``uds`` or ``host:port``.
 
-    def __init__(self, uds: str | None = None, host: str = "127.0.0.1", port: int = 80) -> None:
+    ``ssl_context``: speak TLS with this context (``server_hostname`` defaults to ``host``).
+    ``idle_timeout_s``: an idle connection older than this is closed rather than reused.
+    """
+
+    def __init__(
+        self,
+        uds: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 80,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> None:
         self.uds = uds
         self.host = host
         self.port = port
+        self.ssl = ssl_context
+        self.server_hostname = server_hostname or (host if ssl_context is not None else None)
+        self.idle_timeout_s = idle_timeout_s
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
         self._watchdog: asyncio.Task[None] | None = None
@@ -224,18 +247,33 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def _connection(self, timeout: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed:
-                conn._reset()
-                return conn
-        loop = asyncio.get_running_loop()
+            if conn.closed:
+                continue
+            if self.idle_timeout_s is not None and (
+                loop.time() - conn.idle_since > self.idle_timeout_s
+            ):
+                conn._abort()  # the rest of the stack is older still (LIFO): drop it too
+                for old in self._idle:
+                    old._abort()
+                self._idle.clear()
+                break
+            conn._reset()
+            return conn
         try:
             async with asyncio.timeout(timeout):
                 if self.uds is not None:
                     _, conn = await loop.create_unix_connection(_Connection, self.uds)
                 else:
-                    _, conn = await loop.create_connection(_Connection, self.host, self.port)
+                    _, conn = await loop.create_connection(
+                        _Connection,
+                        self.host,
+                        self.port,
+                        ssl=self.ssl,
+                        server_hostname=self.server_hostname,
+                    )
         except TimeoutError:
             raise httpx.ConnectTimeout("connecting to the server timed out") from None
         except OSError as exc:
@@ -255,6 +293,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._busy.discard(conn)
         if reusable and not conn.closed and len(self._idle) < MAX_IDLE:
             conn.parser = httptools.HttpResponseParser(conn)
+            if self.idle_timeout_s is not None:
+                conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
         elif not conn.closed:
             conn._abort()

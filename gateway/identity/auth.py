@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 from gateway.identity.jwt_auth import JWTSettings, JWTVerifier
 from gateway.identity.plans import load_plans
 from gateway.identity.principal import Limits, Principal
+from gateway.identity.provider_keys import ProviderKeyStore
 from gateway.identity.records import Tenant
 from gateway.identity.tenants import TenantStore
 from gateway.store import RedisClient, StoreSettings
@@ -354,15 +355,21 @@ def _check_enabled(tenant: Tenant) -> None:
 
 
 class Identity:
-    """What identity holds for the gateway's lifetime: the tenant store and the authenticator,
-    both on the Redis client it was handed (the gateway owns and closes that client)."""
+    """What identity holds for the gateway's lifetime: the tenant store, the authenticator and
+    the tenants' provider keys, all on the Redis client it was handed (the gateway owns and
+    closes that client)."""
 
     def __init__(
-        self, redis: RedisClient, store: TenantStore, authenticator: Authenticator
+        self,
+        redis: RedisClient,
+        store: TenantStore,
+        authenticator: Authenticator,
+        provider_keys: ProviderKeyStore | None = None,
     ) -> None:
         self.redis = redis
         self.store = store
         self.authenticator = authenticator
+        self.provider_keys = provider_keys
 
     async def aclose(self) -> None:
         await self.authenticator.aclose()
@@ -391,4 +398,7 @@ def open_identity(
     authenticator = Authenticator(
         tenants, admin_key=admin_key, jwt=verifier, cache_ttl_seconds=auth.key_cache_ttl_seconds
     )
-    return Identity(redis, tenants, authenticator)
+    provider_keys = ProviderKeyStore(
+        redis, key_secret, cache_ttl_s=auth.key_cache_ttl_seconds
+    )  # sealed under a key derived from the same secret (provider_keys.py)
+    return Identity(redis, tenants, authenticator, provider_keys)

@@ -2,8 +2,10 @@
 
 Layout: ``portico:usage:{<tenant_id>}:<YYYY-MM-DD>`` (:func:`gateway.identity.layout.usage_key`,
 hash-tagged by tenant) is a hash of counters (``requests``, ``prompt_tokens``,
-``completion_tokens`` and ``<model>|<counter>`` per model), expiring after 400 days. The gateway
-adds to it in batches (``gateway/admission/usage_recorder.py``).
+``completion_tokens``, and when the gateway counted a request's output itself because its
+upstream reported no usage, ``requests_counted_tokenizer`` or ``requests_counted_estimate``;
+each also as ``<model>|<counter>`` per model), expiring after 400 days. The gateway adds to it
+in batches (``gateway/admission/usage_recorder.py``).
 """
 
 from __future__ import annotations
@@ -19,22 +21,36 @@ from portico.errors import InvalidRequestError
 
 USAGE_TTL_SECONDS = 400 * 86400
 MAX_USAGE_DAYS = 366
-USAGE_COUNTERS = ("requests", "prompt_tokens", "completion_tokens")
+USAGE_COUNTERS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "requests_counted_tokenizer",
+    "requests_counted_estimate",
+)
 
 
 def usage_fields(
-    model: str, prompt_tokens: int, completion_tokens: int, requests: int = 1
+    model: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    requests: int = 1,
+    counted_tokenizer: int = 0,
+    counted_estimate: int = 0,
 ) -> dict[str, int]:
     """The usage hash fields that ``requests`` finished requests with these token totals add
-    (totals and the model's twins)."""
+    (totals and the model's twins); the counted-by-the-gateway counters only when not zero."""
     out: dict[str, int] = {}
     for field, amount in (
         ("requests", requests),
         ("prompt_tokens", prompt_tokens),
         ("completion_tokens", completion_tokens),
+        ("requests_counted_tokenizer", counted_tokenizer),
+        ("requests_counted_estimate", counted_estimate),
     ):
-        out[field] = amount
-        out[f"{model}|{field}"] = amount
+        if amount or field in ("requests", "prompt_tokens", "completion_tokens"):
+            out[field] = amount
+            out[f"{model}|{field}"] = amount
     return out
 
 
@@ -43,6 +59,10 @@ class UsageCounters(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # requests whose output tokens the gateway counted itself (no usage from the upstream):
+    # with the model's tokenizer, or by the provider's rule (~4 characters per token)
+    requests_counted_tokenizer: int = 0
+    requests_counted_estimate: int = 0
 
 
 class DayUsage(UsageCounters):
@@ -66,6 +86,11 @@ def _add(target: UsageCounters, prompt: int, completion: int, requests: int) -> 
     target.prompt_tokens += prompt
     target.completion_tokens += completion
     target.total_tokens += prompt + completion
+
+
+def _add_counted(target: UsageCounters, source: UsageCounters) -> None:
+    target.requests_counted_tokenizer += source.requests_counted_tokenizer
+    target.requests_counted_estimate += source.requests_counted_estimate
 
 
 class UsageLedger:
@@ -129,6 +154,8 @@ class UsageLedger:
                 counts.get("completion_tokens", 0),
                 counts.get("requests", 0),
             )
+            entry.requests_counted_tokenizer = counts.get("requests_counted_tokenizer", 0)
+            entry.requests_counted_estimate = counts.get("requests_counted_estimate", 0)
             for field, value in counts.items():
                 model, sep, counter = field.rpartition("|")
                 if not sep or counter not in USAGE_COUNTERS:
@@ -137,13 +164,11 @@ class UsageLedger:
                 setattr(slot, counter, getattr(slot, counter) + value)
             for model, slot in entry.models.items():
                 slot.total_tokens = slot.prompt_tokens + slot.completion_tokens
-                _add(
-                    per_model.setdefault(model, UsageCounters()),
-                    slot.prompt_tokens,
-                    slot.completion_tokens,
-                    slot.requests,
-                )
+                into = per_model.setdefault(model, UsageCounters())
+                _add(into, slot.prompt_tokens, slot.completion_tokens, slot.requests)
+                _add_counted(into, slot)
             _add(totals, entry.prompt_tokens, entry.completion_tokens, entry.requests)
+            _add_counted(totals, entry)
             out.append(entry)
         return TenantUsage(
             tenant_id=tenant_id,

@@ -1,5 +1,6 @@
 """The gateway end to end over fast real upstreams: ``portico serve`` supervising two fake
-engines (load/fake_upstream.py on Unix sockets) and a remote tier reached through litellm.
+engines (load/fake_upstream.py on Unix sockets) and an OpenAI-compatible remote tier (the lean
+transport; more remote cases in test_remote_tiers.py).
 
 These prove the relay, routing, errors, rate-limit headers and slot accounting quickly; the
 tests with real inference engines are in test_gateway_engines.py.
@@ -151,7 +152,7 @@ def test_stream_timing_through_the_gateway_matches_a_direct_call(
     assert g[-1] - g[0] >= 0.5 * 7 * 0.060
 
 
-def test_auto_routes_by_complexity_and_reaches_the_remote_tier_through_litellm(
+def test_auto_routes_by_complexity_and_reaches_the_remote_tier(
     gateway: GatewayProcess, tenant: tuple[str, str]
 ) -> None:
     oa = client(gateway, tenant[1])
@@ -328,7 +329,7 @@ def test_health_ready_and_metrics_show_the_engines(gateway: GatewayProcess) -> N
         assert name in metrics
 
 
-def test_unreachable_remote_is_retried_then_502(module_tmp: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_unreachable_litellm_remote_is_retried_then_502(module_tmp: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     gw = GatewayProcess(
         module_tmp / "dead",
@@ -339,6 +340,7 @@ def test_unreachable_remote_is_retried_then_502(module_tmp: Path, redis_server) 
                 {
                     "name": "gone",
                     "model": "openai/gone",
+                    "api": "litellm",  # the lean path's dead remote: test_remote_tiers.py
                     "api_base": dead,
                     "api_key_env": "HOME",
                     "timeout_s": 5,

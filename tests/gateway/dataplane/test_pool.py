@@ -89,3 +89,22 @@ async def test_probe_readmits_a_replica_that_answers(fake_remote: str) -> None:
     replica.ejected_until = 0
     await pool.probe_ejected()
     assert replica.available and pool.pick(None) is replica
+
+
+async def test_a_replica_without_a_probe_path_is_readmitted_half_open() -> None:
+    pool = make_pool(1)
+    replica = pool.replicas[0]
+    replica.probe_path = None  # a remote endpoint: nothing to probe
+    pool.record_failure(replica)
+    pool.record_failure(replica)
+    assert replica.ejected and pool.pick(None) is None
+    replica.ejected_until = 0.0  # the cool-down is over
+    await pool.probe_ejected()
+    assert not replica.ejected and pool.pick(None) is replica
+    pool.record_failure(replica)  # the next request was the probe, and it failed
+    assert replica.ejected
+    replica.ejected_until = 0.0
+    await pool.probe_ejected()
+    pool.record_success(replica)  # this time it answered: back to full standing
+    pool.record_failure(replica)
+    assert not replica.ejected

@@ -125,3 +125,49 @@ def test_lenient_router_drops_tiers_of_models_not_served() -> None:
     router = Router(POLICY, {"small-model"}, strict=False)
     assert [t.name for t in router.policy.tiers] == ["small"]
     assert router.policy.aliases == {"fast": "small-model"}
+
+
+FALLBACK_POLICY = {
+    "tiers": [
+        {
+            "name": "small",
+            "model": "small-model",
+            "max_score": 1.0,
+            "fallbacks": ["large", "medium"],
+        },
+        {"name": "medium", "model": "medium-model", "latency_budget_s": 2.0},
+        {
+            "name": "large",
+            "model": "remote-model",
+            "latency_budget_s": 0.5,
+            "fallbacks": ["medium"],
+        },
+    ]
+}
+
+
+def test_a_decision_carries_its_fallback_tiers_in_order_and_falls_back() -> None:
+    router = Router(RoutingPolicy.model_validate(FALLBACK_POLICY), MODELS)
+    decision = router.route(chat("auto", "hi"), principal())
+    assert decision.tier == "small" and [t.name for t in decision.fallbacks] == ["large", "medium"]
+    nxt = decision.fall_back("no_healthy_replica")
+    assert (nxt.tier, nxt.model, nxt.latency_budget_s) == ("large", "remote-model", 0.5)
+    assert nxt.header.endswith("; fallback from small (no_healthy_replica)")
+    last = nxt.fall_back("latency_budget")
+    assert last.tier == "medium" and last.fallbacks == ()
+    assert "fallback from small (no_healthy_replica); fallback from large (latency_budget)" in (
+        last.reason
+    )
+
+
+def test_fallbacks_skip_tiers_the_plan_does_not_allow() -> None:
+    router = Router(RoutingPolicy.model_validate(FALLBACK_POLICY), MODELS)
+    decision = router.route(chat("auto", "hi"), principal({"small-model", "medium-model"}))
+    assert [t.name for t in decision.fallbacks] == ["medium"]
+
+
+def test_fallbacks_must_name_other_tiers() -> None:
+    for bad in (["nope"], ["small"]):
+        policy = {"tiers": [{"name": "small", "model": "small-model", "fallbacks": bad}]}
+        with pytest.raises(ValueError, match="fallbacks name no other tier"):
+            RoutingPolicy.model_validate(policy)

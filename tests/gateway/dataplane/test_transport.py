@@ -139,3 +139,16 @@ async def test_nothing_listening_is_a_connect_error(tmp_path: Path) -> None:
     async with lean_client(str(tmp_path / "nobody.sock")) as client:
         with pytest.raises(httpx.ConnectError):
             await client.get("/health")
+
+
+async def test_an_idle_connection_past_its_expiry_is_closed_not_reused(fake_uds: str) -> None:
+    transport = LeanTransport(uds=fake_uds, idle_timeout_s=0.05)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+        body = {"model": "m", "prompt": "x", "max_tokens": 1}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        first = transport._idle[-1]
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert transport._idle[-1] is first  # reused while fresh
+        await asyncio.sleep(0.1)
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert transport._idle[-1] is not first and first.closed

@@ -224,6 +224,9 @@ async def test_usage_per_model_per_day(client: httpx.AsyncClient, identity, make
         "prompt_tokens": 33,
         "completion_tokens": 13,
         "total_tokens": 46,
+        # requests whose output the gateway counted itself (the upstream reported no usage)
+        "requests_counted_tokenizer": 0,
+        "requests_counted_estimate": 0,
     }
     assert usage["models"]["smollm2-135m"]["requests"] == 2
     assert usage["models"]["gpt-4o-mini"]["prompt_tokens"] == 3
