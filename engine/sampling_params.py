@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.pooling import PoolingParams
+    from engine.pooling_params import PoolingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 

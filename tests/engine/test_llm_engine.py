@@ -9,7 +9,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
-from engine.pooling import PoolingParams
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import ParameterError, SamplingParams
 from tests.engine.tiny_engine import make_engine, run_all
 

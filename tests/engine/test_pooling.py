@@ -17,7 +17,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
-from engine.pooling import PoolingParams, load_pooler_config
+from engine.pooling_params import PoolingParams, load_pooler_config
 from engine.sampling_params import SamplingParams
 from tests.engine.tiny_engine import make_engine, run_all
 
