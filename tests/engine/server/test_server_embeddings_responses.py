@@ -35,7 +35,9 @@ POINT = {
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def engine(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
     logs = tmp_path_factory.mktemp("engine-logs")
     extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
     server = EngineProcess(tiny_llama_dir, logs / "engine.log", extra=extra)
