@@ -39,7 +39,7 @@ from gateway.dataplane.adapter_admin import build_adapter_router
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.engine_metrics import scrape_engines
-from gateway.dataplane.fields import RequestFields, parse_fields
+from gateway.dataplane.fields import GENERATING_KINDS, RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import (
@@ -56,6 +56,7 @@ from gateway.dataplane.request_context import (
     RequestContext,
     RequestContextMiddleware,
 )
+from gateway.dataplane.responses_store import ResponseChain, ResponseStore
 from gateway.dataplane.retry import RetryPolicy, load_retry_policy
 from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
@@ -66,7 +67,12 @@ from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tls import AdminClientCertGuard
-from portico.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
+from portico.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
 
 log = logging.getLogger("portico.gateway")
@@ -98,6 +104,7 @@ class Gateway:
     supervisor: Supervisor
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
     usage: UsageRecorder
+    responses: ResponseStore  # stored Responses API responses, per tenant
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
@@ -195,6 +202,7 @@ class Gateway:
                 adapters=adapters,
                 _engine_tasks=engine_tasks,
                 usage=usage,
+                responses=ResponseStore(redis.client, config.responses_retention_s),
                 runtime_dir=runtime_dir,
                 _resources=stack.pop_all(),
             )
@@ -260,7 +268,7 @@ class Gateway:
     # ------------------------------------------------------------------ the request path
 
     async def complete(self, request: Request, kind: str, path: str) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``, top to bottom."""
+        """The model-serving routes (hot_routes.HOT_PATHS), top to bottom."""
         ctx: RequestContext = request.scope[CTX_KEY]
         if self.draining:
             raise ServiceUnavailableError(
@@ -272,6 +280,10 @@ class Gateway:
         ctx.tenant = principal.tenant_id
         raw = await request.body()
         fields = parse_fields(raw, kind)
+        chain = None
+        if kind == "responses":  # previous_response_id: the stored turns join the input
+            chain = ResponseChain(self.responses, principal.tenant_id, fields)
+            await chain.prepare()
         adapter = self.adapters.resolve(fields.model, principal)
         avoid: tuple[Replica, ...] = ()
         if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
@@ -282,16 +294,22 @@ class Gateway:
             decision = self.router.route(fields, principal)
             upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
+        if kind not in ("chat", "completion") and not isinstance(upstream, LocalUpstream):
+            raise InvalidRequestError(
+                f"'{path}' is served by the local engines only; '{decision.model}' is a remote "
+                "provider.",
+                param="model",
+                code="unsupported_endpoint",
+            )
         prompt_tokens = self.counter.count(base, fields)
         ticket = await self.admit(
             principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
         )
         try:
             if ticket.max_tokens is not None:  # the client set none: send what was reserved
-                fields.body["max_tokens"] = ticket.max_tokens
-            payload = upstream_body(
-                raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
-            )
+                fields.body[fields.max_tokens_field] = ticket.max_tokens
+            salt = principal.cache_salt if kind in GENERATING_KINDS or kind == "embedding" else None
+            payload = upstream_body(raw, fields, decision.model, salt, ticket.max_tokens)
             exchange: Exchange = await upstream.exchange(
                 path, payload, fields, ctx.request_id, decision.prefix_key, avoid
             )
@@ -304,6 +322,11 @@ class Gateway:
         async def finish() -> None:
             await self.settle(ticket, principal, decision.model, exchange)
 
+        if chain is not None and exchange.status == 200:
+            if exchange.body is not None:
+                await chain.keep_body(exchange.body)
+            elif exchange.rest is not None:
+                exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
         if exchange.body is not None:
             return Response(
                 exchange.body,
@@ -368,6 +391,17 @@ class Gateway:
             log.warning("settling request usage failed: %s", exc)
         finally:
             await admission.release(ticket)
+
+    async def stored_response(self, request: Request) -> JSONResponse:
+        """``GET`` / ``DELETE /v1/responses/{id}``: the caller's tenant's stored responses."""
+        principal = await self.authenticate(request)
+        request.scope[CTX_KEY].tenant = principal.tenant_id
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            await self.responses.delete(principal.tenant_id, response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        stored = await self.responses.load(principal.tenant_id, response_id)
+        return JSONResponse(stored.response)
 
     async def models(self, request: Request) -> JSONResponse:
         principal = await self.authenticate(request)
@@ -567,10 +601,15 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=in_flight)
-    # POST on the two completion routes is answered by app.hot_app before it gets here; the
+    # POST on the model-serving routes is answered by app.hot_app before it gets here; the
     # routes stay so that other methods get FastAPI's 405 and the app's route table lists them.
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
@@ -619,6 +658,26 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await _gateway(request).complete(request, "completion", "/v1/completions")
+
+
+async def embeddings(request: Request) -> Response:
+    return await _gateway(request).complete(request, "embedding", "/v1/embeddings")
+
+
+async def responses(request: Request) -> Response:
+    return await _gateway(request).complete(request, "responses", "/v1/responses")
+
+
+async def tokenize(request: Request) -> Response:
+    return await _gateway(request).complete(request, "tokenize", "/tokenize")
+
+
+async def detokenize(request: Request) -> Response:
+    return await _gateway(request).complete(request, "detokenize", "/detokenize")
+
+
+async def stored_response(request: Request) -> JSONResponse:
+    return await _gateway(request).stored_response(request)
 
 
 async def list_models(request: Request) -> JSONResponse:

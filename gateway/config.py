@@ -118,6 +118,8 @@ class GatewayConfig(_Strict):
     max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=4 * 1024 * 1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
+    # how long a stored Responses API response (store: true) is kept; OpenAI keeps 30 days
+    responses_retention_s: int = Field(default=30 * 24 * 3600, ge=60)
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:
