@@ -202,10 +202,10 @@ class SamplingFields(StrictModel):
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last N
     allowed_token_ids: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -314,6 +314,13 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``; with ``echo``, ``logprobs`` covers the prompt too."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class EmbeddingRequest(StrictModel):
@@ -477,10 +484,8 @@ VLLM_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _none_or(False),
     "length_penalty": _none_or(1, 1.0),
     "spaces_between_special_tokens": _none_or(True),
-    "truncate_prompt_tokens": _none_or(),
     "allowed_token_ids": _none_or(),
     "bad_words": _none_or([]),
-    "prompt_logprobs": _none_or(),
     "logits_processors": _none_or(),
     "return_tokens_as_token_ids": _none_or(False),
     "return_token_ids": _none_or(False),
@@ -490,6 +495,7 @@ VLLM_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 VLLM_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     **VLLM_UNSUPPORTED,
+    "prompt_logprobs": _none_or(),  # completions only (with echo, OpenAI's own way too)
     "best_of": _none_or(1),
     "echo": _none_or(False),
     "add_generation_prompt": _none_or(True),

@@ -118,6 +118,8 @@ class ChatServing:
             )
         plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice)
         prompt = self.prompt_token_ids(req.messages, plan=plan)
+        if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
+            prompt = prompt[-req.truncate_prompt_tokens :]
         max_tokens = serving.max_tokens_for(req.requested_max_tokens, len(prompt), "messages")
         params = serving.sampling_params(req, max_tokens)
         if plan.schema is not None:

@@ -166,6 +166,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs,
+                prompt_logprobs=getattr(req, "num_prompt_logprobs", None),
                 logit_bias=logit_bias,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,

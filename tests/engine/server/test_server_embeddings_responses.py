@@ -88,6 +88,37 @@ def test_embeddings_bad_input_is_refused_in_openai_shape(client: openai.OpenAI) 
         client.embeddings.create(model="nope", input="hello")
 
 
+def test_prompt_logprobs_and_echo_equal_transformers_log_softmax(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    prompt = "The lighthouse keeper climbed the stairs"
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=2,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    ids = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).encode(prompt)
+    model = LlamaForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    choice = echoed.choices[0]
+    assert choice.text.startswith(prompt)
+    vllm_style = choice.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(vllm_style) == len(ids) and vllm_style[0] is None
+    legacy = choice.logprobs
+    assert legacy is not None and legacy.token_logprobs is not None
+    assert legacy.token_logprobs[0] is None and len(legacy.token_logprobs) == len(ids) + 1
+    for p in range(1, len(ids)):
+        expected = want[p - 1, ids[p]].item()
+        assert vllm_style[p][str(ids[p])]["logprob"] == pytest.approx(expected, abs=1e-4)
+        assert legacy.token_logprobs[p] == pytest.approx(expected, abs=1e-4)
+        top = want[p - 1].topk(3).indices.tolist()
+        ranked = sorted((v["rank"], int(k)) for k, v in vllm_style[p].items() if v["rank"])
+        assert [tid for _, tid in ranked] == top
+
+
 def test_responses_text_whole_and_streamed(client: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL_NAME,
