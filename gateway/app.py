@@ -41,6 +41,8 @@ from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.fields import GENERATING_KINDS, RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
+from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
+from gateway.dataplane.long_prompts import PromptFit, context_length
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import (
     Exchange,
@@ -105,6 +107,7 @@ class Gateway:
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
     usage: UsageRecorder
     responses: ResponseStore  # stored Responses API responses, per tenant
+    fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
@@ -121,6 +124,7 @@ class Gateway:
     ) -> Gateway:
         """Open Redis once and hand it to identity, admission and usage; build the upstreams,
         the router and the supervisor; start the engines. On failure, what was opened closes."""
+        fits = _prompt_fits(config)  # a bad long-prompt policy fails before anything starts
         async with contextlib.AsyncExitStack() as stack:
             runtime_dir = stack.enter_context(_runtime_dir(config.runtime_dir))
             redis = await open_shared_redis(config.redis, env)
@@ -203,6 +207,7 @@ class Gateway:
                 _engine_tasks=engine_tasks,
                 usage=usage,
                 responses=ResponseStore(redis.client, config.responses_retention_s),
+                fits=fits,
                 runtime_dir=runtime_dir,
                 _resources=stack.pop_all(),
             )
@@ -302,14 +307,21 @@ class Gateway:
                 code="unsupported_endpoint",
             )
         prompt_tokens = self.counter.count(base, fields)
+        fit = self.fits.get(base)
+        truncated = None
+        if fit is not None:  # over the context: the model's policy may cut the prompt
+            prompt_tokens, truncated = fit.apply(fields, prompt_tokens, self.counter, base)
         ticket = await self.admit(
             principal, decision.model, prompt_tokens, fields.max_tokens, fields.num_outputs
         )
         try:
-            if ticket.max_tokens is not None:  # the client set none: send what was reserved
-                fields.body[fields.max_tokens_field] = ticket.max_tokens
+            send_max = ticket.max_tokens
+            if send_max is not None and fit is not None:  # as much as fits, within the cap
+                send_max = fit.cap_max_tokens(prompt_tokens, send_max)
+            if send_max is not None:  # the client set none: send what was reserved
+                fields.body[fields.max_tokens_field] = send_max
             salt = principal.cache_salt if kind in GENERATING_KINDS or kind == "embedding" else None
-            payload = upstream_body(raw, fields, decision.model, salt, ticket.max_tokens)
+            payload = upstream_body(raw, fields, decision.model, salt, send_max)
             exchange: Exchange = await upstream.exchange(
                 path, payload, fields, ctx.request_id, decision.prefix_key, avoid
             )
@@ -318,6 +330,8 @@ class Gateway:
             raise
         ctx.upstream_s = exchange.upstream_s
         headers = {**ticket.headers, "x-portico-route": decision.header}
+        if truncated is not None:
+            headers[TRUNCATED_HEADER] = truncated
 
         async def finish() -> None:
             await self.settle(ticket, principal, decision.model, exchange)
@@ -480,6 +494,23 @@ class _LocalEngines:
     def _count_ejection(self, replica: Replica) -> None:
         pool = replica.name.rsplit("-", 1)[0]
         self._metrics.ejections.labels(pool, replica.name).inc()
+
+
+def _prompt_fits(config: GatewayConfig) -> dict[str, PromptFit]:
+    """Each local model's context length and long-prompt policy (where the length is known;
+    a truncating policy without one is a configuration error)."""
+    fits = {}
+    for spec in config.engines:
+        length = context_length(spec.model, spec.args)
+        if length is None:
+            if spec.long_prompts != "refuse":
+                raise ValueError(
+                    f"engines[{spec.name}].long_prompts={spec.long_prompts} needs the context "
+                    "length: add --max-model-len to its args"
+                )
+            continue
+        fits[spec.name] = PromptFit(length, spec.long_prompts)
+    return fits
 
 
 def _tcp_replica(name: str, host: str, port: int, *, timeout: httpx.Timeout) -> Replica:

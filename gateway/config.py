@@ -79,6 +79,9 @@ class EngineSpec(_Strict):
     env: dict[str, str] = {}
     startup_timeout_s: float = Field(default=600.0, gt=0)
     count_tokens_with: Literal["tokenizer", "estimate"] = "tokenizer"
+    # prompts over the context (gateway/dataplane/long_prompts.py): refuse (the engine's 400),
+    # truncate_left (keep system prompt + latest turns) or truncate_middle
+    long_prompts: Literal["refuse", "truncate_left", "truncate_middle"] = "refuse"
     discovery: DiscoverySpec | None = None
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ ROUTING = {"tiers": [{"name": "small", "model": "tiny"}]}
 @pytest.fixture(scope="module")
 def gateway(module_tmp: Path, redis_server: Any, tiny_llama_dir: Path) -> Iterator[GatewayProcess]:
     engine = tiny_engine(tiny_llama_dir, "tiny")
+    engine["long_prompts"] = "truncate_left"
     gw = GatewayProcess(
         module_tmp, {"redis": {"url": redis_server.url}, "engines": [engine]}, ROUTING
     )
@@ -179,3 +180,22 @@ def test_tokenize_and_detokenize_through_the_gateway(
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
         unauthenticated = httpx.post(gateway.base_url + "/tokenize", json={"model": "tiny"})
         assert unauthenticated.status_code == 401
+
+
+def test_a_conversation_over_the_context_is_cut_by_the_models_policy(
+    client: openai.OpenAI,
+) -> None:
+    history: list[Any] = [{"role": "system", "content": "Be brief."}]
+    for i in range(24):
+        role = "user" if i % 2 == 0 else "assistant"
+        history.append({"role": role, "content": f"turn {i}: " + "many words here " * 20})
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=history, temperature=0.0, max_tokens=8
+    )
+    reply = raw.parse()
+    assert raw.headers["x-portico-prompt-truncated"].startswith("truncate_left; dropped_")
+    assert reply.usage is not None and reply.usage.prompt_tokens + 8 <= 1024
+    fits = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=history[-3:], max_tokens=2
+    )
+    assert "x-portico-prompt-truncated" not in fits.headers
