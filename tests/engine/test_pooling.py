@@ -124,3 +124,16 @@ def test_pooler_config_from_flag_and_sentence_transformers_files(tmp_path: Path)
     assert (flagged.pooling_type, flagged.normalize) == ("CLS", False)
     with pytest.raises(ValueError, match="--pooler-config"):
         load_pooler_config(None, '{"pooling": "x"}')
+
+
+def test_embeddings_are_unchanged_when_the_engine_preempts(tiny: LoadedModel) -> None:
+    pooling = PoolingParams("MEAN")
+    alone = [embed(make_engine(tiny), [ids], pooling)[0] for ids in PROMPTS]
+    # A pool so small that generations and embeddings preempt each other (recompute).
+    engine = make_engine(tiny, num_gpu_blocks_override=6, max_num_batched_tokens=16)
+    for i in range(3):
+        engine.add_request(f"g{i}", PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    squeezed = embed(engine, PROMPTS, pooling)
+    assert engine.stats().num_preemptions > 0
+    for a, b in zip(alone, squeezed, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
