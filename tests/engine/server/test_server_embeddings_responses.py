@@ -208,3 +208,36 @@ def test_responses_bad_input_is_refused_in_openai_shape(client: openai.OpenAI) -
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=MODEL_NAME, **kwargs)  # type: ignore[call-overload]
         assert info.value.body["param"] == param, kwargs  # type: ignore[index]
+
+
+def test_task_embed_serves_only_embeddings_with_the_flagged_pooling(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    logs = tmp_path_factory.mktemp("embed-engine")
+    pooler = '{"pooling_type": "MEAN", "normalize": false, "matryoshka_dimensions": [16]}'
+    extra = ["--task", "embed", "--pooler-config", pooler]
+    server = EngineProcess(tiny_llama_dir, logs / "engine.log", extra=extra)
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0
+        )
+        text = "Mean pooling over every prompt token"
+        got = client.embeddings.create(model=MODEL_NAME, input=text, dimensions=16)
+        ids = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).encode(text)
+        model = LlamaForCausalLM.from_pretrained(str(tiny_llama_dir), torch_dtype=torch.float32)
+        with torch.no_grad():
+            want = model.model(torch.tensor([ids])).last_hidden_state[0].mean(0)[:16]
+        np.testing.assert_allclose(got.data[0].embedding, want.numpy(), rtol=1e-4, atol=1e-5)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert info.value.code == "unsupported_endpoint"
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(model=MODEL_NAME, input=text, dimensions=8)
+    finally:
+        assert server.stop() == 0, server.logs()

@@ -199,3 +199,20 @@ def test_a_conversation_over_the_context_is_cut_by_the_models_policy(
         model="tiny", messages=history[-3:], max_tokens=2
     )
     assert "x-portico-prompt-truncated" not in fits.headers
+
+
+def test_echo_and_prompt_logprobs_through_the_gateway(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="tiny", prompt="Score this text", max_tokens=2, echo=True, logprobs=1,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.logprobs is not None and whole.logprobs.token_logprobs is not None
+    assert whole.logprobs.token_logprobs[0] is None
+    assert whole.model_extra["prompt_logprobs"][0] is None  # type: ignore[index]
+    first = next(iter(client.completions.create(stream=True, **kwargs))).choices[0]
+    assert first.text == "Score this text" and first.logprobs is not None
+    assert (
+        first.logprobs.token_logprobs
+        == whole.logprobs.token_logprobs[: len(first.logprobs.token_logprobs)]
+    )
