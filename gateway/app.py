@@ -316,7 +316,7 @@ class Gateway:
         )
         try:
             send_max = ticket.max_tokens
-            if send_max is not None and fit is not None:  # as much as fits, within the cap
+            if send_max is not None and fit is not None:  # a cap past the context: none
                 send_max = fit.cap_max_tokens(prompt_tokens, send_max)
             if send_max is not None:  # the client set none: send what was reserved
                 fields.body[fields.max_tokens_field] = send_max

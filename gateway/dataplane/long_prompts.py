@@ -11,6 +11,7 @@ keeps its head and tail tokens). A request that was cut carries the response hea
 
 The same context length makes an omitted ``max_tokens`` mean "as much as fits" (vLLM's
 meaning) even when the plan's default cap is larger: :meth:`PromptFit.cap_max_tokens`.
+What the engine generates beyond the reservation is charged when the request settles.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from gateway.dataplane.fields import RequestFields
 
 Policy = Literal["refuse", "truncate_left", "truncate_middle"]
 HEADER = "x-portico-prompt-truncated"
+# The gateway counts tool definitions as their JSON and templates as the tokenizer renders
+# them without the engine's tool preamble: the engine's count can be higher. A cap is only
+# sent with this much room (plus half the prompt) to spare.
+COUNT_SLACK_TOKENS = 16
 
 
 def context_length(model: str, args: list[str]) -> int | None:
@@ -55,10 +60,14 @@ class PromptFit:
     max_model_len: int
     policy: Policy = "refuse"
 
-    def cap_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
-        """An output cap the gateway chose (the client set none), lowered to what fits."""
-        room = self.max_model_len - prompt_tokens
-        return max(1, min(max_tokens, room)) if room > 0 else max_tokens
+    def cap_max_tokens(self, prompt_tokens: int, max_tokens: int) -> int | None:
+        """The output cap to send when the gateway chose one (the client set none): the cap
+        while it fits beside the prompt, else None: send none, and the engine generates as
+        much as fits (it counts the prompt exactly; the gateway's count of tools and
+        templates is close, not exact, so a cap cut here could still overflow by a little).
+        """
+        slack = prompt_tokens // 2 + COUNT_SLACK_TOKENS  # room for what the count may miss
+        return max_tokens if prompt_tokens + max_tokens + slack <= self.max_model_len else None
 
     def apply(
         self, fields: RequestFields, prompt_tokens: int, counter: PromptCounter, model: str

@@ -216,3 +216,54 @@ def test_echo_and_prompt_logprobs_through_the_gateway(client: openai.OpenAI) -> 
         first.logprobs.token_logprobs
         == whole.logprobs.token_logprobs[: len(first.logprobs.token_logprobs)]
     )
+
+
+PICK = {
+    "type": "function",
+    "name": "pick_color",
+    "parameters": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_function_call_answered_through_previous_response_id(client: openai.OpenAI) -> None:
+    # The Agents SDK's loop: the model calls a function (streamed), the application sends the
+    # result as a function_call_output item chained to the stored response. No
+    # max_output_tokens: the gateway sends the cap it reserved under the Responses name.
+    pieces = []
+    with client.responses.stream(
+        model="tiny",
+        input="Pick a color.",
+        tools=[PICK],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.0,
+    ) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                pieces.append(event.delta)
+        called = stream.get_final_response()
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert "".join(pieces) == call.arguments and call.name == "pick_color"
+    answered = client.responses.create(
+        model="tiny",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "done"}],
+        tools=[PICK],  # type: ignore[list-item]
+        tool_choice="none",
+        max_output_tokens=3,
+    )
+    unchained = client.responses.create(
+        model="tiny",
+        input="Pick a color.",
+        tools=[PICK],  # type: ignore[list-item]
+        tool_choice="none",
+        max_output_tokens=1,
+    )
+    assert answered.usage is not None and unchained.usage is not None
+    # The stored turn (the user's question and the call) and the call's output came first.
+    assert answered.usage.input_tokens > unchained.usage.input_tokens

@@ -79,7 +79,7 @@ def test_text_prompts_keep_their_tail_or_head_and_tail(counter: PromptCounter) -
 
 def test_max_tokens_the_gateway_chose_is_cut_to_what_fits() -> None:
     fit = PromptFit(1024)
-    assert fit.cap_max_tokens(1000, 4096) == 24
+    assert fit.cap_max_tokens(1000, 4096) is None  # the engine's "as much as fits"
     assert fit.cap_max_tokens(10, 100) == 100
 
 
