@@ -58,7 +58,7 @@ from gateway.dataplane.request_context import (
     RequestContext,
     RequestContextMiddleware,
 )
-from gateway.dataplane.responses_store import ResponseChain, ResponseStore
+from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
 from gateway.dataplane.retry import RetryPolicy, load_retry_policy
 from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
@@ -415,6 +415,8 @@ class Gateway:
             await self.responses.delete(principal.tenant_id, response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         stored = await self.responses.load(principal.tenant_id, response_id)
+        if request.url.path.endswith("/input_items"):
+            return JSONResponse(input_items_page(stored.input_items, request.query_params))
         return JSONResponse(stored.response)
 
     async def models(self, request: Request) -> JSONResponse:
@@ -641,6 +643,7 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,25 @@ class StoredResponse:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
 
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """The items the response answered (earlier turns included), oldest first."""
+        num_output = len(self.response.get("output") or [])
+        return self.conversation[: len(self.conversation) - num_output]
+
+
+def stored_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it: with an id, and a message as ``type: "message"``
+    with text parts (the engine reads both forms alike)."""
+    item = dict(item)
+    if item.get("type", "message") == "message":
+        item["type"] = "message"
+        if isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+    item.setdefault("id", f"msg_{uuid.uuid4().hex}")
+    return item
+
 
 class ResponseStore:
     """Save, load and delete stored responses of a tenant (one Redis string per response)."""
@@ -52,7 +72,10 @@ class ResponseStore:
     ) -> None:
         """Keep ``response`` and its conversation (``input_items`` + the response's output)."""
         output = [item for item in response.get("output") or [] if isinstance(item, dict)]
-        record = {"response": response, "conversation": [*input_items, *output]}
+        # Every stored item gets an id (as OpenAI's input items have): an id the client chose
+        # stays; the engine ignores ids when the conversation is sent again.
+        named = [stored_item(item) for item in input_items]
+        record = {"response": response, "conversation": [*named, *output]}
         await self.redis.set(
             self.key(tenant_id, str(response["id"])), json.dumps(record), ex=self.retention_s
         )
@@ -140,3 +163,32 @@ class ResponseChain:
                 kept = True
                 await self.keep(usage.response)
             yield block
+
+
+def input_items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: OpenAI's list page (``order`` desc by default,
+    ``limit`` 1-100, default 20, ``after`` an item id)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError("Invalid value for 'order': asc or desc.", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError("Invalid value for 'limit': 1 to 100.", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise InvalidRequestError(f"No input item with id '{after}'.", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(ordered) > limit,
+    }

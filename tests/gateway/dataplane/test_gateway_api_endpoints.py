@@ -104,6 +104,12 @@ def test_responses_chain_through_previous_response_id(
     assert second.previous_response_id == first.id
     kept = client.responses.retrieve(first.id)
     assert kept.id == first.id and kept.output_text == first.output_text
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [item.type for item in items] == ["message", "message", "message"]
+    assert [item.role for item in items] == ["user", "assistant", "user"]  # type: ignore[union-attr]
+    assert all(item.id for item in items)
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert newest.data[0].id == items[-1].id and newest.has_more
 
 
 def test_streamed_response_is_stored_and_chained(client: openai.OpenAI) -> None:
