@@ -119,6 +119,26 @@ def test_prompt_logprobs_and_echo_equal_transformers_log_softmax(
         assert [tid for _, tid in ranked] == top
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> None:
+    text = "one two three four five six seven eight nine ten " * 4
+    cut = client.completions.create(
+        model=MODEL_NAME, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 7},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 7
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL_NAME, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 0}
+        )
+    assert info.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
 def test_responses_text_whole_and_streamed(client: openai.OpenAI) -> None:
     kwargs = dict(
         model=MODEL_NAME,
