@@ -97,3 +97,15 @@ def load_pooler_config(model_dir: Path | None, flag: str | None) -> PoolerConfig
             values["matryoshka"] = True
             values["matryoshka_dimensions"] = tuple(dims)
     return PoolerConfig(**values)
+
+
+def pooler_config_for(model: str, flag: str | None) -> PoolerConfig:
+    """The pooling of the model spec ``model`` (alias, folder or GGUF; registry-resolved) under
+    ``--pooler-config``; a spec that resolves to no folder gets the flag and the defaults."""
+    from portico import registry
+
+    try:
+        folder: Path | None = registry.resolve(model).path
+    except ValueError:
+        folder = None
+    return load_pooler_config(folder, flag)

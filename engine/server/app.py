@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncLLMEngine
-from engine.pooling_params import PoolerConfig, load_pooler_config
+from engine.pooling_params import pooler_config_for
 from engine.server import metrics as metrics_module
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.drain import DrainMiddleware, DrainState
@@ -46,7 +46,7 @@ from engine.server.serving_embeddings import EmbeddingServing
 from engine.server.serving_engine import OpenAIServing, effective_max_model_len
 from engine.server.serving_responses import ResponsesServing
 from engine.server.settings import ServerSettings
-from portico import __version__, registry
+from portico import __version__
 from portico.errors import InvalidRequestError, error_body
 from portico.http_errors import BodySizeLimitMiddleware, error_response, install_error_handlers
 
@@ -102,7 +102,10 @@ class EngineRoutes:
         )
         self.completions = CompletionServing(self.serving)
         self.task = str(getattr(engine.config, "task", "auto"))
-        self.embeddings = EmbeddingServing(self.serving, pooler_config_of(engine))
+        pooler = pooler_config_for(
+            str(getattr(engine.config, "model", "")), getattr(engine.config, "pooler_config", None)
+        )
+        self.embeddings = EmbeddingServing(self.serving, pooler)
         self.responses = ResponsesServing(self.chat)
         self.drain = DrainState()
         self.started_at = int(time.time())
@@ -238,16 +241,6 @@ class EngineRoutes:
             self.serving.check_model(req.model)
         self.serving.check_token_ids(req.tokens, "tokens")
         return {"prompt": self.serving.tokenizer.decode(req.tokens)}
-
-
-def pooler_config_of(engine: AsyncLLMEngine) -> PoolerConfig:
-    """The served model's pooling: its folder's files under ``--pooler-config``."""
-    spec = str(getattr(engine.config, "model", ""))
-    try:
-        folder = registry.resolve(spec).path
-    except ValueError:  # a model built in memory (tests): the flag and the defaults
-        folder = None
-    return load_pooler_config(folder, getattr(engine.config, "pooler_config", None))
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:

@@ -137,3 +137,13 @@ def test_embeddings_are_unchanged_when_the_engine_preempts(tiny: LoadedModel) ->
     assert engine.stats().num_preemptions > 0
     for a, b in zip(alone, squeezed, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+
+
+def test_offline_llm_embed_uses_the_model_pooling(tiny: LoadedModel, hf_model) -> None:  # type: ignore[no-untyped-def]
+    from engine.llm import LLM
+
+    llm = LLM.from_engine(make_engine(tiny, pooler_config='{"pooling_type": "MEAN"}'))
+    [vector] = llm.embed([PROMPTS[1]])
+    torch.testing.assert_close(
+        torch.tensor(vector), reference(hf_model, PROMPTS[1], "MEAN"), rtol=1e-4, atol=1e-5
+    )
