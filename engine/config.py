@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.pooling_params import TASKS, load_pooler_config
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -85,6 +87,10 @@ class EngineConfig:
     allow_runtime_lora_updating: bool = False  # or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
     # Ranks one model is split over (engine.distributed): heads and MLP columns per rank.
     tensor_parallel_size: int = 1
+    # What the server answers (vLLM's --task): auto = generation and embeddings, generate =
+    # no /v1/embeddings, embed = only /v1/embeddings (engine/pooling.py).
+    task: str = "auto"
+    pooler_config: str | None = None  # vLLM's JSON: pooling_type, normalize, matryoshka dims
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -94,6 +100,9 @@ class EngineConfig:
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--gguf-activations", self.gguf_activations, GGUF_ACTIVATIONS)
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("--task", self.task, TASKS)
+        if self.pooler_config is not None:
+            load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
         _check_int("--block-size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
@@ -200,6 +209,17 @@ class EngineConfig:
             default=d.tensor_parallel_size,
             help="split the model over this many ranks (worker processes; gloo on CPU, "
             "NCCL on CUDA with one GPU per rank); heads must divide evenly",
+        )
+        g.add_argument("--task", default=d.task, choices=TASKS,
+                       help="auto: generation and /v1/embeddings; generate; embed: only "
+                       "/v1/embeddings")  # fmt: skip
+        g.add_argument(
+            "--pooler-config",
+            "--override-pooler-config",
+            dest="pooler_config",
+            default=None,
+            help='embedding pooling as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": '
+            "true}' (default: the model's sentence-transformers files, else LAST, normalised)",
         )
         lora = parser.add_argument_group("LoRA adapters")
         lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")

@@ -1,4 +1,5 @@
-"""Offline batch inference: ``LLM(model=...).generate(prompts, params)`` and ``.chat(...)``.
+"""Offline batch inference: ``LLM(model=...).generate(prompts, params)``, ``.chat(...)`` and
+``.embed(prompts)``.
 
 All prompts of one call are queued together and stepped to completion, so they share batches
 (continuous batching) exactly as server traffic does. Outputs come back in prompt order.
@@ -12,6 +13,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams, pooler_config_for
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -74,6 +76,18 @@ class LLM:
             )
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, params)
+
+    def embed(
+        self, prompts: str | Sequence[Prompt], pooling: PoolingParams | None = None
+    ) -> list[list[float]]:
+        """One embedding per prompt, in order: the model's pooling (its sentence-transformers
+        files or ``pooler_config``, else last token, normalised) unless ``pooling`` is given."""
+        if pooling is None:
+            config = self.engine.config
+            pooling = pooler_config_for(config.model, config.pooler_config).params()
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        batch = self._as_token_lists(prompts)
+        return [out.embedding or [] for out in self._run(batch, [params] * len(batch))]
 
     def _as_token_lists(self, prompts: str | Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, str):

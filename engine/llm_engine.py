@@ -25,6 +25,7 @@ from engine.lora.manager import LoRAManager
 from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
 from engine.model_runner import ModelRunner, num_kv_blocks
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.pooling import PromptTap
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import ParameterError, SamplingParams
@@ -113,6 +114,9 @@ class LLMEngine:
         else:  # every rank holds as many blocks (of its own KV heads)
             num_gpu_blocks = parallel.num_gpu_blocks
             self.runner = parallel.make_runner(loaded, config)
+        # Embedding and prompt-logprob requests read their prompt's hidden states here.
+        self.prompt_tap = PromptTap(loaded.model.compute_logits)
+        self.runner.prompt_tap = self.prompt_tap
         self.scheduler = Scheduler(
             config,
             num_gpu_blocks,
@@ -186,8 +190,8 @@ class LLMEngine:
                     "prompt",
                     f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})",
                 )
-        if params.prompt_logprobs is not None:
-            raise ParameterError("prompt_logprobs", "prompt_logprobs is not supported")
+        if params.pooling is not None and (params.n != 1 or params.max_tokens != 1):
+            raise ParameterError("pooling", "a pooling request samples exactly one token (n=1)")
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", list(params.logit_bias)),
@@ -228,6 +232,12 @@ class LLMEngine:
             raise ParameterError("request_id", f"request_id {request_id!r} is already running")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         prompt = list(prompt_token_ids)
+        if params.pooling is not None or params.prompt_logprobs is not None:
+            # Every prompt position must be computed: no prefix-cache hit may skip one.
+            cache_salt = f"{cache_salt or ''}\x00prompt-read:{request_id}"
+            self.prompt_tap.register(
+                child_ids[0], len(prompt), params.pooling, params.prompt_logprobs
+            )
         parent = _Parent(request_id, prompt, [], RequestMetrics(arrival_time=arrival))
         for index, child_id in enumerate(child_ids):
             child_params = params
@@ -436,6 +446,14 @@ class LLMEngine:
         )  # fmt: skip
         metrics.num_preemptions = sum(c.request.num_preemptions for c in parent.completions)
         done = parent.num_finished == len(parent.completions)
+        embedding = prompt_logprobs = None
+        if self.prompt_tap:
+            first = parent.completions[0].request
+            read = self.prompt_tap.pop_if_read(first.request_id, done)
+            if read is not None:
+                embedding = self.prompt_tap.result(read)
+                if read.num_prompt_logprobs is not None:
+                    prompt_logprobs = read.prompt_logprobs
         if done:
             self._parents.pop(parent.request_id, None)
             for c in parent.completions:
@@ -447,6 +465,8 @@ class LLMEngine:
             finished=done,
             num_cached_tokens=max(c.request.num_cached_tokens for c in parent.completions),
             metrics=dataclasses.replace(metrics),
+            embedding=embedding,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ abort, state

@@ -19,6 +19,7 @@ from engine.model_loader import LoadedModel
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.lora.manager import LoRAManager
+    from engine.pooling import PromptTap
     from engine.request import Request
     from engine.scheduler import SchedulerOutput
 
@@ -66,6 +67,7 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.lora: LoRAManager | None = None  # set by the engine with --enable-lora
+        self.prompt_tap: PromptTap | None = None  # set by the engine: embeddings, prompt logprobs
         cfg = loaded.config
         shape = (2, num_gpu_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
@@ -127,6 +129,8 @@ class ModelRunner:
             self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
         with torch.inference_mode():
             hidden = self.model(input_ids, pos, self.kv_caches, meta)
+            if self.prompt_tap:  # requests that read their prompt's hidden states
+                self.prompt_tap.read(scheduled, hidden)
             if not to_sample:
                 return [], torch.empty(0, self.config.vocab_size, device=self.device)
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)

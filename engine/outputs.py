@@ -82,3 +82,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # Read from the prompt's hidden states (engine/pooling.py), on the first output after the
+    # prompt was computed: the pooled vector of an embedding request; with prompt_logprobs,
+    # one entry per prompt token (None for the first: nothing predicts it).
+    embedding: list[float] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.pooling_params import PoolingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
@@ -163,6 +166,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # The grammar the output must match (JSON schema, regex, choice, EBNF); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # An embedding request (engine/pooling.py): the prompt's hidden states pooled; the one
+    # token it samples is discarded.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)

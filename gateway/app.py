@@ -45,8 +45,10 @@ from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.engine_admin import build_engine_router
 from gateway.dataplane.engine_metrics import scrape_engines
-from gateway.dataplane.fields import RequestFields, parse_fields
+from gateway.dataplane.fields import GENERATING_KINDS, RequestFields, parse_fields
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
+from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
+from gateway.dataplane.long_prompts import PromptFit, context_length
 from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
 from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
@@ -64,6 +66,7 @@ from gateway.dataplane.request_context import (
     RequestContext,
     RequestContextMiddleware,
 )
+from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
 from gateway.dataplane.retry import RetryPolicy, load_retry_policy
 from gateway.dataplane.routing import RouteDecision, Router, load_routing_policy
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
@@ -80,6 +83,7 @@ from gateway.tls import AdminClientCertGuard
 from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import (
     AuthenticationError,
+    InvalidRequestError,
     PermissionDeniedError,
     ServiceUnavailableError,
     UpstreamError,
@@ -116,6 +120,8 @@ class Gateway:
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
     audit: AuditLog  # every admin change (identity/audit.py)
     usage: UsageRecorder
+    responses: ResponseStore  # stored Responses API responses, per tenant
+    fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
@@ -133,6 +139,7 @@ class Gateway:
     ) -> Gateway:
         """Open Redis once and hand it to identity, admission and usage; build the upstreams,
         the router and the supervisor; start the engines. On failure, what was opened closes."""
+        fits = _prompt_fits(config)  # a bad long-prompt policy fails before anything starts
         async with contextlib.AsyncExitStack() as stack:
             runtime_dir = stack.enter_context(_runtime_dir(config.runtime_dir))
             tracing = GatewayTracing.from_env(env)
@@ -233,6 +240,8 @@ class Gateway:
                 audit=AuditLog(redis.client, config.audit),
                 _engine_tasks=engine_tasks,
                 usage=usage,
+                responses=ResponseStore(redis.client, config.responses_retention_s),
+                fits=fits,
                 runtime_dir=runtime_dir,
                 tracing=tracing,
                 _resources=stack.pop_all(),
@@ -299,7 +308,7 @@ class Gateway:
     # ------------------------------------------------------------------ the request path
 
     async def complete(self, request: Request, kind: str, path: str) -> Response:
-        """``/v1/chat/completions`` and ``/v1/completions``, traced when tracing is on."""
+        """The model-serving routes (hot_routes.HOT_PATHS), traced when tracing is on."""
         tracing = self.tracing
         if tracing is None:
             return await self._complete(request, kind, path, NO_TRACE)
@@ -325,6 +334,10 @@ class Gateway:
         raw = await request.body()
         routing_began = trace.mark()
         fields = parse_fields(raw, kind)
+        chain = None
+        if kind == "responses":  # previous_response_id: the stored turns join the input
+            chain = ResponseChain(self.responses, principal.tenant_id, fields)
+            await chain.prepare()
         adapter = self.adapters.resolve(fields.model, principal)
         avoid: tuple[Replica, ...] = ()
         if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
@@ -335,7 +348,18 @@ class Gateway:
             decision = self.router.route(fields, principal)
             upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
+        if kind not in ("chat", "completion") and not isinstance(upstream, LocalUpstream):
+            raise InvalidRequestError(
+                f"'{path}' is served by the local engines only; '{decision.model}' is a remote "
+                "provider.",
+                param="model",
+                code="unsupported_endpoint",
+            )
         prompt_tokens = self.counter.count(base, fields)
+        fit = self.fits.get(base)
+        truncated = None
+        if fit is not None:  # over the context: the model's policy may cut the prompt
+            prompt_tokens, truncated = fit.apply(fields, prompt_tokens, self.counter, base)
         trace.routed(routing_began, decision, fields, principal)
         with trace.phase("admit"):
             while True:
@@ -353,19 +377,26 @@ class Gateway:
                         raise
                     decision = self._fall_back(decision, f"quota_{exc.limit}", ctx)
         try:
-            if ticket.max_tokens is not None:  # the client set none: send what was reserved
-                fields.body["max_tokens"] = ticket.max_tokens
+            send_max = ticket.max_tokens
+            if send_max is not None and fit is not None:  # a cap past the context: none
+                send_max = fit.cap_max_tokens(prompt_tokens, send_max)
+            if send_max is not None:  # the client set none: send what was reserved
+                fields.body[fields.max_tokens_field] = send_max
             with trace.current():  # upstream attempts are children of the request's span
-                if adapter is not None:
-                    payload = upstream_body(
-                        raw, fields, decision.model, principal.cache_salt, ticket.max_tokens
+                if adapter is not None or kind not in ("chat", "completion"):
+                    # an adapter's engines, or a local-only endpoint: no tier to fall back to
+                    salt = (
+                        principal.cache_salt
+                        if kind in GENERATING_KINDS or kind == "embedding"
+                        else None
                     )
+                    payload = upstream_body(raw, fields, decision.model, salt, send_max)
                     exchange: Exchange = await upstream.exchange(
                         path, payload, fields, ctx.request_id, decision.prefix_key, avoid
                     )
                 else:
                     exchange, decision = await self.forward(
-                        path, raw, fields, decision, principal, ticket.max_tokens, ctx
+                        path, raw, fields, decision, principal, send_max, ctx
                     )
         except BaseException:
             await self.admission.release(ticket)
@@ -374,6 +405,8 @@ class Gateway:
         trace.answered(exchange)
         headers = {**ticket.headers, "x-portico-route": decision.header}
         served = decision.model
+        if truncated is not None:
+            headers[TRUNCATED_HEADER] = truncated
 
         async def finish() -> None:
             try:
@@ -381,6 +414,11 @@ class Gateway:
             finally:
                 trace.end(exchange)
 
+        if chain is not None and exchange.status == 200:
+            if exchange.body is not None:
+                await chain.keep_body(exchange.body)
+            elif exchange.rest is not None:
+                exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
         if exchange.body is not None:
             return Response(
                 exchange.body,
@@ -529,6 +567,19 @@ class Gateway:
         finally:
             await admission.release(ticket)
 
+    async def stored_response(self, request: Request) -> JSONResponse:
+        """``GET`` / ``DELETE /v1/responses/{id}``: the caller's tenant's stored responses."""
+        principal = await self.authenticate(request)
+        request.scope[CTX_KEY].tenant = principal.tenant_id
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            await self.responses.delete(principal.tenant_id, response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        stored = await self.responses.load(principal.tenant_id, response_id)
+        if request.url.path.endswith("/input_items"):
+            return JSONResponse(input_items_page(stored.input_items, request.query_params))
+        return JSONResponse(stored.response)
+
     async def models(self, request: Request) -> JSONResponse:
         principal = await self.authenticate(request)
         request.scope[CTX_KEY].tenant = principal.tenant_id
@@ -611,6 +662,23 @@ class _LocalEngines:
     def _count_ejection(self, replica: Replica) -> None:
         pool = replica.name.rsplit("-", 1)[0]
         self._metrics.ejections.labels(pool, replica.name).inc()
+
+
+def _prompt_fits(config: GatewayConfig) -> dict[str, PromptFit]:
+    """Each local model's context length and long-prompt policy (where the length is known;
+    a truncating policy without one is a configuration error)."""
+    fits = {}
+    for spec in config.engines:
+        length = context_length(spec.model, spec.args)
+        if length is None:
+            if spec.long_prompts != "refuse":
+                raise ValueError(
+                    f"engines[{spec.name}].long_prompts={spec.long_prompts} needs the context "
+                    "length: add --max-model-len to its args"
+                )
+            continue
+        fits[spec.name] = PromptFit(length, spec.long_prompts)
+    return fits
 
 
 def _tcp_replica(name: str, host: str, port: int, *, timeout: httpx.Timeout) -> Replica:
@@ -741,10 +809,16 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=in_flight)
-    # POST on the two completion routes is answered by app.hot_app before it gets here; the
+    # POST on the model-serving routes is answered by app.hot_app before it gets here; the
     # routes stay so that other methods get FastAPI's 405 and the app's route table lists them.
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
@@ -832,6 +906,26 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await _gateway(request).complete(request, "completion", "/v1/completions")
+
+
+async def embeddings(request: Request) -> Response:
+    return await _gateway(request).complete(request, "embedding", "/v1/embeddings")
+
+
+async def responses(request: Request) -> Response:
+    return await _gateway(request).complete(request, "responses", "/v1/responses")
+
+
+async def tokenize(request: Request) -> Response:
+    return await _gateway(request).complete(request, "tokenize", "/tokenize")
+
+
+async def detokenize(request: Request) -> Response:
+    return await _gateway(request).complete(request, "detokenize", "/detokenize")
+
+
+async def stored_response(request: Request) -> JSONResponse:
+    return await _gateway(request).stored_response(request)
 
 
 async def list_models(request: Request) -> JSONResponse:

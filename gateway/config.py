@@ -81,6 +81,9 @@ class EngineSpec(_Strict):
     env: dict[str, str] = {}
     startup_timeout_s: float = Field(default=600.0, gt=0)
     count_tokens_with: Literal["tokenizer", "estimate"] = "tokenizer"
+    # prompts over the context (gateway/dataplane/long_prompts.py): refuse (the engine's 400),
+    # truncate_left (keep system prompt + latest turns) or truncate_middle
+    long_prompts: Literal["refuse", "truncate_left", "truncate_middle"] = "refuse"
     discovery: DiscoverySpec | None = None
 
     @model_validator(mode="after")
@@ -122,6 +125,8 @@ class GatewayConfig(_Strict):
     max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=4 * 1024 * 1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
+    # how long a stored Responses API response (store: true) is kept; OpenAI keeps 30 days
+    responses_retention_s: int = Field(default=30 * 24 * 3600, ge=60)
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:

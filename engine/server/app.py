@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.async_engine import AsyncLLMEngine
+from engine.pooling_params import pooler_config_for
 from engine.server import metrics as metrics_module
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.drain import DrainMiddleware, DrainState
@@ -28,17 +29,22 @@ from engine.server.openapi import openapi_document
 from engine.server.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
+    RESPONSES_UNSUPPORTED,
     VLLM_CHAT_UNSUPPORTED,
     VLLM_COMPLETION_UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
     TokenizeRequest,
     parse_body,
 )
 from engine.server.serving_chat import ChatServing
 from engine.server.serving_completions import CompletionServing
+from engine.server.serving_embeddings import EmbeddingServing
 from engine.server.serving_engine import OpenAIServing, effective_max_model_len
+from engine.server.serving_responses import ResponsesServing
 from engine.server.settings import ServerSettings
 from engine.server.tracing import EngineTraceMiddleware, EngineTracing
 from portico import __version__
@@ -96,6 +102,12 @@ class EngineRoutes:
             self.serving, settings.tool_call_parser, settings.enable_auto_tool_choice
         )
         self.completions = CompletionServing(self.serving)
+        self.task = str(getattr(engine.config, "task", "auto"))
+        pooler = pooler_config_for(
+            str(getattr(engine.config, "model", "")), getattr(engine.config, "pooler_config", None)
+        )
+        self.embeddings = EmbeddingServing(self.serving, pooler)
+        self.responses = ResponsesServing(self.chat)
         self.drain = DrainState()
         self.started_at = int(time.time())
         self.document = openapi_document("Portico engine", __version__, self.name)
@@ -116,7 +128,17 @@ class EngineRoutes:
         logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
         return error_response(exc)
 
+    def check_task(self, endpoint: str, serves: str) -> None:
+        """400 for an endpoint the server's ``--task`` turned off (vLLM answers so too)."""
+        if self.task not in ("auto", serves):
+            raise InvalidRequestError(
+                f"This server does not serve the {endpoint} API: it was started with "
+                f"--task {self.task}.",
+                code="unsupported_endpoint",
+            )
+
     async def chat_completions(self, request: Request) -> Response:
+        self.check_task("Chat Completions", "generate")
         req = parse_body(ChatCompletionRequest, await request.body(), self.chat_unsupported)
         try:
             return await self.chat.create(req, request)
@@ -124,9 +146,26 @@ class EngineRoutes:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def create_completion(self, request: Request) -> Response:
+        self.check_task("Completions", "generate")
         req = parse_body(CompletionRequest, await request.body(), self.completion_unsupported)
         try:
             return await self.completions.create(req, request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def create_embedding(self, request: Request) -> Response:
+        self.check_task("Embeddings", "embed")
+        req = parse_body(EmbeddingRequest, await request.body())
+        try:
+            return await self.embeddings.create(req, request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def create_response(self, request: Request) -> Response:
+        self.check_task("Responses", "generate")
+        req = parse_body(ResponsesRequest, await request.body(), RESPONSES_UNSUPPORTED)
+        try:
+            return await self.responses.create(req, request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -229,6 +268,8 @@ def create_app(
     app.add_exception_handler(Exception, routes.on_unexpected)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.create_completion, methods=["POST"])
+    app.add_api_route("/v1/embeddings", routes.create_embedding, methods=["POST"])
+    app.add_api_route("/v1/responses", routes.create_response, methods=["POST"])
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ready", routes.ready, methods=["GET"])

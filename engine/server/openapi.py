@@ -15,6 +15,8 @@ from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from portico.errors import ERROR_SCHEMA_DOC
@@ -77,6 +79,69 @@ TEXT_COMPLETION = _completion_object(
 )
 
 
+EMBEDDING_LIST: dict[str, Any] = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"enum": ["list"]},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"enum": ["embedding"]},
+                    "index": {"type": "integer", "minimum": 0},
+                    "embedding": {
+                        "oneOf": [
+                            {"type": "array", "items": {"type": "number"}},
+                            {"type": "string"},
+                        ]
+                    },
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+RESPONSE_OBJECT: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"enum": ["response"]},
+        "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete"]},
+        "model": {"type": "string"},
+        "output": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "id"],
+                "properties": {"type": {"enum": ["message", "function_call"]}},
+            },
+        },
+        "usage": {
+            "type": "object",
+            "required": ["input_tokens", "output_tokens", "total_tokens"],
+            "properties": {
+                "input_tokens": {"type": "integer", "minimum": 0},
+                "output_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+
+
 def _errors(*statuses: int) -> dict[str, Any]:
     reasons = {
         400: "bad input, naming the parameter",
@@ -118,7 +183,14 @@ def _generation(schema: dict[str, Any], model: type[Any]) -> dict[str, Any]:
 
 def openapi_document(title: str, version: str, model_name: str) -> dict[str, Any]:
     """The engine server's OpenAPI 3.1 document; ``model`` can only name the served model."""
-    models = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models = (
+        ChatCompletionRequest,
+        CompletionRequest,
+        EmbeddingRequest,
+        ResponsesRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    )
     components: dict[str, Any] = {}
     for model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -138,6 +210,13 @@ def openapi_document(title: str, version: str, model_name: str) -> dict[str, Any
         "paths": {
             "/v1/chat/completions": {"post": _generation(CHAT_COMPLETION, ChatCompletionRequest)},
             "/v1/completions": {"post": _generation(TEXT_COMPLETION, CompletionRequest)},
+            "/v1/embeddings": {
+                "post": {
+                    "requestBody": _body(EmbeddingRequest),
+                    "responses": {"200": _json(EMBEDDING_LIST), **_errors(400, 401, 404, 413, 503)},
+                }
+            },
+            "/v1/responses": {"post": _generation(RESPONSE_OBJECT, ResponsesRequest)},
             "/v1/models": {"get": {"responses": {"200": _json(plain), **_errors(401, 503)}}},
             "/tokenize": {
                 "post": {

@@ -25,13 +25,18 @@ from pydantic import (
     model_validator,
 )
 
-from engine.server.structured_fields import ResponseFormat, StructuredOutputsField
+from engine.server.structured_fields import (
+    JsonSchemaFormat,
+    ResponseFormat,
+    StructuredOutputsField,
+)
 from portico.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 32
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -197,10 +202,10 @@ class SamplingFields(StrictModel):
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last N
     allowed_token_ids: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -310,6 +315,128 @@ class CompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``; with ``echo``, ``logprobs`` covers the prompt too."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+
+class EmbeddingRequest(StrictModel):
+    """``POST /v1/embeddings``: one string, strings, token ids or lists of token ids."""
+
+    model: str
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+
+    @field_validator("input")
+    @classmethod
+    def _bounded_input(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("the input must not be empty")
+            if isinstance(value[0], (str, list)) and len(value) > MAX_EMBEDDING_INPUTS:
+                raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs are allowed")
+        return value
+
+
+class ResponseFunctionTool(StrictModel):
+    """A function tool of the Responses API (flat: no ``function`` wrapper)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedToolChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextFormat(StrictModel):
+    """``text.format``: plain text, any JSON object, or a named JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_needs_a_name(self) -> ResponseTextFormat:
+        if self.type == "json_schema" and (self.name is None or self.json_schema is None):
+            raise ValueError("a json_schema format needs a name and a schema")
+        return self
+
+    def response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        inner = JsonSchemaFormat.model_validate(
+            {"name": self.name, "description": self.description, "schema": self.json_schema,
+             "strict": self.strict}
+        )  # fmt: skip
+        return ResponseFormat(type="json_schema", json_schema=inner)
+
+
+class ResponseText(StrictModel):
+    format: ResponseTextFormat | None = None
+    verbosity: Any = None
+
+
+class ResponsesRequest(StrictModel):
+    """``POST /v1/responses`` (OpenAI's Responses API), rendered onto a chat request.
+
+    ``input`` items are checked by :mod:`engine.server.serving_responses` (it names the bad
+    item); ``store`` and ``previous_response_id`` are the gateway's (it keeps responses per
+    tenant in Redis and sends the engine the whole conversation).
+    """
+
+    model: str
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: ResponseText | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    # Portico's: the gateway expanded previous_response_id, so ``input`` holds the earlier turns
+    previous_input_included: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled", "auto"] = "disabled"
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # vLLM's extras
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    top_k: int | None = Field(default=None, ge=-1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # OpenAI's, refused unless harmless (RESPONSES_UNSUPPORTED)
+    reasoning: Any = None
+    background: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    conversation: Any = None
+    stream_options: Any = None
+
 
 class TokenizeRequest(StrictModel):
     """``POST /tokenize``: text (``prompt``) or chat ``messages``, as vLLM's endpoint takes."""
@@ -357,10 +484,8 @@ VLLM_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _none_or(False),
     "length_penalty": _none_or(1, 1.0),
     "spaces_between_special_tokens": _none_or(True),
-    "truncate_prompt_tokens": _none_or(),
     "allowed_token_ids": _none_or(),
     "bad_words": _none_or([]),
-    "prompt_logprobs": _none_or(),
     "logits_processors": _none_or(),
     "return_tokens_as_token_ids": _none_or(False),
     "return_token_ids": _none_or(False),
@@ -370,6 +495,7 @@ VLLM_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 VLLM_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     **VLLM_UNSUPPORTED,
+    "prompt_logprobs": _none_or(),  # completions only (with echo, OpenAI's own way too)
     "best_of": _none_or(1),
     "echo": _none_or(False),
     "add_generation_prompt": _none_or(True),
@@ -380,6 +506,15 @@ VLLM_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "chat_template_kwargs": _none_or({}),
     "mm_processor_kwargs": _none_or({}),
     "include_reasoning": _none_or(True, False),  # no reasoning parser: nothing to include
+}
+RESPONSES_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "reasoning": _none_or({}),
+    "background": _none_or(False),
+    "top_logprobs": _none_or(0),
+    "max_tool_calls": _none_or(),
+    "prompt": _none_or(),
+    "conversation": _none_or(),
+    "stream_options": _none_or({}, {"include_usage": True}, {"include_obfuscation": False}),
 }
 VLLM_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     **VLLM_UNSUPPORTED,

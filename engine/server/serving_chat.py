@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -11,7 +12,12 @@ from starlette.responses import JSONResponse, Response
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server import sse
-from engine.server.engine_requests import EngineStreamingResponse, merge, unless_disconnected
+from engine.server.engine_requests import (
+    EngineRequest,
+    EngineStreamingResponse,
+    merge,
+    unless_disconnected,
+)
 from engine.server.protocol import ChatCompletionRequest, ChatMessage
 from engine.server.serving_engine import (
     OpenAIServing,
@@ -31,6 +37,16 @@ from engine.server.tool_calling import (
     template_supports_tools,
 )
 from portico.errors import InvalidRequestError
+
+
+@dataclass
+class StartedChat:
+    """A chat request queued in the engine: its tool plan, id, prompt size and requests."""
+
+    plan: ToolPlan
+    request_id: str
+    num_prompt_tokens: int
+    submitted: list[EngineRequest]
 
 
 class ChatServing:
@@ -80,6 +96,20 @@ class ChatServing:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        started = self.start(req)
+        plan, request_id, num_prompt = started.plan, started.request_id, started.num_prompt_tokens
+        outputs = merge(started.submitted)
+        if req.stream:
+            return EngineStreamingResponse(
+                self.stream(req, plan, request_id, num_prompt, outputs), started.submitted
+            )
+        body = await unless_disconnected(
+            self.collect(req, plan, request_id, num_prompt, outputs), request
+        )
+        return JSONResponse(body)
+
+    def start(self, req: ChatCompletionRequest, request_id: str | None = None) -> StartedChat:
+        """Check, render and queue the request (the Responses API shares this)."""
         serving = self.serving
         serving.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -88,11 +118,13 @@ class ChatServing:
             )
         plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice)
         prompt = self.prompt_token_ids(req.messages, plan=plan)
+        if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
+            prompt = prompt[-req.truncate_prompt_tokens :]
         max_tokens = serving.max_tokens_for(req.requested_max_tokens, len(prompt), "messages")
         params = serving.sampling_params(req, max_tokens)
         if plan.schema is not None:
             constrain_to_schema(params, plan.schema)
-        request_id = random_id("chatcmpl")
+        request_id = request_id or random_id("chatcmpl")
         try:
             submitted = serving.submit_all([(prompt, params)], req, request_id)
         except InvalidRequestError as exc:
@@ -103,15 +135,7 @@ class ChatServing:
                 f"A function's parameters schema cannot be enforced: {exc.message}",
                 param="tools",
             ) from None
-        outputs = merge(submitted)
-        if req.stream:
-            return EngineStreamingResponse(
-                self.stream(req, plan, request_id, len(prompt), outputs), submitted
-            )
-        body = await unless_disconnected(
-            self.collect(req, plan, request_id, len(prompt), outputs), request
-        )
-        return JSONResponse(body)
+        return StartedChat(plan, request_id, len(prompt), submitted)
 
     async def collect(
         self,

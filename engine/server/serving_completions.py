@@ -46,28 +46,26 @@ class CompletionServing:
         else:
             items = list(cast(list[str | list[int]], req.prompt))
         prompts = []
+        keep = req.truncate_prompt_tokens
         for index, item in enumerate(items):
             if isinstance(item, str):
                 ids = list(tokenizer.encode(item, add_special_tokens=True))
                 if not ids:
                     raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+                if keep is not None and len(ids) > keep:  # vLLM's: keep the last N tokens
+                    ids = ids[-keep:]
+                    item = str(tokenizer.decode(ids)) if req.echo else item
                 prompts.append(Prompt(ids, item))
             else:
                 self.serving.check_token_ids(item, f"prompt[{index}]")
-                text = str(tokenizer.decode(item)) if req.echo else ""
-                prompts.append(Prompt(list(item), text))
+                ids = list(item)[-keep:] if keep is not None else list(item)
+                text = str(tokenizer.decode(ids)) if req.echo else ""
+                prompts.append(Prompt(ids, text))
         return prompts
 
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         serving = self.serving
         serving.check_request(req)
-        if req.echo and req.logprobs is not None:
-            raise InvalidRequestError(
-                "echo together with logprobs (prompt logprobs) is not supported by this "
-                "engine yet.",
-                param="echo",
-                code="unsupported_parameter",
-            )
         prompts = self.prompts(req)
         jobs = []
         for prompt in prompts:
@@ -97,8 +95,11 @@ class CompletionServing:
         logprobs: dict[int, list[TokenLogprob]] = {}
         num_tokens: dict[int, int] = {}
         num_cached: dict[int, int] = {}
+        prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
         async for prompt_index, out in outputs:
             num_cached[prompt_index] = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[prompt_index] = out.prompt_logprobs
             for c in out.outputs:
                 index = prompt_index * req.n + c.index
                 texts[index] = c.text
@@ -107,20 +108,28 @@ class CompletionServing:
                 logprobs.setdefault(index, []).extend(delta_logprobs(c))
         choices = []
         for index in sorted(texts):
-            prefix = prompts[index // req.n].text if req.echo else ""
-            choices.append(
-                {
-                    "index": index,
-                    "text": prefix + texts[index],
-                    "logprobs": (
-                        self.logprobs(logprobs[index], len(prefix))
-                        if req.logprobs is not None
-                        else None
-                    ),
-                    "finish_reason": finish[index][0],
-                    "stop_reason": finish[index][1],
-                }
-            )
+            prompt_index = index // req.n
+            prefix = prompts[prompt_index].text if req.echo else ""
+            lps = None
+            if req.logprobs is not None:
+                lps = self.logprobs(logprobs[index], len(prefix))
+                if req.echo:
+                    echoed = self.echo_logprobs(
+                        prompt_logprobs.get(prompt_index, []), prompts[prompt_index]
+                    )
+                    lps = {key: echoed[key] + lps[key] for key in lps}
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": prefix + texts[index],
+                "logprobs": lps,
+                "finish_reason": finish[index][0],
+                "stop_reason": finish[index][1],
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs(
+                    prompt_logprobs.get(prompt_index, [])
+                )
+            choices.append(choice)
         return {
             "id": request_id,
             "object": "text_completion",
@@ -168,15 +177,23 @@ class CompletionServing:
         ) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-        if req.echo:
+        # Echoed prompts with logprobs wait for the prompt's logprobs (on its first output).
+        reading_prompt = req.echo and req.logprobs is not None
+        if req.echo and not reading_prompt:
             for index in range(len(prompts) * req.n):
                 yield chunk([choice(index, prompts[index // req.n].text)])
         offsets: dict[int, int] = {}
+        first_seen: set[int] = set()
         try:
             async for prompt_index, out in outputs:
                 num_cached[prompt_index] = out.num_cached_tokens
                 for c in out.outputs:
                     index = prompt_index * req.n + c.index
+                    if index not in first_seen:
+                        first_seen.add(index)
+                        for event in self.first_chunks(req, prompts, index, out, chunk, choice):
+                            yield event
+                        offsets[index] = len(prompts[prompt_index].text) if req.echo else 0
                     num_tokens[index] = len(c.token_ids)
                     if c.text_delta or (req.logprobs is not None and c.token_ids_delta):
                         logprobs = None
@@ -193,6 +210,94 @@ class CompletionServing:
         if include_usage:
             yield chunk([], usage=usage_so_far())
         yield sse.DONE
+
+    def first_chunks(
+        self,
+        req: CompletionRequest,
+        prompts: list[Prompt],
+        index: int,
+        out: RequestOutput,
+        chunk: Any,
+        choice: Any,
+    ) -> list[bytes]:
+        """What a stream sends before a choice's first tokens: the echoed prompt with its
+        logprobs, and vLLM's ``prompt_logprobs``."""
+        events = []
+        read = out.prompt_logprobs or []
+        if req.echo and req.logprobs is not None:
+            prompt = prompts[index // req.n]
+            echoed = self.echo_logprobs(read, prompt)
+            events.append(chunk([choice(index, prompt.text, logprobs=echoed)]))
+        if req.prompt_logprobs is not None:
+            first = dict(choice(index, ""), prompt_logprobs=self.prompt_logprobs(read))
+            events.append(chunk([first]))
+        return events
+
+    def echo_logprobs(self, entries: list[TokenLogprob | None], prompt: Prompt) -> dict[str, Any]:
+        """OpenAI's legacy ``logprobs`` of an echoed prompt: the first token has none."""
+        serving = self.serving
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        offset = 0
+        for position, entry in enumerate(entries):
+            if entry is None:  # the first token: nothing predicts it
+                text = serving.token_text(prompt.token_ids[position])
+                tokens.append(text)
+                token_logprobs.append(None)
+                top.append(None)
+                offsets.append(offset)
+                offset += len(text)
+                continue
+            text = serving.token_text(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(serving.logprob_value(entry.logprob))
+            top.append(
+                {
+                    serving.token_text(tid): serving.logprob_value(lp)
+                    for tid, lp in entry.top_logprobs
+                }
+            )
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def prompt_logprobs(
+        self, entries: list[TokenLogprob | None]
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, the token and the top alternatives
+        by id, each with its logprob, rank (1 = best; None when outside the top) and text."""
+        serving = self.serving
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for entry in entries:
+            if entry is None:
+                result.append(None)
+                continue
+            ranks = {tid: rank for rank, (tid, _) in enumerate(entry.top_logprobs, start=1)}
+            item = {
+                str(tid): {
+                    "logprob": serving.logprob_value(lp),
+                    "rank": rank,
+                    "decoded_token": serving.token_text(tid),
+                }
+                for rank, (tid, lp) in enumerate(entry.top_logprobs, start=1)
+            }
+            item.setdefault(
+                str(entry.token_id),
+                {
+                    "logprob": serving.logprob_value(entry.logprob),
+                    "rank": ranks.get(entry.token_id),
+                    "decoded_token": serving.token_text(entry.token_id),
+                },
+            )
+            result.append(item)
+        return result
 
     def logprobs(self, entries: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
         """OpenAI's legacy completions ``logprobs`` object for these tokens."""

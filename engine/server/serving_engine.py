@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.lora import LoRARequest
@@ -28,6 +28,17 @@ from portico.errors import (
 )
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor too
+
+
+class SubmittedFields(Protocol):
+    """What :meth:`OpenAIServing.submit` reads from any request body."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
 
 
 def effective_max_model_len(engine: AsyncLLMEngine) -> int:
@@ -155,6 +166,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos,
                 logprobs=req.num_logprobs,
+                prompt_logprobs=getattr(req, "num_prompt_logprobs", None),
                 logit_bias=logit_bias,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -168,7 +180,7 @@ class OpenAIServing:
     def submit_all(
         self,
         prompts: list[tuple[list[int], SamplingParams]],
-        req: ChatCompletionRequest | CompletionRequest,
+        req: SubmittedFields,
         request_id: str,
     ) -> list[EngineRequest]:
         """Queue one engine request per prompt, all or none (a refusal aborts the others)."""
@@ -188,7 +200,7 @@ class OpenAIServing:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        req: ChatCompletionRequest | CompletionRequest,
+        req: SubmittedFields,
     ) -> EngineRequest:
         """Queue one engine request now (so bad input fails before any response byte)."""
         try:

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 class RequestFields:
     """What routing, admission and the proxy need to know about one request."""
 
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion" | "embedding" | "responses" | "tokenize" | "detokenize"
     model: str
     stream: bool
     max_tokens: int | None
@@ -39,6 +39,15 @@ class RequestFields:
     # completions the request asks for per max_tokens: n (or best_of, which generates that
     # many and returns n) times the number of prompts; admission reserves that many
     num_outputs: int = 1
+    edited: bool = False  # the gateway changed ``body``: the proxy sends it re-serialized
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The body field that caps the output (the Responses API names it differently)."""
+        return "max_output_tokens" if self.kind == "responses" else "max_tokens"
+
+
+GENERATING_KINDS = frozenset({"chat", "completion", "responses"})
 
 
 def _text_of(content: Any) -> str:
@@ -74,17 +83,26 @@ def _bad(message: str, param: str | None = None) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
-def parse_fields(raw: bytes, kind: str) -> RequestFields:
-    """Parse the body and check the fields the gateway uses; 400 in OpenAI's shape otherwise."""
+def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = _loads(raw)
     except _DecodeError:
         raise _bad("We could not parse the JSON body of your request.") from None
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
+    return body
+
+
+def parse_fields(raw: bytes, kind: str) -> RequestFields:
+    """Parse the body and check the fields the gateway uses; 400 in OpenAI's shape otherwise."""
+    body = parse_body(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("Missing required parameter: 'model'.", "model")
+    if kind not in GENERATING_KINDS:
+        return _non_generating_fields(kind, model, body)
+    if kind == "responses":
+        return responses_fields(model, body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -144,3 +162,72 @@ def _count(body: dict[str, Any], name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise _bad(f"Invalid value for '{name}': must be a positive integer.", name)
     return value
+
+
+def _non_generating_fields(kind: str, model: str, body: dict[str, Any]) -> RequestFields:
+    """Embeddings (the input is the prompt; nothing is generated: ``max_tokens`` 0) and
+    tokenize/detokenize (nothing counted)."""
+    prompt: str | list[Any] | None = None
+    messages = None
+    if kind == "embedding":
+        prompt = body.get("input")
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise _bad("Missing required parameter: 'input'.", "input")
+    return RequestFields(kind, model, False, 0, messages, prompt, 0, False, body, 1)
+
+
+def responses_fields(model: str, body: dict[str, Any]) -> RequestFields:
+    """A Responses API request: ``input`` (string or items) and ``instructions`` read as chat
+    turns for counting and routing; ``max_output_tokens`` is the cap."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("Invalid value for 'stream': must be a boolean.", "stream")
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
+        raise _bad(
+            "Invalid value for 'max_output_tokens': must be a positive integer.",
+            "max_output_tokens",
+        )
+    items = input_items(body.get("input"))
+    messages = turns_of(items)
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise _bad("Invalid value for 'tools': must be an array.", "tools")
+    return RequestFields("responses", model, stream, max_tokens, messages, None, len(tools),
+                         False, body, 1)  # fmt: skip
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A Responses ``input`` as a list of items (a string is one user message)."""
+    if isinstance(value, str) and value:
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _bad("Missing required parameter: 'input'.", "input")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _bad(f"Invalid value for 'input[{i}]': must be an object.", f"input[{i}]")
+    return value
+
+
+def turns_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat-like turns of Responses input items: what admission counts and routing scores
+    (the engine renders the exact prompt)."""
+    turns = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role") if item.get("role") in ("system", "assistant") else "user"
+            turns.append({"role": role, "content": _text_of(item.get("content"))})
+        elif kind == "function_call":
+            text = f"{item.get('name', '')}({item.get('arguments', '')})"
+            turns.append({"role": "assistant", "content": text})
+        elif kind == "function_call_output":
+            turns.append({"role": "user", "content": _text_of(item.get("output"))})
+    return turns or [{"role": "user", "content": ""}]

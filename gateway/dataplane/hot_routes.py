@@ -1,15 +1,17 @@
-"""The two hot routes served without FastAPI's per-request machinery.
+"""The hot routes served without FastAPI's per-request machinery.
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` take no declared parameters, so
-FastAPI's middleware stack (server-error, telemetry and body-limit layers), router, dependency
-solving, exit stacks and exception middleware add only cost to them. :class:`GatewayApp` is the
-FastAPI app with one change: those two are dispatched, before FastAPI's stack, to their own
-short pure-ASGI stack — request context (ids, overhead header, metrics, in-flight count), the
-body-size limit (413), then :class:`HotRoutes`, which builds a Starlette ``Request``, calls the
-handler and turns an error into a response with :func:`portico.http_errors.error_response`, as
-the FastAPI app's handlers do; an unexpected exception is a 500 in that shape (then re-raised
-for the server to log), as FastAPI's server-error layer would answer. Every other request
-(admin, models, health, metrics, other methods on these paths) goes through FastAPI unchanged.
+The model-serving routes (``POST /v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``, ``/v1/responses``, ``/tokenize``, ``/detokenize``) take no declared
+parameters, so FastAPI's middleware stack (server-error, telemetry and body-limit layers),
+router, dependency solving, exit stacks and exception middleware add only cost to them.
+:class:`GatewayApp` is the FastAPI app with one change: those are dispatched, before FastAPI's
+stack, to their own short pure-ASGI stack — request context (ids, overhead header, metrics,
+in-flight count), the body-size limit (413), then :class:`HotRoutes`, which builds a Starlette
+``Request``, calls the handler and turns an error into a response with
+:func:`portico.http_errors.error_response`, as the FastAPI app's handlers do; an unexpected
+exception is a 500 in that shape (then re-raised for the server to log), as FastAPI's
+server-error layer would answer. Every other request (admin, models, health, metrics, other
+methods on these paths) goes through FastAPI unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ log = logging.getLogger("portico.gateway")
 
 Handler = Callable[[Request, str, str], Awaitable[Response]]
 
-HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+HOT_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/embeddings": "embedding",
+    "/v1/responses": "responses",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
 
 
 class HotRoutes:

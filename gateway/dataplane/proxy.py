@@ -73,11 +73,18 @@ class Usage:
     completion_tokens: int = 0
     reported: bool = False
     source: str = "upstream"
+    # A Responses API stream: the response object of its ``response.completed`` event (the
+    # gateway stores it when the client asked to).
+    response: dict[str, Any] | None = None
 
     def take(self, usage: Any) -> None:
+        """Read OpenAI's usage object: chat/completions/embeddings names, or the Responses
+        API's (``input_tokens``/``output_tokens``)."""
         if isinstance(usage, dict):
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            self.prompt_tokens = int(prompt or 0)
+            self.completion_tokens = int(completion or 0)
             self.reported = True
             self.source = "upstream"
 
@@ -126,13 +133,20 @@ def upstream_body(
     ``max_tokens`` admission reserved spliced in. The common case (no alias, no client
     ``cache_salt``/``stream_options``) edits bytes without re-serializing."""
     body = fields.body
-    if model == fields.model and "cache_salt" not in body and "stream_options" not in body:
+    # A Responses stream reports usage in its last event; it has no stream_options to set.
+    usage_option = fields.stream and fields.kind != "responses"
+    if (
+        model == fields.model
+        and "cache_salt" not in body
+        and "stream_options" not in body
+        and not fields.edited
+    ):
         extra = []
         if max_tokens is not None:
-            extra.append(b'"max_tokens":%d' % max_tokens)
+            extra.append(b'"%s":%d' % (fields.max_tokens_field.encode(), max_tokens))
         if cache_salt is not None:
             extra.append(b'"cache_salt":' + _dumps(cache_salt))
-        if fields.stream:
+        if usage_option:
             extra.append(b'"stream_options":{"include_usage":true}')
         if not extra:
             return raw
@@ -143,7 +157,9 @@ def upstream_body(
     edited.pop("cache_salt", None)  # a client never picks its own salt
     if cache_salt is not None:
         edited["cache_salt"] = cache_salt
-    if fields.stream:
+    if max_tokens is not None:
+        edited[fields.max_tokens_field] = max_tokens
+    if usage_option:
         options = {**(body.get("stream_options") or {}), "include_usage": True}
         if not fields.wants_usage:  # vLLM: no usage on each chunk unless usage was asked for
             options.pop("continuous_usage_stats", None)
@@ -159,6 +175,8 @@ def _take_usage(block: bytes, usage: Usage, keep_usage: bool) -> bytes:
     for event in block.split(b"\n\n"):
         if not event:
             continue
+        if event.startswith(b"event: response.completed\n"):
+            _take_response_completed(event, usage)
         if event.startswith(b"data: {") and any(mark in event for mark in _USAGE_MARKS):
             try:
                 data = _loads(event[6:])
@@ -170,6 +188,19 @@ def _take_usage(block: bytes, usage: Usage, keep_usage: bool) -> bytes:
                     continue  # the usage-only event the client did not ask for
         kept.append(event + b"\n\n")
     return b"".join(kept)
+
+
+def _take_response_completed(event: bytes, usage: Usage) -> None:
+    """The usage and the response object of a Responses stream's last event."""
+    data_at = event.find(b"\ndata: ")
+    try:
+        data = _loads(event[data_at + 7 :]) if data_at >= 0 else None
+    except ValueError:
+        data = None
+    response = data.get("response") if isinstance(data, dict) else None
+    if isinstance(response, dict):
+        usage.take(response.get("usage"))
+        usage.response = response
 
 
 async def sse_blocks(resp: httpx.Response) -> AsyncGenerator[bytes, None]:

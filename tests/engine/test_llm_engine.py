@@ -9,6 +9,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import ParameterError, SamplingParams
 from tests.engine.tiny_engine import make_engine, run_all
 
@@ -43,7 +44,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         (prompt(200), SamplingParams(max_tokens=100), "max_tokens"),  # beyond the context
         (prompt(10), SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
         (prompt(10), SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
-        (prompt(10), SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+        (prompt(10), SamplingParams(n=2, pooling=PoolingParams()), "pooling"),
     ],
 )
 def test_bad_input_raises_naming_the_parameter_and_allocates_nothing(

@@ -45,6 +45,11 @@ def test_the_engine_keeps_its_openapi_document(engine: EngineProcess) -> None:
     # every vLLM field), so a bounded run may draw only refused chats: either route counts.
     generated = statuses["POST /v1/chat/completions 200"] + statuses["POST /v1/completions 200"]
     assert generated > 0, dict(statuses)
+    # The embeddings and Responses routes were served and refused bad input in OpenAI's shape
+    # (a refusal outside the document, or a 5xx, would be among the failures).
+    assert statuses["POST /v1/embeddings 200"] > 0, dict(statuses)
+    assert statuses["POST /v1/embeddings 400"] > 0, dict(statuses)
+    assert statuses["POST /v1/responses 400"] > 0, dict(statuses)
     assert not failures, "\n".join(failures)
     assert engine.proc.poll() is None, engine.logs()
 

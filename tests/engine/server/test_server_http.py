@@ -540,7 +540,12 @@ def test_streaming_many_prompts_and_choices_indexes_every_choice(http: httpx.Cli
         logprobs=1,
     )
     resp = http.post("/v1/completions", json=body)
-    assert resp.status_code == 400  # echo with logprobs is refused, not silently ignored
+    assert resp.status_code == 200  # echo with logprobs: the prompt's logprobs come first
+    echoed = [json.loads(line[6:]) for line in resp.text.splitlines() if line[6:7] == "{"]
+    first: dict[int, Any] = {}
+    for c in (c for e in echoed for c in e["choices"] if c["logprobs"]):
+        first.setdefault(c["index"], c)
+    assert sorted(first) == [0, 1, 2, 3] and first[0]["logprobs"]["token_logprobs"][0] is None
     body.pop("logprobs")
     with http.stream("POST", "/v1/completions", json=body) as resp:
         lines = [line for line in resp.iter_lines() if line]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -87,3 +88,45 @@ def test_usage_event_is_read_and_dropped_unless_asked_for() -> None:
     assert b"prompt_tokens" not in out and out.endswith(b"data: [DONE]\n\n")
     assert out.startswith(b'data: {"choices": [{"delta"')
     assert _take_usage(block, Usage(), keep_usage=True) == block
+
+
+@pytest.mark.parametrize(
+    "kind,body,param",
+    [
+        ("embedding", {"model": "m"}, "input"),
+        ("embedding", {"model": "m", "input": []}, "input"),
+        ("responses", {"model": "m"}, "input"),
+        ("responses", {"model": "m", "input": [1]}, "input[0]"),
+        ("responses", {"model": "m", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ("responses", {"model": "m", "input": "hi", "stream": "yes"}, "stream"),
+        ("tokenize", {"prompt": "hi"}, "model"),
+    ],
+)
+def test_new_endpoints_refuse_bad_fields_naming_them(
+    kind: str, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_fields(json.dumps(body).encode(), kind)
+    assert info.value.param == param
+
+
+def test_responses_fields_read_input_items_as_turns_and_the_output_cap() -> None:
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "ok"},
+        ],
+        "max_output_tokens": 9,
+        "stream": True,
+    }
+    fields = parse_fields(json.dumps(body).encode(), "responses")
+    assert (
+        fields.max_tokens == 9 and fields.stream and fields.max_tokens_field == "max_output_tokens"
+    )
+    assert [m["role"] for m in fields.messages or []] == ["system", "user", "assistant", "user"]
+    assert fields.messages[1]["content"] == "Hi"  # type: ignore[index]
+    embedding = parse_fields(b'{"model": "m", "input": [[1, 2], [3]]}', "embedding")
+    assert embedding.max_tokens == 0 and embedding.prompt == [[1, 2], [3]]
