@@ -418,6 +418,7 @@ class Gateway:
             if exchange.body is not None:
                 await chain.keep_body(exchange.body)
             elif exchange.rest is not None:
+                await chain.keep_first(exchange.usage)
                 exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
         if exchange.body is not None:
             return Response(

@@ -145,6 +145,12 @@ class ResponseChain:
         except Exception as exc:  # the answer is given either way; only the copy is lost
             log.warning("storing response %s failed: %s", response.get("id"), exc)
 
+    async def keep_first(self, usage: Usage) -> None:
+        """Save a stream that its first block already completed (a short answer arrives whole)
+        before that block is sent."""
+        if usage.response is not None:
+            await self.keep(usage.response)
+
     async def keep_body(self, body: bytes) -> None:
         try:
             response = json.loads(body)
@@ -155,8 +161,9 @@ class ResponseChain:
     async def keeping_stream(
         self, blocks: AsyncIterator[bytes], usage: Usage
     ) -> AsyncIterator[bytes]:
-        """Relay ``blocks``; the block that completed the response waits for its save."""
-        kept = False
+        """Relay ``blocks``; the block that completed the response waits for its save. (A
+        stream whose first block already completed it was saved by :meth:`keep_first`.)"""
+        kept = usage.response is not None
         async for block in blocks:
             if not kept and usage.response is not None:
                 kept = True

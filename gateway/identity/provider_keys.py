@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # auth builds the store: no import at run time
 PREFIX = "portico:provider_keys:"
 
 
-def _key(tenant_id: str) -> str:
+def tenant_key(tenant_id: str) -> str:
     """The tenant's hash, hash-tagged by tenant like its other keys (Redis Cluster)."""
     return f"{PREFIX}{{{tenant_id}}}"
 
@@ -85,22 +85,22 @@ class ProviderKeyStore:
     async def set(self, tenant_id: str, remote: str, key: str) -> float:
         set_at = time.time()
         record = {"sealed": self.seal(tenant_id, remote, key), "set_at": set_at}
-        await self.redis.hset(_key(tenant_id), remote, json.dumps(record))
+        await self.redis.hset(tenant_key(tenant_id), remote, json.dumps(record))
         self._cache.pop((tenant_id, remote), None)
         return set_at
 
     async def delete(self, tenant_id: str, remote: str) -> bool:
         self._cache.pop((tenant_id, remote), None)
-        return bool(await self.redis.hdel(_key(tenant_id), remote))
+        return bool(await self.redis.hdel(tenant_key(tenant_id), remote))
 
     async def delete_tenant(self, tenant_id: str) -> None:
-        await self.redis.delete(_key(tenant_id))
+        await self.redis.delete(tenant_key(tenant_id))
         for slot in [s for s in self._cache if s[0] == tenant_id]:
             del self._cache[slot]
 
     async def listing(self, tenant_id: str) -> list[dict[str, Any]]:
         """Which remotes have a key, and since when; never the key."""
-        rows = await self.redis.hgetall(_key(tenant_id))
+        rows = await self.redis.hgetall(tenant_key(tenant_id))
         out = []
         for remote, value in sorted(rows.items()):
             record = json.loads(value)
@@ -114,7 +114,7 @@ class ProviderKeyStore:
         hit = self._cache.get(slot)
         if hit is not None and hit[0] > now:
             return hit[1]
-        value = await self.redis.hget(_key(tenant_id), remote)
+        value = await self.redis.hget(tenant_key(tenant_id), remote)
         key = self.open(tenant_id, remote, json.loads(value)["sealed"]) if value else None
         if len(self._cache) >= MAX_CACHE_ENTRIES:
             self._cache.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from gateway.identity.provider_keys import PREFIX, ProviderKeyStore
+from gateway.identity.provider_keys import ProviderKeyStore, tenant_key
 
 SECRET = b"k" * 32
 KEY = "sk-provider-0123456789abcdefghij"
@@ -14,7 +14,7 @@ async def test_a_key_is_stored_sealed_and_read_back(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     store = ProviderKeyStore(client, SECRET, cache_ttl_s=0)
     await store.set("acme", "gpt", KEY)
-    raw = await client.hget(PREFIX + "acme", "gpt")
+    raw = await client.hget(tenant_key("acme"), "gpt")
     assert raw is not None and KEY.encode() not in raw
     assert await store.get("acme", "gpt") == KEY
     assert await store.get("acme", "other") is None
@@ -29,9 +29,9 @@ async def test_a_sealed_key_moved_to_another_slot_or_secret_does_not_open(redis_
     client = aioredis.Redis.from_url(redis_url)
     store = ProviderKeyStore(client, SECRET, cache_ttl_s=0)
     await store.set("acme", "gpt", KEY)
-    raw = await client.hget(PREFIX + "acme", "gpt")
-    await client.hset(PREFIX + "evil", "gpt", raw)  # type: ignore[arg-type]
-    await client.hset(PREFIX + "acme", "claude", raw)  # type: ignore[arg-type]
+    raw = await client.hget(tenant_key("acme"), "gpt")
+    await client.hset(tenant_key("evil"), "gpt", raw)  # type: ignore[arg-type]
+    await client.hset(tenant_key("acme"), "claude", raw)  # type: ignore[arg-type]
     assert await store.get("evil", "gpt") is None
     assert await store.get("acme", "claude") is None
     assert await ProviderKeyStore(client, b"x" * 32, cache_ttl_s=0).get("acme", "gpt") is None

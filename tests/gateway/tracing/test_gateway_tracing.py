@@ -163,7 +163,7 @@ async def test_each_attempt_carries_its_traceparent(memory: InMemorySpanExporter
     assert tracing is not None
     seen: list[dict[str, str]] = []
 
-    async def send(replica: Any, path: str, payload: bytes, headers: dict[str, str], fields: Any):
+    async def send(replica: Any, url: Any, payload: bytes, headers: dict[str, str], fields: Any):
         seen.append(headers)
         from gateway.dataplane.proxy import Exchange
 
@@ -171,7 +171,8 @@ async def test_each_attempt_carries_its_traceparent(memory: InMemorySpanExporter
 
     replica = Replica("r-0", httpx.AsyncClient())
     original = {"x-request-id": "abc"}
-    await tracing.attempt(send, replica, "/v1/completions", b"{}", original, None)
+    url = httpx.URL("http://engine/v1/completions")
+    await tracing.attempt(send, replica, url, b"{}", original, None)
     await replica.client.aclose()
     (attempt,) = memory.get_finished_spans()
     assert original == {"x-request-id": "abc"}  # the shared headers are not changed
