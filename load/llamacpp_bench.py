@@ -97,12 +97,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return workload[: max(count, concurrency)]
 
     rows: list[dict[str, Any]] = []
-    portico_flags = args.portico_flags.split() if args.portico_flags else []
-    with engine_process(portico_flags, args.timeout) as (_, base_url):
-        warm_up(base_url)
-        for c in concurrencies:
-            summary, _ = serve(base_url, requests_for(c), c)
-            rows.append(_row("portico", c, summary, flags=" ".join(portico_flags)))
+    for flags in args.portico_flags.split(";"):
+        extra = flags.split()
+        system = "portico" if not extra else f"portico {' '.join(extra)}"
+        with engine_process(extra, args.timeout) as (_, base_url):
+            warm_up(base_url)
+            for c in concurrencies:
+                summary, _ = serve(base_url, requests_for(c), c)
+                rows.append(_row(system, c, summary, flags=" ".join(extra)))
     if args.llama_server:
         for slots in (int(s) for s in args.llama_slots.split(",")):
             with llama_server(
@@ -135,7 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--context", type=int, default=1024, help="context per llama.cpp slot")
     parser.add_argument(
-        "--portico-flags", default="", help="flags beyond make bench's engine flags"
+        "--portico-flags",
+        default="",
+        help="flags beyond make bench's engine flags; several runs separated by ';' "
+        "(e.g. ';--gguf-activations exact')",
     )
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--num-requests", type=int, default=256)
