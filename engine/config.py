@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.spec_decode.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -79,6 +81,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded in memory (LRU); None: max_loras
     allow_runtime_lora_updating: bool = False  # or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+    # Speculative decoding: vLLM's JSON ({"method": "ngram", ...} or {"model": ..., ...}),
+    # its dict, or the parsed SpeculativeConfig; None: off. Parsed at construction.
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -117,6 +122,14 @@ class EngineConfig:
         names = [m.name for m in self.lora_module_specs]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names must be unique, got {names}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``--speculative-config`` parsed, or None when speculation is off."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else None
 
     @property
     def lora_module_specs(self) -> list[LoRAModuleSpec]:
@@ -198,6 +211,16 @@ class EngineConfig:
             action="store_true",
             help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
             "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+        )
+
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument(
+            "--speculative-config",
+            default=None,
+            metavar="JSON",
+            help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; '
+            '"disable_by_batch_size": N turns it off above N running requests',
         )
 
     @classmethod
