@@ -504,7 +504,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         running, waiting = self.scheduler.lora_names()
-        return EngineStats(
+        stats = EngineStats(
             running_lora_adapters=running,
             waiting_lora_adapters=waiting,
             max_lora=self.config.max_loras if self.lora is not None else 0,
@@ -521,5 +521,16 @@ class LLMEngine:
             grammar_compiles=self.structured.stats.num_compiled,
             grammar_cache_hits=self.structured.stats.num_cache_hits,
             grammar_compile_seconds=self.structured.stats.compile_seconds_total,
+            spec_decode_num_accepted_tokens_per_pos=(),  # set below when speculating
             **self._counters,
+        )
+        if self.speculation is None:
+            return stats
+        spec = self.speculation.stats
+        return dataclasses.replace(
+            stats,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         )

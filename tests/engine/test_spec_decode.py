@@ -316,9 +316,52 @@ def test_engine_sampling_keeps_the_target_distribution(
     outs = LLM.from_engine(engine).generate([base] * num, params)
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
-        pair = tuple(o.outputs[0].token_ids[:2])
-        counts[pair] = counts.get(pair, 0) + 1  # type: ignore[index]
+        first, second = o.outputs[0].token_ids[:2]
+        counts[(first, second)] = counts.get((first, second), 0) + 1
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(k, 0) - num * p) ** 2 / (num * p) for k, p in exact.items())
     assert chi2 < 33.7  # 8 degrees of freedom: P(chi2 > 33.7) = 5e-5
     assert engine.speculation.stats.num_draft_tokens > 0  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------------------- metrics, log
+
+
+def test_metrics_and_log_line_report_acceptance(tiny: LoadedModel) -> None:
+    from engine.server.metrics import ServerMetrics
+    from engine.stats import EngineStats, format_stats
+
+    engine = make_engine(tiny, speculative_config=NGRAM)
+    LLM.from_engine(engine).generate(
+        [copy_heavy(1)], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    )
+    stats = engine.stats()
+    spec = engine.speculation.stats  # type: ignore[union-attr]
+    assert stats.spec_decode_num_drafts == spec.num_drafts > 0
+    assert stats.spec_decode_num_accepted_tokens == sum(
+        stats.spec_decode_num_accepted_tokens_per_pos
+    )
+    body = ServerMetrics("tiny", 1024, engine.stats).render().decode()
+    assert (
+        f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(spec.num_drafts)}' in body
+    )
+    assert (
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(spec.num_draft_tokens)}'
+        in body
+    )
+    assert (
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(spec.num_accepted_tokens)}'
+        in body
+    )
+    pos0 = float(spec.num_accepted_tokens_per_pos[0])
+    assert (
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} {pos0}'
+        in body
+    )
+    plain = ServerMetrics("tiny", 1024, make_engine(tiny).stats).render().decode()
+    assert "spec_decode" not in plain  # absent when the engine does not speculate
+
+    lines = format_stats(EngineStats(), stats, 2.0)
+    rate = 100 * spec.num_accepted_tokens / spec.num_draft_tokens
+    assert lines[1].startswith(f"SpecDecoding metrics: Draft acceptance rate: {rate:.1f}%")
+    assert len(format_stats(EngineStats(), make_engine(tiny).stats(), 2.0)) == 1
