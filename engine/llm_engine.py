@@ -339,10 +339,9 @@ class LLMEngine:
         constrained = any(g is not None for g in grammars)
         if out.spec_token_ids:
             guesses = [out.spec_token_ids.get(r.request_id, []) for r in rows]
-            # A request with a grammar never speculates (see SpecDecoder), so its rows are one.
-            expanded = [g for g, guess in zip(grammars, guesses, strict=True)
-                        for g in [g] + [None] * len(guess)]  # fmt: skip
-            mask = self.structured.fill_bitmask(expanded) if constrained else None
+            mask = None
+            if constrained:  # the grammar masks every verified position
+                mask = self.structured.fill_bitmask_for_guesses(grammars, guesses)
             verified = self.sampler.verify(logits, rows, guesses, mask)
             token_lists, logprobs = verified.token_ids, verified.logprobs
             assert self.speculation is not None  # guesses come only from it
@@ -355,7 +354,7 @@ class LLMEngine:
         if constrained:
             for g, tokens in zip(grammars, token_lists, strict=True):
                 if g is not None:
-                    g.accept(tokens[0])
+                    g.accept_all(tokens)
         sampled = {r.request_id: t for r, t in zip(rows, token_lists, strict=True)}
         return sampled, logprobs
 

@@ -9,7 +9,7 @@ quoting a given passage (the output repeats the prompt); **chat** — short open
 through the chat template (the output repeats little). Each runs single stream (one request
 at a time) and at concurrency 16 (``--max-num-seqs`` 16, all requests queued at once), on two
 in-process engines over the same loaded weights: one without speculation and one with
-``--spec`` (default: n-gram, 4 guesses, the default ``disable_by_batch_size``). Decoding is
+``--spec`` (default: n-gram, 3 guesses, the default ``disable_by_batch_size``). Decoding is
 greedy, so both engines write exactly the same tokens (checked); reported is output tokens
 per second (tokens / wall time), the ratio, and the acceptance rate. Rounds alternate the two
 engines and the best round of each counts. ``--sweep`` runs the chat workload at each listed
@@ -40,7 +40,7 @@ from portico.registry import resolve
 
 TARGET_COPY_SINGLE = 1.8
 TARGET_CHAT_C16 = 0.95
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
 
 CODE = '''def parse_size(text: str) -> int:
     """Bytes from a size such as 2GiB, 512MiB or a plain number of bytes."""

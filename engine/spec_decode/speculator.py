@@ -44,9 +44,11 @@ class SpecDecodeStats:
 class Speculator:
     """Runs a proposer for the decoding requests of a step and keeps the acceptance counts.
 
-    A request speculates when it is decoding, has no grammar (structured outputs run without
-    speculation), and has room for at least one more token after the one it samples anyway
-    (``max_tokens``, the context limit). Not thread-safe: the engine thread only.
+    A request speculates when it is decoding and has room for at least one more token after
+    the one it samples anyway (``max_tokens``, the context limit). A request with a grammar
+    speculates too: the grammar masks each verified position (see
+    ``StructuredOutputManager.fill_bitmask_for_guesses``). Not thread-safe: the engine thread
+    only.
     """
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
@@ -80,7 +82,7 @@ class Speculator:
                 req.spec_token_ids = guess
 
     def _num_to_propose(self, req: Request) -> int:
-        if req.num_tokens - req.num_computed_tokens != 1 or req.grammar is not None:
+        if req.num_tokens - req.num_computed_tokens != 1:
             return 0
         num = min(self.config.num_speculative_tokens, self.max_model_len - req.num_tokens)
         max_tokens = req.sampling_params.max_tokens

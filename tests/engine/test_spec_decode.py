@@ -365,3 +365,37 @@ def test_metrics_and_log_line_report_acceptance(tiny: LoadedModel) -> None:
     rate = 100 * spec.num_accepted_tokens / spec.num_draft_tokens
     assert lines[1].startswith(f"SpecDecoding metrics: Draft acceptance rate: {rate:.1f}%")
     assert len(format_stats(EngineStats(), make_engine(tiny).stats(), 2.0)) == 1
+
+
+# ----------------------------------------------------------------------------- grammar, LoRA
+
+
+def test_grammar_masks_every_verified_position(tiny: LoadedModel, tiny_llama_dir: Path) -> None:
+    import json
+
+    from engine.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "tag": {"enum": ["a", "b"]}},
+        "required": ["name", "tag"],
+        "additionalProperties": False,
+    }
+    spec_params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    tokenizer = tiny.tokenizer
+    example = tokenizer.encode('{"name":"ab","tag":"a"} {"name":"cd","tag":"b"} ' * 2)
+    prompts = [example, example + prompt(5), prompt(12) * 2]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec_params),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=40, structured_outputs=spec_params),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    expected = summary(LLM.from_engine(make_engine(tiny)).generate(prompts, params))
+    for spec in (NGRAM, draft_spec(tiny_llama_dir)):
+        engine = make_engine(tiny, speculative_config=spec)
+        got = summary(LLM.from_engine(engine).generate(prompts, params))
+        assert got == expected
+        for row in got[:2]:
+            assert set(json.loads(row[1])) == {"name", "tag"}
+        assert engine.speculation.stats.num_draft_tokens > 0  # type: ignore[union-attr]
+        assert_no_blocks_held(engine)
