@@ -342,22 +342,16 @@ def test_metrics_and_log_line_report_acceptance(tiny: LoadedModel) -> None:
         stats.spec_decode_num_accepted_tokens_per_pos
     )
     body = ServerMetrics("tiny", 1024, engine.stats).render().decode()
-    assert (
-        f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(spec.num_drafts)}' in body
-    )
-    assert (
-        f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(spec.num_draft_tokens)}'
-        in body
-    )
-    assert (
-        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(spec.num_accepted_tokens)}'
-        in body
-    )
-    pos0 = float(spec.num_accepted_tokens_per_pos[0])
-    assert (
-        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} {pos0}'
-        in body
-    )
+    series = {
+        'vllm:spec_decode_num_drafts_total{model_name="tiny"}': spec.num_drafts,
+        'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}': spec.num_draft_tokens,
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"}': spec.num_accepted_tokens,
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}': (
+            spec.num_accepted_tokens_per_pos[0]
+        ),
+    }
+    for name, value in series.items():
+        assert f"{name} {float(value)}" in body
     plain = ServerMetrics("tiny", 1024, make_engine(tiny).stats).render().decode()
     assert "spec_decode" not in plain  # absent when the engine does not speculate
 
