@@ -35,8 +35,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
@@ -77,13 +77,11 @@ class SpeculativeConfig:
         model = fields.get("model")
         if method is None:  # vLLM: "[ngram]" as the model, else the model is a draft
             method = "ngram" if model in (None, "[ngram]") else "draft_model"
-        if method == "ngram":
+        if method == "ngram":  # vLLM's rule: a missing bound is the other one; neither: 5
             fields.pop("model", None)
             lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
-            if lo is None and hi is not None:
-                fields["prompt_lookup_min"] = min(1, hi) if isinstance(hi, int) else hi
-            if hi is None and lo is not None:
-                fields["prompt_lookup_max"] = max(lo, 4) if isinstance(lo, int) else lo
+            fields["prompt_lookup_min"] = lo if lo is not None else hi if hi is not None else 5
+            fields["prompt_lookup_max"] = hi if hi is not None else fields["prompt_lookup_min"]
         if "disable_by_batch_size" not in fields:
             fields["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE
         return cls(method=method, **fields)

@@ -217,7 +217,8 @@ def test_speculation_keeps_each_adapters_output(  # type: ignore[no-untyped-def]
     """Guesses (prompt lookup, or the base model as a draft proposing for the base) verified
     with each request's adapter leave every output equal to peft's merged weights."""
     spec: dict[str, object] = {"num_speculative_tokens": 3, "disable_by_batch_size": None}
-    spec.update({"method": "ngram"} if method == "ngram" else {"model": str(tiny)})
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec.update(ngram if method == "ngram" else {"model": str(tiny)})
     engine = make_engine(tiny, adapters, speculative_config=spec)
     names: list[str | None] = [None, *adapters]
     jobs = [(f"{n}-{i}", p, n) for n in names for i, p in enumerate(prompts)]

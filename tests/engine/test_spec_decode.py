@@ -23,7 +23,10 @@ from tests.engine.tiny_engine import make_engine, run_all
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+NGRAM = {
+    "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,
+}  # fmt: skip
 
 
 def draft_spec(tiny_llama_dir: Path, k: int = 3) -> dict[str, Any]:
@@ -74,6 +77,9 @@ def test_config_keeps_vllm_keys_and_names_bad_ones() -> None:
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
     )
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_max) == ("ngram", 5, 3)
+    assert cfg.prompt_lookup_min == 3  # vLLM: a missing bound is the other one
+    lookup = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (5, 5)
     assert cfg.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
     assert (
         SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 2}).method == "draft_model"

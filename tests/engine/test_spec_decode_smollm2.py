@@ -40,7 +40,7 @@ def test_copy_heavy_greedy_equals_no_speculation(smollm2: LoadedModel, smollm2_g
     params = SamplingParams(temperature=0.0, max_tokens=40)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     for spec, k in (
-        ({"method": "ngram", "prompt_lookup_max": 4}, 3),
+        ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}, 3),
         ({"model": str(smollm2_gguf)}, 2),
     ):
         # Room for the prompts and two blocks more: all start, and growing forces preemption.
