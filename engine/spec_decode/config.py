@@ -17,7 +17,7 @@ _KEYS = {
 }
 # Measured (docs/benchmarks.md, load/spec_bench.py): above this many running requests a step
 # is compute-bound enough that verifying guesses costs more than the accepted tokens save.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 FLAG = "--speculative-config"
 
 
