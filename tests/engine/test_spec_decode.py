@@ -102,6 +102,21 @@ def test_config_keeps_vllm_keys_and_names_bad_ones() -> None:
         assert "--speculative-config" in str(info.value)
 
 
+def test_engine_flag_parses_into_the_config() -> None:
+    import argparse
+
+    from engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    flag = '{"model": "smollm2-135m", "num_speculative_tokens": 2, "disable_by_batch_size": 8}'
+    config = EngineConfig.from_cli_args(parser.parse_args(["--speculative-config", flag]))
+    assert config.speculative == SpeculativeConfig("draft_model", 2, "smollm2-135m", 5, 5, 8)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).speculative is None
+    with pytest.raises(ValueError, match="--speculative-config"):
+        EngineConfig(speculative_config='{"num_speculative_tokens": -1}')
+
+
 def test_ngram_proposes_what_followed_the_longest_repeated_suffix() -> None:
     ngram = NgramProposer(1, 3)
     assert ngram.propose_one([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]
