@@ -191,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sweep", default="", help="concurrencies for the chat sweep, e.g. 1,2,4,8,16"
     )
+    parser.add_argument("--workloads", default="copy,chat", help="which of copy,chat to run")
+    parser.add_argument("--concurrency", default="1,16", help="which of 1,16 to run")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
 
@@ -212,8 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": [],
     }  # fmt: skip
     single = max(1, args.num_requests // 4)  # single stream: a quarter of the requests
-    for name in ("copy", "chat"):
+    wanted = {int(c) for c in args.concurrency.split(",") if c}
+    for name in [w for w in ("copy", "chat") if w in args.workloads.split(",")]:
         for concurrency, prompts in ((1, work[name][:single]), (16, work[name])):
+            if concurrency not in wanted:
+                continue
             row = compare(plain, spec, prompts, params, concurrency, args.rounds)
             row["workload"] = name
             results["runs"].append(row)
