@@ -19,7 +19,7 @@ from typing import Any
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import ParameterError
-from engine.stats import EngineStats
+from engine.stats import EngineStats, StatsLogger
 
 
 class EngineDeadError(RuntimeError):
@@ -70,6 +70,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._stats = engine.stats()
+        self._stats_logger = StatsLogger()
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncLLMEngine:
@@ -193,6 +194,7 @@ class AsyncLLMEngine:
                 self._apply(commands)
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
                 self._stats = self.engine.stats()
+                self._stats_logger.observe(self._stats)
                 # A step that returned is progress (a prefill chunk yields no output); a hung
                 # step never returns, which is what a stall check must see.
                 self.last_progress = time.monotonic()

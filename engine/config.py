@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.pooling_params import TASKS, load_pooler_config
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -91,6 +92,9 @@ class EngineConfig:
     # no /v1/embeddings, embed = only /v1/embeddings (engine/pooling.py).
     task: str = "auto"
     pooler_config: str | None = None  # vLLM's JSON: pooling_type, normalize, matryoshka dims
+    # Speculative decoding: vLLM's JSON ({"method": "ngram", ...} or {"model": ..., ...}),
+    # its dict, or the parsed SpeculativeConfig; None: off. Parsed at construction.
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -136,6 +140,18 @@ class EngineConfig:
         _check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "--speculative-config is not supported with --tensor-parallel-size > 1"
+                )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``--speculative-config`` parsed, or None when speculation is off."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else None
 
     @property
     def lora_module_specs(self) -> list[LoRAModuleSpec]:
@@ -244,6 +260,16 @@ class EngineConfig:
             action="store_true",
             help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
             "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+        )
+
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument(
+            "--speculative-config",
+            default=None,
+            metavar="JSON",
+            help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; '
+            '"disable_by_batch_size": N turns it off above N running requests',
         )
 
     @classmethod

@@ -177,6 +177,17 @@ class KVCacheManager:
             self._cpu_free.extend(cpu_blocks)
         request.block_ids = []
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks past the first ``num_tokens`` tokens' (slots given to guesses the
+        target rejected). They were never hashed: only computed full blocks are."""
+        blocks = self._req_blocks.get(request.request_id)
+        keep = self.num_blocks_for_tokens(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        self.pool.free_blocks(reversed(blocks[keep:]))
+        del blocks[keep:]
+        del request.block_ids[keep:]
+
     # -- swap (preemption mode "swap") -------------------------------------------------------
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

@@ -30,11 +30,16 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.speculator import Proposer, Speculator
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
 from portico.registry import resolve
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.distributed.leader import TensorParallelLeader
 
 __all__ = [
@@ -136,6 +141,12 @@ class LLMEngine:
             self.runner.lora = self.lora
             for spec in config.lora_module_specs:
                 self.lora.register(spec.name, spec.path, spec.base_model_name)
+        self.speculation: Speculator | None = None
+        if config.speculative is not None:
+            proposer = self._make_proposer(config.speculative, loaded, num_gpu_blocks)
+            self.speculation = Speculator(
+                config.speculative, proposer, self.scheduler.max_model_len
+            )
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.max_num_seqs
         )
@@ -173,6 +184,18 @@ class LLMEngine:
             config.gguf_activations,
         )
         return cls(config, loaded)
+
+    def _make_proposer(
+        self, spec: SpeculativeConfig, loaded: LoadedModel, num_gpu_blocks: int
+    ) -> Proposer:
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from engine.spec_decode.draft_model import DraftModelProposer
+
+        assert spec.model is not None  # SpeculativeConfig requires it for draft_model
+        source = resolve(spec.model)
+        draft = load_model(source, loaded.dtype, loaded.device, self.config.quantization)
+        return DraftModelProposer(draft, loaded, self.config.block_size, num_gpu_blocks)
 
     # ------------------------------------------------------------------ admission
 
@@ -304,6 +327,8 @@ class LLMEngine:
         touched: list[_Parent] = []
         if self._waiting_for_grammar:
             self._admit_compiled(touched)
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         if out.swap_out or out.swap_in:
@@ -313,28 +338,23 @@ class LLMEngine:
         for req, _ in out.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        if out.scheduled:
-            rows, logits = self.runner.execute(out)
-        else:
-            rows, logits = [], None
-        sampled: dict[str, int] = {}
-        row_logprobs: list[TokenLogprob | None] = []
-        if rows:
-            grammars = [r.grammar for r in rows]
-            constrained = any(g is not None for g in grammars)
-            mask = self.structured.fill_bitmask(grammars) if constrained else None
-            result = self.sampler.sample(logits, rows, mask)  # type: ignore[arg-type]
-            sampled = {r.request_id: t for r, t in zip(rows, result.token_ids, strict=True)}
-            row_logprobs = result.logprobs
-            if constrained:
-                for g, t in zip(grammars, result.token_ids, strict=True):
-                    if g is not None:
-                        g.accept(t)
+        rows, logits = self.runner.execute(out)
+        sampled, row_logprobs = self._sample(out, rows, logits) if rows else ({}, [])
+        num_outputs = [r.num_output_tokens for r in rows]
         finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
         now = time.monotonic()
-        for req, lp in zip(rows, row_logprobs, strict=True):
+        num_generated = 0
+        for req, lps, before in zip(rows, row_logprobs, num_outputs, strict=True):
             parent, completion = self._completions[req.request_id]
-            self._on_token(parent, completion, sampled[req.request_id], lp, now, finished)
+            # The scheduler appended these (a stop drops what a step verified after it).
+            tokens = req.output_token_ids[before:]
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                done = finished if last else set()
+                if self._on_token(parent, completion, token, lps[i], now, done) and not last:
+                    req.truncate_output(before + i + 1)  # a stop string inside the step
+                    break
+            num_generated += req.num_output_tokens - before
             if not parent.touched:
                 parent.touched = True
                 touched.append(parent)
@@ -345,15 +365,42 @@ class LLMEngine:
                 if not parent.touched:
                     parent.touched = True
                     touched.append(parent)
-        self._counters["num_generation_tokens"] += len(sampled)
+        self._counters["num_generation_tokens"] += num_generated
         return [self._make_output(p) for p in touched]
+
+    def _sample(
+        self, out: SchedulerOutput, rows: list[Request], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], list[list[TokenLogprob | None]]]:
+        """Each row's tokens for this step (one, or accepted guesses then one) and logprobs."""
+        grammars = [r.grammar for r in rows]
+        constrained = any(g is not None for g in grammars)
+        if out.spec_token_ids:
+            guesses = [out.spec_token_ids.get(r.request_id, []) for r in rows]
+            mask = None
+            if constrained:  # the grammar masks every verified position
+                mask = self.structured.fill_bitmask_for_guesses(grammars, guesses)
+            verified = self.sampler.verify(logits, rows, guesses, mask)
+            token_lists, logprobs = verified.token_ids, verified.logprobs
+            assert self.speculation is not None  # guesses come only from it
+            self.speculation.record(guesses, verified.num_accepted)
+        else:
+            mask = self.structured.fill_bitmask(grammars) if constrained else None
+            result = self.sampler.sample(logits, rows, mask)
+            token_lists = [[t] for t in result.token_ids]
+            logprobs = [[lp] for lp in result.logprobs]
+        if constrained:
+            for g, tokens in zip(grammars, token_lists, strict=True):
+                if g is not None:
+                    g.accept_all(tokens)
+        sampled = {r.request_id: t for r, t in zip(rows, token_lists, strict=True)}
+        return sampled, logprobs
 
     def _count_prefill(self, out: SchedulerOutput) -> None:
         """Prefill work of this step: every scheduled token that is not a plain decode."""
         num = 0
         for req, n in out.scheduled:
             decode = req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
-            num += n - 1 if decode else n
+            num += 0 if decode else n
         self._counters["num_computed_prompt_tokens"] += num
 
     def _on_token(
@@ -364,7 +411,8 @@ class LLMEngine:
         logprob: TokenLogprob | None,
         now: float,
         finished: set[str],
-    ) -> None:
+    ) -> bool:
+        """Take one appended token (text, stop strings, logprobs); True if the request ended."""
         req = completion.request
         metrics = parent.metrics
         self._release_pending(parent)
@@ -392,6 +440,8 @@ class LLMEngine:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
         if stop is not None or req.request_id in finished:
             self._finish(parent, completion, now)
+            return True
+        return False
 
     def _release_pending(self, parent: _Parent) -> None:
         """Child 0's prompt is computed (and cached): start its siblings."""
@@ -401,6 +451,8 @@ class LLMEngine:
 
     def _finish(self, parent: _Parent, completion: _Completion, now: float) -> None:
         self._release_pending(parent)
+        if self.speculation is not None:
+            self.speculation.forget(completion.request.request_id)
         if completion.finish_reason is not None:
             return
         req = completion.request
@@ -503,7 +555,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         running, waiting = self.scheduler.lora_names()
-        return EngineStats(
+        stats = EngineStats(
             running_lora_adapters=running,
             waiting_lora_adapters=waiting,
             max_lora=self.config.max_loras if self.lora is not None else 0,
@@ -520,5 +572,16 @@ class LLMEngine:
             grammar_compiles=self.structured.stats.num_compiled,
             grammar_cache_hits=self.structured.stats.num_cache_hits,
             grammar_compile_seconds=self.structured.stats.compile_seconds_total,
+            spec_decode_num_accepted_tokens_per_pos=(),  # set below when speculating
             **self._counters,
+        )
+        if self.speculation is None:
+            return stats
+        spec = self.speculation.stats
+        return dataclasses.replace(
+            stats,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         )

@@ -94,7 +94,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run the scheduled tokens; return the requests that need a sampled token this step
         (prefill complete, or a decode) and their logits ``[N, vocab]`` (float32), row ``i``
-        for the LAST scheduled token of request ``i``.
+        for the LAST scheduled token of request ``i``. A request verifying guesses
+        (``out.spec_token_ids``) gets ``1 + len(guesses)`` consecutive rows instead: its last
+        real token's, then each guess's.
         """
         if not out.scheduled:
             return [], torch.empty(0, self.config.vocab_size, device=self.device)
@@ -107,16 +109,18 @@ class ModelRunner:
         to_sample: list[Request] = []
         scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
         for req, num_new in scheduled:
+            guesses = out.spec_token_ids.get(req.request_id, ())
             start = req.num_computed_tokens
             end = start + num_new
-            token_ids.extend(req.all_token_ids[start:end])
+            token_ids.extend(req.all_token_ids[start : end - len(guesses)])
+            token_ids.extend(guesses)
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             tables.append(out.block_tables[req.request_id])
-            if end == req.num_tokens:
+            if end - len(guesses) == req.num_tokens:
                 to_sample.append(req)
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - len(guesses), len(token_ids)))
         if max(seq_lens) > self.config.max_position_embeddings:
             raise ValueError(
                 f"a sequence of {max(seq_lens)} tokens exceeds the model's context of "

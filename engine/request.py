@@ -62,6 +62,7 @@ class Request:
         "first_token_time",
         "finished_time",
         "grammar",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -96,10 +97,21 @@ class Request:
         self.finished_time: float | None = None  # monotonic
         # Structured outputs: this sequence's grammar matcher (engine thread only), or None.
         self.grammar: GrammarState | None = None
+        # Speculative decoding: this step's guesses of the next tokens (engine-proposed, the
+        # scheduler may shorten them; never part of all_token_ids until verified).
+        self.spec_token_ids: list[int] = []
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past ``num_output_tokens`` (a finished request whose stop string
+        ended inside a step that verified several tokens)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,17 @@ Greedy rows take the argmax of the processed logits. Random rows use the exponen
 ``seed`` draws its ``q`` from its own generator seeded with ``(seed, output position)``, so its
 text does not depend on what else is in the batch, nor on preemption and recompute. When every
 row is greedy with nothing to process, the whole step is one ``argmax``.
+
+Speculative decoding (:meth:`Sampler.verify`): a request that fed ``k`` guesses has ``k + 1``
+logits rows; row ``j`` is sampled exactly as the plain path would sample output position
+``len(output) + j`` had the guesses before it been generated (same processing, same seeded
+draw), and the guesses are accepted while they equal those samples. The proposers' guesses are
+point masses (``q(d) = 1``), for which the standard rule "accept ``d`` with probability
+``min(1, p(d) / q(d))``, else resample from ``normalize(max(0, p - q))``" is: accept with
+probability ``p(d)``, else draw from ``p`` without ``d``. Drawing ``t ~ p`` and accepting iff
+``t == d`` is that rule (``P(t = d) = p(d)``; given ``t != d``, ``t`` follows ``p`` without
+``d``), so every emitted token follows the target's distribution, and greedy and seeded rows
+emit exactly what they would have emitted without speculation.
 """
 
 from __future__ import annotations
@@ -39,6 +50,25 @@ class SamplingRow(Protocol):
     sampling_params: Any
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class _GuessRow:
+    """Row ``j`` of a request verifying guesses: its output as if guesses[:j] were generated."""
+
+    sampling_params: Any
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class VerifyOutput:
+    """Per request: the tokens to append (accepted guesses, then the target's own token), their
+    logprobs where asked for, and how many guesses were accepted."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
+    num_accepted: list[int]
 
 
 @dataclass
@@ -138,6 +168,39 @@ class Sampler:
                 if p.logprobs is not None:
                     logprobs_out[i] = _token_logprob(logprobs[i], tokens[i], int(p.logprobs))
         return SamplerOutput(tokens, logprobs_out)
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        guesses: Sequence[Sequence[int]],
+        grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> VerifyOutput:
+        """Accept or reject each request's guesses (see the module docstring).
+
+        ``logits`` holds ``1 + len(guesses[i])`` consecutive rows per request ``i``;
+        ``grammar_mask`` rows index those expanded rows (a request with a grammar has none).
+        """
+        expanded: list[SamplingRow] = []
+        for row, guess in zip(rows, guesses, strict=True):
+            expanded.append(row)
+            for j in range(1, len(guess) + 1):
+                output = [*row.output_token_ids, *guess[:j]]
+                expanded.append(_GuessRow(row.sampling_params, row.prompt_token_ids, output))
+        result = self.sample(logits, expanded, grammar_mask)
+        out = VerifyOutput([], [], [])
+        start = 0
+        for guess in guesses:
+            targets = result.token_ids[start : start + len(guess) + 1]
+            num_accepted = 0
+            while num_accepted < len(guess) and targets[num_accepted] == guess[num_accepted]:
+                num_accepted += 1
+            end = start + num_accepted + 1
+            out.token_ids.append(targets[: num_accepted + 1])
+            out.logprobs.append(result.logprobs[start:end])
+            out.num_accepted.append(num_accepted)
+            start += len(guess) + 1
+        return out
 
     def _process_row(self, row_logits: torch.Tensor, row: SamplingRow) -> None:
         p = row.sampling_params

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -22,6 +22,9 @@ class SchedulerOutput:
     request's new tokens are ``all_token_ids[num_computed_tokens : num_computed_tokens + n]``.
     The runner copies ``swap_out`` pairs, then ``swap_in`` pairs, before the forward pass.
     ``block_tables`` values are the requests' live ``block_ids`` lists: read, never mutate.
+    ``spec_token_ids`` holds the guesses (speculative decoding) to verify for a decoding
+    request: they are the LAST ``len(guesses)`` of its ``num_new_tokens``, fed after its
+    real tokens, and the runner returns logits for its last real token and every guess.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
@@ -29,6 +32,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     num_preempted: int = 0
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -161,16 +165,24 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
+            num_spec = 0
             if remaining == 1:
                 num_pending_decodes -= 1
                 num_new = 1
+                if req.spec_token_ids:
+                    num_spec = self._num_guesses(req, budget - 1 - num_pending_decodes)
             else:
                 num_new = min(remaining, budget - num_pending_decodes)
                 if num_new <= 0:
                     i += 1
                     continue
-            if not self._allocate_or_preempt(req, num_new, out):
+            # Guesses get slots only if they fit as they are: never preempt for a guess.
+            if num_spec and self.kv.allocate_slots(req, num_new + num_spec) is not None:
+                out.spec_token_ids[req.request_id] = req.spec_token_ids[:num_spec]
+                num_new += num_spec
+            elif not self._allocate_or_preempt(req, num_new, out):
                 break  # the request itself was preempted: nothing newer is left to run
+            req.spec_token_ids = []
             (decodes if remaining == 1 else prefills).append((req, num_new))
             budget -= num_new
             i += 1
@@ -221,6 +233,10 @@ class Scheduler:
         out.block_tables = {r.request_id: r.block_ids for r, _ in out.scheduled}
         return out
 
+    def _num_guesses(self, req: Request, budget: int) -> int:
+        """How many of a decode's guesses to verify: what the budget and the context allow."""
+        return max(0, min(len(req.spec_token_ids), budget, self.max_model_len - req.num_tokens))
+
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """How many of a prefill's ``num_tokens`` to run now (0: not this step)."""
         if num_tokens <= budget or self.config.enable_chunked_prefill:
@@ -249,6 +265,8 @@ class Scheduler:
         self.num_preemptions += 1
         out.num_preempted += 1
         request.num_preemptions += 1
+        request.spec_token_ids = []
+        out.spec_token_ids.pop(request.request_id, None)
         pairs = self.kv.swap_out(request) if self.config.preemption_mode == "swap" else None
         if pairs is not None:
             out.swap_out.extend(pairs)
@@ -260,26 +278,43 @@ class Scheduler:
         # Back at its original place: ahead of everything that arrived after it.
         heapq.heappush(self.waiting, (*self._order[request.request_id], request))
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[Request]:
         """Apply a step's results; return the requests that finished in it.
 
         ``sampled`` maps request id -> token for the requests whose chunk reached their last
-        token (a partial prefill chunk takes no token even if one is given).
+        token (a partial prefill chunk takes no token even if one is given). A request that
+        verified guesses gets a list: the guesses the target accepted, then its own token.
+        The accepted guesses' KV is kept (they count as computed and their full blocks are
+        hashed); blocks that only held rejected guesses are freed. Tokens are appended one by
+        one, each checked for a stop: tokens after a stop are dropped.
         """
         finished: list[Request] = []
         for req, num_new in out.scheduled:
             if req.is_finished:
                 continue
-            req.num_computed_tokens += num_new
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            token = sampled.get(req.request_id)
-            if token is None or req.num_computed_tokens < req.num_tokens:
+            num_spec = len(out.spec_token_ids.get(req.request_id, ()))
+            req.num_computed_tokens += num_new - num_spec
+            sample = sampled.get(req.request_id)
+            if sample is None or req.num_computed_tokens < req.num_tokens:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
                 continue
-            req.append_output_token(token)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
+            tokens = (sample,) if isinstance(sample, int) else sample
+            for i, token in enumerate(tokens):
+                if i:  # the guess fed at this position was accepted: its KV is valid
+                    req.num_computed_tokens += 1
+                req.append_output_token(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self.kv.cache_blocks(req, req.num_computed_tokens)
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+            else:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+                if num_spec:
+                    self.kv.free_tail(req, req.num_tokens)
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished

@@ -6,6 +6,8 @@ value directly); gauges describe the moment the snapshot was taken.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 
@@ -25,6 +27,10 @@ class EngineStats:
     Structured outputs: ``num_waiting_for_grammar`` (gauge: requests whose grammar is still
     compiling), ``grammar_compiles`` / ``grammar_cache_hits`` (cold compiles / requests served
     a cached grammar) and ``grammar_compile_seconds`` (total seconds spent compiling).
+    Speculative decoding (all 0 / empty when off): ``spec_decode_num_drafts`` (request-steps
+    that verified guesses), ``spec_decode_num_draft_tokens`` (guesses verified),
+    ``spec_decode_num_accepted_tokens`` (guesses accepted), and per guess position ``j``
+    ``spec_decode_num_accepted_tokens_per_pos[j]`` (drafts whose guess ``j`` was accepted).
     """
 
     num_running: int = 0
@@ -51,3 +57,66 @@ class EngineStats:
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+
+class StatsLogger:
+    """The engine's periodic log line (vLLM's): throughput, queues, KV cache use, prefix-cache
+    hit rate, and with speculative decoding the acceptance rate, every ``interval_s`` seconds
+    while the engine works. Fed the snapshot taken after each step; logs nothing while idle."""
+
+    def __init__(self, interval_s: float = 10.0, logger: logging.Logger | None = None) -> None:
+        self.interval_s = interval_s
+        self.logger = logger or logging.getLogger("portico.engine")
+        self._last: EngineStats | None = None
+        self._last_time = time.monotonic()
+
+    def observe(self, stats: EngineStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is None:
+            self._last, self._last_time = stats, now
+            return
+        if now - self._last_time < self.interval_s:
+            return
+        if stats.num_steps != self._last.num_steps:
+            for line in format_stats(self._last, stats, now - self._last_time):
+                self.logger.info("%s", line)
+        self._last, self._last_time = stats, now
+
+
+def format_stats(prev: EngineStats, cur: EngineStats, seconds: float) -> list[str]:
+    """The log lines for the interval between two snapshots ``seconds`` apart."""
+    seconds = max(seconds, 1e-9)
+    queries = cur.prefix_cache_queries - prev.prefix_cache_queries
+    hits = cur.prefix_cache_hits - prev.prefix_cache_hits
+    lines = [
+        f"Avg prompt throughput: "
+        f"{(cur.num_computed_prompt_tokens - prev.num_computed_prompt_tokens) / seconds:.1f} "
+        f"tokens/s, Avg generation throughput: "
+        f"{(cur.num_generation_tokens - prev.num_generation_tokens) / seconds:.1f} tokens/s, "
+        f"Running: {cur.num_running} reqs, Waiting: {cur.num_waiting} reqs, "
+        f"KV cache usage: {cur.kv_cache_usage * 100:.1f}%, "
+        f"Prefix cache hit rate: {hits / queries * 100 if queries else 0.0:.1f}%"
+    ]
+    drafts = cur.spec_decode_num_drafts - prev.spec_decode_num_drafts
+    if cur.spec_decode_num_accepted_tokens_per_pos:
+        drafted = cur.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+        accepted = cur.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+        before = prev.spec_decode_num_accepted_tokens_per_pos or (0,) * len(
+            cur.spec_decode_num_accepted_tokens_per_pos
+        )
+        per_pos = [
+            (c - p) / drafts if drafts else 0.0
+            for c, p in zip(cur.spec_decode_num_accepted_tokens_per_pos, before, strict=True)
+        ]
+        lines.append(
+            f"SpecDecoding metrics: Draft acceptance rate: "
+            f"{accepted / drafted * 100 if drafted else 0.0:.1f}%, "
+            f"Mean acceptance length: {1 + accepted / drafts if drafts else 1.0:.2f}, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}"
+        )
+    return lines

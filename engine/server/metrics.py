@@ -153,6 +153,7 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(labels, float(value))
             yield counter
+        yield from _spec_decode_counters(stats, labels)
         if stats.max_lora:  # vLLM's info gauge: the value is the time, the labels the adapters
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -168,6 +169,31 @@ class EngineStatsCollector(Collector):
                 time.time(),
             )
             yield info
+
+
+def _spec_decode_counters(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters; absent when the engine does not speculate."""
+    if not stats.spec_decode_num_accepted_tokens_per_pos:
+        return
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+         stats.spec_decode_num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+         stats.spec_decode_num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+         stats.spec_decode_num_accepted_tokens),
+    ):  # fmt: skip
+        counter = CounterMetricFamily(name, doc, labels=LABELS)
+        counter.add_metric(labels, float(value))
+        yield counter
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=[*LABELS, "position"],
+    )
+    for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([*labels, str(position)], float(value))
+    yield per_pos
 
 
 class ServerMetrics:

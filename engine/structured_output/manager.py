@@ -256,6 +256,39 @@ class StructuredOutputManager:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         return bitmask, rows
 
+    def fill_bitmask_for_guesses(
+        self, states: Sequence[GrammarState | None], guesses: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask for a step that verifies guesses (speculative decoding): request ``i``
+        owns ``1 + len(guesses[i])`` consecutive rows, and its row ``j`` holds what its grammar
+        allows after ``guesses[i][:j]``. The matcher is advanced through the guesses and rolled
+        back. Rows after a guess the grammar refuses (or after the grammar ends) stay
+        unconstrained: the target can never sample the refused guess from the masked row
+        before them, so they are never used.
+        """
+        total = sum(1 + len(g) for g in guesses)
+        if total > self._bitmask.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(total, self.vocab_size)
+        bitmask = self._bitmask[:total]
+        rows: list[int] = []
+        base = 0
+        for state, guess in zip(states, guesses, strict=True):
+            matcher = state.matcher if state is not None else None
+            if matcher is not None:
+                num_advanced = 0
+                for j in range(len(guess) + 1):
+                    if matcher.is_terminated():
+                        break
+                    matcher.fill_next_token_bitmask(bitmask, base + j)
+                    rows.append(base + j)
+                    if j == len(guess) or not matcher.accept_token(guess[j]):
+                        break
+                    num_advanced += 1
+                if num_advanced:
+                    matcher.rollback(num_advanced)
+            base += 1 + len(guess)
+        return bitmask, rows
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -208,3 +208,24 @@ def test_flags_parse_vllm_forms(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--max-cpu-loras"):
         EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
     assert LoRARequest("a", 1, "/p").base_model_name is None
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_keeps_each_adapters_output(  # type: ignore[no-untyped-def]
+    tiny, adapters, prompts, references, method
+) -> None:
+    """Guesses (prompt lookup, or the base model as a draft proposing for the base) verified
+    with each request's adapter leave every output equal to peft's merged weights."""
+    spec: dict[str, object] = {"num_speculative_tokens": 3, "disable_by_batch_size": None}
+    ngram = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec.update(ngram if method == "ngram" else {"model": str(tiny)})
+    engine = make_engine(tiny, adapters, speculative_config=spec)
+    names: list[str | None] = [None, *adapters]
+    jobs = [(f"{n}-{i}", p, n) for n in names for i, p in enumerate(prompts)]
+    done = run_all(engine, jobs)
+    for n in names:
+        assert [done[f"{n}-{i}"] for i in range(len(prompts))] == references[n]
+    stats = engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    if method == "draft":  # the base's guesses: most fit the base requests, fewer the others
+        assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
