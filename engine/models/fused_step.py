@@ -8,9 +8,10 @@ the native library one table of every layer's weights once, and each step of at 
 
 It serves a model only where that call computes the same layers the Python path would with
 int8 activations: bfloat16 on a CPU whose native kernels built with AVX512-VNNI, every
-projection in GGUF Q4_1/Q8_0 blocks packed for them (``--gguf-activations int8``),
-no biases on the norms, and sizes the kernels take. LoRA steps that carry adapter rows use the
-Python path (the fused call has no adapter deltas).
+projection in GGUF Q4_1/Q8_0 blocks packed for them (``--gguf-activations int8``), and sizes
+the kernels take (widths a multiple of 64, head_dim a multiple of 32). LoRA steps that carry
+adapter rows use the Python path (the fused call has no adapter deltas), as does every rank of
+a tensor-parallel engine (no all-reduce inside).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class FusedDecodeStep:
     Not thread-safe (one step at a time, as the model runner calls it).
     """
 
-    def __init__(self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]):
+    def __init__(
+        self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]
+    ) -> None:
         cfg = model.config
         self.model = model
         self.table = table
@@ -67,7 +70,7 @@ class FusedDecodeStep:
         self.final_norm = model.model.norm.weight.detach().contiguous()
         self.eps = float(model.model.norm.eps)
         self.scale = cfg.head_dim**-0.5
-        self._cache_ptrs: tuple[int, torch.Tensor] | None = None
+        self._cache_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._first_qkv = _layers(model)[0].self_attn.qkv_proj
 
     @classmethod
@@ -108,10 +111,10 @@ class FusedDecodeStep:
         return 0 < num_tokens <= MAX_ROWS and (lora is None or lora.batch.slots is None)
 
     def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        key = kv_caches[0].data_ptr()
+        """The caches' addresses as the native call takes them (rebuilt if they moved)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
         if self._cache_ptrs is None or self._cache_ptrs[0] != key:
-            ptrs = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64)
-            self._cache_ptrs = (key, ptrs)
+            self._cache_ptrs = (key, torch.tensor(key, dtype=torch.int64))
         return self._cache_ptrs[1]
 
     def run(
@@ -124,7 +127,7 @@ class FusedDecodeStep:
         """Final hidden states ``[T, hidden]`` of the step, its K/V written to the caches; None
         (nothing written) where the native call declines."""
         lib = cpu.load()
-        if lib is None or not all(c.is_contiguous() for c in kv_caches[:1]):
+        if lib is None or not all(c.is_contiguous() for c in kv_caches):
             return None
         x = self.model.model.embed_tokens(input_ids).contiguous()
         out = torch.empty_like(x)
