@@ -23,13 +23,12 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from load import datasets
-from load.standard import engine_process, free_port, serve, warm_up
+from load.standard import engine_process, free_port, serve, wait_ready, warm_up
 from portico.registry import DEFAULT_MODEL, resolve
 
 
@@ -38,25 +37,13 @@ def llama_server(
     binary: str, model: Path, slots: int, threads: int, context: int, timeout_s: float
 ) -> Iterator[str]:
     """A ready ``llama-server``; yields its ``/v1`` base URL."""
-    import httpx
-
     port = free_port()
     cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t",
            str(threads), "-np", str(slots), "-c", str(context * slots), "--no-webui"]  # fmt: skip
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"llama-server exited: {log.read()[-1500:]!r}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server not ready in {timeout_s:.0f} s")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.5)
+            wait_ready(proc, f"http://127.0.0.1:{port}/health", log, timeout_s, "llama-server")
             yield f"http://127.0.0.1:{port}/v1"
         finally:
             proc.terminate()

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from load.standard_report import render_report
 
@@ -255,7 +255,6 @@ def engine_process(
     extra: Sequence[str], timeout_s: float, threads: int | None = None
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A ``portico engine`` process, ready; yields it and its ``/v1`` base URL."""
-    import httpx
 
     port = free_port()
     with tempfile.TemporaryFile() as log:
@@ -269,18 +268,7 @@ def engine_process(
             stderr=subprocess.STDOUT,
         )
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace")[-1500:]
-                    raise RuntimeError(f"portico engine exited {proc.returncode}: {tail}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"portico engine not ready in {timeout_s:.0f} s")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.5)
+            wait_ready(proc, f"http://127.0.0.1:{port}/ready", log, timeout_s, "portico engine")
             yield proc, f"http://127.0.0.1:{port}/v1"
         finally:
             if proc.poll() is None:
@@ -290,6 +278,27 @@ def engine_process(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(10)
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes], url: str, log: IO[bytes], timeout_s: float, what: str
+) -> None:
+    """Poll ``url`` until it answers 200; RuntimeError with the tail of ``log`` when ``proc``
+    exits first, or when ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"{what} exited {proc.returncode}: {tail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready in {timeout_s:.0f} s")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
 
 
 def serve(

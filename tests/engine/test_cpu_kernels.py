@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf_blocks import random_blocks
 
 from engine import kernels
 from engine.attention import AttentionMetadata
@@ -107,21 +108,10 @@ def test_paged_attention_declines_what_it_cannot_run() -> None:
     assert cpu.paged_attention_cpu(q32, cache.float(), *args) is None
 
 
-def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> GGUFBlocks:
-    gen = torch.Generator().manual_seed(seed)
-    nb = cols // 32
-    scales = torch.rand(rows, nb, generator=gen) * 0.02 + 0.001
-    if kind == "q4_1":
-        qs = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
-        return GGUFBlocks(kind, qs, scales, torch.randn(rows, nb, generator=gen) * 0.05)
-    qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
-    return GGUFBlocks(kind, qs, scales)
-
-
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
 def test_block_linear_equals_matmul_of_the_weights_it_encodes(kind: str, rows: int) -> None:
-    blocks = _random_blocks(kind, 70, 96, seed=rows)  # 70 outputs: not a multiple of the tile
+    blocks = random_blocks(kind, 70, 96, seed=rows)  # 70 outputs: not a multiple of the tile
     weight = blocks.dequantize()
     bias = torch.randn(70)
     x = torch.randn(rows, 96)
@@ -136,7 +126,7 @@ def test_block_linear_equals_matmul_of_the_weights_it_encodes(kind: str, rows: i
 
 
 def test_block_matmul_uses_the_dense_weight_for_big_batches() -> None:
-    blocks = _random_blocks("q4_1", 8, 64, seed=3)
+    blocks = random_blocks("q4_1", 8, 64, seed=3)
     dense = blocks.dequantize() * 2  # deliberately different: shows which path ran
     few, many = torch.randn(2, 64), torch.randn(blocks.max_rows + 1, 64)
     torch.testing.assert_close(block_matmul(few, dense, blocks, None), few @ (dense / 2).T,

@@ -8,26 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_blocks import random_blocks
 
 from engine import kernels
 from engine.kernels import cpu
-from engine.models.block_linear import GGUFBlocks, block_matmul
+from engine.models.block_linear import block_matmul
 
 pytestmark = pytest.mark.skipif(
     not cpu.available() or "avx512_vnni" not in cpu.compiled_features(),
     reason="the int8 kernels need the native library built with AVX512-VNNI",
 )
-
-
-def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> GGUFBlocks:
-    gen = torch.Generator().manual_seed(seed)
-    nb = cols // 32
-    scales = torch.rand(rows, nb, generator=gen) * 0.02 + 0.001
-    if kind == "q4_1":
-        qs = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
-        return GGUFBlocks(kind, qs, scales, torch.randn(rows, nb, generator=gen) * 0.05)
-    qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
-    return GGUFBlocks(kind, qs, scales)
 
 
 def int8_reference(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +33,7 @@ def int8_reference(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("cols", [128, 192])  # 2 and 3 pairs of blocks per row
 def test_int8_linear_matches_the_int8_reference(kind: str, rows: int, cols: int) -> None:
-    blocks = _random_blocks(kind, 70, cols, seed=rows)  # 70 outputs: not a multiple of 4
+    blocks = random_blocks(kind, 70, cols, seed=rows)  # 70 outputs: not a multiple of 4
     assert blocks.pack_q8()
     weight = blocks.dequantize()
     bias = torch.randn(70)
@@ -60,7 +50,7 @@ def test_int8_linear_matches_the_int8_reference(kind: str, rows: int, cols: int)
 def test_int8_linear_stays_near_the_exact_products() -> None:
     """The documented cost: an input block rounded to 8 bits moves each output by a small
     fraction of the exact one's size."""
-    blocks = _random_blocks("q4_1", 64, 576, seed=7)
+    blocks = random_blocks("q4_1", 64, 576, seed=7)
     exact = torch.randn(4, 576).to(torch.bfloat16)
     reference = exact.float() @ blocks.dequantize().T
     assert blocks.pack_q8()
@@ -70,7 +60,7 @@ def test_int8_linear_stays_near_the_exact_products() -> None:
 
 
 def test_float32_inputs_stay_exact_with_packed_blocks() -> None:
-    blocks = _random_blocks("q4_1", 12, 128, seed=2)
+    blocks = random_blocks("q4_1", 12, 128, seed=2)
     assert blocks.pack_q8()
     x = torch.randn(3, 128)
     out = block_matmul(x, blocks.dequantize(), blocks, None)
@@ -78,7 +68,7 @@ def test_float32_inputs_stay_exact_with_packed_blocks() -> None:
 
 
 def test_sizes_the_int8_kernel_cannot_take_stay_exact() -> None:
-    blocks = _random_blocks("q8_0", 8, 96, seed=4)  # 96 inputs: 3 blocks, not whole pairs
+    blocks = random_blocks("q8_0", 8, 96, seed=4)  # 96 inputs: 3 blocks, not whole pairs
     assert not blocks.pack_q8() and blocks.packed_q8 is None
     assert kernels.pack_blocks_q8("q4_0", blocks.qs, blocks.scales, None) is None
     x = torch.randn(2, 96).to(torch.bfloat16)
