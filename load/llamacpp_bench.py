@@ -64,6 +64,7 @@ def _row(system: str, concurrency: int, summary: dict[str, Any], **extra: Any) -
         "tpot_p50_ms": summary["tpot_ms"]["median"],
         "completed": summary["completed"],
         "failed": summary["failed"],
+        "errors": summary["errors"],
         **extra,
     }
 
