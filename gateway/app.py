@@ -874,6 +874,8 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
                 authenticator,
                 {r.name for r in gateway.config.remotes if r.tenant_keys},
                 before_auth=admin_limit,
+                audit=gateway.audit,
+                resolve=resolve,
             )
         )
     if config.console.enabled:

@@ -31,6 +31,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
+from gateway.identity.audit import Actor, AuditLog
+from gateway.identity.principal import Principal
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError
 
@@ -137,24 +139,32 @@ def build_provider_key_router(
     remotes: set[str],
     *,
     before_auth: Callable[[Request], Awaitable[None]] | None = None,
+    audit: AuditLog | None = None,
+    resolve: Callable[[Request], Awaitable[Principal]] | None = None,
 ) -> APIRouter:
-    """Admin routes for tenants' provider keys; ``remotes`` are the remotes that take them."""
+    """Admin routes for tenants' provider keys; ``remotes`` are the remotes that take them.
+    Every change goes to the audit log with when the key was set, never the key."""
     router = APIRouter(prefix="/admin/v1", tags=["admin"])
+    audit_log = audit if audit is not None else AuditLog(store.redis)
 
-    async def admin(request: Request, tenant_id: str, remote: str | None = None) -> None:
+    async def admin(request: Request, tenant_id: str, remote: str | None = None) -> Actor:
         if before_auth is not None:
             await before_auth(request)
-        await authenticator.resolve_admin(request.headers.get("authorization"))
+        if resolve is not None:  # the console's session check (gateway/console/sessions.py)
+            principal = await resolve(request)
+        else:
+            principal = await authenticator.resolve_admin(request.headers.get("authorization"))
         await store.require_tenant(tenant_id)
         if remote is not None and remote not in remotes:
             raise NotFoundError(
                 f"No remote '{remote}' takes tenant keys (remotes[].tenant_keys).",
                 param="remote",
             )
+        return Actor.of_request(request, principal)
 
     @router.put("/tenants/{tenant_id}/provider_keys/{remote}")
     async def set_key(tenant_id: str, remote: str, request: Request) -> dict[str, Any]:
-        await admin(request, tenant_id, remote)
+        actor = await admin(request, tenant_id, remote)
         try:
             body = ProviderKeySet.model_validate_json(await request.body())
         except ValueError:  # the message would quote the key: say only what is wrong
@@ -163,6 +173,10 @@ def build_provider_key_router(
                 param="key",
             ) from None
         set_at = await keys.set(tenant_id, remote, body.key.strip())
+        await audit_log.record(
+            actor, "provider_key.set", f"provider_key:{tenant_id}:{remote}", tenant_id=tenant_id,
+            after={"remote": remote, "set_at": int(set_at)},
+        )  # fmt: skip
         return {"object": "provider_key", "remote": remote, "set_at": int(set_at)}
 
     @router.get("/tenants/{tenant_id}/provider_keys")
@@ -173,9 +187,13 @@ def build_provider_key_router(
 
     @router.delete("/tenants/{tenant_id}/provider_keys/{remote}")
     async def delete_key(tenant_id: str, remote: str, request: Request) -> dict[str, Any]:
-        await admin(request, tenant_id, remote)
+        actor = await admin(request, tenant_id, remote)
         if not await keys.delete(tenant_id, remote):
             raise NotFoundError(f"Tenant '{tenant_id}' has no key for '{remote}'.", param="remote")
+        await audit_log.record(
+            actor, "provider_key.delete", f"provider_key:{tenant_id}:{remote}",
+            tenant_id=tenant_id, before={"remote": remote},
+        )  # fmt: skip
         return {"object": "provider_key", "remote": remote, "deleted": True}
 
     return router

@@ -442,8 +442,11 @@ def test_tenant_provider_keys_are_sealed_never_returned_never_echoed(
     assert _works(oa, "byok")
     log = gateway.log_path.read_text(errors="replace")
     metrics = httpx.get(gateway.base_url + "/metrics").text
+    audit = admin.get("/audit", params={"tenant_id": tenant_id, "action": "provider_key."})
+    actions = [entry["action"] for entry in audit.json()["data"]]
+    assert actions.count("provider_key.set") == 2 and actions.count("provider_key.delete") == 1
     for secret in (UPSTREAM_KEY, TENANT_KEY, wrong, wrong[-8:]):
-        assert secret not in log and secret not in metrics
+        assert secret not in log and secret not in metrics and secret not in audit.text
 
 
 def _works(oa: openai.OpenAI, model: str) -> bool:
