@@ -58,9 +58,86 @@ static inline void scores16(const void *cache, int dt, __m512i rows, __mmask16 m
     for (int q = 0; q < nq; q++) _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(acc[q], sc));
 }
 
+#if defined(__AVX512BF16__)
+/* Four vectors' lane sums per 128-bit chunk: lanes 4c..4c+3 of the result hold the partial sums
+ * of a0..a3 over chunk c of each (two unpack-and-add levels). */
+static inline __m512 sum4_chunks(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512d p01 = _mm512_castps_pd(b01), p23 = _mm512_castps_pd(b23);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p01, p23)), _mm512_castpd_ps(_mm512_unpackhi_pd(p01, p23)));
+}
+
+/* Lane i of the result: the sum of the 16 lanes of vector i, from four sum4_chunks results. */
+static inline __m512 sum16(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(c2, c3, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One cache row (bf16, chunks x 32 elements) dotted with one query's pairs, left in 16 lanes. */
+static inline __m512 row_dot(const uint16_t *k, const __m512bh *qv, int chunks) {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qv[0]);
+    for (int z = 1; z < chunks; z++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + z * 32), qv[z]);
+    return acc;
+}
+
+/* Scores of nq bf16 queries against 16 positions whose cache rows are rows[0..15] (rows past the
+ * valid ones repeat a valid row; mask stores only the valid lanes). Each row is read with plain
+ * loads, dotted with a query in 16 lanes and the 16 rows' lanes summed by a transpose tree: a
+ * few shuffles per row instead of the gathers of scores16, which cost more than the arithmetic
+ * on CPUs with slow gathers. Rows stay in L1 between the queries. */
+static inline void scores16_rows(const uint16_t *const rows[16], __mmask16 mask, int head_dim,
+                                 const __m512bh *qv, int nq, float scale, float *out, int64_t stride) {
+    const int chunks = head_dim / 32;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int q = 0; q < nq; q++) {
+        const __m512bh *qq = qv + q * chunks;
+        __m512 c[4];
+        for (int g = 0; g < 4; g++)
+            c[g] = sum4_chunks(row_dot(rows[4 * g], qq, chunks), row_dot(rows[4 * g + 1], qq, chunks),
+                               row_dot(rows[4 * g + 2], qq, chunks), row_dot(rows[4 * g + 3], qq, chunks));
+        _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(sum16(c[0], c[1], c[2], c[3]), sc));
+    }
+}
+#endif
+
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
+}
+
+/* Cache-row offsets (elements, K half) of the item's positions p0..p0+15; rows past the context
+ * repeat the last one. Returns how many are valid. */
+static inline int group_rows(const Attn *a, const Item *it, int p0, int32_t rows_at[16]) {
+    const int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
+    int blk = p0 / a->block_size, off = p0 % a->block_size; /* walk, no division */
+    for (int i = 0; i < 16; i++) {
+        const int64_t slot = (int64_t)it->table[blk] * a->block_size + off;
+        rows_at[i] = (int32_t)((slot * a->kv_heads + it->kvh) * a->head_dim);
+        if (i + 1 < valid && ++off == a->block_size) {
+            off = 0;
+            blk++;
+        }
+    }
+    return valid;
+}
+
+/* Prefetch the rows (span bytes from each K row) of positions p0..p0+15 of the item, if any. */
+static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t span, int64_t elt) {
+    if (p0 >= it->ctx_end) return;
+    int32_t at[16];
+    const int n = group_rows(a, it, p0, at);
+    for (int i = 0; i < n; i++) prefetch_row((const char *)a->cache + (int64_t)at[i] * elt, span);
+}
+
 /* Pass 1, vectorized: scores of every query of the item against positions 0..ctx_end-1. */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
-    uint32_t qpairs[MAX_QUERIES * 128];
+    const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
+    const int64_t span = (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * elt;
+    uint32_t qpairs[MAX_QUERIES * 128] __attribute__((aligned(64)));
     if (a->dt == DT_BF16) {
         for (int q = 0; q < it->nq; q++) {
             int i = q / a->group, g = q % a->group;
@@ -70,56 +147,108 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
                    (size_t)a->head_dim * 2);
         }
     }
+    /* Rows are fetched AHEAD groups of 16 positions before they are used: they are strided by
+     * the other KV heads' rows, which the hardware prefetcher does not follow. The item of KV
+     * head 0 fetches every head's row of a position (whole cache lines, in address order), so
+     * the items of the other heads, which run next, find theirs in cache. */
+    enum { AHEAD = 4 };
+    for (int g = 0; g < AHEAD; g++) prefetch_group(a, it, g * 16, span, elt);
     for (int p0 = 0; p0 < it->ctx_end; p0 += 16) {
-        int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
-        __mmask16 mask = (__mmask16)((1u << valid) - 1u);
         int32_t rows_at[16];
-        int blk = p0 / a->block_size, off = p0 % a->block_size; /* walk, no division */
-        for (int i = 0; i < 16; i++) {
-            int64_t slot = (int64_t)it->table[blk] * a->block_size + off;
-            rows_at[i] = (int32_t)((slot * a->kv_heads + it->kvh) * a->head_dim);
-            if (i + 1 < valid && ++off == a->block_size) {
-                off = 0;
-                blk++;
-            }
-        }
-        scores16(a->cache, a->dt, _mm512_loadu_si512(rows_at), mask, a->head_dim, qbuf, qpairs,
-                 it->nq, a->scale, scores + p0, a->max_seq);
+        const int valid = group_rows(a, it, p0, rows_at);
+        prefetch_group(a, it, p0 + AHEAD * 16, span, elt);
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+#if defined(__AVX512BF16__)
+        if (a->dt == DT_BF16) {
+            const uint16_t *rows[16];
+            for (int i = 0; i < 16; i++) rows[i] = (const uint16_t *)a->cache + rows_at[i];
+            scores16_rows(rows, mask, a->head_dim, (const __m512bh *)qpairs, it->nq, a->scale, scores + p0,
+                          a->max_seq);
+        } else
+#endif
+            scores16(a->cache, a->dt, _mm512_loadu_si512(rows_at), mask, a->head_dim, qbuf, qpairs, it->nq,
+                     a->scale, scores + p0, a->max_seq);
     }
 }
 
-/* Pass 2, vectorized: obuf = P V, block by block (no division per position). */
-static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
+/* Prefetch the V rows of block blk of the item (its first position p), if any: every head's
+ * row from the item of KV head 0, as in pass 1. */
+static inline void prefetch_block(const Attn *a, const Item *it, int blk, int p) {
+    if (p >= it->ctx_end) return;
+    const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
+    const int64_t span = (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * elt;
+    const int n = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
+    const int64_t first = (int64_t)it->table[blk] * a->block_size;
+    for (int off = 0; off < n; off++)
+        prefetch_row((const char *)a->cache + (a->half + ((first + off) * a->kv_heads + it->kvh) * a->head_dim) * elt,
+                     span);
+}
+
+/* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+16*DN-1: NQ, DN and BF16 are literals at
+ * every call, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const Item *it, const float *scores,
+                                                          float *obuf, int d0, int q0, const int NQ, const int DN,
+                                                          const int BF16) {
     const int head_dim = a->head_dim;
-    for (int d0 = 0; d0 < head_dim; d0 += 64) {
-        const int dn = (head_dim - d0 < 64 ? head_dim - d0 : 64) / 16;
-        for (int q0 = 0; q0 < it->nq; q0 += 4) {
-            const int nqq = it->nq - q0 < 4 ? it->nq - q0 : 4;
-            __m512 o[4][4];
-            for (int x = 0; x < 4; x++)
-                for (int z = 0; z < 4; z++) o[x][z] = _mm512_setzero_ps();
-            for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
-                const int64_t first = (int64_t)it->table[blk] * a->block_size;
-                const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
-                for (int off = 0; off < stop; off++, p++) {
-                    const int64_t at = a->half + ((first + off) * a->kv_heads + it->kvh) * head_dim + d0;
-                    __m512 v[4];
-                    for (int z = 0; z < dn; z++) {
-                        if (a->dt == DT_BF16)
-                            v[z] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                _mm256_loadu_si256((const __m256i *)((const uint16_t *)a->cache + at + z * 16))), 16));
-                        else
-                            v[z] = _mm512_loadu_ps((const float *)a->cache + at + z * 16);
-                    }
-                    for (int x = 0; x < nqq; x++) {
-                        __m512 w = _mm512_set1_ps(scores[(int64_t)(q0 + x) * a->max_seq + p]);
-                        for (int z = 0; z < dn; z++) o[x][z] = _mm512_fmadd_ps(w, v[z], o[x][z]);
-                    }
-                }
+    const int64_t elt = BF16 ? 2 : 4;
+    __m512 o[4][4];
+    for (int x = 0; x < NQ; x++)
+        for (int z = 0; z < DN; z++) o[x][z] = _mm512_setzero_ps();
+    const int ahead_blocks = a->block_size >= 64 ? 1 : 64 / a->block_size;
+    if (q0 == 0 && d0 == 0)
+        for (int b = 0; b < ahead_blocks; b++) prefetch_block(a, it, b, b * a->block_size);
+    for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
+        const int64_t first = (int64_t)it->table[blk] * a->block_size;
+        const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
+        const int rest = it->ctx_end - p - stop, next_stop = rest < a->block_size ? rest : a->block_size;
+        if (q0 == 0 && d0 == 0) /* (as in pass 1) */
+            prefetch_block(a, it, blk + ahead_blocks, p + ahead_blocks * a->block_size);
+        for (int off = 0; off < stop; off++, p++) {
+            const int64_t at = a->half + ((first + off) * a->kv_heads + it->kvh) * head_dim + d0;
+            __m512 v[4];
+            for (int z = 0; z < DN; z++) {
+                if (BF16)
+                    v[z] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a->cache + at + z * 16))),
+                        16));
+                else
+                    v[z] = _mm512_loadu_ps((const float *)a->cache + at + z * 16);
             }
-            for (int x = 0; x < nqq; x++)
-                for (int z = 0; z < dn; z++)
-                    _mm512_storeu_ps(obuf + (int64_t)(q0 + x) * head_dim + d0 + z * 16, o[x][z]);
+            for (int x = 0; x < NQ; x++) {
+                const __m512 w = _mm512_set1_ps(scores[(int64_t)(q0 + x) * a->max_seq + p]);
+                for (int z = 0; z < DN; z++) o[x][z] = _mm512_fmadd_ps(w, v[z], o[x][z]);
+            }
+        }
+    }
+    for (int x = 0; x < NQ; x++)
+        for (int z = 0; z < DN; z++) _mm512_storeu_ps(obuf + (int64_t)(q0 + x) * head_dim + d0 + z * 16, o[x][z]);
+}
+
+/* Pass 2, vectorized: obuf = P V, block by block (no division per position), in tiles of up to
+ * 4 queries x 64 head dims (head_dim is a multiple of 32, so a tile is 32 or 64 wide). */
+static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
+    const int bf16 = a->dt == DT_BF16;
+    for (int d0 = 0; d0 < a->head_dim; d0 += 64) {
+        const int wide = a->head_dim - d0 >= 64;
+        for (int q0 = 0; q0 < it->nq; q0 += 4) {
+            const int nq = it->nq - q0 < 4 ? it->nq - q0 : 4;
+#define PV_NQ(DN, BF)                                                                                    \
+    switch (nq) {                                                                                        \
+    case 1: pv_tile(a, it, scores, obuf, d0, q0, 1, DN, BF); break;                                      \
+    case 2: pv_tile(a, it, scores, obuf, d0, q0, 2, DN, BF); break;                                      \
+    case 3: pv_tile(a, it, scores, obuf, d0, q0, 3, DN, BF); break;                                      \
+    default: pv_tile(a, it, scores, obuf, d0, q0, 4, DN, BF); break;                                     \
+    }
+            if (bf16 && wide) {
+                PV_NQ(4, 1)
+            } else if (bf16) {
+                PV_NQ(2, 1)
+            } else if (wide) {
+                PV_NQ(4, 0)
+            } else {
+                PV_NQ(2, 0)
+            }
+#undef PV_NQ
         }
     }
 }
@@ -165,11 +294,18 @@ static void pv_portable(const Attn *a, const Item *it, const float *scores, floa
  * query may not see, causal) become 0. */
 static void softmax_row(float *s, int limit, int ctx_end) {
     float mx = -INFINITY;
-    for (int p = 0; p < limit; p++) mx = s[p] > mx ? s[p] : mx;
-    float sum = 0.f;
     int p = 0;
 #ifdef __AVX512F__
-    __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; p + 16 <= limit; p += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + p));
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; p < limit; p++) mx = s[p] > mx ? s[p] : mx;
+    float sum = 0.f;
+    p = 0;
+#ifdef __AVX512F__
+    vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
     for (; p + 16 <= limit; p += 16) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), vmx));
         _mm512_storeu_ps(s + p, e);
@@ -181,8 +317,13 @@ static void softmax_row(float *s, int limit, int ctx_end) {
         s[p] = expf(s[p] - mx);
         sum += s[p];
     }
-    float inv = 1.f / sum;
-    for (p = 0; p < limit; p++) s[p] *= inv;
+    const float inv = 1.f / sum;
+    p = 0;
+#ifdef __AVX512F__
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; p + 16 <= limit; p += 16) _mm512_storeu_ps(s + p, _mm512_mul_ps(_mm512_loadu_ps(s + p), vinv));
+#endif
+    for (; p < limit; p++) s[p] *= inv;
     for (p = limit; p < ctx_end; p++) s[p] = 0.f;
 }
 
