@@ -34,6 +34,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Resident bytes per weight of a GGUF block kept for the CPU kernels: the packed quants plus
 # float32 scales (and mins) per 32 weights (engine.models.block_linear.GGUFBlocks).
 GGUF_BLOCK_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 8 / 32, "q8_0": 1.0 + 4 / 32}
+# The same blocks repacked for the int8-activation kernels: scales (and mins) in float16, as in
+# the GGUF file (csrc/quantized_int8.c).
+INT8_PACKED_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 4 / 32, "q8_0": 1.0 + 2 / 32}
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: str) -> int:
@@ -186,8 +189,8 @@ def weight_bytes(
     int8_packed: bool = False,
 ) -> WeightBytes:
     """What the loaded model keeps resident (see the module doc). ``int8_packed``: the blocks
-    are kept a second time, repacked for the int8-activation kernels (the same bytes per
-    weight, counted in ``gguf_blocks``)."""
+    are kept a second time, repacked for the int8-activation kernels (float16 scales; counted
+    in ``gguf_blocks``)."""
     tensors = list(tensors)
     dense = sum(t.numel for t in tensors) * dtype_bytes
     blocks = 0
@@ -195,8 +198,9 @@ def weight_bytes(
         for t in tensors:
             if t.block_kind is not None:
                 numel = t.numel or cfg.vocab_size * cfg.hidden_size
-                copies = 2 if int8_packed and (numel // cfg.hidden_size) % 64 == 0 else 1
-                blocks += copies * int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
+                blocks += int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
+                if int8_packed and (numel // cfg.hidden_size) % 64 == 0:
+                    blocks += int(numel * INT8_PACKED_BYTES_PER_WEIGHT[t.block_kind])
     packed = 0
     if prepacked:  # every projection and the head, once more in bfloat16
         layer = (

@@ -132,13 +132,18 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
         with torch.inference_mode():
-            hidden = self.model(input_ids, pos, self.kv_caches, meta)
-            if self.prompt_tap:  # requests that read their prompt's hidden states
-                self.prompt_tap.read(scheduled, hidden)
             if not to_sample:
+                hidden = self.model(input_ids, pos, self.kv_caches, meta)
+                if self.prompt_tap:  # requests that read their prompt's hidden states
+                    self.prompt_tap.read(scheduled, hidden)
                 return [], torch.empty(0, self.config.vocab_size, device=self.device)
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            # One native call for a small step's layers and head where it serves.
+            hidden, logits = self.model.forward_and_logits(
+                input_ids, pos, self.kv_caches, meta, rows
+            )
+            if self.prompt_tap:
+                self.prompt_tap.read(scheduled, hidden)
         return to_sample, logits
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:

@@ -172,7 +172,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_step.restype = _I
     lib.decode_step.argtypes = [
         _P, _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, _I, _P, _P, _P, _P, _P, _I64, _I,
-        _P, _I, _P, _P, _I, _I,
+        _P, _I, _P, _P, _I, _P, _P, _I, _P, _I,
     ]  # fmt: skip
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]

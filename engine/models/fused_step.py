@@ -4,7 +4,8 @@ One stream decoding runs one token per step through 30 layers of ~10 small kerne
 Python every kernel pays the interpreter, a tensor allocation and an OpenMP wake-up, which on
 the default model added up to about as much as the arithmetic. :class:`FusedDecodeStep` hands
 the native library one table of every layer's weights once, and each step of at most
-:data:`MAX_ROWS` tokens then runs embedding-to-final-norm in one call.
+:data:`MAX_ROWS` tokens then runs embedding-to-final-norm in one call, and the LM head on the
+rows to sample from when it is in int8 blocks too (:meth:`LlamaForCausalLM.forward_and_logits`).
 
 It serves a model only where that call computes the same layers the Python path would with
 int8 activations: bfloat16 on a CPU whose native kernels built with AVX512-VNNI, every
@@ -72,6 +73,15 @@ class FusedDecodeStep:
         self.scale = cfg.head_dim**-0.5
         self._cache_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._first_qkv = _layers(model)[0].self_attn.qkv_proj
+        # The LM head, when its int8 block kernel is what compute_logits would call.
+        head = model.lm_head_blocks
+        self.head: torch.Tensor | None = None
+        self.head_max_rows = self.head_vocab = 0
+        if head is not None and head.packed_q8 is not None and head.kind in _KIND_CODES:
+            self.keep.append(head.packed_q8)
+            fields = [_KIND_CODES[head.kind], head.packed_q8.data_ptr(), head.shape[0]]
+            self.head = torch.tensor(fields, dtype=torch.int64)
+            self.head_max_rows, self.head_vocab = head.max_rows, head.shape[0]
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecodeStep | None:
@@ -123,9 +133,12 @@ class FusedDecodeStep:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor | None:
-        """Final hidden states ``[T, hidden]`` of the step, its K/V written to the caches; None
-        (nothing written) where the native call declines."""
+        sample_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Final hidden states ``[T, hidden]`` of the step, its K/V written to the caches, and
+        the float32 logits of ``hidden[sample_rows]`` when asked and the head's int8 kernel
+        serves them (:meth:`head_serves`; else None: the caller runs the head); None (nothing
+        written) where the native call declines."""
         lib = cpu.load()
         if lib is None or not all(c.is_contiguous() for c in kv_caches):
             return None
@@ -138,12 +151,29 @@ class FusedDecodeStep:
         starts = meta.query_start_loc.to(torch.int32).contiguous()
         lens = meta.seq_lens.to(torch.int32).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        head, rows, logits = None, None, None
+        if sample_rows is not None and self.head_serves(sample_rows.numel()):
+            head = self.head
+            rows = sample_rows.to(torch.int32).contiguous()
+            logits = torch.empty((rows.numel(), self.head_vocab), dtype=torch.bfloat16)
         status = lib.decode_step(
             self.table.data_ptr(), self.dims.data_ptr(), self.final_norm.data_ptr(), self.eps,
             self.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
             self._caches(kv_caches).data_ptr(), num_blocks, block_size, tables.data_ptr(),
             tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0],
+            head.data_ptr() if head is not None else None,
+            rows.data_ptr() if rows is not None else None,
+            rows.numel() if rows is not None else 0,
+            logits.data_ptr() if logits is not None else None,
             torch.get_num_threads(),
         )  # fmt: skip
-        return out if status == 0 else None
+        if status != 0:
+            return None
+        # bf16 logits widened, as compute_logits returns the head's bf16 products
+        return out, logits.float() if logits is not None else None
+
+    def head_serves(self, num_rows: int) -> bool:
+        """Whether the fused call also runs the LM head for ``num_rows`` sampled rows (where
+        compute_logits would run the same int8 kernel)."""
+        return self.head is not None and 0 < num_rows <= self.head_max_rows

@@ -156,15 +156,37 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the ``[T]`` flattened tokens at ``positions``; returns hidden states [T, hidden]."""
         if self.fused_step is not None and self.fused_step.serves(input_ids.shape[0]):
-            hidden = self.fused_step.run(input_ids, positions, kv_caches, meta)
-            if hidden is not None:
-                return hidden
+            fused = self.fused_step.run(input_ids, positions, kv_caches, meta)
+            if fused is not None:
+                return fused[0]
         x = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, in place
         rope = self.rotary_emb.lookup(positions, x.dtype)
         pending: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             pending = layer(rope, x, kv_cache, meta, pending)
         return self.model.norm.add_and_norm(x, pending)
+
+    def forward_and_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, and :meth:`compute_logits` of ``hidden[rows]``: in one native call
+        where the fused step serves the step and its head (one stream decoding), else the two
+        calls. The same values either way."""
+        fused = self.fused_step
+        if fused is not None and fused.serves(input_ids.shape[0]):
+            done = fused.run(input_ids, positions, kv_caches, meta, rows)
+            if done is not None:
+                hidden, logits = done
+                if logits is None:
+                    logits = self.compute_logits(hidden.index_select(0, rows))
+                return hidden, logits
+        hidden = self(input_ids, positions, kv_caches, meta)
+        return hidden, self.compute_logits(hidden.index_select(0, rows))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in float32 for hidden states [N, hidden]."""

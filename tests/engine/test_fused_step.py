@@ -29,21 +29,22 @@ FUSED_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_head
 
 
 def _attach_random_blocks(model: LlamaForCausalLM, seed: int) -> None:
-    """Give every projection GGUF blocks (Q4_1, and Q8_0 for o_proj) and make its dense
-    weight the one they encode, as the GGUF loader does."""
+    """Give every projection GGUF blocks (Q4_1, and Q8_0 for o_proj; float16 scales, as in a
+    GGUF file) and make its dense weight the one they encode, as the GGUF loader does."""
     gen = torch.Generator().manual_seed(seed)
     for name, module in model.named_modules():
         if not isinstance(module, BlockLinear):
             continue
         rows, cols = module.weight.shape
         nb = cols // 32
-        scales = torch.rand(rows, nb, generator=gen) * 0.01 + 0.002
+        scales = (torch.rand(rows, nb, generator=gen) * 0.01 + 0.002).half().float()
         if name.endswith("o_proj"):
             qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
             blocks = GGUFBlocks("q8_0", qs, scales)
         else:
             qs = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
-            blocks = GGUFBlocks("q4_1", qs, scales, torch.randn(rows, nb, generator=gen) * 0.02)
+            mins = (torch.randn(rows, nb, generator=gen) * 0.02).half().float()
+            blocks = GGUFBlocks("q4_1", qs, scales, mins)
         module.weight.data = blocks.dequantize().to(module.weight.dtype)
         module.packed = None
         assert blocks.pack_q8()
@@ -95,6 +96,45 @@ def test_fused_step_equals_the_python_layers_bit_for_bit(fused_model) -> None:
         plain = _step(model, ids, q_lens, s_lens, tabs, caches_b, fused=False)
         assert torch.equal(fused, plain)
         assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b, strict=True))
+
+
+def test_fused_head_gives_the_logits_compute_logits_gives(fused_model) -> None:
+    """With the LM head in int8 blocks, the fused call also computes the sampled rows' logits;
+    they, the hidden states and the caches equal the layer-by-layer path's and its head's."""
+    model = fused_model
+    cfg = model.config
+    gen = torch.Generator().manual_seed(9)
+    vocab, width = cfg.vocab_size, cfg.hidden_size
+    qs = torch.randint(-128, 128, (vocab, width), dtype=torch.int8, generator=gen)
+    scales = (torch.rand(vocab, width // 32, generator=gen) * 0.01).half().float()
+    head = GGUFBlocks("q8_0", qs, scales)
+    assert head.pack_q8()
+    saved = model.fused_step, model.lm_head_blocks
+    model.lm_head_blocks = head
+    model.fused_step = FusedDecodeStep.build(model)
+    try:
+        step = model.fused_step
+        assert step is not None and step.head_serves(1) and not step.head_serves(5)
+        tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+        prompts = [torch.randint(100, 4000, (6,), generator=gen).tolist() for _ in range(2)]
+        caches_a, caches_b = _caches(model), _caches(model)
+        for caches in (caches_a, caches_b):
+            _step(model, prompts[0] + prompts[1], [6, 6], [6, 6], tables, caches, fused=False)
+        meta = AttentionMetadata.build([1, 2], [7, 8], tables, 4)
+        ids, pos = torch.tensor([41, 42, 43]), torch.tensor([6, 6, 7])
+        for rows in (torch.tensor([0, 2]), torch.tensor([1]), torch.tensor([0, 1, 2, 2, 1])):
+            caches_b_now = [c.clone() for c in caches_b]
+            with torch.inference_mode():
+                hidden, logits = model.forward_and_logits(ids, pos, caches_a, meta, rows)
+                saved_step, model.fused_step = model.fused_step, None
+                plain = model(ids, pos, caches_b_now, meta)
+                model.fused_step = saved_step
+                expected = model.compute_logits(plain.index_select(0, rows))
+            assert torch.equal(hidden, plain)
+            assert logits.dtype == torch.float32 and torch.equal(logits, expected)
+            assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b_now, strict=True))
+    finally:
+        model.fused_step, model.lm_head_blocks = saved
 
 
 def test_fused_step_serves_only_small_steps(fused_model) -> None:

@@ -74,3 +74,22 @@ def test_sizes_the_int8_kernel_cannot_take_stay_exact() -> None:
     x = torch.randn(2, 96).to(torch.bfloat16)
     out = block_matmul(x, blocks.dequantize().to(torch.bfloat16), blocks, None)
     torch.testing.assert_close(out.float(), x.float() @ blocks.dequantize().T, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_scales_float16_cannot_hold_stay_exact(kind: str) -> None:
+    """The packed records keep scales in float16, as GGUF does; blocks whose scales (or mins)
+    float16 cannot hold exactly are not packed, and their products stay exact."""
+    blocks = random_blocks(kind, 8, 128, seed=6)
+    assert kernels.pack_blocks_q8(kind, blocks.qs, blocks.scales, blocks.mins) is not None
+    if kind == "q4_1":
+        assert blocks.mins is not None
+        mins = blocks.mins.clone()
+        mins[3, 1] = 1e-3 + 2**-30  # below float16's precision at that size
+        assert kernels.pack_blocks_q8(kind, blocks.qs, blocks.scales, mins) is None
+    scales = blocks.scales.clone()
+    scales[5, 2] = 70000.0  # past float16's range
+    assert kernels.pack_blocks_q8(kind, blocks.qs, scales, blocks.mins) is None
+    tiny = blocks.scales.clone()
+    tiny[0, 0] = 2**-24  # float16's smallest subnormal: held exactly
+    assert kernels.pack_blocks_q8(kind, blocks.qs, tiny, blocks.mins) is not None

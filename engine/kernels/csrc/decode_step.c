@@ -41,7 +41,10 @@ enum { LF_IN_NORM = 0, LF_POST_NORM = 1, LF_QKV = 2, LF_O = 7, LF_GATE_UP = 12, 
 enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_FIELDS };
 
 #define SPIN_LIMIT 2000 /* pauses (tens of microseconds) before a waiting thread sleeps */
-#define LINEAR_CHUNK 8   /* tiles of 4 output rows a thread takes at a time */
+#ifndef LINEAR_CHUNK_BYTES
+#define LINEAR_CHUNK_BYTES 65536 /* weight bytes a thread takes at a time (at least 8 tiles) */
+#endif
+#define STAGES 6         /* stages per layer that hand out work (one counter each) */
 
 typedef struct {
     atomic_int arrived;
@@ -106,10 +109,11 @@ static void linear_stage(Step *st, int stage, const int64_t *f, int n, int k, ui
     const Q8Weights w = weights_at(f, n, k);
     const float *bias = (const float *)(intptr_t)f[4];
     const int tiles = q8_num_tiles(&w);
+    const int per_tile = q8_tile_bytes(&w), chunk = LINEAR_CHUNK_BYTES / per_tile > 8 ? LINEAR_CHUNK_BYTES / per_tile : 8;
     for (;;) {
-        const int t = atomic_fetch_add_explicit(&st->counters[stage], LINEAR_CHUNK, memory_order_relaxed);
+        const int t = atomic_fetch_add_explicit(&st->counters[stage], chunk, memory_order_relaxed);
         if (t >= tiles) break;
-        q8_linear_range(&w, &st->rows, bias, DT_BF16, y, n, t, t + LINEAR_CHUNK < tiles ? t + LINEAR_CHUNK : tiles);
+        q8_linear_range(&w, &st->rows, bias, DT_BF16, y, n, t, t + chunk < tiles ? t + chunk : tiles);
     }
 }
 
@@ -126,15 +130,32 @@ static void attention_stage(Step *st, int stage, const Attn *a, Scratch *s) {
     }
 }
 
-/* act = round(silu(gate)) * up, each rounded to bf16 as PyTorch's bf16 ops do. */
-static void silu_mul(const uint16_t *gu, uint16_t *act, int m, int inter) {
-    for (int r = 0; r < m; r++) {
-        const uint16_t *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
-        for (int i = 0; i < inter; i++) {
-            const float gv = bf16_to_f32(g[i]);
-            const float s = bf16_to_f32(f32_to_bf16(gv / (1.f + expf(-gv))));
-            act[(int64_t)r * inter + i] = f32_to_bf16(s * bf16_to_f32(u[i]));
-        }
+/* act = round(silu(gate)) * up for values i0..i1-1 of row r, each rounded to bf16 as PyTorch's
+ * bf16 ops do. */
+static void silu_mul(const uint16_t *gu, uint16_t *act, int r, int inter, int i0, int i1) {
+    const uint16_t *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
+    for (int i = i0; i < i1; i++) {
+        const float gv = bf16_to_f32(g[i]);
+        const float s = bf16_to_f32(f32_to_bf16(gv / (1.f + expf(-gv))));
+        act[(int64_t)r * inter + i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+    }
+}
+
+#define SILU_CHUNK 8 /* blocks of 32 values a thread takes at a time in the activation stage */
+
+/* Stage: act = silu(gate) * up, quantized for the down projection, in chunks of SILU_CHUNK
+ * blocks of one row (each block's values and scale depend on that block alone). */
+static void silu_stage(Step *st, int stage, int kind) {
+    const int inter = st->dims[D_INTER], nb = inter / 32, per_row = (nb + SILU_CHUNK - 1) / SILU_CHUNK;
+    Q8Rows rows;
+    q8_rows_init(&rows, kind, st->m, inter, st->rows_scratch);
+    for (;;) {
+        const int unit = atomic_fetch_add_explicit(&st->counters[stage], 1, memory_order_relaxed);
+        if (unit >= st->m * per_row) break;
+        const int r = unit / per_row, b0 = (unit % per_row) * SILU_CHUNK;
+        const int b1 = b0 + SILU_CHUNK < nb ? b0 + SILU_CHUNK : nb;
+        silu_mul(st->gu, st->act, r, inter, b0 * 32, b1 * 32);
+        quantize_blocks_q8(&rows, st->act, DT_BF16, r, r + 1, b0, b1);
     }
 }
 
@@ -152,7 +173,7 @@ static void run_layer(Step *st, int layer, int tid, Scratch *s) {
         quantize_rows_q8(&st->rows, st->h, DT_BF16);
     }
     barrier_wait(&st->barrier);
-    linear_stage(st, layer * 5 + 0, f + LF_QKV, qkv_n, hidden, st->qkv);
+    linear_stage(st, layer * STAGES + 0, f + LF_QKV, qkv_n, hidden, st->qkv);
     barrier_wait(&st->barrier);
     void *cache = (void *)(intptr_t)st->caches[layer];
     if (tid == 0)
@@ -161,14 +182,14 @@ static void run_layer(Step *st, int layer, int tid, Scratch *s) {
     barrier_wait(&st->barrier);
     Attn a = st->attn;
     a.cache = cache;
-    attention_stage(st, layer * 5 + 1, &a, s);
+    attention_stage(st, layer * STAGES + 1, &a, s);
     barrier_wait(&st->barrier);
     if (tid == 0) {
         q8_rows_init(&st->rows, (int)f[LF_O], m, heads * hd, st->rows_scratch);
         quantize_rows_q8(&st->rows, st->att, DT_BF16);
     }
     barrier_wait(&st->barrier);
-    linear_stage(st, layer * 5 + 2, f + LF_O, hidden, heads * hd, st->delta);
+    linear_stage(st, layer * STAGES + 2, f + LF_O, hidden, heads * hd, st->delta);
     barrier_wait(&st->barrier);
     if (tid == 0) {
         add_rms_norm(st->x, st->delta, (const void *)(intptr_t)f[LF_POST_NORM], st->eps, st->h, m, hidden, DT_BF16, 1);
@@ -176,16 +197,31 @@ static void run_layer(Step *st, int layer, int tid, Scratch *s) {
         quantize_rows_q8(&st->rows, st->h, DT_BF16);
     }
     barrier_wait(&st->barrier);
-    linear_stage(st, layer * 5 + 3, f + LF_GATE_UP, 2 * inter, hidden, st->gu);
+    linear_stage(st, layer * STAGES + 3, f + LF_GATE_UP, 2 * inter, hidden, st->gu);
     barrier_wait(&st->barrier);
-    if (tid == 0) {
-        silu_mul(st->gu, st->act, m, inter);
-        q8_rows_init(&st->rows, (int)f[LF_DOWN], m, inter, st->rows_scratch);
-        quantize_rows_q8(&st->rows, st->act, DT_BF16);
+    /* (the rows of gate_up are read by nobody now: this stage overwrites their scratch) */
+    if (tid == 0) q8_rows_init(&st->rows, (int)f[LF_DOWN], m, inter, st->rows_scratch);
+    silu_stage(st, layer * STAGES + 5, (int)f[LF_DOWN]);
+    barrier_wait(&st->barrier);
+    linear_stage(st, layer * STAGES + 4, f + LF_DOWN, hidden, inter, st->pending);
+    barrier_wait(&st->barrier);
+}
+
+/* The LM head on the sampled rows of the final hidden states (after every layer, the last
+ * counter): logits [num_sample, vocab] bf16, as the head's int8 block linear called alone gives
+ * them. */
+static void run_head(Step *st, const int64_t *head, const int32_t *sample_rows, int num_sample, uint16_t *logits,
+                     int tid) {
+    const int hidden = st->dims[D_HIDDEN], vocab = (int)head[2];
+    if (tid == 0) { /* the sampled rows side by side in h, quantized */
+        for (int i = 0; i < num_sample; i++)
+            memcpy(st->h + (int64_t)i * hidden, st->out + (int64_t)sample_rows[i] * hidden, sizeof(uint16_t) * hidden);
+        q8_rows_init(&st->rows, (int)head[0], num_sample, hidden, st->rows_scratch);
+        quantize_rows_q8(&st->rows, st->h, DT_BF16);
     }
     barrier_wait(&st->barrier);
-    linear_stage(st, layer * 5 + 4, f + LF_DOWN, hidden, inter, st->pending);
-    barrier_wait(&st->barrier);
+    const int64_t fields[5] = {head[0], head[1], 0, 0, 0};
+    linear_stage(st, st->dims[D_LAYERS] * STAGES, fields, vocab, hidden, logits);
 }
 
 /* Whether the fused step serves a model of these sizes (the int8 path, attention limits). */
@@ -219,15 +255,19 @@ static size_t arena_elements(const int *d, int m) {
  * layer out; out [m, hidden] bf16: the final norm of it (the hidden states to sample from).
  * Positions, slots, cos/sin tables, block tables, query_start, seq_lens as rope_write_kv and
  * paged_attention take them; caches [layers] pointers to each layer's bf16 cache
- * [2, num_blocks, block_size, kv_heads, head_dim]. Returns 0; -2 when these sizes are not
+ * [2, num_blocks, block_size, kv_heads, head_dim]. head: NULL, or the LM head as [kind, weights
+ * packed by q8_pack, vocab] (int64), whose bf16 logits [num_sample, vocab] of rows sample_rows
+ * of out are then written to logits in the same call. Returns 0; -2 when these sizes are not
  * served (decode_step_supported); -1 out of memory.
  */
 int decode_step(const int64_t *table, const int *dims, const void *final_norm, float eps, float scale, void *x,
                 void *out, int m, const float *cos_t, const float *sin_t, const int64_t *positions,
                 const int64_t *slots, const int64_t *caches, int64_t num_blocks, int block_size,
                 const int32_t *tables, int max_blocks, const int32_t *query_start, const int32_t *seq_lens,
-                int num_reqs, int num_threads) {
+                int num_reqs, const int64_t *head, const int32_t *sample_rows, int num_sample, void *logits,
+                int num_threads) {
     if (!decode_step_supported(dims) || m <= 0) return -2;
+    if (head && (num_sample <= 0 || num_sample > m || !q8_supported(dims[D_HIDDEN]))) return -2;
     const int layers = dims[D_LAYERS];
     Step st = {0};
     st.table = table;
@@ -249,7 +289,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     int widest = dims[D_INTER] > dims[D_HIDDEN] ? dims[D_INTER] : dims[D_HIDDEN];
     if (dims[D_HEADS] * dims[D_HEAD_DIM] > widest) widest = dims[D_HEADS] * dims[D_HEAD_DIM];
     st.rows_scratch = aligned_alloc(64, q8_rows_bytes(m, widest));
-    st.counters = (atomic_int *)calloc((size_t)layers * 5, sizeof(atomic_int));
+    st.counters = (atomic_int *)calloc((size_t)layers * STAGES + 1, sizeof(atomic_int)); /* + the head */
     int failed = !item_start || !arena || !st.rows_scratch || !st.counters;
     if (!failed) {
         int max_seq = 0;
@@ -281,6 +321,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
             if (!failed) {
                 for (int layer = 0; layer < layers; layer++) run_layer(&st, layer, tid, &s);
                 if (tid == 0) add_rms_norm(st.x, st.pending, final_norm, eps, st.out, m, dims[D_HIDDEN], DT_BF16, 1);
+                if (head) run_head(&st, head, sample_rows, num_sample, (uint16_t *)logits, tid);
             }
             scratch_free(&s);
         }

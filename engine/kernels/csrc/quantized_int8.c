@@ -17,6 +17,9 @@
 
 #define TILE_OUT 4 /* weight rows per tile */
 #define TILE_IN 4  /* activation rows per tile */
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 8 /* records fetched ahead of use */
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_Q8 1
@@ -55,11 +58,50 @@ static inline int q8_slot(int kind, int b, int j) {
     return (b / 2) * 64 + (j < 16 ? 0 : 32) + (b % 2) * 16 + (j & 15);
 }
 
-void quantize_rows_q8(Q8Rows *rows, const void *x, int dt) {
-    const int k = rows->k, nb = rows->nb;
-    for (int r = 0; r < rows->m; r++) {
-        float v[32];
-        for (int b = 0; b < nb; b++) {
+/* Block b of row r: its 32 values quantized into q (slots of `kind`), its scale and per-block
+ * term on its lanes of dpat / xspat. */
+static inline void put_block(Q8Rows *rows, int r, int b, float d, int sum) {
+    /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4, A x4, B x4], Q8_0 [A x8, B x8].
+     * The per-block term (Q4_1: + min * d sum(q); Q8_0: - 128 * scale * d sum(q), the
+     * weights' offset taken back out) is spread over the block's 8 lanes: / 8 is exact. */
+    const int64_t at = ((int64_t)r * (rows->nb / 2) + b / 2) * 16;
+    const float term = (rows->kind == Q8_KIND_Q4_1 ? 1.f : -128.f) * d * (float)sum / 8.f;
+    for (int lane = 0; lane < 16; lane++) {
+        const int block_of_lane = rows->kind == Q8_KIND_Q4_1 ? (lane / 4) % 2 : lane / 8;
+        if (block_of_lane != b % 2) continue;
+        rows->dpat[at + lane] = d;
+        rows->xspat[at + lane] = term;
+    }
+}
+
+#if HAVE_Q8
+static inline __m512 load16_f32(const void *x, int dt, int64_t off) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)x + off);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + off))), 16));
+}
+#endif
+
+void quantize_blocks_q8(Q8Rows *rows, const void *x, int dt, int r_begin, int r_end, int b_begin, int b_end) {
+    const int k = rows->k;
+    for (int r = r_begin; r < r_end; r++) {
+        for (int b = b_begin; b < b_end; b++) {
+            int8_t *q = rows->q + (int64_t)r * k;
+#if HAVE_Q8
+            /* The scalar loop's arithmetic, 16 lanes at a time: the same max, the same product
+             * and cvtps's round-to-nearest-even (MXCSR's default, as nearbyintf). */
+            const __m512 v0 = load16_f32(x, dt, (int64_t)r * k + b * 32), v1 = load16_f32(x, dt, (int64_t)r * k + b * 32 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / 127.f;
+            const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+            const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+            const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), hi), lo);
+            const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), hi), lo);
+            _mm_storeu_si128((__m128i *)(q + q8_slot(rows->kind, b, 0)), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(q + q8_slot(rows->kind, b, 16)), _mm512_cvtepi32_epi8(q1));
+            put_block(rows, r, b, d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+#else
+            float v[32];
             load_row(x, dt, (int64_t)r * k + b * 32, 32, v);
             float amax = 0.f;
             for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
@@ -67,38 +109,55 @@ void quantize_rows_q8(Q8Rows *rows, const void *x, int dt) {
             const float id = d != 0.f ? 1.f / d : 0.f;
             int sum = 0;
             for (int j = 0; j < 32; j++) {
-                int q = (int)nearbyintf(v[j] * id); /* ties to even, as torch.round */
-                q = q > 127 ? 127 : (q < -127 ? -127 : q);
-                rows->q[(int64_t)r * k + q8_slot(rows->kind, b, j)] = (int8_t)q;
-                sum += q;
+                int qj = (int)nearbyintf(v[j] * id); /* ties to even, as torch.round */
+                qj = qj > 127 ? 127 : (qj < -127 ? -127 : qj);
+                q[q8_slot(rows->kind, b, j)] = (int8_t)qj;
+                sum += qj;
             }
-            /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4, A x4, B x4], Q8_0 [A x8, B x8].
-             * The per-block term (Q4_1: + min * d sum(q); Q8_0: - 128 * scale * d sum(q), the
-             * weights' offset taken back out) is spread over the block's 8 lanes: / 8 is exact. */
-            const int64_t at = ((int64_t)r * (nb / 2) + b / 2) * 16;
-            const float term = (rows->kind == Q8_KIND_Q4_1 ? 1.f : -128.f) * d * (float)sum / 8.f;
-            for (int lane = 0; lane < 16; lane++) {
-                const int block_of_lane = rows->kind == Q8_KIND_Q4_1 ? (lane / 4) % 2 : lane / 8;
-                if (block_of_lane != b % 2) continue;
-                rows->dpat[at + lane] = d;
-                rows->xspat[at + lane] = term;
-            }
+            put_block(rows, r, b, d, sum);
+#endif
         }
     }
 }
 
+void quantize_rows_q8(Q8Rows *rows, const void *x, int dt) { quantize_blocks_q8(rows, x, dt, 0, rows->m, 0, rows->nb); }
+
 /* Packed weights: for each tile of 4 output rows and each pair of blocks, one record holding
- * the 4 rows' quants of the pair, then their 2 scales each, then (Q4_1) their 2 minimums each:
- * Q4_1 4 x 32 + 4 x 8 + 4 x 8 = 192 bytes, Q8_0 4 x 64 + 4 x 8 = 288 bytes per 256 weights.
- * A thread's work is then one forward stream of memory, which the hardware prefetcher follows
- * (the GGUF layout is 12 interleaved streams for 4 rows, and stalled on their loads). Rows past
- * n repeat the last row; their results are never stored. */
-static int record_bytes(int kind) { return kind == Q8_KIND_Q4_1 ? 192 : 288; }
+ * the 4 rows' quants of the pair, then their 2 scales each, then (Q4_1) their 2 minimums each,
+ * the scales in float16 as GGUF stores them: Q4_1 4 x 32 + 4 x 4 + 4 x 4 = 160 bytes, Q8_0
+ * 4 x 64 + 4 x 4 = 272 bytes per 256 weights, the same bytes per weight as the GGUF file (the
+ * kernel is bound by reading them). A thread's work is then one forward stream of memory, which
+ * the hardware prefetcher follows (the GGUF layout is 12 interleaved streams for 4 rows, and
+ * stalled on their loads). Rows past n repeat the last row; their results are never stored. */
+static int record_bytes(int kind) { return kind == Q8_KIND_Q4_1 ? 160 : 272; }
 static int quant_bytes(int kind) { return kind == Q8_KIND_Q4_1 ? 32 : 64; }
 
 size_t q8_packed_bytes(int kind, int n, int k) {
     const size_t tiles = (size_t)(n + TILE_OUT - 1) / TILE_OUT;
     return tiles * (size_t)(k / 64) * (size_t)record_bytes(kind);
+}
+
+/* f as float16 bits in *h, if float16 holds it exactly (1), else 0. */
+static int half_exact(float f, uint16_t *h) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    const uint32_t exp = (u >> 23) & 0xff, man = u & 0x7fffff;
+    const int e = (int)exp - 127;
+    if (exp == 0 && man == 0) {
+        *h = sign;
+        return 1;
+    }
+    if (exp == 0 || exp == 0xff || e > 15 || e < -24) return 0;
+    if (e >= -14) { /* normal */
+        if (man & 0x1fff) return 0;
+        *h = (uint16_t)(sign | (uint32_t)(e + 15) << 10 | man >> 13);
+        return 1;
+    }
+    const uint32_t full = man | 0x800000, shift = (uint32_t)(-(e + 1)); /* subnormal: full * 2^(e+1) */
+    if (full & ((1u << shift) - 1)) return 0;
+    *h = (uint16_t)(sign | full >> shift);
+    return 1;
 }
 
 int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const float *mins, uint8_t *out) {
@@ -109,13 +168,15 @@ int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const flo
     for (int t = 0; t < tiles; t++) {
         for (int p = 0; p < pairs; p++) {
             uint8_t *rec = out + ((int64_t)t * pairs + p) * record_bytes(kind);
-            float *scales = (float *)(rec + TILE_OUT * qb);
+            uint16_t *scales = (uint16_t *)(rec + TILE_OUT * qb);
             for (int j = 0; j < TILE_OUT; j++) {
                 const int row = t * TILE_OUT + j < n ? t * TILE_OUT + j : n - 1;
                 memcpy(rec + j * qb, qs + row * row_bytes + (int64_t)p * qb, (size_t)qb);
-                memcpy(scales + j * 2, d + (int64_t)row * nb + 2 * p, 2 * sizeof(float));
-                if (kind == Q8_KIND_Q4_1)
-                    memcpy(scales + TILE_OUT * 2 + j * 2, mins + (int64_t)row * nb + 2 * p, 2 * sizeof(float));
+                for (int i = 0; i < 2; i++) {
+                    if (!half_exact(d[(int64_t)row * nb + 2 * p + i], scales + j * 2 + i)) return -3;
+                    if (kind == Q8_KIND_Q4_1 && !half_exact(mins[(int64_t)row * nb + 2 * p + i], scales + TILE_OUT * 2 + j * 2 + i))
+                        return -3;
+                }
             }
         }
     }
@@ -135,7 +196,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int kind, const 
                                              : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const int pairs = w->nb / 2, rb = record_bytes(kind), qb = quant_bytes(kind);
     for (int p = 0; p < pairs; p++, rec += rb) {
-        for (int off = 0; off < rb; off += 64) _mm_prefetch((const char *)rec + 8 * rb + off, _MM_HINT_T0);
+        for (int off = 0; off < rb; off += 64) _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
         __m512 dx[TILE_IN], term[TILE_IN];
         __m512i xv[TILE_IN];
         for (int i = 0; i < ri; i++) {
@@ -144,7 +205,13 @@ static inline __attribute__((always_inline)) void q8_tile(const int kind, const 
             dx[i] = _mm512_loadu_ps(x->dpat + at);
             term[i] = _mm512_loadu_ps(x->xspat + at);
         }
-        const float *scales = (const float *)(rec + TILE_OUT * qb);
+        /* The 4 rows' 8 scales (and 8 minimums), float16 to float32 once per record; each row's
+         * pair then goes to the lanes of its blocks' products by one permute. */
+        const uint16_t *scales = (const uint16_t *)(rec + TILE_OUT * qb);
+        const __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales)));
+        const __m512 m8 = kind == Q8_KIND_Q4_1
+                              ? _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 8))))
+                              : d8;
         for (int j = 0; j < TILE_OUT; j++) {
             __m512i wv;
             if (kind == Q8_KIND_Q4_1) {
@@ -155,13 +222,10 @@ static inline __attribute__((always_inline)) void q8_tile(const int kind, const 
             } else {
                 wv = _mm512_xor_si512(_mm512_loadu_si512(rec + j * 64), flip);
             }
-            const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(scales + j * 2)));
-            const __m512 dw = _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(two));
+            const __m512i pj = _mm512_add_epi32(pat, _mm512_set1_epi32(2 * j));
+            const __m512 dw = _mm512_permutexvar_ps(pj, d8);
             /* Q4_1: the block minimums; Q8_0: the scales again (the offset's factor). */
-            const __m512 mw = kind == Q8_KIND_Q4_1
-                                  ? _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(_mm_castsi128_ps(
-                                                                   _mm_loadl_epi64((const __m128i *)(scales + 8 + j * 2)))))
-                                  : dw;
+            const __m512 mw = kind == Q8_KIND_Q4_1 ? _mm512_permutexvar_ps(pj, m8) : dw;
             for (int i = 0; i < ri; i++) {
                 __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
                 acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[i]), acc[j][i]);
@@ -208,6 +272,8 @@ static void q8_tile_any(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
 #endif
 
 int q8_num_tiles(const Q8Weights *w) { return (w->n + TILE_OUT - 1) / TILE_OUT; }
+
+int q8_tile_bytes(const Q8Weights *w) { return (w->nb / 2) * record_bytes(w->kind); }
 
 void q8_linear_range(const Q8Weights *w, const Q8Rows *x, const float *bias, int dt, void *y, int64_t ldy,
                      int t_begin, int t_end) {

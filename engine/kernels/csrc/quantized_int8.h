@@ -36,8 +36,13 @@ size_t q8_rows_bytes(int m, int k);
 void q8_rows_init(Q8Rows *rows, int kind, int m, int k, void *scratch);
 /* Quantize x [m, k] (dtype dt, row stride k) into rows. Serial: a few microseconds. */
 void quantize_rows_q8(Q8Rows *rows, const void *x, int dt);
+/* The same for rows r_begin..r_end-1, blocks of 32 b_begin..b_end-1 only (any split of the
+ * work gives the same rows). */
+void quantize_blocks_q8(Q8Rows *rows, const void *x, int dt, int r_begin, int r_end, int b_begin, int b_end);
 /* Tiles of 4 output rows in w (the unit of work a thread takes). */
 int q8_num_tiles(const Q8Weights *w);
+/* Packed bytes of one tile. */
+int q8_tile_bytes(const Q8Weights *w);
 /* y [m, n] (dtype dt, row stride ldy) = x W^T (+ bias float32), output tiles t_begin..t_end-1. */
 void q8_linear_range(const Q8Weights *w, const Q8Rows *x, const float *bias, int dt, void *y,
                      int64_t ldy, int t_begin, int t_end);
