@@ -57,9 +57,60 @@ static void futex(atomic_int *word, int op, int value) {
     syscall(SYS_futex, (int *)word, op, value, NULL, NULL, 0);
 }
 
+/* The step's weights in the order the stages read them, fetched ahead into the caches by
+ * threads that would otherwise wait: at one stream the linears stream weights from memory at
+ * near its bandwidth, but between them (a thread's serial part, attention, which is bound by
+ * latency, a thread that finished its share) memory would sit idle. Waiting threads prefetch
+ * the next PF_UNIT bytes of the stream, at most PF_WINDOW past the start of the linear stage
+ * running now (L2 holds 1 MB a core, L3 more), so the next linears find part of their weights
+ * in cache. Only timing changes: no result depends on it. Units never straddle two regions:
+ * each region starts on a unit boundary of the stream's offsets. */
+#define PF_UNIT 4096
+#ifndef PF_WINDOW
+#define PF_WINDOW (2 << 20)
+#endif
+
+typedef struct {
+    const uint8_t *base;
+    int64_t start, bytes; /* offset in the stream (a multiple of PF_UNIT), length */
+} Region;
+
+typedef struct {
+    Region *regions;
+    int count;
+    int64_t total;
+    atomic_llong next;     /* the next unit to fetch */
+    atomic_llong consumed; /* where the running linear stage's weights start */
+} Prefetcher;
+
+static _Thread_local int pf_hint; /* the region this thread fetched from last */
+
+/* Fetch one unit ahead, if the window allows; 0 when there is nothing to fetch now. */
+static int prefetch_some(Prefetcher *pf) {
+    if (!pf || !pf->count) return 0;
+    const int64_t lo = atomic_load_explicit(&pf->consumed, memory_order_relaxed);
+    int64_t at = atomic_load_explicit(&pf->next, memory_order_relaxed);
+    if (at < lo) {
+        atomic_compare_exchange_strong(&pf->next, &at, lo);
+        at = lo > at ? lo : at;
+    }
+    if (at >= pf->total || at >= lo + PF_WINDOW) return 0;
+    at = atomic_fetch_add_explicit(&pf->next, PF_UNIT, memory_order_relaxed);
+    if (at >= pf->total) return 0;
+    int r = pf_hint < pf->count ? pf_hint : 0;
+    while (r + 1 < pf->count && pf->regions[r + 1].start <= at) r++;
+    while (r > 0 && pf->regions[r].start > at) r--;
+    pf_hint = r;
+    const Region *g = &pf->regions[r];
+    const int64_t end = at - g->start + PF_UNIT < g->bytes ? at - g->start + PF_UNIT : g->bytes;
+    for (int64_t off = at - g->start; off < end; off += 64) _mm_prefetch((const char *)g->base + off, _MM_HINT_T1);
+    return 1;
+}
+
 /* Sequentially consistent atomics: either the last arriver sees a sleeper and wakes it, or the
- * sleeper's FUTEX_WAIT sees the new generation and returns at once. */
-static void barrier_wait(Barrier *b) {
+ * sleeper's FUTEX_WAIT sees the new generation and returns at once. A waiting thread fetches
+ * weights ahead (pf, may be NULL) before it pauses. */
+static void barrier_wait(Barrier *b, Prefetcher *pf) {
     if (b->threads == 1) return;
     const int gen = atomic_load(&b->generation);
     if (atomic_fetch_add(&b->arrived, 1) == b->threads - 1) {
@@ -70,7 +121,7 @@ static void barrier_wait(Barrier *b) {
     }
     for (int spin = 0; spin < SPIN_LIMIT; spin++) {
         if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
-        _mm_pause();
+        if (!prefetch_some(pf)) _mm_pause();
     }
     atomic_fetch_add(&b->sleepers, 1);
     while (atomic_load(&b->generation) == gen) futex(&b->generation, FUTEX_WAIT_PRIVATE, gen);
@@ -97,6 +148,7 @@ typedef struct {
     void *rows_scratch;
     atomic_int *counters; /* one per stage that hands out work */
     Barrier barrier;
+    Prefetcher pf;
 } Step;
 
 static Q8Weights weights_at(const int64_t *f, int n, int k) {
@@ -105,8 +157,9 @@ static Q8Weights weights_at(const int64_t *f, int n, int k) {
 }
 
 /* Stage: y = rows W^T (+ bias), tiles handed out in chunks. */
-static void linear_stage(Step *st, int stage, const int64_t *f, int n, int k, uint16_t *y) {
+static void linear_stage(Step *st, int stage, int region, const int64_t *f, int n, int k, uint16_t *y) {
     const Q8Weights w = weights_at(f, n, k);
+    if (region < st->pf.count) atomic_store_explicit(&st->pf.consumed, st->pf.regions[region].start, memory_order_relaxed);
     const float *bias = (const float *)(intptr_t)f[4];
     const int tiles = q8_num_tiles(&w);
     const int per_tile = q8_tile_bytes(&w), chunk = LINEAR_CHUNK_BYTES / per_tile > 8 ? LINEAR_CHUNK_BYTES / per_tile : 8;
@@ -172,39 +225,39 @@ static void run_layer(Step *st, int layer, int tid, Scratch *s) {
         q8_rows_init(&st->rows, (int)f[LF_QKV], m, hidden, st->rows_scratch);
         quantize_rows_q8(&st->rows, st->h, DT_BF16);
     }
-    barrier_wait(&st->barrier);
-    linear_stage(st, layer * STAGES + 0, f + LF_QKV, qkv_n, hidden, st->qkv);
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
+    linear_stage(st, layer * STAGES + 0, layer * 4 + 0, f + LF_QKV, qkv_n, hidden, st->qkv);
+    barrier_wait(&st->barrier, &st->pf);
     void *cache = (void *)(intptr_t)st->caches[layer];
     if (tid == 0)
         rope_write_kv(st->qkv, m, qkv_n, heads, kvh, hd, st->cos_t, st->sin_t, st->positions, cache, st->num_blocks,
                       st->block_size, st->slots, DT_BF16, 1);
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
     Attn a = st->attn;
     a.cache = cache;
     attention_stage(st, layer * STAGES + 1, &a, s);
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
     if (tid == 0) {
         q8_rows_init(&st->rows, (int)f[LF_O], m, heads * hd, st->rows_scratch);
         quantize_rows_q8(&st->rows, st->att, DT_BF16);
     }
-    barrier_wait(&st->barrier);
-    linear_stage(st, layer * STAGES + 2, f + LF_O, hidden, heads * hd, st->delta);
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
+    linear_stage(st, layer * STAGES + 2, layer * 4 + 1, f + LF_O, hidden, heads * hd, st->delta);
+    barrier_wait(&st->barrier, &st->pf);
     if (tid == 0) {
         add_rms_norm(st->x, st->delta, (const void *)(intptr_t)f[LF_POST_NORM], st->eps, st->h, m, hidden, DT_BF16, 1);
         q8_rows_init(&st->rows, (int)f[LF_GATE_UP], m, hidden, st->rows_scratch);
         quantize_rows_q8(&st->rows, st->h, DT_BF16);
     }
-    barrier_wait(&st->barrier);
-    linear_stage(st, layer * STAGES + 3, f + LF_GATE_UP, 2 * inter, hidden, st->gu);
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
+    linear_stage(st, layer * STAGES + 3, layer * 4 + 2, f + LF_GATE_UP, 2 * inter, hidden, st->gu);
+    barrier_wait(&st->barrier, &st->pf);
     /* (the rows of gate_up are read by nobody now: this stage overwrites their scratch) */
     if (tid == 0) q8_rows_init(&st->rows, (int)f[LF_DOWN], m, inter, st->rows_scratch);
     silu_stage(st, layer * STAGES + 5, (int)f[LF_DOWN]);
-    barrier_wait(&st->barrier);
-    linear_stage(st, layer * STAGES + 4, f + LF_DOWN, hidden, inter, st->pending);
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
+    linear_stage(st, layer * STAGES + 4, layer * 4 + 3, f + LF_DOWN, hidden, inter, st->pending);
+    barrier_wait(&st->barrier, &st->pf);
 }
 
 /* The LM head on the sampled rows of the final hidden states (after every layer, the last
@@ -219,9 +272,41 @@ static void run_head(Step *st, const int64_t *head, const int32_t *sample_rows, 
         q8_rows_init(&st->rows, (int)head[0], num_sample, hidden, st->rows_scratch);
         quantize_rows_q8(&st->rows, st->h, DT_BF16);
     }
-    barrier_wait(&st->barrier);
+    barrier_wait(&st->barrier, &st->pf);
     const int64_t fields[5] = {head[0], head[1], 0, 0, 0};
-    linear_stage(st, st->dims[D_LAYERS] * STAGES, fields, vocab, hidden, logits);
+    linear_stage(st, st->dims[D_LAYERS] * STAGES, st->dims[D_LAYERS] * 4, fields, vocab, hidden, logits);
+}
+
+/* The prefetcher's regions: every layer's four linears, then the head (if any), in use order. */
+static void plan_prefetch(Step *st, const int64_t *head) {
+    const int *d = st->dims;
+    const int hidden = d[D_HIDDEN], inter = d[D_INTER], qkv_n = (d[D_HEADS] + 2 * d[D_KV_HEADS]) * d[D_HEAD_DIM];
+    const int o_k = d[D_HEADS] * d[D_HEAD_DIM];
+    int64_t at = 0;
+    int count = 0;
+    for (int layer = 0; layer < d[D_LAYERS]; layer++) {
+        const int64_t *f = st->table + (int64_t)layer * LF_FIELDS;
+        const int64_t *fields[4] = {f + LF_QKV, f + LF_O, f + LF_GATE_UP, f + LF_DOWN};
+        const int n[4] = {qkv_n, hidden, 2 * inter, hidden}, k[4] = {hidden, o_k, hidden, inter};
+        for (int i = 0; i < 4; i++) {
+            Region *g = &st->pf.regions[count++];
+            g->base = (const uint8_t *)(intptr_t)fields[i][1];
+            g->bytes = (int64_t)q8_packed_bytes((int)fields[i][0], n[i], k[i]);
+            g->start = at;
+            at += (g->bytes + PF_UNIT - 1) / PF_UNIT * PF_UNIT;
+        }
+    }
+    if (head) {
+        Region *g = &st->pf.regions[count++];
+        g->base = (const uint8_t *)(intptr_t)head[1];
+        g->bytes = (int64_t)q8_packed_bytes((int)head[0], (int)head[2], hidden);
+        g->start = at;
+        at += (g->bytes + PF_UNIT - 1) / PF_UNIT * PF_UNIT;
+    }
+    st->pf.count = count;
+    st->pf.total = at;
+    atomic_init(&st->pf.next, 0);
+    atomic_init(&st->pf.consumed, 0);
 }
 
 /* Whether the fused step serves a model of these sizes (the int8 path, attention limits). */
@@ -290,7 +375,9 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     if (dims[D_HEADS] * dims[D_HEAD_DIM] > widest) widest = dims[D_HEADS] * dims[D_HEAD_DIM];
     st.rows_scratch = aligned_alloc(64, q8_rows_bytes(m, widest));
     st.counters = (atomic_int *)calloc((size_t)layers * STAGES + 1, sizeof(atomic_int)); /* + the head */
-    int failed = !item_start || !arena || !st.rows_scratch || !st.counters;
+    st.pf.regions = (Region *)malloc(sizeof(Region) * (size_t)(layers * 4 + 1));
+    int failed = !item_start || !arena || !st.rows_scratch || !st.counters || !st.pf.regions;
+    if (!failed) plan_prefetch(&st, head);
     if (!failed) {
         int max_seq = 0;
         plan_items(query_start, seq_lens, num_reqs, dims[D_KV_HEADS], item_start, &max_seq);
@@ -330,5 +417,6 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     free(arena);
     free(st.rows_scratch);
     free(st.counters);
+    free(st.pf.regions);
     return failed ? -1 : 0;
 }

@@ -20,6 +20,9 @@
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 8 /* records fetched ahead of use */
 #endif
+#ifndef Q8_AHEAD2
+#define Q8_AHEAD2 64 /* ... and into L2, further ahead */
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define HAVE_Q8 1
@@ -61,11 +64,12 @@ static inline int q8_slot(int kind, int b, int j) {
 /* Block b of row r: its 32 values quantized into q (slots of `kind`), its scale and per-block
  * term on its lanes of dpat / xspat. */
 static inline void put_block(Q8Rows *rows, int r, int b, float d, int sum) {
-    /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4, A x4, B x4], Q8_0 [A x8, B x8].
-     * The per-block term (Q4_1: + min * d sum(q); Q8_0: - 128 * scale * d sum(q), the
-     * weights' offset taken back out) is spread over the block's 8 lanes: / 8 is exact. */
+    /* Lanes of a pair's int32 products: Q4_1 [A x4, B x4] for each of two weight rows side by
+     * side, Q8_0 [A x8, B x8] for one row. The per-block term (Q4_1: + min * d sum(q); Q8_0:
+     * - 128 * scale * d sum(q), the weights' offset taken back out) is spread over a row's
+     * lanes of the block: / 4 and / 8 are exact. */
     const int64_t at = ((int64_t)r * (rows->nb / 2) + b / 2) * 16;
-    const float term = (rows->kind == Q8_KIND_Q4_1 ? 1.f : -128.f) * d * (float)sum / 8.f;
+    const float term = rows->kind == Q8_KIND_Q4_1 ? d * (float)sum / 4.f : -128.f * d * (float)sum / 8.f;
     for (int lane = 0; lane < 16; lane++) {
         const int block_of_lane = rows->kind == Q8_KIND_Q4_1 ? (lane / 4) % 2 : lane / 8;
         if (block_of_lane != b % 2) continue;
@@ -196,7 +200,10 @@ static inline __attribute__((always_inline)) void q8_tile(const int kind, const 
                                              : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const int pairs = w->nb / 2, rb = record_bytes(kind), qb = quant_bytes(kind);
     for (int p = 0; p < pairs; p++, rec += rb) {
-        for (int off = 0; off < rb; off += 64) _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
+        for (int off = 0; off < rb; off += 64) {
+            _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
+            if (Q8_AHEAD2) _mm_prefetch((const char *)rec + Q8_AHEAD2 * rb + off, _MM_HINT_T1);
+        }
         __m512 dx[TILE_IN], term[TILE_IN];
         __m512i xv[TILE_IN];
         for (int i = 0; i < ri; i++) {
@@ -235,13 +242,71 @@ static inline __attribute__((always_inline)) void q8_tile(const int kind, const 
     }
 }
 
+static inline float hsum8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+/* The Q4_1 tile, two weight rows per vector: one 512-bit load holds rows j and j+1's 32 bytes
+ * of nibbles; their low nibbles (values 0-15 of blocks A and B) and high nibbles (values 16-31)
+ * meet the activations' matching halves, broadcast to both rows, in two vpdpbusd into the same
+ * lanes, so each lane's integer sum covers 8 values of one block of one row: [A x4, B x4] for
+ * row j, then for row j+1. Half the instructions per weight of one row per vector. */
+static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
+                                                           int r0, const int ri, float sums[TILE_OUT][TILE_IN]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i pat0 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i pat1 = _mm512_add_epi32(pat0, _mm512_set1_epi32(4));
+    const int pairs = w->nb / 2, rb = record_bytes(Q8_KIND_Q4_1);
+    __m512 acc[2][TILE_IN];
+    for (int jp = 0; jp < 2; jp++)
+        for (int i = 0; i < ri; i++) acc[jp][i] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++, rec += rb) {
+        for (int off = 0; off < rb; off += 64) {
+            _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
+            if (Q8_AHEAD2) _mm_prefetch((const char *)rec + Q8_AHEAD2 * rb + off, _MM_HINT_T1);
+        }
+        __m512i xlo[TILE_IN], xhi[TILE_IN];
+        __m512 dx[TILE_IN], term[TILE_IN];
+        for (int i = 0; i < ri; i++) {
+            const int8_t *xq = x->q + (int64_t)(r0 + i) * w->k + p * 64; /* [A 0-15, B 0-15, A 16-31, B 16-31] */
+            const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16;
+            xlo[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xq));
+            xhi[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + 32)));
+            dx[i] = _mm512_loadu_ps(x->dpat + at);
+            term[i] = _mm512_loadu_ps(x->xspat + at);
+        }
+        const uint16_t *scales = (const uint16_t *)(rec + TILE_OUT * 32);
+        const __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales)));
+        const __m512 m8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 8))));
+        for (int jp = 0; jp < 2; jp++) {
+            const __m512i raw = _mm512_loadu_si512(rec + jp * 64);
+            const __m512i lo = _mm512_and_si512(raw, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            const __m512 dw = _mm512_permutexvar_ps(jp ? pat1 : pat0, d8);
+            const __m512 mw = _mm512_permutexvar_ps(jp ? pat1 : pat0, m8);
+            for (int i = 0; i < ri; i++) {
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]), hi, xhi[i]);
+                acc[jp][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[i]), acc[jp][i]);
+                acc[jp][i] = _mm512_fmadd_ps(mw, term[i], acc[jp][i]);
+            }
+        }
+    }
+    for (int jp = 0; jp < 2; jp++)
+        for (int i = 0; i < ri; i++) {
+            sums[2 * jp][i] = hsum8(_mm512_castps512_ps256(acc[jp][i]));
+            sums[2 * jp + 1][i] = hsum8(_mm512_extractf32x8_ps(acc[jp][i], 1));
+        }
+}
+
 /* A tile's sums plus the bias, stored. */
-static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, __m512 acc[TILE_OUT][TILE_IN],
+static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, float sums[TILE_OUT][TILE_IN],
                             const float *bias, int dt, void *y, int64_t ldy) {
     for (int j = 0; j < TILE_OUT && o0 + j < w->n; j++) {
         const int o = o0 + j;
         for (int i = 0; i < ri; i++) {
-            float v = _mm512_reduce_add_ps(acc[j][i]);
+            float v = sums[j][i];
             if (bias) v += bias[o];
             const int64_t at = (int64_t)(r0 + i) * ldy + o;
             if (dt == DT_F32)
@@ -252,22 +317,29 @@ static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, __m512 a
     }
 }
 
-/* One tile of either kind, ri rows (dispatch to the literal specializations). */
+/* One tile of either kind, ri rows (dispatch to the literal specializations): its sums. */
 static void q8_tile_any(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x, int r0, int ri,
-                        __m512 acc[TILE_OUT][TILE_IN]) {
-#define Q8_CASES(KIND)                                                                             \
-    switch (ri) {                                                                                  \
-    case 1: q8_tile(KIND, w, rec, x, r0, 1, acc); break;                                           \
-    case 2: q8_tile(KIND, w, rec, x, r0, 2, acc); break;                                           \
-    case 3: q8_tile(KIND, w, rec, x, r0, 3, acc); break;                                           \
-    default: q8_tile(KIND, w, rec, x, r0, 4, acc); break;                                          \
-    }
+                        float sums[TILE_OUT][TILE_IN]) {
     if (w->kind == Q8_KIND_Q4_1) {
-        Q8_CASES(Q8_KIND_Q4_1)
-    } else {
-        Q8_CASES(Q8_KIND_Q8_0)
+        switch (ri) {
+        case 1: q41_tile(w, rec, x, r0, 1, sums); break;
+        case 2: q41_tile(w, rec, x, r0, 2, sums); break;
+        case 3: q41_tile(w, rec, x, r0, 3, sums); break;
+        default: q41_tile(w, rec, x, r0, 4, sums); break;
+        }
+        return;
     }
-#undef Q8_CASES
+    __m512 acc[TILE_OUT][TILE_IN];
+    for (int j = 0; j < TILE_OUT; j++)
+        for (int i = 0; i < TILE_IN; i++) acc[j][i] = _mm512_setzero_ps();
+    switch (ri) {
+    case 1: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 1, acc); break;
+    case 2: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 2, acc); break;
+    case 3: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 3, acc); break;
+    default: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 4, acc); break;
+    }
+    for (int j = 0; j < TILE_OUT; j++)
+        for (int i = 0; i < ri; i++) sums[j][i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 #endif
 
@@ -283,11 +355,9 @@ void q8_linear_range(const Q8Weights *w, const Q8Rows *x, const float *bias, int
         const uint8_t *rec = w->packed + t * tile_bytes;
         for (int r0 = 0; r0 < x->m; r0 += TILE_IN) {
             const int ri = x->m - r0 < TILE_IN ? x->m - r0 : TILE_IN;
-            __m512 acc[TILE_OUT][TILE_IN];
-            for (int j = 0; j < TILE_OUT; j++)
-                for (int i = 0; i < TILE_IN; i++) acc[j][i] = _mm512_setzero_ps();
-            q8_tile_any(w, rec, x, r0, ri, acc);
-            q8_store(w, t * TILE_OUT, r0, ri, acc, bias, dt, y, ldy);
+            float sums[TILE_OUT][TILE_IN];
+            q8_tile_any(w, rec, x, r0, ri, sums);
+            q8_store(w, t * TILE_OUT, r0, ri, sums, bias, dt, y, ldy);
         }
     }
 #else
