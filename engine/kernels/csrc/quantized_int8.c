@@ -188,17 +188,14 @@ int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const flo
 }
 
 #if HAVE_Q8
-/* Sums of one tile (records from rec on): 4 weight rows times activation rows r0..r0+ri-1, with
- * the scales and the per-block term applied. KIND and ri are literals at every call, so each
- * specialization keeps its accumulators in registers and has no branch inside. */
-static inline __attribute__((always_inline)) void q8_tile(const int kind, const Q8Weights *w, const uint8_t *rec,
-                                                          const Q8Rows *x, int r0, const int ri,
-                                                          __m512 acc[TILE_OUT][TILE_IN]) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+/* The Q8_0 tile (records from rec on): 4 weight rows, one per vector, times activation rows
+ * r0..r0+ri-1, with the scales and the per-block term applied; lanes [A x8, B x8]. ri is a
+ * literal at every call, so each specialization keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) void q80_tile(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
+                                                           int r0, const int ri, __m512 acc[TILE_OUT][TILE_IN]) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i pat = kind == Q8_KIND_Q4_1 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const int pairs = w->nb / 2, rb = record_bytes(kind), qb = quant_bytes(kind);
+    const __m512i pat = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const int pairs = w->nb / 2, rb = record_bytes(Q8_KIND_Q8_0);
     for (int p = 0; p < pairs; p++, rec += rb) {
         for (int off = 0; off < rb; off += 64) {
             _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
@@ -212,31 +209,17 @@ static inline __attribute__((always_inline)) void q8_tile(const int kind, const 
             dx[i] = _mm512_loadu_ps(x->dpat + at);
             term[i] = _mm512_loadu_ps(x->xspat + at);
         }
-        /* The 4 rows' 8 scales (and 8 minimums), float16 to float32 once per record; each row's
-         * pair then goes to the lanes of its blocks' products by one permute. */
-        const uint16_t *scales = (const uint16_t *)(rec + TILE_OUT * qb);
-        const __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales)));
-        const __m512 m8 = kind == Q8_KIND_Q4_1
-                              ? _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 8))))
-                              : d8;
+        /* The 4 rows' 8 scales, float16 to float32 once per record; each row's pair then goes
+         * to the lanes of its blocks' products by one permute. */
+        const __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + TILE_OUT * 64))));
         for (int j = 0; j < TILE_OUT; j++) {
-            __m512i wv;
-            if (kind == Q8_KIND_Q4_1) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
-                __m256i lo = _mm256_and_si256(raw, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            } else {
-                wv = _mm512_xor_si512(_mm512_loadu_si512(rec + j * 64), flip);
-            }
-            const __m512i pj = _mm512_add_epi32(pat, _mm512_set1_epi32(2 * j));
-            const __m512 dw = _mm512_permutexvar_ps(pj, d8);
-            /* Q4_1: the block minimums; Q8_0: the scales again (the offset's factor). */
-            const __m512 mw = kind == Q8_KIND_Q4_1 ? _mm512_permutexvar_ps(pj, m8) : dw;
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(rec + j * 64), flip);
+            /* the scales twice: the products' factor and the offset's */
+            const __m512 dw = _mm512_permutexvar_ps(_mm512_add_epi32(pat, _mm512_set1_epi32(2 * j)), d8);
             for (int i = 0; i < ri; i++) {
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[i]);
                 acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[i]), acc[j][i]);
-                acc[j][i] = _mm512_fmadd_ps(mw, term[i], acc[j][i]);
+                acc[j][i] = _mm512_fmadd_ps(dw, term[i], acc[j][i]);
             }
         }
     }
@@ -333,10 +316,10 @@ static void q8_tile_any(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
     for (int j = 0; j < TILE_OUT; j++)
         for (int i = 0; i < TILE_IN; i++) acc[j][i] = _mm512_setzero_ps();
     switch (ri) {
-    case 1: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 1, acc); break;
-    case 2: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 2, acc); break;
-    case 3: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 3, acc); break;
-    default: q8_tile(Q8_KIND_Q8_0, w, rec, x, r0, 4, acc); break;
+    case 1: q80_tile(w, rec, x, r0, 1, acc); break;
+    case 2: q80_tile(w, rec, x, r0, 2, acc); break;
+    case 3: q80_tile(w, rec, x, r0, 3, acc); break;
+    default: q80_tile(w, rec, x, r0, 4, acc); break;
     }
     for (int j = 0; j < TILE_OUT; j++)
         for (int i = 0; i < ri; i++) sums[j][i] = _mm512_reduce_add_ps(acc[j][i]);
