@@ -102,7 +102,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for c in concurrencies:
                     if c > 1 and slots == 1:
                         continue  # one slot serves one stream; its c=1 row is the baseline
-                    summary, _ = serve(base_url, requests_for(c), c)
+                    # llama-server dropped reused keep-alive connections mid-run (requests
+                    # failed at once): a new connection per request for it.
+                    summary, _ = serve(base_url, requests_for(c), c, keepalive=False)
                     rows.append(_row("llama.cpp", c, summary, slots=slots))
     return {"rows": rows, "workload": vars(args) | {"model": str(model)}}
 

@@ -167,12 +167,17 @@ async def run_benchmark(
     progress: bool = True,
     ttft_slo_ms: float | None = None,
     tpot_slo_ms: float | None = None,
+    keepalive: bool = True,
 ) -> tuple[dict[str, Any], list[RequestResult]]:
-    """Send ``requests`` and return (summary, per-request results)."""
+    """Send ``requests`` and return (summary, per-request results). ``keepalive`` False: a new
+    connection per request (for servers that drop reused ones, as llama-server did here)."""
     gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    pool = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=None)
+    pool = httpx.Limits(
+        max_connections=max_concurrency or 1000,
+        max_keepalive_connections=None if keepalive else 0,
+    )
     bar = None
     if progress:
         from tqdm import tqdm

@@ -302,7 +302,7 @@ def wait_ready(
 
 
 def serve(
-    base_url: str, requests: Sequence[Any], concurrency: int
+    base_url: str, requests: Sequence[Any], concurrency: int, keepalive: bool = True
 ) -> tuple[dict[str, Any], list[Any]]:
     from load import serve_bench
 
@@ -314,6 +314,7 @@ def serve(
             max_concurrency=concurrency,
             extra_body={"ignore_eos": True},
             progress=False,
+            keepalive=keepalive,
         )
     )
 
