@@ -98,6 +98,29 @@ def test_paged_attention_matches_per_token_oracle(
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_a_request_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+    """With four or more requests, each decode row takes all its KV heads in one work item
+    (one thread reads the rows of every head); each request's output is still the one it gets
+    alone, bit for bit, beside a prefill chunk or not."""
+    shape = [(1, 40), (1, 17), (6, 30), (1, 1), (1, 33)]
+    q, cache, meta, _, _, q_lens = _paged_case(9, 3, 64, 16, shape, dtype, seed=11)
+    scale = 64**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None
+    start = 0
+    for r, (q_len, _) in enumerate(shape):
+        alone = cpu.paged_attention_cpu(
+            q[start : start + q_len], cache, meta.block_tables[r : r + 1],
+            torch.tensor([0, q_len], dtype=torch.int32), meta.seq_lens[r : r + 1], scale,
+        )  # fmt: skip
+        assert alone is not None and torch.equal(alone, out[start : start + q_len])
+        start += q_len
+    assert start == sum(q_lens)
+
+
 def test_paged_attention_declines_what_it_cannot_run() -> None:
     q = torch.randn(1, 4, 8, dtype=torch.float16)
     cache = torch.zeros(2, 2, 4, 2, 8, dtype=torch.float16)

@@ -380,7 +380,9 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     if (!failed) plan_prefetch(&st, head);
     if (!failed) {
         int max_seq = 0;
-        plan_items(query_start, seq_lens, num_reqs, dims[D_KV_HEADS], item_start, &max_seq);
+        const int64_t half = num_blocks * (int64_t)block_size * dims[D_KV_HEADS] * dims[D_HEAD_DIM];
+        const int all_heads = decode_items_all_heads(num_reqs, dims[D_HEADS], dims[D_HEAD_DIM], half);
+        plan_items(query_start, seq_lens, num_reqs, dims[D_KV_HEADS], all_heads, item_start, &max_seq);
         st.item_start = item_start;
         step_buffers(&st, arena);
         const int heads = dims[D_HEADS], kvh = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM];
@@ -388,7 +390,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
             .query = st.qkv, .q_stride_t = (int64_t)(heads + 2 * kvh) * hd, .q_stride_h = hd, .cache = NULL,
             .block_size = block_size, .kv_heads = kvh, .head_dim = hd, .heads = heads, .group = heads / kvh,
             .max_blocks = max_blocks, .dt = DT_BF16, .max_seq = max_seq,
-            .half = num_blocks * (int64_t)block_size * kvh * hd, .tables = tables, .query_start = query_start,
+            .half = half, .decode_all_heads = all_heads, .tables = tables, .query_start = query_start,
             .seq_lens = seq_lens, .scale = scale, .out = st.att,
         };
         st.attn = a;

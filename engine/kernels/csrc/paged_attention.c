@@ -133,6 +133,13 @@ static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t
     for (int i = 0; i < n; i++) prefetch_row((const char *)a->cache + (int64_t)at[i] * elt, span);
 }
 
+/* Query q of an item: its row (of the item's rows) and its head. Queries are ordered by KV head
+ * of the item, then row, then the heads sharing that KV head. */
+static inline int q_row(const Attn *a, const Item *it, int q) { return (q % it->per_kv) / a->group; }
+static inline int q_head(const Attn *a, const Item *it, int q) {
+    return (it->kvh + q / it->per_kv) * a->group + q % a->group;
+}
+
 /* Pass 1, vectorized: scores of every query of the item against positions 0..ctx_end-1. */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
     const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
@@ -140,10 +147,9 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
     uint32_t qpairs[MAX_QUERIES * 128] __attribute__((aligned(64)));
     if (a->dt == DT_BF16) {
         for (int q = 0; q < it->nq; q++) {
-            int i = q / a->group, g = q % a->group;
-            int64_t t = a->query_start[it->r] + it->row0 + i;
+            const int64_t t = a->query_start[it->r] + it->row0 + q_row(a, it, q);
             memcpy(qpairs + q * (a->head_dim / 2),
-                   (const uint16_t *)a->query + t * a->q_stride_t + (it->kvh * a->group + g) * a->q_stride_h,
+                   (const uint16_t *)a->query + t * a->q_stride_t + q_head(a, it, q) * a->q_stride_h,
                    (size_t)a->head_dim * 2);
         }
     }
@@ -158,16 +164,20 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
         const int valid = group_rows(a, it, p0, rows_at);
         prefetch_group(a, it, p0 + AHEAD * 16, span, elt);
         const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+        for (int kvl = 0; kvl < it->nkv; kvl++) { /* the item's KV heads: rows in cache by now */
+            const int q0 = kvl * it->per_kv, shift = kvl * a->head_dim;
 #if defined(__AVX512BF16__)
-        if (a->dt == DT_BF16) {
-            const uint16_t *rows[16];
-            for (int i = 0; i < 16; i++) rows[i] = (const uint16_t *)a->cache + rows_at[i];
-            scores16_rows(rows, mask, a->head_dim, (const __m512bh *)qpairs, it->nq, a->scale, scores + p0,
-                          a->max_seq);
-        } else
+            if (a->dt == DT_BF16) {
+                const uint16_t *rows[16];
+                for (int i = 0; i < 16; i++) rows[i] = (const uint16_t *)a->cache + rows_at[i] + shift;
+                scores16_rows(rows, mask, a->head_dim, (const __m512bh *)qpairs + (int64_t)q0 * (a->head_dim / 32),
+                              it->per_kv, a->scale, scores + (int64_t)q0 * a->max_seq + p0, a->max_seq);
+            } else
 #endif
-            scores16(a->cache, a->dt, _mm512_loadu_si512(rows_at), mask, a->head_dim, qbuf, qpairs, it->nq,
-                     a->scale, scores + p0, a->max_seq);
+                scores16(a->cache, a->dt, _mm512_add_epi32(_mm512_loadu_si512(rows_at), _mm512_set1_epi32(shift)),
+                         mask, a->head_dim, qbuf + (int64_t)q0 * a->head_dim, qpairs, it->per_kv, a->scale,
+                         scores + (int64_t)q0 * a->max_seq + p0, a->max_seq);
+        }
     }
 }
 
@@ -187,24 +197,24 @@ static inline void prefetch_block(const Attn *a, const Item *it, int blk, int p)
 /* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+16*DN-1: NQ, DN and BF16 are literals at
  * every call, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const Item *it, const float *scores,
-                                                          float *obuf, int d0, int q0, const int NQ, const int DN,
-                                                          const int BF16) {
+                                                          float *obuf, int kvh, int first, int d0, int q0,
+                                                          const int NQ, const int DN, const int BF16) {
     const int head_dim = a->head_dim;
     const int64_t elt = BF16 ? 2 : 4;
     __m512 o[4][4];
     for (int x = 0; x < NQ; x++)
         for (int z = 0; z < DN; z++) o[x][z] = _mm512_setzero_ps();
     const int ahead_blocks = a->block_size >= 64 ? 1 : 64 / a->block_size;
-    if (q0 == 0 && d0 == 0)
+    if (first)
         for (int b = 0; b < ahead_blocks; b++) prefetch_block(a, it, b, b * a->block_size);
     for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
-        const int64_t first = (int64_t)it->table[blk] * a->block_size;
+        const int64_t base = (int64_t)it->table[blk] * a->block_size;
         const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
         const int rest = it->ctx_end - p - stop, next_stop = rest < a->block_size ? rest : a->block_size;
-        if (q0 == 0 && d0 == 0) /* (as in pass 1) */
+        if (first) /* (as in pass 1) */
             prefetch_block(a, it, blk + ahead_blocks, p + ahead_blocks * a->block_size);
         for (int off = 0; off < stop; off++, p++) {
-            const int64_t at = a->half + ((first + off) * a->kv_heads + it->kvh) * head_dim + d0;
+            const int64_t at = a->half + ((base + off) * a->kv_heads + kvh) * head_dim + d0;
             __m512 v[4];
             for (int z = 0; z < DN; z++) {
                 if (BF16)
@@ -228,27 +238,30 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
  * 4 queries x 64 head dims (head_dim is a multiple of 32, so a tile is 32 or 64 wide). */
 static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
     const int bf16 = a->dt == DT_BF16;
-    for (int d0 = 0; d0 < a->head_dim; d0 += 64) {
-        const int wide = a->head_dim - d0 >= 64;
-        for (int q0 = 0; q0 < it->nq; q0 += 4) {
-            const int nq = it->nq - q0 < 4 ? it->nq - q0 : 4;
+    for (int kvl = 0; kvl < it->nkv; kvl++) {
+        for (int d0 = 0; d0 < a->head_dim; d0 += 64) {
+            const int wide = a->head_dim - d0 >= 64;
+            for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 4) {
+                const int nq = (kvl + 1) * it->per_kv - q0 < 4 ? (kvl + 1) * it->per_kv - q0 : 4;
+                const int kvh = it->kvh + kvl, first = kvl == 0 && d0 == 0 && q0 == 0;
 #define PV_NQ(DN, BF)                                                                                    \
     switch (nq) {                                                                                        \
-    case 1: pv_tile(a, it, scores, obuf, d0, q0, 1, DN, BF); break;                                      \
-    case 2: pv_tile(a, it, scores, obuf, d0, q0, 2, DN, BF); break;                                      \
-    case 3: pv_tile(a, it, scores, obuf, d0, q0, 3, DN, BF); break;                                      \
-    default: pv_tile(a, it, scores, obuf, d0, q0, 4, DN, BF); break;                                     \
+    case 1: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 1, DN, BF); break;                          \
+    case 2: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 2, DN, BF); break;                          \
+    case 3: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 3, DN, BF); break;                          \
+    default: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 4, DN, BF); break;                         \
     }
-            if (bf16 && wide) {
-                PV_NQ(4, 1)
-            } else if (bf16) {
-                PV_NQ(2, 1)
-            } else if (wide) {
-                PV_NQ(4, 0)
-            } else {
-                PV_NQ(2, 0)
-            }
+                if (bf16 && wide) {
+                    PV_NQ(4, 1)
+                } else if (bf16) {
+                    PV_NQ(2, 1)
+                } else if (wide) {
+                    PV_NQ(4, 0)
+                } else {
+                    PV_NQ(2, 0)
+                }
 #undef PV_NQ
+            }
         }
     }
 }
@@ -327,40 +340,45 @@ static void softmax_row(float *s, int limit, int ctx_end) {
     for (p = limit; p < ctx_end; p++) s[p] = 0.f;
 }
 
-/* Copy (load) or write back (store) the item's query / output rows, head by head. */
+/* Copy (load) or write back (store) the item's query / output rows, query by query. */
 static void load_queries(const Attn *a, const Item *it, float *qbuf) {
-    for (int i = 0; i < it->rows; i++) {
-        int64_t t = a->query_start[it->r] + it->row0 + i;
-        for (int g = 0; g < a->group; g++) {
-            int h = it->kvh * a->group + g;
-            load_row(a->query, a->dt, t * a->q_stride_t + h * a->q_stride_h, a->head_dim,
-                     qbuf + (int64_t)(i * a->group + g) * a->head_dim);
-        }
+    for (int q = 0; q < it->nq; q++) {
+        const int64_t t = a->query_start[it->r] + it->row0 + q_row(a, it, q);
+        load_row(a->query, a->dt, t * a->q_stride_t + q_head(a, it, q) * a->q_stride_h, a->head_dim,
+                 qbuf + (int64_t)q * a->head_dim);
     }
 }
 
 static void store_outputs(const Attn *a, const Item *it, const float *obuf) {
-    for (int i = 0; i < it->rows; i++) {
-        int64_t t = a->query_start[it->r] + it->row0 + i;
-        for (int g = 0; g < a->group; g++) {
-            int h = it->kvh * a->group + g;
-            store_row(a->out, a->dt, (t * a->heads + h) * a->head_dim, a->head_dim,
-                      obuf + (int64_t)(i * a->group + g) * a->head_dim);
-        }
+    for (int q = 0; q < it->nq; q++) {
+        const int64_t t = a->query_start[it->r] + it->row0 + q_row(a, it, q);
+        store_row(a->out, a->dt, (t * a->heads + q_head(a, it, q)) * a->head_dim, a->head_dim,
+                  obuf + (int64_t)q * a->head_dim);
     }
 }
 
-/* Item `local` of request r (the items of one request are its KV heads times its row tiles). */
+/* Item `local` of request r: a decode row of a call whose decodes take every KV head at once
+ * (a->decode_all_heads) is one item; otherwise the items of a request are its KV heads times its
+ * tiles of rows. */
 Item resolve_item(const Attn *a, int r, int64_t local) {
     Item it;
     it.r = r;
-    it.kvh = (int)(local % a->kv_heads);
-    const int tile = (int)(local / a->kv_heads);
     it.q_len = a->query_start[r + 1] - a->query_start[r];
     it.seq_len = a->seq_lens[r];
+    int tile;
+    if (a->decode_all_heads && it.q_len == 1) {
+        it.kvh = 0;
+        it.nkv = a->kv_heads;
+        tile = 0;
+    } else {
+        it.kvh = (int)(local % a->kv_heads);
+        it.nkv = 1;
+        tile = (int)(local / a->kv_heads);
+    }
     it.row0 = tile * ROW_TILE;
     it.rows = it.q_len - it.row0 < ROW_TILE ? it.q_len - it.row0 : ROW_TILE;
-    it.nq = it.rows * a->group;
+    it.per_kv = it.rows * a->group;
+    it.nq = it.per_kv * it.nkv;
     /* Context the last row of this tile sees; earlier rows see less (causal). */
     it.ctx_end = it.seq_len - it.q_len + it.row0 + it.rows;
     it.table = a->tables + (int64_t)r * a->max_blocks;
@@ -373,7 +391,7 @@ void attend_item(const Attn *a, const Item *it, Scratch *s) {
     if (fast) scores_fast(a, it, s->qbuf, s->scores);
     else scores_portable(a, it, s->qbuf, s->scores, s->kv);
     for (int q = 0; q < it->nq; q++) {
-        int limit = it->seq_len - it->q_len + it->row0 + q / a->group + 1;
+        int limit = it->seq_len - it->q_len + it->row0 + q_row(a, it, q) + 1;
         softmax_row(s->scores + (int64_t)q * a->max_seq, limit, it->ctx_end);
     }
     if (fast) pv_fast(a, it, s->scores, s->obuf);
@@ -383,19 +401,33 @@ void attend_item(const Attn *a, const Item *it, Scratch *s) {
 
 /* Offsets of each request's first work item into item_start[0..num_reqs]; returns the
  * positions read in all (the work), and the longest context in *max_seq. */
-int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs,
-                          int kv_heads, int64_t *item_start, int *max_seq) {
+int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs, int kv_heads,
+                   int decode_all_heads, int64_t *item_start, int *max_seq) {
     item_start[0] = 0;
     *max_seq = 0;
     int64_t work = 0;
     for (int r = 0; r < num_reqs; r++) {
         int q_len = query_start[r + 1] - query_start[r];
         int tiles = (q_len + ROW_TILE - 1) / ROW_TILE;
-        item_start[r + 1] = item_start[r] + (int64_t)tiles * kv_heads;
+        item_start[r + 1] = item_start[r] + (decode_all_heads && q_len == 1 ? 1 : (int64_t)tiles * kv_heads);
         if (seq_lens[r] > *max_seq) *max_seq = seq_lens[r];
         work += (int64_t)tiles * kv_heads * (int64_t)seq_lens[r];
     }
     return work;
+}
+
+/* Whether a call's decode rows take every KV head in one item: one thread then reads each
+ * position's K and V rows of all heads, contiguous in the cache, instead of three threads
+ * reading every third row (which ran at a third of the memory bandwidth with many decodes).
+ * Only where there are enough requests to share out, the vector path serves, and a row's
+ * queries fit an item. The grouping never changes a result: each query is computed alone. */
+int decode_items_all_heads(int num_reqs, int heads, int head_dim, int64_t half) {
+#ifdef __AVX512F__
+    return num_reqs >= 4 && heads <= MAX_QUERIES && head_dim % 32 == 0 && half < ((int64_t)1 << 31);
+#else
+    (void)num_reqs, (void)heads, (void)head_dim, (void)half;
+    return 0;
+#endif
 }
 
 int scratch_alloc(Scratch *s, int max_seq, int head_dim) {
@@ -458,12 +490,14 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     if (!item_start) return -1;
     int max_seq = 0;
-    const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, item_start, &max_seq);
+    const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
+    const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, half);
+    const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, all_heads, item_start, &max_seq);
     const Attn a = {
         .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,
         .block_size = block_size, .kv_heads = kv_heads, .head_dim = head_dim, .heads = heads,
         .group = group, .max_blocks = max_blocks, .dt = dt, .max_seq = max_seq,
-        .half = num_blocks * (int64_t)block_size * kv_heads * head_dim,
+        .half = half, .decode_all_heads = all_heads,
         .tables = tables, .query_start = query_start, .seq_lens = seq_lens, .scale = scale,
         .out = out,
     };

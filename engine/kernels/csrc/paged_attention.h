@@ -15,14 +15,16 @@ typedef struct {
     const void *cache;
     int block_size, kv_heads, head_dim, heads, group, max_blocks, dt, max_seq;
     int64_t half; /* elements from K to V in the cache */
+    int decode_all_heads; /* decode rows take every KV head in one item (decode_items_all_heads) */
     const int32_t *tables, *query_start, *seq_lens;
     float scale;
     void *out;
 } Attn;
 
-/* One work item, resolved: the request's rows row0..row0+rows-1 against KV head kvh. */
+/* One work item, resolved: the request's rows row0..row0+rows-1 against KV heads kvh..kvh+nkv-1
+ * (per_kv queries each: rows times the heads that share a KV head; nq in all). */
 typedef struct {
-    int r, kvh, q_len, seq_len, row0, rows, nq, ctx_end;
+    int r, kvh, nkv, q_len, seq_len, row0, rows, per_kv, nq, ctx_end;
     const int32_t *table;
 } Item;
 
@@ -34,8 +36,10 @@ typedef struct {
 /* Offsets of each request's first work item into item_start[0..num_reqs]; returns the
  * positions read in all (the work), and the longest context in *max_seq. */
 int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs, int kv_heads,
-                   int64_t *item_start, int *max_seq);
-/* Item `local` of request r (the items of one request are its KV heads times its row tiles). */
+                   int decode_all_heads, int64_t *item_start, int *max_seq);
+/* Whether a call's decode rows take every KV head in one item (see paged_attention.c). */
+int decode_items_all_heads(int num_reqs, int heads, int head_dim, int64_t half);
+/* Item `local` of request r (see paged_attention.c). */
 Item resolve_item(const Attn *a, int r, int64_t local);
 /* Attend one work item: its queries' rows of the output. */
 void attend_item(const Attn *a, const Item *it, Scratch *s);
