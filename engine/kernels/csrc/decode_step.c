@@ -381,7 +381,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     if (!failed) {
         int max_seq = 0;
         const int64_t half = num_blocks * (int64_t)block_size * dims[D_KV_HEADS] * dims[D_HEAD_DIM];
-        const int all_heads = decode_items_all_heads(num_reqs, dims[D_HEADS], dims[D_HEAD_DIM], half);
+        const int all_heads = decode_items_all_heads(num_reqs, dims[D_HEADS], dims[D_HEAD_DIM], DT_BF16, half);
         plan_items(query_start, seq_lens, num_reqs, dims[D_KV_HEADS], all_heads, item_start, &max_seq);
         st.item_start = item_start;
         step_buffers(&st, arena);

@@ -5,6 +5,13 @@
  */
 #include "paged_attention.h"
 
+/* Query q of an item: its row (of the item's rows) and its head. Queries are ordered by KV head
+ * of the item, then row, then the heads sharing that KV head. */
+static inline int q_row(const Attn *a, const Item *it, int q) { return (q % it->per_kv) / a->group; }
+static inline int q_head(const Attn *a, const Item *it, int q) {
+    return (it->kvh + q / it->per_kv) * a->group + q % a->group;
+}
+
 #ifdef __AVX512F__
 /* e^x for 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6 Taylor
  * polynomial (relative error below 2e-7); very negative x gives 0. */
@@ -133,13 +140,6 @@ static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t
     for (int i = 0; i < n; i++) prefetch_row((const char *)a->cache + (int64_t)at[i] * elt, span);
 }
 
-/* Query q of an item: its row (of the item's rows) and its head. Queries are ordered by KV head
- * of the item, then row, then the heads sharing that KV head. */
-static inline int q_row(const Attn *a, const Item *it, int q) { return (q % it->per_kv) / a->group; }
-static inline int q_head(const Attn *a, const Item *it, int q) {
-    return (it->kvh + q / it->per_kv) * a->group + q % a->group;
-}
-
 /* Pass 1, vectorized: scores of every query of the item against positions 0..ctx_end-1. */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
     const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
@@ -200,7 +200,6 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
                                                           float *obuf, int kvh, int first, int d0, int q0,
                                                           const int NQ, const int DN, const int BF16) {
     const int head_dim = a->head_dim;
-    const int64_t elt = BF16 ? 2 : 4;
     __m512 o[4][4];
     for (int x = 0; x < NQ; x++)
         for (int z = 0; z < DN; z++) o[x][z] = _mm512_setzero_ps();
@@ -210,7 +209,6 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
     for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
         const int64_t base = (int64_t)it->table[blk] * a->block_size;
         const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
-        const int rest = it->ctx_end - p - stop, next_stop = rest < a->block_size ? rest : a->block_size;
         if (first) /* (as in pass 1) */
             prefetch_block(a, it, blk + ahead_blocks, p + ahead_blocks * a->block_size);
         for (int off = 0; off < stop; off++, p++) {
@@ -268,10 +266,18 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
 
 /* Gathers take 32-bit element offsets: the vector path needs the K half of the cache to hold
  * fewer than 2^31 elements. */
-static inline int use_vector_path(const Attn *a) {
-    return (a->head_dim % 32) == 0 && a->half < ((int64_t)1 << 31);
+static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
+#ifndef __AVX512BF16__
+    if (dt == DT_BF16) return 0; /* its bf16 scores need vdpbf16ps */
+#endif
+    return (head_dim % 32) == 0 && half < ((int64_t)1 << 31);
 }
+static inline int use_vector_path(const Attn *a) { return vector_path_serves(a->dt, a->head_dim, a->half); }
 #else
+static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
+    (void)dt, (void)head_dim, (void)half;
+    return 0;
+}
 static inline int use_vector_path(const Attn *a) {
     (void)a;
     return 0;
@@ -418,16 +424,11 @@ int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_
 
 /* Whether a call's decode rows take every KV head in one item: one thread then reads each
  * position's K and V rows of all heads, contiguous in the cache, instead of three threads
- * reading every third row (which ran at a third of the memory bandwidth with many decodes).
+ * reading every third row (1.3x slower at 64 decodes here).
  * Only where there are enough requests to share out, the vector path serves, and a row's
  * queries fit an item. The grouping never changes a result: each query is computed alone. */
-int decode_items_all_heads(int num_reqs, int heads, int head_dim, int64_t half) {
-#ifdef __AVX512F__
-    return num_reqs >= 4 && heads <= MAX_QUERIES && head_dim % 32 == 0 && half < ((int64_t)1 << 31);
-#else
-    (void)num_reqs, (void)heads, (void)head_dim, (void)half;
-    return 0;
-#endif
+int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_t half) {
+    return num_reqs >= 4 && heads <= MAX_QUERIES && vector_path_serves(dt, head_dim, half);
 }
 
 int scratch_alloc(Scratch *s, int max_seq, int head_dim) {
@@ -491,7 +492,7 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
     if (!item_start) return -1;
     int max_seq = 0;
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
-    const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, half);
+    const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, dt, half);
     const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, all_heads, item_start, &max_seq);
     const Attn a = {
         .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,

@@ -38,7 +38,7 @@ typedef struct {
 int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs, int kv_heads,
                    int decode_all_heads, int64_t *item_start, int *max_seq);
 /* Whether a call's decode rows take every KV head in one item (see paged_attention.c). */
-int decode_items_all_heads(int num_reqs, int heads, int head_dim, int64_t half);
+int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_t half);
 /* Item `local` of request r (see paged_attention.c). */
 Item resolve_item(const Attn *a, int r, int64_t local);
 /* Attend one work item: its queries' rows of the output. */
