@@ -25,12 +25,8 @@ TEXTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def hf_base(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
+def hf_base(smollm2_hf):  # type: ignore[no-untyped-def]
+    return smollm2_hf  # the session's; make_adapter and merged_greedy work on deep copies
 
 
 @pytest.fixture(scope="module")
