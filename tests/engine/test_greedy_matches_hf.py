@@ -55,8 +55,8 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu")
+def loaded(smollm2_float32: LoadedModel) -> LoadedModel:
+    return smollm2_float32
 
 
 @pytest.fixture(scope="module")
