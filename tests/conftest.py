@@ -82,6 +82,31 @@ def smollm2_hf(smollm2_gguf: Path) -> Any:
     return model.eval()
 
 
+# --------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="session")
+def hermes_engine_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """A real ``portico engine`` serving the tiny Llama with the Hermes tool-call parser and auto
+    tool choice (so ``tools`` + ``tool_choice: auto`` are valid requests), started once for the
+    session: the embeddings/Responses module and the OpenAPI contract suite both use it. Must
+    still be up, and exit 0 on SIGTERM, at the end."""
+    from tests.engine.server.engine_server_process import EngineProcess
+
+    server = EngineProcess(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("hermes-engine") / "engine.log",
+        extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        assert server.stop() == 0, server.logs()
+
+
 # --------------------------------------------------------------------------- redis
 
 
