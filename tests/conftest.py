@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -66,6 +66,45 @@ def smollm2_gguf() -> Path:
     if path is None:
         pytest.fail("the default model is missing: run `portico models pull smollm2-135m`")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path) -> Any:
+    """transformers' own load of the default model's GGUF file (float32, eval mode), the
+    reference several modules compare against. Loaded once: dequantizing the file costs ~20 s
+    of CPU. Shared, so read-only: a test that changes weights works on a deep copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="session")
+def hermes_engine_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """A real ``portico engine`` serving the tiny Llama with the Hermes tool-call parser and auto
+    tool choice (so ``tools`` + ``tool_choice: auto`` are valid requests), started once for the
+    session: the embeddings/Responses module and the OpenAPI contract suite both use it. Must
+    still be up, and exit 0 on SIGTERM, at the end."""
+    from tests.engine.server.engine_server_process import EngineProcess
+
+    server = EngineProcess(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("hermes-engine") / "engine.log",
+        extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        assert server.stop() == 0, server.logs()
 
 
 # --------------------------------------------------------------------------- redis

@@ -7,6 +7,7 @@ conftest modules exist and only one of them owns that name in a full run.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,10 @@ def default_model_gguf() -> Path | None:
         return None
 
 
+@functools.cache
 def _load_real_tokenizer():  # type: ignore[no-untyped-def]
+    """SmolLM2's tokenizer converted from the GGUF file, once per process (the conversion
+    takes seconds of CPU; builds only read the tokenizer and save it into their folder)."""
     from transformers import AutoTokenizer
 
     gguf = default_model_gguf()

@@ -27,3 +27,11 @@ def one_torch_thread() -> Iterator[None]:
 def tiny(tiny_llama_dir: Path) -> LoadedModel:
     """The tiny random Llama loaded in float32 on the CPU (a module may define its own)."""
     return load_model(ModelSource("tiny", tiny_llama_dir, "hf"), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_float32(smollm2_gguf: Path) -> LoadedModel:
+    """The default model's GGUF loaded dense in float32 on the CPU, once for the session (the
+    modules comparing it with references each loaded it). Engines are built on it as on any
+    LoadedModel, several per module: they read the weights and never change them."""
+    return load_model(ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu")

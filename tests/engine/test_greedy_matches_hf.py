@@ -55,8 +55,8 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu")
+def loaded(smollm2_float32: LoadedModel) -> LoadedModel:
+    return smollm2_float32
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +72,9 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_references(smollm2_gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
+def hf_references(smollm2_hf: Any, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens for each prompt, generated alone (no padding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    model.eval()
+    model = smollm2_hf
     eos = model.generation_config.eos_token_id
     refs = []
     with torch.no_grad():
@@ -92,7 +87,6 @@ def hf_references(smollm2_gguf: Path, prompts: list[list[int]]) -> list[list[int
                 pad_token_id=eos,
             )
             refs.append(out[0, len(ids) :].tolist())
-    del model
     return refs
 
 

@@ -6,6 +6,7 @@ decode batches then run the quantized kernels; the LoRA delta is added on top)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,8 @@ TEXTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def hf_base(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
+def hf_base(smollm2_hf):  # type: ignore[no-untyped-def]
+    return smollm2_hf  # the session's; make_adapter and merged_greedy work on deep copies
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +43,28 @@ def adapters(hf_base, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def peft_greedy(hf_base, adapters) -> Callable[[str | None, list[int]], list[int]]:  # type: ignore[no-untyped-def]
+    """``merged_greedy`` remembered per (adapter, prompt): both quantizations are compared with
+    the same PEFT tokens, so each is computed once (a deep copy of the model and a merge)."""
+    memo: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
+
+    def greedy(name: str | None, prompt: list[int]) -> list[int]:
+        key = (name, tuple(prompt))
+        if key not in memo:
+            memo[key] = merged_greedy(hf_base, adapters.get(name or ""), prompt, MAX_TOKENS)
+        return memo[key]
+
+    return greedy
+
+
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_adapters_on_default_model_equal_peft_merged(
-    smollm2_gguf: Path, hf_base, adapters, quantization: str
-) -> None:  # type: ignore[no-untyped-def]
+    smollm2_gguf: Path,
+    adapters: dict[str, Path],
+    peft_greedy: Callable[[str | None, list[int]], list[int]],
+    quantization: str,
+) -> None:
     loaded = load_model(
         ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu", quantization
     )
@@ -73,10 +88,7 @@ def test_adapters_on_default_model_equal_peft_merged(
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
-    expected = {
-        name: [merged_greedy(hf_base, adapters.get(name or ""), p, MAX_TOKENS) for p in prompts]
-        for name in names
-    }
+    expected = {name: [peft_greedy(name, p) for p in prompts] for name in names}
     for name in names:
         assert [got[f"{name}-{i}"] for i in range(len(prompts))] == expected[name], name
     assert all(expected[name] != expected[None] for name in adapters)  # B is non-zero

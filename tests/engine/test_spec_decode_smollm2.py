@@ -7,22 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from load.spec_bench import CODE, CODE_CHANGES, PASSAGE, QUESTIONS, chat_prompt
-from portico.registry import ModelSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(ModelSource("smollm2", smollm2_gguf, "gguf"), torch.float32, "cpu")
+def smollm2(smollm2_float32: LoadedModel) -> LoadedModel:
+    return smollm2_float32
 
 
 def make(loaded: LoadedModel, **kw: object) -> LLM:

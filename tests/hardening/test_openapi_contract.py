@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from tests.engine.server.engine_server_process import API_KEY, EngineProcess
@@ -17,21 +14,11 @@ EXAMPLES_PER_OPERATION = 25  # per generation mode; bounded so the suite stays s
 
 
 @pytest.fixture(scope="module")
-def engine(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
+def engine(hermes_engine_server: EngineProcess) -> EngineProcess:
     # With a tool-call parser, generated `tools` + `tool_choice: auto` bodies are valid requests
     # (vLLM's rule refuses auto without one), so more of the generated chats really generate.
-    server = EngineProcess(
-        tiny_llama_dir,
-        tmp_path_factory.mktemp("contract") / "engine.log",
-        extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    # The session's engine (tests/conftest.py), which must also exit 0 at the end.
+    return hermes_engine_server
 
 
 def test_the_engine_keeps_its_openapi_document(engine: EngineProcess) -> None:

@@ -1,4 +1,4 @@
-"""Fixtures of the engine server tests: a real `portico engine` process per test module."""
+"""Fixtures of the engine server tests: a real `portico engine` process shared by the modules."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 from engine_server_process import EngineProcess
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_server(
     tiny_llama_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineProcess]:
-    """A real engine on a loopback port with an API key (shared by a test module)."""
+    """A real engine on a loopback port with an API key, started once for the session (each
+    start costs seconds of CPU). Tests read its counters as deltas and leave it idle (nothing
+    running, no KV held), which the modules using it check; an idle engine takes no CPU."""
     logs = tmp_path_factory.mktemp("engine-logs")
     server = EngineProcess(tiny_llama_dir, logs / "engine.log")
     try:

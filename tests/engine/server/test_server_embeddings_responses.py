@@ -5,7 +5,6 @@ stream event into its typed models)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -35,17 +34,9 @@ POINT = {  # bounded: every value is short, so the reply ends within max_output_
 
 
 @pytest.fixture(scope="module")
-def engine(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    logs = tmp_path_factory.mktemp("engine-logs")
-    extra = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
-    server = EngineProcess(tiny_llama_dir, logs / "engine.log", extra=extra)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        assert server.stop() == 0, server.logs()
+def engine(hermes_engine_server: EngineProcess) -> EngineProcess:
+    """The session's tiny engine with the Hermes tool parser (tests/conftest.py)."""
+    return hermes_engine_server
 
 
 @pytest.fixture(scope="module")

@@ -157,7 +157,9 @@ def smollm2_server(
     smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
     logs = tmp_path_factory.mktemp("engine-smollm2-structured-logs")
-    extra = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB"]
+    # Room for all 16 concurrent requests: no preemption, whose recompute only costs CPU here
+    # (constrained requests that are preempted: tests/engine/test_structured_output.py).
+    extra = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
     server = EngineProcess(smollm2_gguf, logs / "engine.log", extra=extra)
     try:
         server.wait_ready()

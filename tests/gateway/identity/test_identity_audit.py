@@ -13,6 +13,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from identity_app import ADMIN_KEY, admin_headers, assert_openai_error, bearer
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from gateway.identity.audit import STREAM_KEY, Actor, AuditLog, AuditSettings
 from gateway.identity.auth import Identity
@@ -167,7 +169,10 @@ async def test_retention_trims_by_age_and_count(identity: Identity) -> None:
 async def test_a_redis_failure_is_logged_not_raised(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    broken = aioredis.Redis(unix_socket_path="/nonexistent/redis.sock")
+    # No retries: redis-py's default backs off for seconds before the error this test is about.
+    broken = aioredis.Redis(
+        unix_socket_path="/nonexistent/redis.sock", retry=Retry(NoBackoff(), retries=0)
+    )
     log = AuditLog(broken)
     caplog.set_level(logging.INFO, logger="portico.audit")
     await log.record(Actor("admin-x", "admin_key", "::1"), "tenant.delete", "tenant:a")
