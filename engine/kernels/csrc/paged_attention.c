@@ -112,6 +112,12 @@ static inline void scores16_rows(const uint16_t *const rows[16], __mmask16 mask,
 }
 #endif
 
+/* Bytes to prefetch from each cache row an item reads: every head's row of the position from
+ * the item of KV head 0 (the other heads' items run next and find theirs in cache), else its own. */
+static inline int64_t prefetch_span(const Attn *a, const Item *it) {
+    return (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * (a->dt == DT_BF16 ? 2 : 4);
+}
+
 static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
 }
@@ -143,7 +149,7 @@ static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t
 /* Pass 1, vectorized: scores of every query of the item against positions 0..ctx_end-1. */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
     const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
-    const int64_t span = (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * elt;
+    const int64_t span = prefetch_span(a, it);
     uint32_t qpairs[MAX_QUERIES * 128] __attribute__((aligned(64)));
     if (a->dt == DT_BF16) {
         for (int q = 0; q < it->nq; q++) {
@@ -186,7 +192,7 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
 static inline void prefetch_block(const Attn *a, const Item *it, int blk, int p) {
     if (p >= it->ctx_end) return;
     const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
-    const int64_t span = (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * elt;
+    const int64_t span = prefetch_span(a, it);
     const int n = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
     const int64_t first = (int64_t)it->table[blk] * a->block_size;
     for (int off = 0; off < n; off++)
