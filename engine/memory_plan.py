@@ -354,13 +354,16 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
 def _has_int8_kernels() -> bool:
     from engine.kernels import cpu
 
-    return "avx512_vnni" in cpu.compiled_features()
+    return cpu.int8_available()
 
 
 def _can_prepack() -> bool:
     import torch
 
-    return bool(torch.backends.mkldnn.is_available())
+    # oneDNN's bf16 weight reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: the same test
+    # torch makes before it packs (engine.kernels.prepack_linear_weight gets None elsewhere).
+    mkldnn = torch.backends.mkldnn.is_available()
+    return bool(mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _machine_memory(device_type: str) -> int:

@@ -19,7 +19,6 @@ packed once, by the working tree's library: compare revisions whose packed forma
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import tempfile
 import time
@@ -61,13 +60,7 @@ def build_variant(spec: str, workdir: Path) -> tuple[str, Path]:
     else:
         raise SystemExit(f"bad variant {spec!r}: NAME=tree[:DEFINES] or NAME=rev:REV[:DEFINES]")
     out = workdir / f"{name}.so"
-    compiler = cpu._compiler() or "cc"
-    sources = sorted(str(p) for p in source_dir.glob("*.c"))
-    subprocess.run(
-        [compiler, *cpu._FLAGS, *defines.split(), "-I", str(source_dir), "-o", str(out), *sources,
-         "-lm"],
-        check=True,
-    )  # fmt: skip
+    cpu.compile_library(cpu._compiler() or "cc", out, source_dir, defines.split())
     return name, out
 
 
@@ -88,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         variants = []
         for spec in args.variant:
             name, path = build_variant(spec, Path(tmp))
-            variants.append(Variant(name, cpu._declare(ctypes.CDLL(str(path))), []))
+            variants.append(Variant(name, cpu.open_library(path), []))
         cpu_device = torch.device("cpu")
         loaded = load_model(resolve(args.model), torch.bfloat16, cpu_device, "auto", "int8")
         cfg, model = loaded.config, loaded.model

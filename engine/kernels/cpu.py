@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -45,6 +46,9 @@ _FEATURE_BITS = {
     "avx512_vnni": 8,
     "amx_tile": 16,
     "amx_bf16": 32,
+    "avx2": 64,
+    "fma": 128,
+    "f16c": 256,
 }
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _Q8_KINDS = {"q4_1": 0, "q8_0": 1}
@@ -81,6 +85,14 @@ def cpu_features() -> frozenset[str]:
     return frozenset(name for name in _FEATURE_BITS if name in flags)
 
 
+@functools.cache
+def bf16_matmul_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16). Without it,
+    PyTorch's bf16 matmuls convert every operand and run several times slower than float32 (5x
+    measured on an AVX2-only EPYC: docs/engine-benchmark.md)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_features())
+
+
 def _compiled_features(lib: ctypes.CDLL) -> frozenset[str]:
     lib.portico_compiled_features.restype = _I
     bits = int(lib.portico_compiled_features())
@@ -96,6 +108,30 @@ def _compiler() -> str | None:
 
 # -ffp-contract=off: plain C arithmetic rounds like PyTorch's separate multiply and add.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+
+
+def compile_library(
+    compiler: str,
+    out: Path,
+    source_dir: Path = SOURCE_DIR,
+    extra_flags: Sequence[str] = (),
+) -> None:
+    """Compile the C files of ``source_dir`` into the shared library ``out``, with ``extra_flags``
+    after the usual ones (``-DNAME=VALUE``, or ``-mno-avx512f`` to build another instruction
+    set's paths); OSError with the compiler's message when it fails."""
+    result = subprocess.run(
+        [compiler, *_FLAGS, *extra_flags, "-I", str(source_dir), "-o", str(out),
+         *map(str, sorted(source_dir.glob("*.c"))), "-lm"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise OSError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built library (of :func:`compile_library`) with its functions' signatures declared.
+    Unlike :func:`load`, nothing checks that this CPU runs what it was built with."""
+    return _declare(ctypes.CDLL(str(path)))
 
 
 def build(compiler: str) -> Path:
@@ -120,12 +156,7 @@ def build(compiler: str) -> Path:
     fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *_FLAGS, "-I", str(SOURCE_DIR), "-o", staging, *map(str, sources()), "-lm"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        compile_library(compiler, Path(staging))
         os.replace(staging, target)  # atomic: a reader sees a whole library or none
     finally:
         if os.path.exists(staging):
@@ -224,6 +255,13 @@ def compiled_features() -> frozenset[str]:
     return _compiled_features(lib) if lib is not None else frozenset()
 
 
+def int8_available() -> bool:
+    """Whether the int8-activation block linears (and so the fused decode step) run here: the
+    library was built with AVX512-VNNI or with AVX2, FMA and F16C (csrc/quantized_int8.c)."""
+    lib = load()
+    return lib is not None and bool(lib.q8_supported(64))
+
+
 def available() -> bool:
     """Whether the native CPU kernels can be used in this process."""
     return load() is not None
@@ -282,7 +320,8 @@ def quantized_linear(
 
     With ``packed_q8`` (:func:`pack_blocks_q8` of the same blocks) and bfloat16 ``x``: each block
     of 32 values of ``x`` is rounded to int8 (scale = max |x| / 127) and the products run on
-    VNNI's integer dot products (csrc/quantized_int8.c). Not exact; float32 ``x`` never does."""
+    integer dot products (VNNI's, or AVX2's; csrc/quantized_int8.c). Not exact; float32 ``x``
+    never does."""
     lib = load()
     if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2:
         return None
@@ -321,7 +360,7 @@ def pack_blocks_q8(
     """GGUF blocks (as :func:`quantized_linear` takes them) repacked into the int8-activation
     kernel's records: every 4 output rows' quants and scales for 64 inputs side by side, so a
     thread reads one forward stream (csrc/quantized_int8.c). ``None`` where that kernel does not
-    serve (no library, no AVX512-VNNI, ``K`` not a multiple of 64)."""
+    serve (no library, neither AVX512-VNNI nor AVX2, ``K`` not a multiple of 64)."""
     lib = load()
     n, k = scales.shape[0], scales.shape[1] * 32
     if lib is None or kind not in _Q8_KINDS or not lib.q8_supported(k):

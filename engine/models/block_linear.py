@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
+from engine.kernels import cpu
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRALinear
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 # Rows up to which the block kernel beats the dense matmul on the CPUs measured (AMX bf16):
 # measured with load/forward_bench.py, see docs/engine-benchmark.md.
 _MAX_ROWS = {"q4_1": 8, "q8_0": 4}
+_ANY_ROWS = 1 << 30
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 
 
@@ -54,6 +56,11 @@ class GGUFBlocks:
 
     @property
     def max_rows(self) -> int:
+        """Rows up to which a step runs on these blocks. With int8 activations on a CPU without
+        bfloat16 arithmetic, every step does: the dense bf16 matmul there is several times
+        slower than the int8 block kernel at any row count."""
+        if self.packed_q8 is not None and not cpu.bf16_matmul_native():
+            return _ANY_ROWS
         return _MAX_ROWS[self.kind]
 
     @property

@@ -20,8 +20,8 @@ from engine.models.llama import LlamaForCausalLM
 from portico.registry import ModelSource
 
 pytestmark = pytest.mark.skipif(
-    not cpu.available() or "avx512_vnni" not in cpu.compiled_features(),
-    reason="the fused step needs the native library built with AVX512-VNNI",
+    not cpu.int8_available(),
+    reason="the fused step needs the native library built with AVX512-VNNI or AVX2",
 )
 
 # head_dim 32 and widths that are multiples of 64: sizes the fused step serves.
@@ -114,7 +114,9 @@ def test_fused_head_gives_the_logits_compute_logits_gives(fused_model) -> None:
     model.fused_step = FusedDecodeStep.build(model)
     try:
         step = model.fused_step
-        assert step is not None and step.head_serves(1) and not step.head_serves(5)
+        assert step is not None and step.head_serves(1)
+        # Q8_0 blocks serve up to 4 rows where bf16 matmuls are native, any number elsewhere
+        assert step.head_serves(5) is not cpu.bf16_matmul_native()
         tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
         prompts = [torch.randint(100, 4000, (6,), generator=gen).tolist() for _ in range(2)]
         caches_a, caches_b = _caches(model), _caches(model)

@@ -15,8 +15,8 @@ from engine.kernels import cpu
 from engine.models.block_linear import block_matmul
 
 pytestmark = pytest.mark.skipif(
-    not cpu.available() or "avx512_vnni" not in cpu.compiled_features(),
-    reason="the int8 kernels need the native library built with AVX512-VNNI",
+    not cpu.int8_available(),
+    reason="the int8 kernels need the native library built with AVX512-VNNI or AVX2",
 )
 
 
@@ -93,3 +93,21 @@ def test_scales_float16_cannot_hold_stay_exact(kind: str) -> None:
     tiny = blocks.scales.clone()
     tiny[0, 0] = 2**-24  # float16's smallest subnormal: held exactly
     assert kernels.pack_blocks_q8(kind, blocks.qs, tiny, blocks.mins) is not None
+
+
+def test_big_steps_take_the_int8_blocks_only_where_bf16_matmuls_are_slow(monkeypatch) -> None:
+    """Where the CPU multiplies bf16 in hardware, the dense matmul serves steps over 8 rows;
+    elsewhere (AVX2 only) it is several times slower than the int8 blocks at any row count."""
+    blocks = random_blocks("q4_1", 64, 128, seed=1)
+    dense = blocks.dequantize().to(torch.bfloat16)
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    assert blocks.max_rows == 8  # not packed: the exact kernel's limit
+    assert blocks.pack_q8()
+    int8 = kernels.quantized_linear(x, "q4_1", blocks.qs, blocks.scales, blocks.mins, None,
+                                    blocks.packed_q8)  # fmt: skip
+    monkeypatch.setattr(cpu, "bf16_matmul_native", lambda: True)
+    assert blocks.max_rows == 8
+    assert torch.equal(block_matmul(x, dense, blocks, None), x @ dense.T)
+    monkeypatch.setattr(cpu, "bf16_matmul_native", lambda: False)
+    assert blocks.max_rows >= 1 << 20
+    assert int8 is not None and torch.equal(block_matmul(x, dense, blocks, None), int8)

@@ -4,8 +4,8 @@
  *
  * Tensors are plain arrays. dtype codes: 0 = float32, 1 = bfloat16. Accumulation is float32.
  * Built with -O3 -march=native -fopenmp: the AVX-512 paths are compiled in when the build CPU
- * has them (cpu.py checks the running CPU reports every feature the library was built with)
- * and portable loops otherwise.
+ * has them (cpu.py checks the running CPU reports every feature the library was built with),
+ * AVX2 ones on CPUs with AVX2 and FMA but not AVX-512, and portable loops otherwise.
  */
 #ifndef PORTICO_COMMON_H
 #define PORTICO_COMMON_H
@@ -66,6 +66,14 @@ static inline float dot_f32(const float *a, const float *b, int n) {
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
         return _mm512_reduce_add_ps(acc);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if ((n & 7) == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+    }
 #endif
     for (int i = 0; i < n; i++) s += a[i] * b[i];
     return s;
@@ -77,6 +85,13 @@ static inline void axpy_f32(float *y, float alpha, const float *x, int n) {
         __m512 a = _mm512_set1_ps(alpha);
         for (int i = 0; i < n; i += 16)
             _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if ((n & 7) == 0) {
+        const __m256 a = _mm256_set1_ps(alpha);
+        for (int i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
         return;
     }
 #endif

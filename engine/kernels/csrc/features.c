@@ -9,6 +9,9 @@ enum {
     FEATURE_AVX512VNNI = 8,
     FEATURE_AMX_TILE = 16,
     FEATURE_AMX_BF16 = 32,
+    FEATURE_AVX2 = 64,
+    FEATURE_FMA = 128,
+    FEATURE_F16C = 256,
 };
 
 int portico_compiled_features(void) {
@@ -30,6 +33,15 @@ int portico_compiled_features(void) {
 #endif
 #ifdef __AMX_BF16__
     f |= FEATURE_AMX_BF16;
+#endif
+#ifdef __AVX2__
+    f |= FEATURE_AVX2;
+#endif
+#ifdef __FMA__
+    f |= FEATURE_FMA;
+#endif
+#ifdef __F16C__
+    f |= FEATURE_F16C;
 #endif
     return f;
 }

@@ -273,6 +273,7 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
 /* Gathers take 32-bit element offsets: the vector path needs the K half of the cache to hold
  * fewer than 2^31 elements. */
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
+    (void)dt;
 #ifndef __AVX512BF16__
     if (dt == DT_BF16) return 0; /* its bf16 scores need vdpbf16ps */
 #endif
@@ -315,6 +316,40 @@ static void pv_portable(const Attn *a, const Item *it, const float *scores, floa
     }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* exp16's polynomial on 8 lanes; 2^n goes into the exponent bits, so x is clamped at -87 (e^-87
+ * is 1.6e-38: next to the row's largest term, 1, it is 0 in any float sum). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hadd8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#define SOFTMAX_AVX2 1
+#endif
+
 /* Softmax of one query's scores s[0..limit-1] in place; s[limit..ctx_end-1] (positions this
  * query may not see, causal) become 0. */
 static void softmax_row(float *s, int limit, int ctx_end) {
@@ -324,6 +359,10 @@ static void softmax_row(float *s, int limit, int ctx_end) {
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (; p + 16 <= limit; p += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + p));
     mx = _mm512_reduce_max_ps(vmx);
+#elif defined(SOFTMAX_AVX2)
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (; p + 8 <= limit; p += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + p));
+    mx = hmax8(vmx);
 #endif
     for (; p < limit; p++) mx = s[p] > mx ? s[p] : mx;
     float sum = 0.f;
@@ -337,6 +376,15 @@ static void softmax_row(float *s, int limit, int ctx_end) {
         vsum = _mm512_add_ps(vsum, e);
     }
     sum = _mm512_reduce_add_ps(vsum);
+#elif defined(SOFTMAX_AVX2)
+    vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; p + 8 <= limit; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+        _mm256_storeu_ps(s + p, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hadd8(vsum);
 #endif
     for (; p < limit; p++) {
         s[p] = expf(s[p] - mx);
@@ -347,6 +395,9 @@ static void softmax_row(float *s, int limit, int ctx_end) {
 #ifdef __AVX512F__
     const __m512 vinv = _mm512_set1_ps(inv);
     for (; p + 16 <= limit; p += 16) _mm512_storeu_ps(s + p, _mm512_mul_ps(_mm512_loadu_ps(s + p), vinv));
+#elif defined(SOFTMAX_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; p + 8 <= limit; p += 8) _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_loadu_ps(s + p), vinv));
 #endif
     for (; p < limit; p++) s[p] *= inv;
     for (p = limit; p < ctx_end; p++) s[p] = 0.f;

@@ -24,11 +24,17 @@
 #define Q8_AHEAD2 64 /* ... and into L2, further ahead */
 #endif
 
+/* Two builds of the same kernel, on what the building CPU has: AVX512-VNNI's vpdpbusd on 512-bit
+ * vectors, or AVX2's vpmaddubsw + vpmaddwd on 256-bit ones (FMA and F16C for the float work).
+ * Both read the same packed records and the same quantized activations. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define HAVE_Q8 1
+#define Q8_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q8_ISA 256
 #else
-#define HAVE_Q8 0
+#define Q8_ISA 0
 #endif
+#define HAVE_Q8 (Q8_ISA != 0)
 
 int q8_supported(int k) { return HAVE_Q8 && k > 0 && k % 64 == 0; }
 
@@ -78,11 +84,31 @@ static inline void put_block(Q8Rows *rows, int r, int b, float d, int sum) {
     }
 }
 
-#if HAVE_Q8
+#if Q8_ISA == 512
 static inline __m512 load16_f32(const void *x, int dt, int64_t off) {
     if (dt == DT_F32) return _mm512_loadu_ps((const float *)x + off);
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + off))), 16));
+}
+#elif Q8_ISA == 256
+static inline __m256 load8_f32(const void *x, int dt, int64_t off) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)x + off);
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + off))), 16));
+}
+
+/* 16 int32 values in -127..127 (a then b) as 16 int8, in order. */
+static inline __m128i pack16_i8(__m256i a, __m256i b) {
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8); /* [a0-7 | b0-7] as int16 */
+    return _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+}
+#endif
+
+#if HAVE_Q8
+static inline float hsum8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 #endif
 
@@ -91,7 +117,7 @@ void quantize_blocks_q8(Q8Rows *rows, const void *x, int dt, int r_begin, int r_
     for (int r = r_begin; r < r_end; r++) {
         for (int b = b_begin; b < b_end; b++) {
             int8_t *q = rows->q + (int64_t)r * k;
-#if HAVE_Q8
+#if Q8_ISA == 512
             /* The scalar loop's arithmetic, 16 lanes at a time: the same max, the same product
              * and cvtps's round-to-nearest-even (MXCSR's default, as nearbyintf). */
             const __m512 v0 = load16_f32(x, dt, (int64_t)r * k + b * 32), v1 = load16_f32(x, dt, (int64_t)r * k + b * 32 + 16);
@@ -104,6 +130,30 @@ void quantize_blocks_q8(Q8Rows *rows, const void *x, int dt, int r_begin, int r_
             _mm_storeu_si128((__m128i *)(q + q8_slot(rows->kind, b, 0)), _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + q8_slot(rows->kind, b, 16)), _mm512_cvtepi32_epi8(q1));
             put_block(rows, r, b, d, _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+#elif Q8_ISA == 256
+            /* The same, 8 lanes at a time. */
+            const int64_t at = (int64_t)r * k + b * 32;
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = load8_f32(x, dt, at + 8 * i);
+            const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float d = amax / 127.f;
+            const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+            const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+            __m256i qv[4];
+            for (int i = 0; i < 4; i++)
+                qv[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)), hi), lo);
+            _mm_storeu_si128((__m128i *)(q + q8_slot(rows->kind, b, 0)), pack16_i8(qv[0], qv[1]));
+            _mm_storeu_si128((__m128i *)(q + q8_slot(rows->kind, b, 16)), pack16_i8(qv[2], qv[3]));
+            const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qv[0], qv[1]), _mm256_add_epi32(qv[2], qv[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            put_block(rows, r, b, d, _mm_cvtsi128_si32(s4));
 #else
             float v[32];
             load_row(x, dt, (int64_t)r * k + b * 32, 32, v);
@@ -187,7 +237,7 @@ int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const flo
     return 0;
 }
 
-#if HAVE_Q8
+#if Q8_ISA == 512
 /* The Q8_0 tile (records from rec on): 4 weight rows, one per vector, times activation rows
  * r0..r0+ri-1, with the scales and the per-block term applied; lanes [A x8, B x8]. ri is a
  * literal at every call, so each specialization keeps its accumulators in registers. */
@@ -223,12 +273,6 @@ static inline __attribute__((always_inline)) void q80_tile(const Q8Weights *w, c
             }
         }
     }
-}
-
-static inline float hsum8(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 /* The Q4_1 tile, two weight rows per vector: one 512-bit load holds rows j and j+1's 32 bytes
@@ -282,7 +326,99 @@ static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, c
             sums[2 * jp + 1][i] = hsum8(_mm512_extractf32x8_ps(acc[jp][i], 1));
         }
 }
+#elif Q8_ISA == 256
+/* AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes and adds pairs into
+ * int16, vpmaddwd by ones adds pairs of those into int32, so each int32 lane again covers 4
+ * values of one block. No int16 sum can saturate: Q4_1's nibbles make at most 2 x 15 x 127 per
+ * pair (two such sums are added before widening), Q8_0 at most 2 x 128 x 127. With 16 vector
+ * registers, a pass covers weight rows j0..j0+jn-1 of the tile (jn 4 for up to 2 activation
+ * rows, else 2 and two passes over the tile's records, which are in L1 by then). */
 
+/* Q4_1: one 256-bit load is one row's 64 nibbles of a pair of blocks A, B: low nibbles A 0-15
+ * and B 0-15, high nibbles A 16-31 and B 16-31, the two halves of the activations' slots. Lanes
+ * [A x4, B x4], as the first half of a 512-bit pair's lanes (the same dpat / xspat values). */
+static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
+                                                           int r0, const int ri, const int j0, const int jn,
+                                                           float sums[TILE_OUT][TILE_IN]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int pairs = w->nb / 2, rb = record_bytes(Q8_KIND_Q4_1);
+    __m256 acc[TILE_OUT][TILE_IN];
+    for (int j = 0; j < jn; j++)
+        for (int i = 0; i < ri; i++) acc[j][i] = _mm256_setzero_ps();
+    for (int p = 0; p < pairs; p++, rec += rb) {
+        if (j0 == 0)
+            for (int off = 0; off < rb; off += 64) {
+                _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
+                if (Q8_AHEAD2) _mm_prefetch((const char *)rec + Q8_AHEAD2 * rb + off, _MM_HINT_T1);
+            }
+        const uint16_t *scales = (const uint16_t *)(rec + TILE_OUT * 32);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 8)));
+        for (int jj = 0; jj < jn; jj++) {
+            const int j = j0 + jj;
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
+            const __m256i lo = _mm256_and_si256(raw, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            const __m256i pat = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+            const __m256 dw = _mm256_permutevar8x32_ps(d8, pat), mw = _mm256_permutevar8x32_ps(m8, pat);
+            for (int i = 0; i < ri; i++) {
+                const int8_t *xq = x->q + (int64_t)(r0 + i) * w->k + p * 64;
+                const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16;
+                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),
+                                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))));
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                acc[jj][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_loadu_ps(x->dpat + at)), acc[jj][i]);
+                acc[jj][i] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x->xspat + at), acc[jj][i]);
+            }
+        }
+    }
+    for (int jj = 0; jj < jn; jj++)
+        for (int i = 0; i < ri; i++) sums[j0 + jj][i] = hsum8(acc[jj][i]);
+}
+
+/* Q8_0: a row's pair is two 256-bit loads, block A then B. The weights are signed, so the sign
+ * moves onto the activations (|w| x sign(x, w), llama.cpp's way): the products are exact and
+ * the 512-bit path's offset term is not needed. */
+static inline __attribute__((always_inline)) void q80_tile(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
+                                                           int r0, const int ri, const int j0, const int jn,
+                                                           float sums[TILE_OUT][TILE_IN]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int pairs = w->nb / 2, rb = record_bytes(Q8_KIND_Q8_0);
+    __m256 acc[TILE_OUT][TILE_IN];
+    for (int j = 0; j < jn; j++)
+        for (int i = 0; i < ri; i++) acc[j][i] = _mm256_setzero_ps();
+    for (int p = 0; p < pairs; p++, rec += rb) {
+        if (j0 == 0)
+            for (int off = 0; off < rb; off += 64) {
+                _mm_prefetch((const char *)rec + Q8_AHEAD * rb + off, _MM_HINT_T0);
+                if (Q8_AHEAD2) _mm_prefetch((const char *)rec + Q8_AHEAD2 * rb + off, _MM_HINT_T1);
+            }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + TILE_OUT * 64)));
+        for (int jj = 0; jj < jn; jj++) {
+            const int j = j0 + jj;
+            const __m256i wa = _mm256_loadu_si256((const __m256i *)(rec + j * 64));
+            const __m256i wb = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + 32));
+            const __m256i ua = _mm256_abs_epi8(wa), ub = _mm256_abs_epi8(wb);
+            const __m256 da = _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(2 * j));
+            const __m256 db = _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(2 * j + 1));
+            for (int i = 0; i < ri; i++) {
+                const int8_t *xq = x->q + (int64_t)(r0 + i) * w->k + p * 64;
+                const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16; /* lanes [A x8, B x8] */
+                const __m256i sa = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(ua, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), wa)), ones);
+                const __m256i sb = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(ub, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32)), wb)), ones);
+                acc[jj][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_mul_ps(da, _mm256_loadu_ps(x->dpat + at)), acc[jj][i]);
+                acc[jj][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_mul_ps(db, _mm256_loadu_ps(x->dpat + at + 8)), acc[jj][i]);
+            }
+        }
+    }
+    for (int jj = 0; jj < jn; jj++)
+        for (int i = 0; i < ri; i++) sums[j0 + jj][i] = hsum8(acc[jj][i]);
+}
+#endif
+
+#if HAVE_Q8
 /* A tile's sums plus the bias, stored. */
 static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, float sums[TILE_OUT][TILE_IN],
                             const float *bias, int dt, void *y, int64_t ldy) {
@@ -303,6 +439,21 @@ static inline void q8_store(const Q8Weights *w, int o0, int r0, int ri, float su
 /* One tile of either kind, ri rows (dispatch to the literal specializations): its sums. */
 static void q8_tile_any(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x, int r0, int ri,
                         float sums[TILE_OUT][TILE_IN]) {
+#if Q8_ISA == 256
+#define Q8_PASSES(tile)                                                                                                \
+    switch (ri) {                                                                                                      \
+    case 1: tile(w, rec, x, r0, 1, 0, 4, sums); break;                                                                 \
+    case 2: tile(w, rec, x, r0, 2, 0, 4, sums); break;                                                                 \
+    case 3: tile(w, rec, x, r0, 3, 0, 2, sums), tile(w, rec, x, r0, 3, 2, 2, sums); break;                             \
+    default: tile(w, rec, x, r0, 4, 0, 2, sums), tile(w, rec, x, r0, 4, 2, 2, sums); break;                            \
+    }
+    if (w->kind == Q8_KIND_Q4_1) {
+        Q8_PASSES(q41_tile)
+    } else {
+        Q8_PASSES(q80_tile)
+    }
+#undef Q8_PASSES
+#else
     if (w->kind == Q8_KIND_Q4_1) {
         switch (ri) {
         case 1: q41_tile(w, rec, x, r0, 1, sums); break;
@@ -323,6 +474,7 @@ static void q8_tile_any(const Q8Weights *w, const uint8_t *rec, const Q8Rows *x,
     }
     for (int j = 0; j < TILE_OUT; j++)
         for (int i = 0; i < ri; i++) sums[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+#endif
 }
 #endif
 
@@ -369,7 +521,7 @@ static int linear_q8(int kind, const void *x, int m, int k, const uint8_t *packe
 /*
  * y [m, n] (dtype dt) = x [m, k] W^T (+ bias [n] float32) with x quantized to int8 per block of
  * 32, W of `kind` (0 Q4_1, 1 Q8_0) packed by q8_pack. Returns 0; -2 when this build or k does
- * not suit the int8 path (k % 64 != 0, no AVX512-VNNI); -1 out of memory.
+ * not suit the int8 path (k % 64 != 0, neither AVX512-VNNI nor AVX2); -1 out of memory.
  */
 int block_linear_q8(int kind, const void *x, int m, int k, const uint8_t *packed, const float *bias, int n, int dt,
                     void *y, int num_threads) {

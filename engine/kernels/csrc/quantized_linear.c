@@ -127,6 +127,36 @@ INLINE void tile_f32(const Weights *w, const int rows[TILE_OUT], const float *xf
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The float32 tile on 256-bit vectors: a block's 32 weights as four vectors of 8. */
+INLINE void tile_avx2(const Weights *w, const int rows[TILE_OUT], const float *xf, int r0, int ri,
+                      __m256 acc[TILE_OUT][TILE_IN]) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int b = 0; b < w->nb; b++) {
+        for (int j = 0; j < TILE_OUT; j++) {
+            const uint8_t *blk = block_ptr(w, rows[j], b);
+            __m256 wv[4];
+            if (w->kind == KIND_Q4_1) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+                const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+                wv[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                wv[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                wv[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                wv[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            } else {
+                for (int q = 0; q < 4; q++)
+                    wv[q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * q))));
+            }
+            const __m256 scale = _mm256_set1_ps(w->d[(int64_t)rows[j] * w->nb + b]);
+            for (int i = 0; i < ri; i++) {
+                const float *xr = xf + (int64_t)(r0 + i) * w->k + b * 32;
+                __m256 t = _mm256_mul_ps(wv[0], _mm256_loadu_ps(xr));
+                for (int q = 1; q < 4; q++) t = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(xr + 8 * q), t);
+                acc[j][i] = _mm256_fmadd_ps(t, scale, acc[j][i]);
+            }
+        }
+    }
+}
 #else
 /* Portable tile: the same sums without vector units. */
 INLINE void tile_portable(const Weights *w, const int rows[TILE_OUT], const float *xf, int r0, int ri,
@@ -172,6 +202,19 @@ INLINE void tile_dot(const Weights *w, int o0, const float *xf, const void *xraw
         tile_f32(w, rows, xf, r0, ri, acc);
     for (int j = 0; j < TILE_OUT; j++)
         for (int i = 0; i < ri; i++) res[j][i] = _mm512_reduce_add_ps(acc[j][i]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    (void)xraw;
+    (void)dt;
+    __m256 acc[TILE_OUT][TILE_IN];
+    for (int j = 0; j < TILE_OUT; j++)
+        for (int i = 0; i < TILE_IN; i++) acc[j][i] = _mm256_setzero_ps();
+    tile_avx2(w, rows, xf, r0, ri, acc);
+    for (int j = 0; j < TILE_OUT; j++)
+        for (int i = 0; i < ri; i++) {
+            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[j][i]), _mm256_extractf128_ps(acc[j][i], 1));
+            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+            res[j][i] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+        }
 #else
     (void)xraw;
     (void)dt;

@@ -1,0 +1,128 @@
+"""The native kernels built for other instruction sets compute what their definitions say.
+
+``-march=native`` compiles only the building CPU's paths: AVX-512 (VNNI, BF16) on one machine,
+AVX2 on another, portable C on a third, and a test run sees only its own machine's. Here the
+library is built again with the wider sets switched off (``-mno-avx512f``: the AVX2 paths;
+``-mno-avx2 -mno-fma``: the portable ones) and each build is checked against the same
+references as the native one: the int8-activation and exact block linears and paged attention.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gguf_blocks import random_blocks
+
+from engine import kernels
+from engine.attention import AttentionMetadata
+from engine.kernels import cpu
+from engine.kernels.reference import write_kv_cache_ref
+
+BUILDS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-fma"]}
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    name = request.param
+    if name == "avx2" and not {"avx2", "fma", "f16c"} <= cpu.cpu_features():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    out = tmp_path_factory.mktemp("kernels") / f"{name}.so"
+    cpu.compile_library(cpu._compiler() or "cc", out, extra_flags=BUILDS[name])
+    return name, cpu.open_library(out)
+
+
+@pytest.fixture
+def lib(build, monkeypatch: pytest.MonkeyPatch):
+    """The build, as every kernel wrapper's library for one test."""
+    _, library = build
+    monkeypatch.setattr(cpu, "load", lambda: library)
+    return build
+
+
+def test_a_build_reports_the_instruction_sets_it_was_built_with(lib) -> None:
+    name, library = lib
+    features = cpu.compiled_features()
+    assert not features & {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+    assert ({"avx2", "fma"} <= features) is (name == "avx2")
+    # the int8 kernels have an AVX2 build; the portable build declines them
+    assert bool(library.q8_supported(64)) is (name == "avx2")
+    assert not library.q8_supported(96)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_linear_of_a_build_matches_the_int8_reference(lib, kind: str) -> None:
+    name, _ = lib
+    blocks = random_blocks(kind, 70, 192, seed=3)
+    packed = kernels.pack_blocks_q8(kind, blocks.qs, blocks.scales, blocks.mins)
+    if name == "portable":
+        assert packed is None  # no int8 path: the engine keeps the exact one
+        return
+    assert packed is not None
+    weight, bias = blocks.dequantize(), torch.randn(70)
+    for rows in (1, 3, 5):  # one pass of 4 weight rows; two passes of 2; both
+        x = (torch.randn(rows, 192) * 3).to(torch.bfloat16)
+        x[0, :32] = 0
+        out = kernels.quantized_linear(x, kind, blocks.qs, blocks.scales, blocks.mins, bias, packed)
+        assert out is not None and out.shape == (rows, 70)
+        d = x.float().reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+        q = torch.round(x.float().reshape(rows, -1, 32) / torch.where(d > 0, d, 1)).clamp(-127, 127)
+        expected = (q * d).reshape(rows, 192) @ weight.T + bias
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_exact_block_linear_of_a_build_equals_the_matmul(lib, kind: str) -> None:
+    blocks = random_blocks(kind, 37, 128, seed=5)
+    weight = blocks.dequantize()
+    for rows in (1, 6):
+        x = torch.randn(rows, 128)
+        out = kernels.quantized_linear(x, kind, blocks.qs, blocks.scales, blocks.mins, None)
+        assert out is not None
+        torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+def _attention_oracle(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                      q_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
+    out, row = torch.zeros(q.shape, dtype=torch.float64), 0
+    heads = q.shape[1]
+    for k, v, q_len in zip(ks, vs, q_lens, strict=True):
+        group = heads // k.shape[1]
+        for i in range(q_len):
+            pos = k.shape[0] - q_len + i
+            for h in range(heads):
+                scores = (k[: pos + 1, h // group].double() @ q[row + i, h].double()) * scale
+                out[row + i, h] = torch.softmax(scores, 0) @ v[: pos + 1, h // group].double()
+        row += q_len
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_of_a_build_matches_the_oracle(lib, dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    q_lens, s_lens = [1, 7, 1, 18], [40, 7, 130, 33]
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    needed = [-(-s // block_size) for s in s_lens]
+    pool = list(range(1, sum(needed) + 1))
+    rng.shuffle(pool)
+    tables = [pool[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(needed))]
+    cache = torch.zeros(2, len(pool) + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    ks = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
+    vs = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
+    whole = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
+    write_kv_cache_ref(torch.cat(ks), torch.cat(vs), cache, whole.slot_mapping)
+    meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
+    q = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        out.double(), _attention_oracle(q, ks, vs, q_lens, scale), atol=tol, rtol=tol
+    )
