@@ -5,7 +5,8 @@ One sizing rule for two callers: the engine sizes its KV cache with :func:`kv_ca
 with the device memory it is told about, so a plan and a started engine agree on the number of
 KV blocks. Weight bytes follow what ``engine.model_loader.load_model`` keeps resident: every
 tensor as dense ``dtype``, plus the GGUF Q4_1/Q8_0 blocks on CPU (``--quantization gguf``),
-plus the oneDNN-prepacked copy of each projection for bfloat16 on CPU, plus the RoPE tables.
+plus the prepacked copy of each projection for bfloat16 on CPU (oneDNN's bf16 reorder, or float32
+where the CPU has no bf16 arithmetic), plus the RoPE tables.
 
 With ``--tensor-parallel-size N`` the plan is one rank's: its shard of the projections, the
 replicated embedding, norms and head, and a KV cache of its ``KV heads / N``.
@@ -185,12 +186,13 @@ def weight_bytes(
     dtype_bytes: int,
     *,
     gguf_blocks: bool,
-    prepacked: bool,
+    prepacked_bytes: int,
     int8_packed: bool = False,
 ) -> WeightBytes:
-    """What the loaded model keeps resident (see the module doc). ``int8_packed``: the blocks
-    are kept a second time, repacked for the int8-activation kernels (float16 scales; counted
-    in ``gguf_blocks``)."""
+    """What the loaded model keeps resident (see the module doc). ``prepacked_bytes``: bytes
+    per weight of the projections' and head's second copy (0: none). ``int8_packed``: the
+    blocks are kept a second time, repacked for the int8-activation kernels (float16 scales;
+    counted in ``gguf_blocks``)."""
     tensors = list(tensors)
     dense = sum(t.numel for t in tensors) * dtype_bytes
     blocks = 0
@@ -202,7 +204,7 @@ def weight_bytes(
                 if int8_packed and (numel // cfg.hidden_size) % 64 == 0:
                     blocks += int(numel * INT8_PACKED_BYTES_PER_WEIGHT[t.block_kind])
     packed = 0
-    if prepacked:  # every projection and the head, once more in bfloat16
+    if prepacked_bytes:  # every projection and the head, once more
         layer = (
             cfg.hidden_size
             * (
@@ -211,7 +213,9 @@ def weight_bytes(
             )
             + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
         )
-        packed = 2 * (cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size)
+        packed = prepacked_bytes * (
+            cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size
+        )
     rope = cfg.max_position_embeddings * cfg.head_dim * 4  # cos and sin, float32, d/2 each
     return WeightBytes(dense, blocks, packed, rope)
 
@@ -309,7 +313,7 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         tensors,
         dtype_bytes,
         gguf_blocks=quantization == "gguf",
-        prepacked=on_cpu and dtype == "bfloat16" and _can_prepack(),
+        prepacked_bytes=_prepacked_bytes_per_weight() if on_cpu and dtype == "bfloat16" else 0,
         int8_packed=quantization == "gguf"
         and dtype == "bfloat16"
         and engine_config.gguf_activations == "int8"
@@ -357,13 +361,18 @@ def _has_int8_kernels() -> bool:
     return cpu.int8_available()
 
 
-def _can_prepack() -> bool:
+def _prepacked_bytes_per_weight() -> int:
+    """Bytes of each bf16 projection's second copy on this CPU (engine.kernels.
+    prepack_linear_weight): 4 for the float32 copy where bf16 arithmetic is not native, 2 for
+    oneDNN's reorder where torch can make it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), else none."""
     import torch
 
-    # oneDNN's bf16 weight reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: the same test
-    # torch makes before it packs (engine.kernels.prepack_linear_weight gets None elsewhere).
+    from engine.kernels import cpu
+
+    if not cpu.bf16_matmul_native():
+        return 4
     mkldnn = torch.backends.mkldnn.is_available()
-    return bool(mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return 2 if mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported() else 0
 
 
 def _machine_memory(device_type: str) -> int:

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 # Rows up to which the block kernel beats the dense matmul on the CPUs measured (AMX bf16):
 # measured with load/forward_bench.py, see docs/engine-benchmark.md.
 _MAX_ROWS = {"q4_1": 8, "q8_0": 4}
-_ANY_ROWS = 1 << 30
+# Measured on an AVX2 EPYC (2 threads, SmolLM2's gate/up): int8 blocks 21.2 GMAC/s at 64 rows,
+# 19.9 at 128; the float32 matmul 21.4 and 23.4 (docs/engine-benchmark.md).
+_MAX_ROWS_INT8_NO_BF16 = 64
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 
 
@@ -57,10 +59,10 @@ class GGUFBlocks:
     @property
     def max_rows(self) -> int:
         """Rows up to which a step runs on these blocks. With int8 activations on a CPU without
-        bfloat16 arithmetic, every step does: the dense bf16 matmul there is several times
-        slower than the int8 block kernel at any row count."""
+        bfloat16 arithmetic, up to 64: there the int8 block kernel beats the float32 copy of the
+        weight (:func:`engine.kernels.prepack_linear_weight`) up to about 64 rows."""
         if self.packed_q8 is not None and not cpu.bf16_matmul_native():
-            return _ANY_ROWS
+            return _MAX_ROWS_INT8_NO_BF16
         return _MAX_ROWS[self.kind]
 
     @property
@@ -133,8 +135,9 @@ def block_matmul(
 ) -> torch.Tensor:
     """``x @ weight.T + bias``: through ``blocks`` when they are set, ``x`` has few enough rows
     and a block kernel serves it (:func:`engine.kernels.quantized_linear`); else through the
-    ``packed`` weight (:func:`engine.kernels.prepack_linear_weight`) up to
-    :data:`engine.kernels.PACKED_MAX_ROWS` rows; else the dense matmul."""
+    ``packed`` weight (:func:`engine.kernels.prepack_linear_weight`: oneDNN's up to
+    :data:`engine.kernels.PACKED_MAX_ROWS` rows, a float32 copy at any); else the dense
+    matmul."""
     rows = x.shape[0]
     if blocks is not None and 0 < rows <= blocks.max_rows:
         bias32 = bias.float() if bias is not None else None
@@ -152,7 +155,8 @@ def block_matmul(
 
 class BlockLinear(nn.Linear):
     """``nn.Linear`` that uses its :class:`GGUFBlocks` (when attached) for small batches and
-    its oneDNN-prepacked weight (when attached, bf16 on CPU) for the others."""
+    its prepacked weight (when attached, bf16 on CPU: oneDNN's, or a float32 copy) for the
+    others."""
 
     blocks: GGUFBlocks | None = None
     packed: torch.Tensor | None = None

@@ -258,6 +258,8 @@ def test_prepacked_bf16_weights_give_the_dense_matmul_bit_for_bit() -> None:
     layer.packed = prepack_linear_weight(layer.weight)
     if layer.packed is None:
         pytest.skip("this torch has no oneDNN weight prepacking")
+    if layer.packed.dtype == torch.float32:
+        pytest.skip("this CPU has no bf16 arithmetic: the packed weight is a float32 copy")
     with torch.inference_mode():
         for rows in (1, 9, 100, PACKED_MAX_ROWS + 1):  # the last one takes the plain matmul
             x = torch.randn(rows, 64).to(torch.bfloat16)
@@ -266,6 +268,27 @@ def test_prepacked_bf16_weights_give_the_dense_matmul_bit_for_bit() -> None:
         wide = torch.randn(5, 128).to(torch.bfloat16)
         assert torch.equal(layer(wide[:, :64]), F.linear(wide[:, :64], layer.weight, layer.bias))
     assert prepack_linear_weight(torch.randn(8, 8)) is None  # float32: not packed
+
+
+def test_without_bf16_arithmetic_big_bf16_steps_run_in_float32(monkeypatch) -> None:
+    """Where the CPU has no bf16 arithmetic, a bf16 projection keeps a float32 copy and every
+    step through it multiplies in float32 and rounds once to bf16, at any row count."""
+    monkeypatch.setattr(cpu, "bf16_matmul_native", lambda: False)
+    kernels.choose.cache_clear()
+    try:
+        assert kernels.choose("cpu").prepacked_linear == "float32"
+        torch.manual_seed(6)
+        layer = BlockLinear(64, 96, bias=True).to(torch.bfloat16)
+        layer.packed = prepack_linear_weight(layer.weight)
+        assert layer.packed is not None and layer.packed.dtype == torch.float32
+        with torch.inference_mode():
+            for rows in (1, 100, PACKED_MAX_ROWS + 1):
+                x = torch.randn(rows, 64).to(torch.bfloat16)
+                wide = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+                assert torch.equal(layer(x), wide.to(torch.bfloat16))
+        assert prepack_linear_weight(torch.randn(8, 8)) is None  # float32 weights: no copy
+    finally:
+        kernels.choose.cache_clear()
 
 
 def test_the_library_uses_only_instruction_sets_this_cpu_reports() -> None:

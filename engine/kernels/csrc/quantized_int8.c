@@ -334,6 +334,26 @@ static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, c
  * registers, a pass covers weight rows j0..j0+jn-1 of the tile (jn 4 for up to 2 activation
  * rows, else 2 and two passes over the tile's records, which are in L1 by then). */
 
+/* [a x4, b x4] for row j's scales a, b in v = [row 0 a, b, row 1 a, b, ...]: in-lane shuffles
+ * (vpermps crosses lanes, several micro-ops on some AVX2 cores). */
+static inline __m256 pair_lanes(__m256 v, int j) {
+    const __m128 half = j < 2 ? _mm256_castps256_ps128(v) : _mm256_extractf128_ps(v, 1);
+    const __m128 a = (j & 1) ? _mm_permute_ps(half, 0xaa) : _mm_permute_ps(half, 0x00);
+    const __m128 b = (j & 1) ? _mm_permute_ps(half, 0xff) : _mm_permute_ps(half, 0x55);
+    return _mm256_set_m128(b, a);
+}
+
+/* Lane k of v (0..7) in every lane. */
+static inline __m256 lane_all(__m256 v, int k) {
+    const __m128 half = k < 4 ? _mm256_castps256_ps128(v) : _mm256_extractf128_ps(v, 1);
+    switch (k & 3) {
+    case 0: return _mm256_broadcastss_ps(half);
+    case 1: return _mm256_broadcastss_ps(_mm_permute_ps(half, 0x55));
+    case 2: return _mm256_broadcastss_ps(_mm_permute_ps(half, 0xaa));
+    default: return _mm256_broadcastss_ps(_mm_permute_ps(half, 0xff));
+    }
+}
+
 /* Q4_1: one 256-bit load is one row's 64 nibbles of a pair of blocks A, B: low nibbles A 0-15
  * and B 0-15, high nibbles A 16-31 and B 16-31, the two halves of the activations' slots. Lanes
  * [A x4, B x4], as the first half of a 512-bit pair's lanes (the same dpat / xspat values). */
@@ -359,8 +379,7 @@ static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, c
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
             const __m256i lo = _mm256_and_si256(raw, low4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            const __m256i pat = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-            const __m256 dw = _mm256_permutevar8x32_ps(d8, pat), mw = _mm256_permutevar8x32_ps(m8, pat);
+            const __m256 dw = pair_lanes(d8, j), mw = pair_lanes(m8, j);
             for (int i = 0; i < ri; i++) {
                 const int8_t *xq = x->q + (int64_t)(r0 + i) * w->k + p * 64;
                 const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16;
@@ -399,8 +418,7 @@ static inline __attribute__((always_inline)) void q80_tile(const Q8Weights *w, c
             const __m256i wa = _mm256_loadu_si256((const __m256i *)(rec + j * 64));
             const __m256i wb = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + 32));
             const __m256i ua = _mm256_abs_epi8(wa), ub = _mm256_abs_epi8(wb);
-            const __m256 da = _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(2 * j));
-            const __m256 db = _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(2 * j + 1));
+            const __m256 da = lane_all(d8, 2 * j), db = lane_all(d8, 2 * j + 1);
             for (int i = 0; i < ri; i++) {
                 const int8_t *xq = x->q + (int64_t)(r0 + i) * w->k + p * 64;
                 const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16; /* lanes [A x8, B x8] */
