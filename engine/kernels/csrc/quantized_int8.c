@@ -12,6 +12,9 @@
  * Q4_1's nibbles are unsigned (0..15), so they meet the signed activations directly. Q8_0's
  * weights are signed, so they are offset by 128 (w ^ 0x80) and 128 * sum(x) of each block is
  * taken back out with the block's scale.
+ *
+ * On CPUs with AVX2 but no AVX-512 the same records and activations go through vpmaddubsw and
+ * vpmaddwd on 256-bit vectors instead (Q8_ISA 256, below).
  */
 #include "quantized_int8.h"
 

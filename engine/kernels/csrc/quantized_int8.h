@@ -28,7 +28,8 @@ size_t q8_packed_bytes(int kind, int n, int k);
  * d [n, k/32]) into the int8 kernel's tile records. 0, or -2 when k % 64 != 0. */
 int q8_pack(int kind, int n, int k, const uint8_t *qs, const float *d, const float *mins, uint8_t *out);
 
-/* Whether this build has the int8 path (AVX512-VNNI and BW) and k suits it (k % 64 == 0). */
+/* Whether this build has the int8 path (AVX512-VNNI and BW, or AVX2 with FMA and F16C) and k
+ * suits it (k % 64 == 0). */
 int q8_supported(int k);
 /* Bytes of scratch a Q8Rows of m rows of k values needs (see q8_rows_init). */
 size_t q8_rows_bytes(int m, int k);
