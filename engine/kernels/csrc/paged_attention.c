@@ -280,6 +280,138 @@ static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
     return (head_dim % 32) == 0 && half < ((int64_t)1 << 31);
 }
 static inline int use_vector_path(const Attn *a) { return vector_path_serves(a->dt, a->head_dim, a->half); }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 passes: 8 lanes along the head dims (no gathers: rows are read whole). Scores take 4
+ * positions by up to 3 queries per tile, summed across lanes once per tile; P V takes up to 3
+ * queries by 32 head dims, accumulators in registers. Float32 or bf16 caches (bf16 widened by
+ * a shift: exact). */
+static inline __m256 kv8(const Attn *a, int64_t at, const int BF16) {
+    if (BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)a->cache + at))), 16));
+    return _mm256_loadu_ps((const float *)a->cache + at);
+}
+
+/* Scores of queries q0..q0+NQ-1 against the 4 cache rows at rows[] (n valid; the others repeat
+ * a valid one), into out[x * max_seq + 0..n-1]. */
+static inline __attribute__((always_inline)) void scores_tile(const Attn *a, const int64_t rows[4], int n,
+                                                              const float *qbuf, int q0, const int NQ, float *out,
+                                                              const int BF16) {
+    __m256 acc[3][4];
+    for (int x = 0; x < NQ; x++)
+        for (int r = 0; r < 4; r++) acc[x][r] = _mm256_setzero_ps();
+    for (int c = 0; c < a->head_dim; c += 8) {
+        __m256 qv[3];
+        for (int x = 0; x < NQ; x++) qv[x] = _mm256_loadu_ps(qbuf + (int64_t)(q0 + x) * a->head_dim + c);
+        for (int r = 0; r < 4; r++) {
+            const __m256 k = kv8(a, rows[r] + c, BF16);
+            for (int x = 0; x < NQ; x++) acc[x][r] = _mm256_fmadd_ps(k, qv[x], acc[x][r]);
+        }
+    }
+    const __m128 sc = _mm_set1_ps(a->scale);
+    for (int x = 0; x < NQ; x++) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[x][0], acc[x][1]), _mm256_hadd_ps(acc[x][2], acc[x][3]));
+        const __m128 four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), sc);
+        float *dst = out + (int64_t)(q0 + x) * a->max_seq;
+        if (n == 4) {
+            _mm_storeu_ps(dst, four);
+        } else {
+            float tmp[4];
+            _mm_storeu_ps(tmp, four);
+            for (int r = 0; r < n; r++) dst[r] = tmp[r];
+        }
+    }
+}
+
+/* Pass 1: scores of every query of the item against positions 0..ctx_end-1. */
+static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
+    const int bf16 = a->dt == DT_BF16;
+    for (int kvl = 0; kvl < it->nkv; kvl++) {
+        const int kvh = it->kvh + kvl;
+        int blk = 0, off = 0; /* position p0's block and offset, walked without division */
+        for (int p0 = 0; p0 < it->ctx_end; p0 += 4) {
+            const int n = it->ctx_end - p0 < 4 ? it->ctx_end - p0 : 4;
+            int64_t rows[4];
+            for (int r = 0; r < 4; r++) {
+                const int64_t slot = (int64_t)it->table[blk] * a->block_size + off;
+                rows[r] = (slot * a->kv_heads + kvh) * a->head_dim;
+                if (r + 1 < n && ++off == a->block_size) off = 0, blk++;
+            }
+            if (++off == a->block_size) off = 0, blk++; /* to position p0 + 4 */
+            float *out = scores + p0;
+            for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 3) {
+                const int nq = (kvl + 1) * it->per_kv - q0 < 3 ? (kvl + 1) * it->per_kv - q0 : 3;
+#define SC_NQ(BF)                                                                                        \
+    switch (nq) {                                                                                        \
+    case 1: scores_tile(a, rows, n, qbuf, q0, 1, out, BF); break;                                        \
+    case 2: scores_tile(a, rows, n, qbuf, q0, 2, out, BF); break;                                        \
+    default: scores_tile(a, rows, n, qbuf, q0, 3, out, BF); break;                                       \
+    }
+                if (bf16) {
+                    SC_NQ(1)
+                } else {
+                    SC_NQ(0)
+                }
+#undef SC_NQ
+            }
+        }
+    }
+}
+
+/* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+31 of KV head kvh. */
+static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const Item *it, const float *scores,
+                                                          float *obuf, int kvh, int d0, int q0, const int NQ,
+                                                          const int BF16) {
+    __m256 o[3][4];
+    for (int x = 0; x < NQ; x++)
+        for (int z = 0; z < 4; z++) o[x][z] = _mm256_setzero_ps();
+    for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
+        const int64_t base = (int64_t)it->table[blk] * a->block_size;
+        const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
+        for (int off = 0; off < stop; off++, p++) {
+            const int64_t at = a->half + ((base + off) * a->kv_heads + kvh) * a->head_dim + d0;
+            __m256 w[3];
+            for (int x = 0; x < NQ; x++) w[x] = _mm256_broadcast_ss(scores + (int64_t)(q0 + x) * a->max_seq + p);
+            for (int z = 0; z < 4; z++) {
+                const __m256 v = kv8(a, at + z * 8, BF16);
+                for (int x = 0; x < NQ; x++) o[x][z] = _mm256_fmadd_ps(w[x], v, o[x][z]);
+            }
+        }
+    }
+    for (int x = 0; x < NQ; x++)
+        for (int z = 0; z < 4; z++) _mm256_storeu_ps(obuf + (int64_t)(q0 + x) * a->head_dim + d0 + z * 8, o[x][z]);
+}
+
+/* Pass 2: obuf = P V in tiles of up to 3 queries x 32 head dims. */
+static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
+    const int bf16 = a->dt == DT_BF16;
+    for (int kvl = 0; kvl < it->nkv; kvl++) {
+        for (int d0 = 0; d0 < a->head_dim; d0 += 32) {
+            for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 3) {
+                const int nq = (kvl + 1) * it->per_kv - q0 < 3 ? (kvl + 1) * it->per_kv - q0 : 3;
+                const int kvh = it->kvh + kvl;
+#define PV_NQ(BF)                                                                                        \
+    switch (nq) {                                                                                        \
+    case 1: pv_tile(a, it, scores, obuf, kvh, d0, q0, 1, BF); break;                                     \
+    case 2: pv_tile(a, it, scores, obuf, kvh, d0, q0, 2, BF); break;                                     \
+    default: pv_tile(a, it, scores, obuf, kvh, d0, q0, 3, BF); break;                                    \
+    }
+                if (bf16) {
+                    PV_NQ(1)
+                } else {
+                    PV_NQ(0)
+                }
+#undef PV_NQ
+            }
+        }
+    }
+}
+
+static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
+    (void)dt, (void)half; /* 64-bit offsets: no limit on the cache's size */
+    return (head_dim % 32) == 0;
+}
+static inline int use_vector_path(const Attn *a) { return vector_path_serves(a->dt, a->head_dim, a->half); }
 #else
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
     (void)dt, (void)head_dim, (void)half;
@@ -485,7 +617,12 @@ int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_
  * Only where there are enough requests to share out, the vector path serves, and a row's
  * queries fit an item. The grouping never changes a result: each query is computed alone. */
 int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_t half) {
+#ifdef __AVX512F__
     return num_reqs >= 4 && heads <= MAX_QUERIES && vector_path_serves(dt, head_dim, half);
+#else
+    (void)num_reqs, (void)heads, (void)head_dim, (void)dt, (void)half; /* measured on AVX-512 only */
+    return 0;
+#endif
 }
 
 int scratch_alloc(Scratch *s, int max_seq, int head_dim) {
