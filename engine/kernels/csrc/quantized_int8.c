@@ -364,10 +364,14 @@ static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, c
                                                            int r0, const int ri, const int j0, const int jn,
                                                            float sums[TILE_OUT][TILE_IN]) {
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    /* the minimums' term of both blocks of a pair, [A, B] x4: lanes 0 and 4 of xspat, x 4 */
+    const __m256i ab = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    const __m256 four = _mm256_set1_ps(4.f);
     const int pairs = w->nb / 2, rb = record_bytes(Q8_KIND_Q4_1);
-    __m256 acc[TILE_OUT][TILE_IN];
+    __m256 acc[TILE_OUT][TILE_IN], accm[TILE_IN];
     for (int j = 0; j < jn; j++)
         for (int i = 0; i < ri; i++) acc[j][i] = _mm256_setzero_ps();
+    for (int i = 0; i < ri; i++) accm[i] = _mm256_setzero_ps();
     for (int p = 0; p < pairs; p++, rec += rb) {
         if (j0 == 0)
             for (int off = 0; off < rb; off += 64) {
@@ -376,13 +380,20 @@ static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, c
             }
         const uint16_t *scales = (const uint16_t *)(rec + TILE_OUT * 32);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+        /* The minimums' term of all 4 rows in one FMA per activation row: lanes [row 0 A, B,
+         * row 1 A, B, ...], summed per row at the end (not once per row and pair). */
         const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 8)));
+        for (int i = 0; i < ri; i++) {
+            const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16;
+            const __m256 t = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(x->xspat + at), ab), four);
+            accm[i] = _mm256_fmadd_ps(m8, t, accm[i]);
+        }
         for (int jj = 0; jj < jn; jj++) {
             const int j = j0 + jj;
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
             const __m256i lo = _mm256_and_si256(raw, low4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            const __m256 dw = pair_lanes(d8, j), mw = pair_lanes(m8, j);
+            const __m256 dw = pair_lanes(d8, j);
             for (int i = 0; i < ri; i++) {
                 const int8_t *xq = x->q + (int64_t)(r0 + i) * w->k + p * 64;
                 const int64_t at = ((int64_t)(r0 + i) * pairs + p) * 16;
@@ -390,12 +401,14 @@ static inline __attribute__((always_inline)) void q41_tile(const Q8Weights *w, c
                                                      _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32))));
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
                 acc[jj][i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_loadu_ps(x->dpat + at)), acc[jj][i]);
-                acc[jj][i] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x->xspat + at), acc[jj][i]);
             }
         }
     }
-    for (int jj = 0; jj < jn; jj++)
-        for (int i = 0; i < ri; i++) sums[j0 + jj][i] = hsum8(acc[jj][i]);
+    for (int i = 0; i < ri; i++) {
+        float m[8];
+        _mm256_storeu_ps(m, accm[i]);
+        for (int jj = 0; jj < jn; jj++) sums[j0 + jj][i] = hsum8(acc[jj][i]) + (m[2 * (j0 + jj)] + m[2 * (j0 + jj) + 1]);
+    }
 }
 
 /* Q8_0: a row's pair is two 256-bit loads, block A then B. The weights are signed, so the sign
