@@ -191,7 +191,8 @@ def pack_blocks_q8(
     kind: str, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
 ) -> torch.Tensor | None:
     """GGUF blocks repacked for the int8-activation kernel (:func:`cpu.pack_blocks_q8`), or
-    None where no such kernel serves them (another device, no AVX512-VNNI, odd sizes)."""
+    None where no such kernel serves them (another device, neither AVX512-VNNI nor AVX2, odd
+    sizes)."""
     if choose("cpu").quantized_linear != "cpu":
         return None
     return cpu.pack_blocks_q8(kind, qs, scales, mins)

@@ -10,7 +10,9 @@ file and rename it into place. Without a compiler, or with ``PORTICO_CPU_KERNELS
 same results, slower.
 
 Instruction sets are detected, never assumed: ``-march=native`` compiles in the AVX-512,
-AVX512-BF16 and VNNI paths only where the building CPU has them (portable loops otherwise), the
+AVX512-BF16 and VNNI paths only where the building CPU has them, AVX2 ones on a CPU with AVX2 and
+FMA but no AVX-512, portable loops otherwise (tests/engine/test_kernel_builds.py builds and
+checks the other two on any machine); the
 library reports what it was built with (``portico_compiled_features``), and :func:`load` refuses
 a library whose features the running CPU does not report in ``/proc/cpuinfo``
 (:func:`cpu_features`), so a kernel cache shared between machines cannot crash one of them.

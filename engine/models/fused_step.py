@@ -8,7 +8,8 @@ the native library one table of every layer's weights once, and each step of at 
 rows to sample from when it is in int8 blocks too (:meth:`LlamaForCausalLM.forward_and_logits`).
 
 It serves a model only where that call computes the same layers the Python path would with
-int8 activations: bfloat16 on a CPU whose native kernels built with AVX512-VNNI, every
+int8 activations: bfloat16 on a CPU whose native kernels have the int8 linears (AVX512-VNNI, or
+AVX2 with FMA and F16C: ``cpu.int8_available()``), every
 projection in GGUF Q4_1/Q8_0 blocks packed for them (``--gguf-activations int8``), and sizes
 the kernels take (widths a multiple of 64, head_dim a multiple of 32). LoRA steps that carry
 adapter rows use the Python path (the fused call has no adapter deltas), as does every rank of

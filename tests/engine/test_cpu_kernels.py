@@ -9,7 +9,6 @@ GQA, block sizes, ragged lengths, and prefill chunks mixed with decodes.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_oracle import attention_oracle, paged_case
 from gguf_blocks import random_blocks
 
 from engine import kernels
@@ -29,45 +29,6 @@ from engine.models.block_linear import BlockLinear, GGUFBlocks, block_matmul
 from engine.models.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
-
-
-def _oracle(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_lens: list[int],
-            scale: float) -> torch.Tensor:  # fmt: skip
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    heads = q.shape[1]
-    row = 0
-    for k, v, q_len in zip(ks, vs, q_lens, strict=True):
-        group = heads // k.shape[1]
-        for i in range(q_len):
-            pos = k.shape[0] - q_len + i
-            for h in range(heads):
-                scores = (k[: pos + 1, h // group].double() @ q[row + i, h].double()) * scale
-                out[row + i, h] = torch.softmax(scores, 0) @ v[: pos + 1, h // group].double()
-        row += q_len
-    return out
-
-
-def _paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int,
-                shape: list[tuple[int, int]], dtype: torch.dtype, seed: int):  # fmt: skip
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    q_lens, s_lens = [q for q, _ in shape], [s for _, s in shape]
-    needed = [-(-s // block_size) for s in s_lens]
-    pool = list(range(1, sum(needed) + 3))
-    rng.shuffle(pool)
-    tables, at = [], 0
-    for n in needed:
-        tables.append(pool[at : at + n])
-        at += n
-    cache = torch.zeros(2, len(pool) + 1, block_size, kv_heads, head_dim, dtype=dtype)
-    ks = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
-    vs = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
-    whole = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
-    write_kv_cache_ref(torch.cat(ks), torch.cat(vs), cache, whole.slot_mapping)
-    meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
-    # Queries as a strided view of a wider qkv-like row, as the model passes them.
-    wide = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim).to(dtype)
-    return wide[:, :heads], cache, meta, ks, vs, q_lens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,7 +46,7 @@ def test_paged_attention_matches_per_token_oracle(
     heads: int, kv_heads: int, head_dim: int, block_size: int, shape: list[tuple[int, int]],
     dtype: torch.dtype,
 ) -> None:  # fmt: skip
-    q, cache, meta, ks, vs, q_lens = _paged_case(
+    q, cache, meta, ks, vs, q_lens = paged_case(
         heads, kv_heads, head_dim, block_size, shape, dtype, seed=heads * 7 + block_size
     )
     scale = head_dim**-0.5
@@ -93,7 +54,7 @@ def test_paged_attention_matches_per_token_oracle(
         q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
     )
     assert out is not None and out.dtype == dtype and out.shape == q.shape
-    expected = _oracle(q, ks, vs, q_lens, scale)
+    expected = attention_oracle(q, ks, vs, q_lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
@@ -104,7 +65,7 @@ def test_attention_of_a_request_does_not_depend_on_its_batch(dtype: torch.dtype)
     (one thread reads the rows of every head); each request's output is still the one it gets
     alone, bit for bit, beside a prefill chunk or not."""
     shape = [(1, 40), (1, 17), (6, 30), (1, 1), (1, 33)]
-    q, cache, meta, _, _, q_lens = _paged_case(9, 3, 64, 16, shape, dtype, seed=11)
+    q, cache, meta, _, _, q_lens = paged_case(9, 3, 64, 16, shape, dtype, seed=11)
     scale = 64**-0.5
     out = cpu.paged_attention_cpu(
         q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale

@@ -9,16 +9,13 @@ references as the native one: the int8-activation and exact block linears and pa
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from attention_oracle import attention_oracle, paged_case
 from gguf_blocks import random_blocks
 
 from engine import kernels
-from engine.attention import AttentionMetadata
 from engine.kernels import cpu
-from engine.kernels.reference import write_kv_cache_ref
 
 BUILDS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-fma"]}
 
@@ -89,38 +86,11 @@ def test_exact_block_linear_of_a_build_equals_the_matmul(lib, kind: str) -> None
         torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-5)
 
 
-def _attention_oracle(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
-                      q_lens: list[int], scale: float) -> torch.Tensor:  # fmt: skip
-    out, row = torch.zeros(q.shape, dtype=torch.float64), 0
-    heads = q.shape[1]
-    for k, v, q_len in zip(ks, vs, q_lens, strict=True):
-        group = heads // k.shape[1]
-        for i in range(q_len):
-            pos = k.shape[0] - q_len + i
-            for h in range(heads):
-                scores = (k[: pos + 1, h // group].double() @ q[row + i, h].double()) * scale
-                out[row + i, h] = torch.softmax(scores, 0) @ v[: pos + 1, h // group].double()
-        row += q_len
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_of_a_build_matches_the_oracle(lib, dtype: torch.dtype) -> None:
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    q_lens, s_lens = [1, 7, 1, 18], [40, 7, 130, 33]
-    rng = random.Random(11)
-    torch.manual_seed(11)
-    needed = [-(-s // block_size) for s in s_lens]
-    pool = list(range(1, sum(needed) + 1))
-    rng.shuffle(pool)
-    tables = [pool[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(needed))]
-    cache = torch.zeros(2, len(pool) + 1, block_size, kv_heads, head_dim, dtype=dtype)
-    ks = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
-    vs = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
-    whole = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
-    write_kv_cache_ref(torch.cat(ks), torch.cat(vs), cache, whole.slot_mapping)
-    meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
-    q = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
+    head_dim = 64
+    shape = [(1, 40), (7, 7), (1, 130), (18, 33)]
+    q, cache, meta, ks, vs, q_lens = paged_case(9, 3, head_dim, 16, shape, dtype, seed=11)
     scale = head_dim**-0.5
     out = cpu.paged_attention_cpu(
         q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
@@ -128,5 +98,5 @@ def test_paged_attention_of_a_build_matches_the_oracle(lib, dtype: torch.dtype) 
     assert out is not None and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
-        out.double(), _attention_oracle(q, ks, vs, q_lens, scale), atol=tol, rtol=tol
+        out.double(), attention_oracle(q, ks, vs, q_lens, scale), atol=tol, rtol=tol
     )
