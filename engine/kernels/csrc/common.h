@@ -57,6 +57,21 @@ static inline void store_row(void *base, int dt, int64_t off, int n, const float
     }
 }
 
+#ifdef __AVX__
+/* Sum and maximum of 8 float lanes (the AVX2 paths' horizontal reductions, in one fixed order). */
+static inline float hsum8(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+#endif
+
 static inline float dot_f32(const float *a, const float *b, int n) {
     float s = 0.f;
 #ifdef __AVX512F__
@@ -70,9 +85,7 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     if ((n & 7) == 0) {
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-        return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+        return hsum8(acc);
     }
 #endif
     for (int i = 0; i < n; i++) s += a[i] * b[i];

@@ -468,17 +468,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float hadd8(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
 #define SOFTMAX_AVX2 1
 #endif
 
@@ -516,7 +505,7 @@ static void softmax_row(float *s, int limit, int ctx_end) {
         _mm256_storeu_ps(s + p, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    sum = hadd8(vsum);
+    sum = hsum8(vsum);
 #endif
     for (; p < limit; p++) {
         s[p] = expf(s[p] - mx);

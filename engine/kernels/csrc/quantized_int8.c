@@ -107,14 +107,6 @@ static inline __m128i pack16_i8(__m256i a, __m256i b) {
 }
 #endif
 
-#if HAVE_Q8
-static inline float hsum8(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
-#endif
-
 void quantize_blocks_q8(Q8Rows *rows, const void *x, int dt, int r_begin, int r_end, int b_begin, int b_end) {
     const int k = rows->k;
     for (int r = r_begin; r < r_end; r++) {
@@ -141,9 +133,7 @@ void quantize_blocks_q8(Q8Rows *rows, const void *x, int dt, int r_begin, int r_
             for (int i = 0; i < 4; i++) v[i] = load8_f32(x, dt, at + 8 * i);
             const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float amax = hmax8(m8);
             const float d = amax / 127.f;
             const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
             const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);

@@ -210,11 +210,7 @@ INLINE void tile_dot(const Weights *w, int o0, const float *xf, const void *xraw
         for (int i = 0; i < TILE_IN; i++) acc[j][i] = _mm256_setzero_ps();
     tile_avx2(w, rows, xf, r0, ri, acc);
     for (int j = 0; j < TILE_OUT; j++)
-        for (int i = 0; i < ri; i++) {
-            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[j][i]), _mm256_extractf128_ps(acc[j][i], 1));
-            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            res[j][i] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-        }
+        for (int i = 0; i < ri; i++) res[j][i] = hsum8(acc[j][i]);
 #else
     (void)xraw;
     (void)dt;
