@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import ParameterError
 from engine.stats import EngineStats, StatsLogger
+from engine.tenancy import TenantTag
 
 
 class EngineDeadError(RuntimeError):
@@ -35,6 +36,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     lora_request: Any = None
+    tenant: TenantTag | None = None
 
 
 @dataclass
@@ -125,8 +127,11 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: Any = None,
+        tenant: TenantTag | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and return its output stream. ValueError on bad input."""
+        """Queue a request and return its output stream. ValueError on bad input.
+
+        ``tenant`` (None: the default tenant) is whom the scheduler charges for it."""
         if self._loop is None:
             raise RuntimeError("AsyncLLMEngine.start() has not been awaited")
         if not self.is_alive:
@@ -140,7 +145,7 @@ class AsyncLLMEngine:
         self._send(
             _Add(
                 request_id, list(prompt_token_ids), params, priority, cache_salt, arrival,
-                lora_request,
+                lora_request, tenant,
             )
         )  # fmt: skip
         return self._stream(request_id, queue)
@@ -217,6 +222,7 @@ class AsyncLLMEngine:
                         cache_salt=cmd.cache_salt,
                         arrival_time=cmd.arrival_time,
                         lora_request=cmd.lora_request,
+                        tenant=cmd.tenant,
                     )
                 except ValueError as exc:  # validated before queueing; kept for safety
                     self._call_soon(self._put, cmd.request_id, exc)

@@ -15,6 +15,7 @@ from engine.spec_decode.config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fair", "fcfs", "priority")  # engine/scheduling_policy.py
 QUANTIZATIONS = ("auto", "none", "gguf")
 GGUF_ACTIVATIONS = ("int8", "exact")
 
@@ -74,6 +75,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
+    # Which waiting request runs next: fair (per-tenant virtual token counters, interactive
+    # before batch), fcfs (arrival order) or priority (vLLM's priority field, then arrival).
+    scheduling_policy: str = "fair"
+    # fair: a request waiting this long is served next whatever its tenant's counter or class.
+    fair_max_wait_s: float = 30.0
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out KV blocks (mode "swap")
     kv_cache_memory: str | int = "2GiB"  # KV budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
@@ -104,6 +110,8 @@ class EngineConfig:
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--gguf-activations", self.gguf_activations, GGUF_ACTIVATIONS)
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_number("--fair-max-wait-s", self.fair_max_wait_s, 0.0, math.inf)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -210,6 +218,16 @@ class EngineConfig:
         g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
         g.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
         g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
+        g.add_argument(
+            "--scheduling-policy",
+            default=d.scheduling_policy,
+            choices=SCHEDULING_POLICIES,
+            help="fair: tenants (x-portico-tenant) share by weight, interactive before batch; "
+            "fcfs: arrival order; priority: the request's priority (lower first), then arrival",
+        )
+        g.add_argument("--fair-max-wait-s", type=float, default=d.fair_max_wait_s,
+                       help="fair: a request waiting this many seconds runs next (no "
+                       "starvation)")  # fmt: skip
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,

@@ -35,6 +35,7 @@ from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.speculator import Proposer, Speculator
 from engine.stats import EngineStats
 from engine.structured_output import StructuredOutputManager
+from engine.tenancy import TenantTag
 from portico.registry import resolve
 
 if TYPE_CHECKING:
@@ -239,10 +240,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: TenantTag | None = None,
     ) -> None:
         """Queue a request (``n`` children). ValueError on bad input; nothing allocated then.
 
-        ``lora_request`` (from :attr:`lora`'s registry) runs it with that adapter."""
+        ``lora_request`` (from :attr:`lora`'s registry) runs it with that adapter; ``tenant``
+        (None: the default tenant) is whom the scheduler's policy and KV quota charge."""
         if lora_request is not None and self.lora is None:
             raise ParameterError("model", "this engine was started without --enable-lora")
         self.check_request(prompt_token_ids, params)
@@ -270,7 +273,7 @@ class LLMEngine:
             req = Request(
                 child_id, prompt, child_params,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt,
-                lora_request=lora_request,
+                lora_request=lora_request, tenant=tenant,
             )  # fmt: skip
             detok = IncrementalDetokenizer(
                 self.tokenizer,

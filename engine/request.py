@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.tenancy import DEFAULT_TENANT, TenantTag
 
 if TYPE_CHECKING:
     from engine.lora import LoRARequest
@@ -47,6 +48,7 @@ class Request:
         "sampling_params",
         "arrival_time",
         "priority",
+        "tenant",
         "cache_salt",
         "lora_request",
         "all_token_ids",
@@ -75,12 +77,14 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: TenantTag | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.priority = priority
+        self.priority = priority  # vLLM's: lower is served first (within a priority class)
+        self.tenant = DEFAULT_TENANT if tenant is None else tenant
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # None: the base model
         self.all_token_ids: list[int] = list(prompt_token_ids)

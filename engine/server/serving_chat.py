@@ -23,6 +23,7 @@ from engine.server.serving_engine import (
     OpenAIServing,
     delta_logprobs,
     random_id,
+    tenant_of,
     usage,
 )
 from engine.server.tool_calling import (
@@ -36,6 +37,7 @@ from engine.server.tool_calling import (
     reply_message,
     template_supports_tools,
 )
+from engine.tenancy import TenantTag
 from portico.errors import InvalidRequestError
 
 
@@ -96,7 +98,7 @@ class ChatServing:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        started = self.start(req)
+        started = self.start(req, tenant=tenant_of(request.headers))
         plan, request_id, num_prompt = started.plan, started.request_id, started.num_prompt_tokens
         outputs = merge(started.submitted)
         if req.stream:
@@ -108,7 +110,12 @@ class ChatServing:
         )
         return JSONResponse(body)
 
-    def start(self, req: ChatCompletionRequest, request_id: str | None = None) -> StartedChat:
+    def start(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str | None = None,
+        tenant: TenantTag | None = None,
+    ) -> StartedChat:
         """Check, render and queue the request (the Responses API shares this)."""
         serving = self.serving
         serving.check_request(req)
@@ -126,7 +133,7 @@ class ChatServing:
             constrain_to_schema(params, plan.schema)
         request_id = request_id or random_id("chatcmpl")
         try:
-            submitted = serving.submit_all([(prompt, params)], req, request_id)
+            submitted = serving.submit_all([(prompt, params)], req, request_id, tenant)
         except InvalidRequestError as exc:
             if plan.schema is None or exc.param != "structured_outputs":
                 raise

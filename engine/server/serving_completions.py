@@ -17,6 +17,7 @@ from engine.server.serving_engine import (
     OpenAIServing,
     delta_logprobs,
     random_id,
+    tenant_of,
     usage,
 )
 from portico.errors import InvalidRequestError
@@ -65,6 +66,7 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         serving = self.serving
+        tenant = tenant_of(request.headers)
         serving.check_request(req)
         prompts = self.prompts(req)
         jobs = []
@@ -74,7 +76,7 @@ class CompletionServing:
             )
             jobs.append((prompt.token_ids, serving.sampling_params(req, max_tokens)))
         request_id = random_id("cmpl")
-        submitted = serving.submit_all(jobs, req, request_id)
+        submitted = serving.submit_all(jobs, req, request_id, tenant)
         outputs = merge(submitted)
         if req.stream:
             return EngineStreamingResponse(

@@ -19,7 +19,7 @@ from engine.pooling_params import PoolerConfig
 from engine.sampling_params import SamplingParams
 from engine.server.engine_requests import merge, unless_disconnected
 from engine.server.protocol import EmbeddingRequest
-from engine.server.serving_engine import OpenAIServing, random_id
+from engine.server.serving_engine import OpenAIServing, random_id, tenant_of
 from portico.errors import InvalidRequestError
 
 
@@ -70,6 +70,7 @@ class EmbeddingServing:
 
     async def create(self, req: EmbeddingRequest, request: Request) -> Response:
         serving = self.serving
+        tenant = tenant_of(request.headers)
         serving.check_model(req.model)
         if req.dimensions is not None and not self.pooler.allows_dimensions(req.dimensions):
             raise InvalidRequestError(
@@ -82,7 +83,8 @@ class EmbeddingServing:
             max_tokens=1, temperature=0.0, pooling=self.pooler.params(req.dimensions)
         )
         request_id = random_id("embd")
-        submitted = serving.submit_all([(ids, params) for ids in prompts], req, request_id)
+        jobs = [(ids, params) for ids in prompts]
+        submitted = serving.submit_all(jobs, req, request_id, tenant)
         body = await unless_disconnected(self.collect(req, prompts, submitted), request)
         return JSONResponse(body)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -21,6 +22,7 @@ from engine.server.engine_requests import EngineRequest
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.structured_fields import structured_outputs_for
+from engine.tenancy import TenantTag, tenant_from_headers
 from portico.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -46,6 +48,18 @@ def effective_max_model_len(engine: AsyncLLMEngine) -> int:
     model_len = int(engine.model_config.max_position_embeddings)
     cap = getattr(engine.config, "max_model_len", None)
     return min(model_len, cap) if cap else model_len
+
+
+def tenant_of(headers: Mapping[str, str]) -> TenantTag:
+    """The request's tenant from the gateway's engine-hop headers (engine/tenancy.py).
+
+    A bad value is a 400 naming the header: only the gateway sets these, so one is a bug there
+    (or a caller that bypasses it) and should be loud rather than silently defaulted.
+    """
+    try:
+        return tenant_from_headers(headers)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
 
 
 def random_id(prefix: str) -> str:
@@ -182,13 +196,14 @@ class OpenAIServing:
         prompts: list[tuple[list[int], SamplingParams]],
         req: SubmittedFields,
         request_id: str,
+        tenant: TenantTag | None = None,
     ) -> list[EngineRequest]:
         """Queue one engine request per prompt, all or none (a refusal aborts the others)."""
         submitted: list[EngineRequest] = []
         try:
             for index, (ids, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                submitted.append(self.submit(rid, ids, params, req))
+                submitted.append(self.submit(rid, ids, params, req, tenant))
         except BaseException:
             for engine_request in submitted:
                 engine_request.close()
@@ -201,8 +216,12 @@ class OpenAIServing:
         prompt_token_ids: list[int],
         params: SamplingParams,
         req: SubmittedFields,
+        tenant: TenantTag | None = None,
     ) -> EngineRequest:
-        """Queue one engine request now (so bad input fails before any response byte)."""
+        """Queue one engine request now (so bad input fails before any response byte).
+
+        ``tenant`` (from :func:`tenant_of`; None: the default tenant) is whom the engine's
+        scheduler charges for it."""
         try:
             stream = self.engine.generate(
                 request_id,
@@ -211,6 +230,7 @@ class OpenAIServing:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
                 lora_request=self.check_model(req.model),
+                tenant=tenant,
             )
         except EngineDeadError:
             raise ServiceUnavailableError("The engine is not running.") from None

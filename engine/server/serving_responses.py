@@ -33,6 +33,7 @@ from engine.server.protocol import (
     describe_validation_error,
 )
 from engine.server.serving_chat import ChatServing, StartedChat
+from engine.server.serving_engine import tenant_of
 from engine.server.tool_calling import ToolCallDeltas, new_call_id
 from engine.server.tool_parsers import ParsedOutput
 from portico.errors import APIError, InvalidRequestError
@@ -177,7 +178,7 @@ class ResponsesServing:
                 param="previous_response_id",
                 code="unsupported_parameter",
             )
-        started = self.chat.start(chat_request(req), new_id("resp"))
+        started = self.chat.start(chat_request(req), new_id("resp"), tenant_of(request.headers))
         if req.stream:
             return EngineStreamingResponse(self.stream(req, started), started.submitted)
         body = await unless_disconnected(self.collect(req, started), request)
