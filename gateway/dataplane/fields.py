@@ -40,6 +40,10 @@ class RequestFields:
     # many and returns n) times the number of prompts; admission reserves that many
     num_outputs: int = 1
     edited: bool = False  # the gateway changed ``body``: the proxy sends it re-serialized
+    # The client's own ``cache_salt`` (checked: a string of 1..1024 characters). It only
+    # narrows the tenant's salt (gateway/identity/tenants.py ``narrowed_salt``); the engine
+    # never receives it raw.
+    cache_salt: str | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -48,6 +52,7 @@ class RequestFields:
 
 
 GENERATING_KINDS = frozenset({"chat", "completion", "responses"})
+MAX_CACHE_SALT_CHARS = 1024  # the engine's own bound on cache_salt
 
 
 def _text_of(content: Any) -> str:
@@ -93,12 +98,35 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def client_cache_salt(body: dict[str, Any]) -> str | None:
+    """The client's ``cache_salt``: absent or null is None; anything but a string of
+    1..1024 characters is a 400 naming the field (the engine would refuse it too, but the
+    gateway replaces the salt, so it must check the client's before it does)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise _bad(
+            "Invalid value for 'cache_salt': must be a string of 1 to "
+            f"{MAX_CACHE_SALT_CHARS} characters.",
+            "cache_salt",
+        )
+    return salt
+
+
 def parse_fields(raw: bytes, kind: str) -> RequestFields:
     """Parse the body and check the fields the gateway uses; 400 in OpenAI's shape otherwise."""
     body = parse_body(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("Missing required parameter: 'model'.", "model")
+    fields = _parse_kind(kind, model, body)
+    if "cache_salt" in body:
+        fields.cache_salt = client_cache_salt(body)
+    return fields
+
+
+def _parse_kind(kind: str, model: str, body: dict[str, Any]) -> RequestFields:
     if kind not in GENERATING_KINDS:
         return _non_generating_fields(kind, model, body)
     if kind == "responses":

@@ -36,6 +36,7 @@ from gateway.dataplane.proxy import Exchange, LocalUpstream, _dumps, upstream_bo
 from gateway.dataplane.remote import RemoteSpec
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import LeanTransport
+from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from portico.errors import error_body
 
@@ -83,6 +84,8 @@ def build_transport(spec: RemoteSpec, url: httpx.URL) -> httpx.AsyncBaseTranspor
 
 class OpenAIRemoteUpstream(LocalUpstream):
     """One OpenAI-compatible remote (``remotes[]`` with api ``openai`` or ``azure``)."""
+
+    continuous_usage = False  # providers report usage once, at the end (if at all)
 
     def __init__(
         self,
@@ -152,7 +155,10 @@ class OpenAIRemoteUpstream(LocalUpstream):
     def _auth(self, key: str) -> dict[str, str]:
         return {"api-key": key} if self.azure else {"authorization": f"Bearer {key}"}
 
-    def request_headers(self, request_id: str, credential: str | None) -> dict[str, str]:
+    def request_headers(
+        self, request_id: str, credential: str | None, principal: Principal | None = None
+    ) -> dict[str, str]:
+        # never the engine hop's x-portico-* headers: the tenant is no business of a provider
         headers = {**self._headers, "x-request-id": request_id}
         if credential is not None:
             headers.update(self._auth(credential))
@@ -167,6 +173,7 @@ class OpenAIRemoteUpstream(LocalUpstream):
         prefix_key: bytes | None,
         avoid: tuple[Replica, ...] = (),
         credential: str | None = None,
+        principal: Principal | None = None,
     ) -> Exchange:
         exchange = await super().exchange(
             path, payload, fields, request_id, prefix_key, avoid, credential

@@ -15,6 +15,10 @@ usage event is read here and dropped from the relay when the client did not ask 
 upstream that reports no usage (some remote providers' streams) is counted by the upstream's
 :class:`~gateway.dataplane.output_tokens.OutputCounter`, when it has one, and ``Usage.source``
 says how.
+
+Every request to a local engine names the caller's tenant and plan share in ``x-portico-*``
+headers (gateway/dataplane/engine_hop.py); upstream headers are built from scratch, so a
+client's own never travel.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from typing import Any, Protocol
 import httpx
 from starlette.responses import Response
 
+from gateway.dataplane.engine_hop import engine_hop_headers
 from gateway.dataplane.fields import RequestFields
 from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import read_body
+from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from portico.errors import ServiceUnavailableError, UpstreamError, error_body
 
@@ -249,6 +255,7 @@ class Upstream(Protocol):
         prefix_key: bytes | None,
         avoid: tuple[Replica, ...] = (),  # replicas to pick last (e.g. lacking an adapter)
         credential: str | None = None,
+        principal: Principal | None = None,  # the caller: local engines are told its tenant
     ) -> Exchange: ...
 
 
@@ -308,8 +315,14 @@ class LocalUpstream:
     def request_url(self, path: str) -> httpx.URL:
         return _engine_url(path)
 
-    def request_headers(self, request_id: str, credential: str | None) -> dict[str, str]:
-        return {"content-type": "application/json", "x-request-id": request_id}
+    def request_headers(
+        self, request_id: str, credential: str | None, principal: Principal | None = None
+    ) -> dict[str, str]:
+        """The whole header set of an engine request (nothing of the client's is copied)."""
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        if principal is not None:
+            headers.update(engine_hop_headers(principal))
+        return headers
 
     async def exchange(
         self,
@@ -320,12 +333,14 @@ class LocalUpstream:
         prefix_key: bytes | None,
         avoid: tuple[Replica, ...] = (),
         credential: str | None = None,
+        principal: Principal | None = None,
     ) -> Exchange:
         """Send until an answer's first byte is ready or the policy gives up; replicas in
-        ``avoid`` (e.g. not holding the request's adapter) are picked only when no other can."""
+        ``avoid`` (e.g. not holding the request's adapter) are picked only when no other can.
+        ``principal``: the caller, named to the engine (:func:`engine_hop_headers`)."""
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
-        headers = self.request_headers(request_id, credential)
+        headers = self.request_headers(request_id, credential, principal)
         url = self.request_url(path)
         tried: tuple[Replica, ...] = ()
         waited = 0.0

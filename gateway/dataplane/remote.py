@@ -31,6 +31,7 @@ from gateway.dataplane.fields import RequestFields
 from gateway.dataplane.pool import Replica
 from gateway.dataplane.proxy import DONE_EVENT, Exchange, Usage, _dumps, error_event
 from gateway.dataplane.retry import RetryPolicy
+from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from portico.errors import error_body, status_error_type
 
@@ -194,6 +195,7 @@ class RemoteUpstream:
         prefix_key: bytes | None,
         avoid: tuple[Replica, ...] = (),  # a remote provider has no replicas to avoid
         credential: str | None = None,
+        principal: Principal | None = None,  # never sent: the tenant is the gateway's business
     ) -> Exchange:
         started = time.monotonic()
         deadline = started + self.policy.deadline_s

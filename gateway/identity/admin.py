@@ -97,7 +97,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
-    """The tenant record plus what it adds up to (effective limits, models, salt policy)."""
+    """The tenant record plus what it adds up to (effective limits, models, salt policy, the
+    scheduling share its engine requests carry)."""
     body = tenant.model_dump()
     plan = store.plans.get(tenant.plan)
     if plan is not None:
@@ -117,6 +118,11 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
             if principal.allowed_models is not None
             else None,
             "shares_prefix_cache": (principal.cache_salt or "").startswith("shared:"),
+            "engine_share": {
+                "weight": principal.share.weight,
+                "priority_class": principal.share.priority_class,
+                "kv_share": principal.share.kv_share,
+            },
         }
     return body
 

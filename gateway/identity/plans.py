@@ -7,7 +7,7 @@ A plan is read once at start-up; a tenant names one and may put overrides on top
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -19,7 +19,7 @@ from pydantic import (
     ValidationError,
 )
 
-from gateway.identity.principal import Limits
+from gateway.identity.principal import EngineShare, Limits
 
 DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
 
@@ -59,12 +59,26 @@ class LimitsSpec(BaseModel):
 
 
 class Plan(LimitsSpec):
-    """A named quota from ``policies/plans.yaml``."""
+    """A named quota from ``policies/plans.yaml``.
+
+    ``weight``, ``priority_class`` and ``kv_share`` are what the local engines' schedulers are
+    told about every request of the plan's tenants (:meth:`engine_share`): the tenant's share
+    of the engine's tokens when several tenants wait (2.0 gets twice 1.0's), whether it is
+    served before (``interactive``) or after (``batch``) the other class, and the largest
+    fraction of an engine's KV cache its requests may hold at once.
+    """
 
     name: str = ""
     allowed_models: list[ModelName] | None = None
     share_prefix_cache: bool = False
     model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
+    # the engine's own bound is 1e6 (engine/tenancy.py): a larger weight is a typo
+    weight: float = Field(default=1.0, gt=0, le=1e6)
+    priority_class: Literal["interactive", "batch"] = "interactive"
+    kv_share: float = Field(default=1.0, gt=0, le=1)
+
+    def engine_share(self) -> EngineShare:
+        return EngineShare(self.weight, self.priority_class, self.kv_share)
 
 
 class PlansFile(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,26 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class EngineShare:
+    """What a local engine's scheduler is told about a tenant (its plan's fields): ``weight``
+    (> 0) scales its fair share of tokens, ``priority_class`` puts it before (``interactive``)
+    or after (``batch``) the other class, ``kv_share`` in (0, 1] caps the fraction of the
+    engine's KV blocks its requests may hold. The defaults are the engine's own."""
+
+    weight: float = 1.0
+    priority_class: Literal["interactive", "batch"] = "interactive"
+    kv_share: float = 1.0
+
+
+@dataclass(frozen=True)
 class Principal:
     """An authenticated caller.
 
     ``limits`` is the tenant's plan merged with the tenant's overrides; ``key_limits`` are the
     calling key's own limits, if it has any; ``model_limits`` are optional per-model limits of
     the tenant. ``cache_salt`` is sent to engines so tenants never share prefix-cache entries
-    unless their plan gives them the same salt.
+    unless their plan gives them the same salt. ``share`` is the plan's scheduling share,
+    sent on the engine hop (gateway/dataplane/engine_hop.py).
     """
 
     tenant_id: str
@@ -39,6 +53,7 @@ class Principal:
     key_limits: Limits | None = None
     model_limits: Mapping[str, Limits] = field(default_factory=lambda: MappingProxyType({}))
     cache_salt: str | None = None
+    share: EngineShare = EngineShare()
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models

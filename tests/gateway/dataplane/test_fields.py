@@ -58,7 +58,7 @@ def test_non_stream_without_salt_forwards_the_original_bytes() -> None:
     assert upstream_body(raw, parse_fields(raw, "chat"), "m", None) is raw
 
 
-def test_client_cache_salt_is_replaced_and_alias_rewritten() -> None:
+def test_client_cache_salt_only_narrows_and_alias_rewritten() -> None:
     raw = json.dumps(
         {
             "model": "alias",
@@ -70,7 +70,7 @@ def test_client_cache_salt_is_replaced_and_alias_rewritten() -> None:
     ).encode()
     body = json.loads(upstream_body(raw, parse_fields(raw, "chat"), "real", "mine"))
     assert body["model"] == "real"
-    assert body["cache_salt"] == "mine"
+    assert body["cache_salt"].startswith("mine/") and "someone-else" not in body["cache_salt"]
     assert body["stream_options"] == {"include_usage": True}
     body = json.loads(upstream_body(raw, parse_fields(raw, "chat"), "real", None))
     assert "cache_salt" not in body
@@ -83,11 +83,11 @@ def test_usage_event_is_read_and_dropped_unless_asked_for() -> None:
         b"data: [DONE]\n\n"
     )
     usage = Usage()
-    out = _take_usage(block, usage, keep_usage=False)
+    out = _take_usage(block, usage, False)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (3, 5, True)
     assert b"prompt_tokens" not in out and out.endswith(b"data: [DONE]\n\n")
     assert out.startswith(b'data: {"choices": [{"delta"')
-    assert _take_usage(block, Usage(), keep_usage=True) == block
+    assert _take_usage(block, Usage(), True) == block
 
 
 @pytest.mark.parametrize(

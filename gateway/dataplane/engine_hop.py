@@ -1,0 +1,31 @@
+"""The engine hop's tenant headers: whose request a local engine is serving.
+
+Every request the gateway sends to a local engine names the authenticated caller's tenant and
+its plan's scheduling share (weight, priority class, KV share) in four ``x-portico-*`` headers;
+the engine's scheduler reads them (engine/tenancy.py). The gateway builds an upstream request's
+headers from scratch (:meth:`gateway.dataplane.proxy.LocalUpstream.request_headers`), so a
+client's own ``x-portico-*`` headers never reach an engine, and remote providers, whose headers
+are their own, never receive these.
+"""
+
+from __future__ import annotations
+
+from gateway.identity.principal import Principal
+
+TENANT_HEADER = "x-portico-tenant"
+WEIGHT_HEADER = "x-portico-tenant-weight"
+PRIORITY_CLASS_HEADER = "x-portico-priority-class"
+KV_SHARE_HEADER = "x-portico-kv-share"
+ENGINE_HOP_HEADERS = (TENANT_HEADER, WEIGHT_HEADER, PRIORITY_CLASS_HEADER, KV_SHARE_HEADER)
+
+
+def engine_hop_headers(principal: Principal) -> dict[str, str]:
+    """The four headers for ``principal``: its tenant id, and its plan's weight, priority
+    class and KV share (numbers as Python writes floats, which the engine parses back)."""
+    share = principal.share
+    return {
+        TENANT_HEADER: principal.tenant_id,
+        WEIGHT_HEADER: repr(float(share.weight)),
+        PRIORITY_CLASS_HEADER: share.priority_class,
+        KV_SHARE_HEADER: repr(float(share.kv_share)),
+    }

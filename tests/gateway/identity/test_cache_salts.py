@@ -1,0 +1,68 @@
+"""The engine's cache salt: a client's ``cache_salt`` is checked at the edge (a 400 naming the
+field) and only narrows its tenant's salt; it never reaches the engine raw."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.proxy import upstream_body
+from gateway.identity.cache_salts import narrowed_salt
+from portico.errors import InvalidRequestError
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+KIND_BODIES = {
+    "chat": CHAT,
+    "completion": {"model": "m", "prompt": "hi"},
+    "responses": {"model": "m", "input": "hi"},
+    "embedding": {"model": "m", "input": "hi"},
+}
+
+
+def _raw(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_BODIES))
+@pytest.mark.parametrize("salt", [5, ["x"], {"a": 1}, True, "", "x" * 1025])
+def test_a_client_cache_salt_that_is_not_a_short_string_is_a_400(kind: str, salt: Any) -> None:
+    with pytest.raises(InvalidRequestError) as exc:
+        parse_fields(_raw({**KIND_BODIES[kind], "cache_salt": salt}), kind)
+    assert exc.value.status_code == 400
+    assert exc.value.param == "cache_salt"
+    assert exc.value.to_dict()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_null_cache_salt_is_no_salt() -> None:
+    fields = parse_fields(_raw({**CHAT, "cache_salt": None}), "chat")
+    assert fields.cache_salt is None
+    body = json.loads(upstream_body(_raw(fields.body), fields, "m", "tenant-salt"))
+    assert body["cache_salt"] == "tenant-salt"
+
+
+def test_a_client_salt_narrows_the_tenant_salt_and_never_travels_raw() -> None:
+    fields = parse_fields(_raw({**CHAT, "cache_salt": "user-42"}), "chat")
+    assert fields.cache_salt == "user-42"
+    sent = json.loads(upstream_body(_raw(fields.body), fields, "m", "tenant-a"))["cache_salt"]
+    assert sent == narrowed_salt("tenant-a", "user-42")
+    assert sent.startswith("tenant-a/") and "user-42" not in sent
+    # the same client salt under another tenant is another salt: no way into A's blocks
+    assert narrowed_salt("tenant-b", "user-42") != sent
+    # a client cannot pick a salt that equals its tenant's bare salt or another tenant's
+    assert narrowed_salt("tenant-a", "tenant-b") not in ("tenant-a", "tenant-b")
+    # stable: the same client salt hits its own cache again
+    assert narrowed_salt("tenant-a", "user-42") == sent
+    assert narrowed_salt("tenant-a", "user-43") != sent
+
+
+def test_without_a_tenant_salt_the_client_salt_is_dropped() -> None:
+    # remote providers get no salt at all (they are not our cache)
+    fields = parse_fields(_raw({**CHAT, "cache_salt": "user-42"}), "chat")
+    assert "cache_salt" not in json.loads(upstream_body(_raw(fields.body), fields, "m", None))
+
+
+def test_a_huge_client_salt_gives_a_bounded_engine_salt() -> None:
+    assert len(narrowed_salt("t" * 32, "x" * 1024)) <= 100
