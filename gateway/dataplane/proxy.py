@@ -41,6 +41,7 @@ from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import read_body
+from gateway.identity.cache_salts import narrowed_salt
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from portico.errors import ServiceUnavailableError, UpstreamError, error_body
@@ -63,6 +64,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _USAGE_MARKS = (b'"usage":{', b'"usage": {')
+_USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+_CONTINUOUS_OPTION = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+_LAST_USAGE = b',"usage":{'  # the engine's chunks end with their usage (compact JSON)
+_NULL_USAGE = b',"usage":null}'
 
 
 @dataclass(slots=True)
@@ -133,11 +138,16 @@ def upstream_body(
     model: str,
     cache_salt: str | None,
     max_tokens: int | None = None,
+    continuous_usage: bool = False,
 ) -> bytes:
     """The body sent to the engine: the client's bytes with the tenant's ``cache_salt``, the
     upstream model name, ``stream_options.include_usage`` and (when the client set none) the
     ``max_tokens`` admission reserved spliced in. The common case (no alias, no client
-    ``cache_salt``/``stream_options``) edits bytes without re-serializing."""
+    ``cache_salt``/``stream_options``) edits bytes without re-serializing.
+
+    ``continuous_usage`` (local engines): every chunk of a stream carries the usage so far
+    (vLLM's ``continuous_usage_stats``), so a stream cut short is charged what it generated;
+    the relay gives the client only the usage it asked for (:func:`_take_usage`)."""
     body = fields.body
     # A Responses stream reports usage in its last event; it has no stream_options to set.
     usage_option = fields.stream and fields.kind != "responses"
@@ -153,30 +163,56 @@ def upstream_body(
         if cache_salt is not None:
             extra.append(b'"cache_salt":' + _dumps(cache_salt))
         if usage_option:
-            extra.append(b'"stream_options":{"include_usage":true}')
+            extra.append(_CONTINUOUS_OPTION if continuous_usage else _USAGE_OPTION)
         if not extra:
             return raw
         end = raw.rstrip().rfind(b"}")
         return raw[:end] + b"," + b",".join(extra) + b"}"
     edited = dict(body)
     edited["model"] = model
-    edited.pop("cache_salt", None)  # a client never picks its own salt
+    edited.pop("cache_salt", None)  # a client's salt only narrows its tenant's, never replaces
     if cache_salt is not None:
-        edited["cache_salt"] = cache_salt
+        edited["cache_salt"] = narrowed_salt(cache_salt, fields.cache_salt)
     if max_tokens is not None:
         edited[fields.max_tokens_field] = max_tokens
     if usage_option:
         options = {**(body.get("stream_options") or {}), "include_usage": True}
-        if not fields.wants_usage:  # vLLM: no usage on each chunk unless usage was asked for
+        if continuous_usage:
+            options["continuous_usage_stats"] = True
+        elif not fields.wants_usage:  # vLLM: no usage on each chunk unless usage was asked for
             options.pop("continuous_usage_stats", None)
         edited["stream_options"] = options
     return _dumps(edited)
 
 
-def _take_usage(block: bytes, usage: Usage, keep_usage: bool) -> bytes:
-    """Read the usage event in ``block`` (one or more SSE events); drop it unless kept."""
+@dataclass(frozen=True, slots=True)
+class UsageView:
+    """What the client of a stream sees of usage: the final usage event (``include_usage``)
+    and usage on every chunk (``continuous_usage_stats``); ``continuous`` says the upstream
+    was asked for usage on every chunk, which the relay then reads and hides as asked."""
+
+    final: bool = False
+    every_chunk: bool = False
+    continuous: bool = False
+
+
+def usage_view(fields: RequestFields, continuous: bool) -> UsageView:
+    """The client's view of a stream's usage, from its ``stream_options``."""
+    options = fields.body.get("stream_options")
+    every = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
+    return UsageView(fields.wants_usage, fields.wants_usage and every, continuous)
+
+
+def _take_usage(block: bytes, usage: Usage, view: UsageView | bool) -> bytes:
+    """Read the usage in ``block`` (one or more SSE events); pass the client only the usage
+    ``view`` says it asked for (a bool: whether the final usage event is kept)."""
     if not any(mark in block for mark in _USAGE_MARKS):
         return block
+    if isinstance(view, bool):
+        view = UsageView(final=view)
+    if view.continuous:
+        return _take_continuous_usage(block, usage, view)
+    keep_usage = view.final
     kept = []
     for event in block.split(b"\n\n"):
         if not event:
@@ -193,6 +229,33 @@ def _take_usage(block: bytes, usage: Usage, keep_usage: bool) -> bytes:
                 if not keep_usage and not data.get("choices"):
                     continue  # the usage-only event the client did not ask for
         kept.append(event + b"\n\n")
+    return b"".join(kept)
+
+
+def _take_continuous_usage(block: bytes, usage: Usage, view: UsageView) -> bytes:
+    """A local engine's stream with usage on every chunk: only the usage object at the end
+    of each event is parsed (not the chunk), and it is replaced by ``null`` on the chunks of
+    a client that did not ask for it, exactly what the engine would have sent that client."""
+    kept = []
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        at = event.rfind(_LAST_USAGE)
+        if at < 0 or not event.endswith(b"}"):
+            kept.append(event + b"\n\n")
+            continue
+        try:
+            usage.take(_loads(event[at + 9 : -1]))
+        except ValueError:
+            kept.append(event + b"\n\n")
+            continue
+        if b'"choices":[]' in event[:at]:  # the final usage-only event
+            if view.final:
+                kept.append(event + b"\n\n")
+        elif view.every_chunk:
+            kept.append(event + b"\n\n")
+        else:
+            kept.append(event[:at] + _NULL_USAGE + b"\n\n")
     return b"".join(kept)
 
 
@@ -286,6 +349,9 @@ class LocalUpstream:
 
     tenant_keys = False
     tracer: AttemptTracer | None = None  # set by the gateway when tracing is on
+    # Streams carry the usage so far on every chunk (the engine's continuous_usage_stats): a
+    # stream the client leaves midway is still charged what the gateway saw generated.
+    continuous_usage = True
 
     def __init__(
         self,
@@ -310,7 +376,7 @@ class LocalUpstream:
         max_tokens: int | None,
     ) -> bytes:
         """The body the engine gets (:func:`upstream_body`)."""
-        return upstream_body(raw, fields, model, cache_salt, max_tokens)
+        return upstream_body(raw, fields, model, cache_salt, max_tokens, self.continuous_usage)
 
     def request_url(self, path: str) -> httpx.URL:
         return _engine_url(path)
@@ -484,8 +550,9 @@ class LocalUpstream:
                 if seen is not None and not usage.reported and self.counter is not None:
                     usage.count(self.counter, self.counter.count_stream(seen))
 
-        exchange.first = _take_usage(first, usage, fields.wants_usage)
-        exchange.rest = self._relay(blocks, usage, fields.wants_usage, replica, seen)
+        view = usage_view(fields, self.continuous_usage)
+        exchange.first = _take_usage(first, usage, view)
+        exchange.rest = self._relay(blocks, usage, view, replica, seen)
         exchange.close = close
         return exchange
 
@@ -493,7 +560,7 @@ class LocalUpstream:
         self,
         blocks: AsyncIterator[bytes],
         usage: Usage,
-        keep_usage: bool,
+        view: UsageView,
         replica: Replica,
         seen: list[bytes] | None = None,
     ) -> AsyncIterator[bytes]:
@@ -501,7 +568,7 @@ class LocalUpstream:
             async for block in blocks:
                 if seen is not None and not usage.reported:
                     seen.append(block)
-                out = _take_usage(block, usage, keep_usage)
+                out = _take_usage(block, usage, view)
                 if out:
                     yield out
         except httpx.HTTPError as exc:
