@@ -13,6 +13,29 @@ from engine.request import Request
 
 _SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
 _LORA_TAG = b"lora\x00"  # the adapter's KV differs from the base model's for equal tokens
+# A salt whose leading tokens are shared (with_shared_prefix): own salt, mark, count, shared salt.
+_SHARED_MARK = "\x00shared-prefix\x00"
+
+
+def with_shared_prefix(salt: str | None, shared_salt: str, num_tokens: int) -> str:
+    """The cache salt of a request whose first ``num_tokens`` prompt tokens are a prefix
+    shared by everyone holding ``shared_salt`` (a plan's common system prompt, say).
+
+    The full blocks inside that prefix are hashed under ``shared_salt``; the first block past
+    it brings in ``salt`` (the tenant's own), and every later block chains from it, so only the
+    declared prefix is shared. Anything appended to the result later (a per-request salt)
+    lands in the shared salt and so makes the whole request unique, never wider.
+    """
+    return f"{salt or ''}{_SHARED_MARK}{max(0, num_tokens)}\x00{shared_salt}"
+
+
+def _split_salt(salt: str, block_size: int) -> tuple[str, int, str]:
+    """(own salt, number of shared full blocks, shared salt) of a request's cache salt."""
+    own, mark, rest = salt.partition(_SHARED_MARK)
+    if not mark:
+        return salt, 0, ""
+    count, _, shared = rest.partition("\x00")
+    return own, int(count) // block_size if count.isdigit() else 0, shared
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -80,11 +103,16 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        salt, num_shared, shared_salt = None, 0, ""
+        if request.cache_salt is not None and len(hashes) < num_blocks:
+            salt, num_shared, shared_salt = _split_salt(request.cache_salt, bs)
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else self.root_hash
             extra = b""
-            if i == 0 and request.cache_salt is not None:
-                extra = _SALT_TAG + request.cache_salt.encode()
+            if i == 0 and num_shared:
+                extra = _SALT_TAG + shared_salt.encode()
+            elif i == num_shared and salt is not None:  # the request's own salt starts here
+                extra = _SALT_TAG + salt.encode()
             if i == 0 and request.lora_request is not None:
                 extra += _LORA_TAG + str(request.lora_request.lora_int_id).encode()
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
