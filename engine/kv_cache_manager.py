@@ -71,7 +71,12 @@ class KVCacheManager:
     cache; a prefix lookup never covers the last token of a request (it is always computed, so
     there are logits to sample from). ``allocate_slots`` returns None instead of choosing a
     victim: preemption is the scheduler's decision. With ``num_cpu_blocks`` > 0 it also keeps a
-    CPU pool for preemption by swapping. Not thread-safe.
+    CPU pool for preemption by swapping.
+
+    Each GPU block a request holds is charged to the request's tenant, once per tenant however
+    many of its requests share it (a prefix-cache hit is charged to every tenant holding it;
+    a cached block nobody holds is charged to no one): :meth:`num_tenant_blocks`. Not
+    thread-safe.
     """
 
     def __init__(
@@ -93,6 +98,8 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed_blocks: dict[str, int] = {}  # leading blocks already registered
         self._req_cpu_blocks: dict[str, list[int]] = {}
+        # tenant -> block id -> how many of the tenant's requests hold it
+        self._tenant_refs: dict[str, dict[int, int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -183,6 +190,7 @@ class KVCacheManager:
             if num_new_blocks > num_free:
                 return None
             self.pool.touch(new_computed_blocks)
+            self._charge(request, new_computed_blocks)
             blocks.extend(new_computed_blocks)
             request.block_ids.extend(b.block_id for b in new_computed_blocks)
         if num_new_blocks <= 0:
@@ -190,6 +198,7 @@ class KVCacheManager:
         if num_new_blocks > self.pool.num_free:
             return None
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        self._charge(request, new_blocks)
         blocks.extend(new_blocks)
         request.block_ids.extend(b.block_id for b in new_blocks)
         return new_blocks
@@ -199,6 +208,7 @@ class KVCacheManager:
         blocks = self._req_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))  # tail first: evicted before the prefix
+            self._uncharge(request, blocks)
         self._num_hashed_blocks.pop(request.request_id, None)
         cpu_blocks = self._req_cpu_blocks.pop(request.request_id, None)
         if cpu_blocks:
@@ -213,6 +223,7 @@ class KVCacheManager:
         if not blocks or len(blocks) <= keep:
             return
         self.pool.free_blocks(reversed(blocks[keep:]))
+        self._uncharge(request, blocks[keep:])
         del blocks[keep:]
         del request.block_ids[keep:]
 
@@ -246,12 +257,41 @@ class KVCacheManager:
         if num_needed > self.pool.num_free:
             return None
         new_blocks = self.pool.get_new_blocks(num_needed)
+        self._charge(request, new_blocks)
         self._req_blocks[request.request_id] = new_blocks
         self._num_hashed_blocks.pop(request.request_id, None)  # re-registered after the step
         request.block_ids = [b.block_id for b in new_blocks]
         del self._req_cpu_blocks[request.request_id]
         self._cpu_free.extend(cpu_ids)
         return [(c, b.block_id) for c, b in zip(cpu_ids, new_blocks, strict=False)]
+
+    # -- per-tenant charge --------------------------------------------------------------------
+
+    def _charge(self, request: Request, blocks: Sequence[KVBlock]) -> None:
+        refs = self._tenant_refs.setdefault(request.tenant.name, {})
+        for block in blocks:
+            refs[block.block_id] = refs.get(block.block_id, 0) + 1
+
+    def _uncharge(self, request: Request, blocks: Sequence[KVBlock]) -> None:
+        name = request.tenant.name
+        refs = self._tenant_refs[name]
+        for block in blocks:
+            left = refs[block.block_id] - 1
+            if left:
+                refs[block.block_id] = left
+            else:
+                del refs[block.block_id]
+        if not refs:
+            del self._tenant_refs[name]
+
+    def num_tenant_blocks(self, tenant: str) -> int:
+        """GPU blocks the tenant's requests hold (each block counted once)."""
+        refs = self._tenant_refs.get(tenant)
+        return len(refs) if refs else 0
+
+    def tenant_blocks(self) -> dict[str, int]:
+        """GPU blocks held per tenant, for tenants that hold any."""
+        return {name: len(refs) for name, refs in self._tenant_refs.items()}
 
     def num_swapped_blocks(self, request: Request) -> int:
         return len(self._req_cpu_blocks.get(request.request_id, ()))

@@ -571,6 +571,7 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            tenants=s.tenants,
             num_waiting_for_grammar=len(self._waiting_for_grammar),
             grammar_compiles=self.structured.stats.num_compiled,
             grammar_cache_hits=self.structured.stats.num_cache_hits,

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import ParameterError
+from engine.scheduling_policy import SchedulingPolicy, make_policy
+from engine.stats import TenantStats
+from engine.tenancy import TenantTag
 
 
 @dataclass
@@ -56,19 +58,39 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions: int
+    tenants: tuple[TenantStats, ...] = ()
+
+
+@dataclass
+class _Step:
+    """The plan being built: token budget left, and (request, tokens, is decode) by id."""
+
+    budget: int
+    planned: dict[str, tuple[Request, int, bool]] = field(default_factory=dict)
+
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """Decodes first, then prefill chunks, each in planning order."""
+        decodes = [(r, n) for r, n, d in self.planned.values() if d]
+        return decodes + [(r, n) for r, n, d in self.planned.values() if not d]
 
 
 class Scheduler:
     """Decides each step's batch within ``max_num_batched_tokens`` and ``max_num_seqs``.
 
-    Order: running requests (oldest first; decode tokens are reserved before prefill chunks),
-    then waiting ones by (priority, arrival). When a running request cannot get a block, the
-    newest running request (largest (priority, arrival)) is preempted: swapped to the CPU pool
-    in mode "swap" (when it fits), else recomputed: its blocks are freed and it re-enters the
-    waiting queue with its output kept, to be prefilled again as prompt + output. A request the
-    pool could never hold is refused by :meth:`check_fits` before it is added, so the loop never
-    livelocks. Token-level stops are decided here (see :meth:`update_from_output`); stop
-    strings are the engine loop's, which calls :meth:`finish_request`. Not thread-safe.
+    Order: running requests (in the policy's order, oldest first; decode tokens are reserved
+    before prefill chunks), then waiting ones as the :mod:`scheduling policy
+    <engine.scheduling_policy>` picks them (``--scheduling-policy``: fair, fcfs, priority). A
+    waiting request whose tenant already holds its ``kv_share`` of the KV blocks waits while
+    other tenants' requests go ahead (a tenant holding no blocks may always start one, so
+    nothing livelocks). When a running request cannot get a block, the policy names a victim
+    (fcfs/priority: the newest running request; fair: the most over-served tenant's newest),
+    which is swapped to the CPU pool in mode "swap" (when it fits), else recomputed: its
+    blocks are freed and it re-enters the waiting queue with its output kept, to be prefilled
+    again as prompt + output. A request the pool could never hold is refused by
+    :meth:`check_fits` before it is added, so the loop never livelocks. Token-level stops are
+    decided here (see :meth:`update_from_output`); stop strings are the engine loop's, which
+    calls :meth:`finish_request`. ``clock`` (monotonic seconds) times the fair policy's wait
+    bound; tests inject their own. Not thread-safe.
     """
 
     def __init__(
@@ -80,6 +102,7 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         num_cpu_blocks: int = 0,
         hash_seed: bytes | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         # The context limit: the model's, or what the whole KV pool holds if that is less, so
@@ -101,13 +124,17 @@ class Scheduler:
             hash_seed=hash_seed,
         )
         self.requests: dict[str, Request] = {}
-        # Waiting: a heap of (priority, arrival, seq, request); seq breaks ties FIFO.
-        self.waiting: list[tuple[int, float, int, Request]] = []
-        # Running: sorted by (priority, arrival, seq) so the newest is last and pops in O(1).
+        self.policy = make_policy(config.scheduling_policy, clock, config.fair_max_wait_s)
+        # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []
-        self._order: dict[str, tuple[int, float, int]] = {}
-        self._seq = 0
         self.num_preemptions = 0
+        # tenant -> [prompt tokens, generation tokens] scheduled (cumulative; metrics)
+        self.tenant_tokens: dict[str, list[int]] = {}
+
+    @property
+    def waiting(self) -> SchedulingPolicy:
+        """The waiting requests (swapped-out ones included), as the policy orders them."""
+        return self.policy
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -139,12 +166,9 @@ class Scheduler:
         """Queue a request (already checked with :meth:`check_fits`)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self._seq += 1
-        key = (request.priority, request.arrival_time, self._seq)
-        self._order[request.request_id] = key
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        heapq.heappush(self.waiting, (*key, request))
+        self.policy.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -154,64 +178,79 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (oldest first), then waiting ones."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        decodes: list[tuple[Request, int]] = []
-        prefills: list[tuple[Request, int]] = []
+        step = _Step(self.config.max_num_batched_tokens)
         # Reserve a token for every running decode so an older prefill chunk cannot starve them.
         num_pending_decodes = sum(
             1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
         )
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        for req in list(self.running):  # a copy: a preemption takes requests out of running
+            if step.budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted this step to make room for an earlier one
             remaining = req.num_tokens - req.num_computed_tokens
             num_spec = 0
             if remaining == 1:
                 num_pending_decodes -= 1
                 num_new = 1
                 if req.spec_token_ids:
-                    num_spec = self._num_guesses(req, budget - 1 - num_pending_decodes)
+                    num_spec = self._num_guesses(req, step.budget - 1 - num_pending_decodes)
             else:
-                num_new = min(remaining, budget - num_pending_decodes)
+                num_new = min(remaining, step.budget - num_pending_decodes)
                 if num_new <= 0:
-                    i += 1
                     continue
             # Guesses get slots only if they fit as they are: never preempt for a guess.
             if num_spec and self.kv.allocate_slots(req, num_new + num_spec) is not None:
                 out.spec_token_ids[req.request_id] = req.spec_token_ids[:num_spec]
                 num_new += num_spec
-            elif not self._allocate_or_preempt(req, num_new, out):
-                break  # the request itself was preempted: nothing newer is left to run
+            elif not self._allocate_or_preempt(req, num_new, out, step):
+                continue  # the request itself was the victim
             req.spec_token_ids = []
-            (decodes if remaining == 1 else prefills).append((req, num_new))
-            budget -= num_new
-            i += 1
+            self._plan(step, req, num_new, is_decode=remaining == 1)
+        self._admit_waiting(out, step)
+        for req, num_new, is_decode in step.planned.values():
+            counts = self.tenant_tokens.get(req.tenant.name)
+            if counts is None:
+                counts = self.tenant_tokens[req.tenant.name] = [0, 0]
+            counts[is_decode] += num_new  # [prompt, generation]: tokens as scheduled
+        out.scheduled = step.scheduled()
+        out.block_tables = {r.request_id: r.block_ids for r, _ in out.scheduled}
+        return out
 
-        # Admit waiting requests, in (priority, arrival) order, unless this step preempted.
-        # A request whose adapter would exceed --max-loras waits (set aside, put back below).
+    def _admit_waiting(self, out: SchedulerOutput, step: _Step) -> None:
+        """Admit waiting requests in the policy's order, unless this step preempted.
+
+        A request whose adapter would exceed --max-loras is held (skipped this step); so is
+        every request of a tenant at its KV share. The first request that finds no blocks
+        stops admission (it is not overtaken: no head-of-line starvation of large requests).
+        """
+        policy = self.policy
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        set_aside: list[tuple[int, float, int, Request]] = []
         while (
             not out.num_preempted
-            and self.waiting
-            and budget > 0
+            and step.budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0][-1]
+            req = policy.peek()
+            if req is None:
+                break
             lora = req.lora_request
             if lora is not None and lora.lora_int_id not in loras:
                 if len(loras) >= self.config.max_loras:
-                    set_aside.append(heapq.heappop(self.waiting))
+                    policy.hold(req)
                     continue
+            if self._at_kv_share(req):
+                policy.hold_tenant(req.tenant.name)
+                continue
             if req.status == RequestStatus.SWAPPED:
-                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
                 pairs = self.kv.swap_in(req, num_new) if num_new else None
                 if pairs is None:
                     break
                 out.swap_in.extend(pairs)
             else:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-                num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
+                num_new = self._chunk(req.num_tokens - num_hit_tokens, step.budget)
                 if not num_new or self.kv.allocate_slots(req, num_new, hits) is None:
                     break
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
@@ -219,19 +258,44 @@ class Scheduler:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = time.monotonic()
                     req.num_cached_tokens = num_hit_tokens
-            heapq.heappop(self.waiting)
+            policy.pop(req)
             if lora is not None:
                 loras.add(lora.lora_int_id)
             req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=self._order_of)
-            (decodes if num_new == 1 else prefills).append((req, num_new))
-            budget -= num_new
-        for item in set_aside:
-            heapq.heappush(self.waiting, item)
+            bisect.insort(self.running, req, key=policy.key_of)
+            self._plan(step, req, num_new, is_decode=num_new == 1)
+        policy.release_holds()
 
-        out.scheduled = decodes + prefills
-        out.block_tables = {r.request_id: r.block_ids for r, _ in out.scheduled}
-        return out
+    def _at_kv_share(self, req: Request) -> bool:
+        """Would admitting ``req`` take its tenant past its KV share? Never for a tenant that
+        holds no blocks: each tenant may always run one request (check_fits made sure the
+        pool holds one), so a small share cannot livelock. The request is counted at its full
+        current length (prompt + output so far), not only this step's chunk."""
+        tenant = req.tenant
+        if tenant.kv_share >= 1.0:
+            return False
+        held = self.kv.num_tenant_blocks(tenant.name)
+        if not held:
+            return False
+        need = self.kv.num_blocks_for_tokens(req.num_tokens)
+        return held + need > tenant.kv_share * self.kv.pool.num_blocks
+
+    def _over_kv_share(self, tenant: TenantTag) -> bool:
+        return self.kv.num_tenant_blocks(tenant.name) > tenant.kv_share * self.kv.pool.num_blocks
+
+    def _plan(self, step: _Step, req: Request, num_new: int, *, is_decode: bool) -> None:
+        """Put ``req`` in this step; its tokens count for its tenant from now (so later
+        picks in the same step already see them)."""
+        step.planned[req.request_id] = (req, num_new, is_decode)
+        step.budget -= num_new
+        self.policy.charge(req, num_new)
+
+    def _unplan(self, step: _Step, req: Request) -> None:
+        """Take back a request planned earlier in this step (it was preempted)."""
+        entry = step.planned.pop(req.request_id, None)
+        if entry is not None:
+            step.budget += entry[1]
+            self.policy.charge(req, -entry[1])
 
     def _num_guesses(self, req: Request, budget: int) -> int:
         """How many of a decode's guesses to verify: what the budget and the context allow."""
@@ -245,16 +309,21 @@ class Scheduler:
         # (a preempted request's prompt + output) is split, or it could never run again.
         return budget if budget == self.config.max_num_batched_tokens else 0
 
-    def _order_of(self, request: Request) -> tuple[int, float, int]:
-        return self._order[request.request_id]
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, out: SchedulerOutput, step: _Step
+    ) -> bool:
+        """Slots for a running request, preempting the policy's victims until they fit.
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Slots for a running request, preempting the newest running ones until they fit.
-
-        False if ``req`` itself had to go (it was the newest).
+        A victim planned earlier in this step is taken out of the plan. False if ``req``
+        itself had to go.
         """
         while self.kv.allocate_slots(req, num_new) is None:
-            victim = self.running.pop()  # the newest: lowest priority, latest arrival
+            victim = self.policy.choose_victim(self.running, self._over_kv_share)
+            if victim is self.running[-1]:
+                self.running.pop()
+            else:
+                self.running.remove(victim)  # O(running), on the rare preemption path
+            self._unplan(step, victim)
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -276,7 +345,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
         # Back at its original place: ahead of everything that arrived after it.
-        heapq.heappush(self.waiting, (*self._order[request.request_id], request))
+        self.policy.add(request)
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
@@ -345,9 +414,6 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)  # O(n) on a rare path (abort / stop string)
-        else:
-            self.waiting = [item for item in self.waiting if item[-1] is not req]
-            heapq.heapify(self.waiting)
         req.stop_reason = stop_reason
         self._finish(req, status)
 
@@ -356,21 +422,21 @@ class Scheduler:
         req.finished_time = time.monotonic()
         self.kv.free(req)
         del self.requests[req.request_id]
-        del self._order[req.request_id]
+        self.policy.forget(req)
 
     def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Adapter names of the running and of the waiting requests, sorted (metrics)."""
         running = {r.lora_request.name for r in self.running if r.lora_request}
-        waiting = {r.lora_request.name for *_, r in self.waiting if r.lora_request}
+        waiting = {r.lora_request.name for r in self.policy if r.lora_request}
         return tuple(sorted(running)), tuple(sorted(waiting))
 
     @property
     def stats(self) -> SchedulerStats:
         kv = self.kv.stats()
-        num_swapped = sum(1 for *_, r in self.waiting if r.status == RequestStatus.SWAPPED)
+        num_swapped = sum(1 for r in self.policy if r.status == RequestStatus.SWAPPED)
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.policy),
             num_swapped=num_swapped,
             num_gpu_blocks=kv.num_gpu_blocks,
             num_used_gpu_blocks=kv.num_used_gpu_blocks,
@@ -378,4 +444,25 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            tenants=self.tenant_stats(),
+        )
+
+    def tenant_stats(self) -> tuple[TenantStats, ...]:
+        """Per tenant ever scheduled or now waiting: queue sizes, KV blocks, tokens."""
+        waiting = self.policy.num_waiting_by_tenant
+        blocks = self.kv.tenant_blocks()
+        running: dict[str, int] = {}
+        for r in self.running:
+            running[r.tenant.name] = running.get(r.tenant.name, 0) + 1
+        names = sorted(self.tenant_tokens.keys() | waiting.keys() | blocks.keys())
+        return tuple(
+            TenantStats(
+                name=name,
+                num_waiting=waiting.get(name, 0),
+                num_running=running.get(name, 0),
+                num_kv_blocks=blocks.get(name, 0),
+                num_prompt_tokens=self.tenant_tokens.get(name, (0, 0))[0],
+                num_generation_tokens=self.tenant_tokens.get(name, (0, 0))[1],
+            )
+            for name in names
         )

@@ -12,6 +12,23 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """One tenant's share of the engine at a step boundary (engine/tenancy.py).
+
+    Gauges: ``num_waiting``, ``num_running`` (requests), ``num_kv_blocks`` (GPU blocks its
+    requests hold, each once). Counters: ``num_prompt_tokens`` / ``num_generation_tokens``,
+    tokens scheduled for it (prefill chunks, recomputation included / decodes and guesses).
+    """
+
+    name: str
+    num_waiting: int = 0
+    num_running: int = 0
+    num_kv_blocks: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One consistent reading of the engine (taken at a step boundary).
 
@@ -61,6 +78,7 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    tenants: tuple[TenantStats, ...] = ()  # per tenant: see TenantStats
 
 
 class StatsLogger:

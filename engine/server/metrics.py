@@ -154,6 +154,7 @@ class EngineStatsCollector(Collector):
             counter.add_metric(labels, float(value))
             yield counter
         yield from _spec_decode_counters(stats, labels)
+        yield from _tenant_metrics(stats, labels)
         if stats.max_lora:  # vLLM's info gauge: the value is the time, the labels the adapters
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -169,6 +170,34 @@ class EngineStatsCollector(Collector):
                 time.time(),
             )
             yield info
+
+
+def _tenant_metrics(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """Portico's per-tenant series (engine/tenancy.py); absent until a tenant is seen."""
+    if not stats.tenants:
+        return
+    tokens = CounterMetricFamily(
+        "portico_engine_tenant_tokens",
+        "Tokens scheduled for a tenant (kind: prompt = prefill, generation = decode).",
+        labels=[*LABELS, "tenant", "kind"],
+    )
+    gauges = [
+        GaugeMetricFamily(name, doc, labels=[*LABELS, "tenant"])
+        for name, doc in (
+            ("portico_engine_tenant_requests_waiting", "A tenant's requests waiting."),
+            ("portico_engine_tenant_requests_running", "A tenant's requests running."),
+            ("portico_engine_tenant_kv_blocks", "KV cache blocks a tenant's requests hold."),
+        )
+    ]
+    for t in stats.tenants:
+        tokens.add_metric([*labels, t.name, "prompt"], float(t.num_prompt_tokens))
+        tokens.add_metric([*labels, t.name, "generation"], float(t.num_generation_tokens))
+        for gauge, value in zip(
+            gauges, (t.num_waiting, t.num_running, t.num_kv_blocks), strict=True
+        ):
+            gauge.add_metric([*labels, t.name], float(value))
+    yield tokens
+    yield from gauges
 
 
 def _spec_decode_counters(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:

@@ -188,7 +188,7 @@ def test_recompute_preempts_the_newest_and_resumes_with_the_same_output() -> Non
             preempted_at = new.num_output_tokens
             assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0
             assert new.block_ids == [] and old.status == RequestStatus.RUNNING
-            assert sched.waiting[0][-1] is new
+            assert sched.policy.peek() is new  # next in line
     assert preempted_at is not None and new.num_preemptions >= 1 and old.num_preemptions == 0
     assert old.output_token_ids == reference_output(old.prompt_token_ids, 12)
     assert new.output_token_ids == reference_output(new.prompt_token_ids, 12)
