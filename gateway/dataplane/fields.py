@@ -44,6 +44,9 @@ class RequestFields:
     # narrows the tenant's salt (gateway/identity/tenants.py ``narrowed_salt``); the engine
     # never receives it raw.
     cache_salt: str | None = None
+    # (plan salt, number of characters): the request starts with one of its plan's shared
+    # prefixes (:func:`match_shared_prefix`); set by the request path for local engines
+    shared_prefix: tuple[str, int] | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -82,6 +85,22 @@ def prefix_text(fields: RequestFields, num_chars: int) -> str:
     if isinstance(fields.prompt, str):
         return fields.prompt[:num_chars]
     return ""
+
+
+def match_shared_prefix(fields: RequestFields, prefixes: tuple[str, ...]) -> int:
+    """The length in characters of the longest of ``prefixes`` the request starts with: its
+    first message's text (chat) or its prompt (completions), 0 when none. Only these two
+    shapes are matched: the engine finds the prefix's tokens in the same place."""
+    if not prefixes:
+        return 0
+    text = None
+    if fields.kind == "chat" and fields.messages:
+        text = fields.messages[0].get("content")
+    elif fields.kind == "completion":
+        text = fields.prompt
+    if not isinstance(text, str):
+        return 0
+    return max((len(p) for p in prefixes if text.startswith(p)), default=0)
 
 
 def _bad(message: str, param: str | None = None) -> InvalidRequestError:

@@ -138,22 +138,28 @@ def upstream_body(
     model: str,
     cache_salt: str | None,
     max_tokens: int | None = None,
-    continuous_usage: bool = False,
+    local_engine: bool = False,
 ) -> bytes:
     """The body sent to the engine: the client's bytes with the tenant's ``cache_salt``, the
     upstream model name, ``stream_options.include_usage`` and (when the client set none) the
     ``max_tokens`` admission reserved spliced in. The common case (no alias, no client
     ``cache_salt``/``stream_options``) edits bytes without re-serializing.
 
-    ``continuous_usage`` (local engines): every chunk of a stream carries the usage so far
-    (vLLM's ``continuous_usage_stats``), so a stream cut short is charged what it generated;
-    the relay gives the client only the usage it asked for (:func:`_take_usage`)."""
+    ``local_engine``: every chunk of a stream carries the usage so far (vLLM's
+    ``continuous_usage_stats``), so a stream cut short is charged what it generated (the relay
+    gives the client only the usage it asked for, :func:`_take_usage`); and a request that
+    starts with a shared prefix of its plan (``fields.shared_prefix``) says so in
+    ``cache_shared_prefix`` (gateway/identity/cache_salts.py)."""
     body = fields.body
     # A Responses stream reports usage in its last event; it has no stream_options to set.
     usage_option = fields.stream and fields.kind != "responses"
+    shared = None
+    if local_engine and cache_salt is not None and fields.shared_prefix is not None:
+        shared = {"salt": fields.shared_prefix[0], "chars": fields.shared_prefix[1]}
     if (
         model == fields.model
         and "cache_salt" not in body
+        and "cache_shared_prefix" not in body
         and "stream_options" not in body
         and not fields.edited
     ):
@@ -162,8 +168,10 @@ def upstream_body(
             extra.append(b'"%s":%d' % (fields.max_tokens_field.encode(), max_tokens))
         if cache_salt is not None:
             extra.append(b'"cache_salt":' + _dumps(cache_salt))
+        if shared is not None:
+            extra.append(b'"cache_shared_prefix":' + _dumps(shared))
         if usage_option:
-            extra.append(_CONTINUOUS_OPTION if continuous_usage else _USAGE_OPTION)
+            extra.append(_CONTINUOUS_OPTION if local_engine else _USAGE_OPTION)
         if not extra:
             return raw
         end = raw.rstrip().rfind(b"}")
@@ -173,11 +181,14 @@ def upstream_body(
     edited.pop("cache_salt", None)  # a client's salt only narrows its tenant's, never replaces
     if cache_salt is not None:
         edited["cache_salt"] = narrowed_salt(cache_salt, fields.cache_salt)
+    edited.pop("cache_shared_prefix", None)  # the gateway's to declare, never a client's
+    if shared is not None:
+        edited["cache_shared_prefix"] = shared
     if max_tokens is not None:
         edited[fields.max_tokens_field] = max_tokens
     if usage_option:
         options = {**(body.get("stream_options") or {}), "include_usage": True}
-        if continuous_usage:
+        if local_engine:
             options["continuous_usage_stats"] = True
         elif not fields.wants_usage:  # vLLM: no usage on each chunk unless usage was asked for
             options.pop("continuous_usage_stats", None)

@@ -7,6 +7,11 @@ server secret, or ``shared:<plan>`` for a plan that shares its cache). A client 
 ``cache_salt`` to split its tenant's cache further (per end user, say); that salt only narrows:
 the engine gets the tenant's salt joined with a hash of the client's, never the client's text
 alone, so no client salt can reach another tenant's blocks.
+
+A plan may declare shared prefixes (a company-wide system prompt): a request that starts with
+one tells the engine so (``cache_shared_prefix``: the plan's salt and the prefix's length in
+characters); the engine hashes that prefix's full blocks under the plan's salt and the rest of
+the request under the tenant's, so the plan's tenants share exactly the declared text.
 """
 
 from __future__ import annotations
@@ -14,6 +19,13 @@ from __future__ import annotations
 import hashlib
 
 NARROWED_SEPARATOR = "/"  # never in a tenant salt (hex, or "shared:" + a plan name)
+
+
+def shared_prefix_salt(plan: str) -> str:
+    """The salt of a plan's shared prefixes (``shared_prefixes`` in the plans file): every
+    tenant of the plan holds it, and no tenant's own salt can equal it (those are hex
+    digests, or ``shared:<plan>``)."""
+    return f"shared-prefix:{plan}"
 
 
 def narrowed_salt(tenant_salt: str, client_salt: str | None) -> str:

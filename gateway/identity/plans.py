@@ -24,6 +24,7 @@ from gateway.identity.principal import EngineShare, Limits
 DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
+SharedPrefix = Annotated[str, StringConstraints(min_length=16, max_length=100_000)]
 
 
 def whole_number(value: Any) -> Any:
@@ -71,6 +72,10 @@ class Plan(LimitsSpec):
     name: str = ""
     allowed_models: list[ModelName] | None = None
     share_prefix_cache: bool = False
+    # Prompt starts every tenant of the plan shares in the engines' prefix cache (a company's
+    # system prompt): the blocks of such a prefix are hashed under the plan's salt, the rest
+    # of the request under the tenant's (gateway/identity/cache_salts.py).
+    shared_prefixes: list[SharedPrefix] = Field(default_factory=list, max_length=32)
     model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
     # the engine's own bound is 1e6 (engine/tenancy.py): a larger weight is a typo
     weight: float = Field(default=1.0, gt=0, le=1e6)

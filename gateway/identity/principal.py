@@ -53,6 +53,8 @@ class Principal:
     key_limits: Limits | None = None
     model_limits: Mapping[str, Limits] = field(default_factory=lambda: MappingProxyType({}))
     cache_salt: str | None = None
+    # the plan's shared prompt prefixes (gateway/identity/cache_salts.py)
+    shared_prefixes: tuple[str, ...] = ()
     share: EngineShare = EngineShare()
 
     def may_use(self, model: str) -> bool:

@@ -390,6 +390,7 @@ class TenantStore:
             key_limits=key.limits.to_limits() if key is not None and key.limits else None,
             model_limits=MappingProxyType(model_limits),
             cache_salt=f"shared:{plan.name}" if shared else self.tenant_salt(tenant.id),
+            shared_prefixes=tuple(plan.shared_prefixes),
             share=plan.engine_share(),
         )
 

@@ -52,7 +52,7 @@ def test_continuous_usage_asked_by_the_client_passes_unchanged() -> None:
 def test_the_engine_hop_asks_for_usage_on_every_chunk() -> None:
     raw = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
     fields = parse_fields(raw, "chat")
-    body = json.loads(upstream_body(raw, fields, "m", "s", None, continuous_usage=True))
+    body = json.loads(upstream_body(raw, fields, "m", "s", None, local_engine=True))
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert usage_view(fields, True) == UsageView(False, False, True)
     raw = (
@@ -60,6 +60,6 @@ def test_the_engine_hop_asks_for_usage_on_every_chunk() -> None:
         b' "messages": [{"role": "user", "content": "x"}]}'
     )
     fields = parse_fields(raw, "chat")
-    body = json.loads(upstream_body(raw, fields, "m", "s", None, continuous_usage=True))
+    body = json.loads(upstream_body(raw, fields, "m", "s", None, local_engine=True))
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert usage_view(fields, True) == UsageView(True, False, True)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway.dataplane.fields import parse_fields
+from gateway.dataplane.fields import match_shared_prefix, parse_fields
 from gateway.dataplane.proxy import upstream_body
-from gateway.identity.cache_salts import narrowed_salt
+from gateway.identity.cache_salts import narrowed_salt, shared_prefix_salt
 from portico.errors import InvalidRequestError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -66,3 +66,56 @@ def test_without_a_tenant_salt_the_client_salt_is_dropped() -> None:
 
 def test_a_huge_client_salt_gives_a_bounded_engine_salt() -> None:
     assert len(narrowed_salt("t" * 32, "x" * 1024)) <= 100
+
+
+PREFIX = "You are the assistant of Example Corp."
+
+
+def test_the_longest_declared_prefix_the_request_starts_with_is_matched() -> None:
+    prefixes = (PREFIX, PREFIX + " Be brief.", "Something else entirely.")
+    chat = parse_fields(
+        _raw({"model": "m", "messages": [{"role": "system", "content": PREFIX + " Be brief!"}]}),
+        "chat",
+    )
+    assert match_shared_prefix(chat, prefixes) == len(PREFIX)
+    completion = parse_fields(
+        _raw({"model": "m", "prompt": PREFIX + " Be brief. Hi"}), "completion"
+    )
+    assert match_shared_prefix(completion, prefixes) == len(PREFIX) + len(" Be brief.")
+    assert match_shared_prefix(completion, ()) == 0
+    other = parse_fields(_raw({"model": "m", "prompt": "Hello " + PREFIX}), "completion")
+    assert match_shared_prefix(other, prefixes) == 0
+    parts = parse_fields(
+        _raw(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": PREFIX}]}],
+            }
+        ),  # fmt: skip
+        "chat",
+    )
+    assert match_shared_prefix(parts, prefixes) == 0  # only plain text content is matched
+
+
+def test_a_shared_prefix_is_declared_to_local_engines_only() -> None:
+    raw = _raw({"model": "m", "prompt": PREFIX + " Hi"})
+    fields = parse_fields(raw, "completion")
+    fields.shared_prefix = (shared_prefix_salt("corp"), len(PREFIX))
+    body = json.loads(upstream_body(raw, fields, "m", "tenant-a", local_engine=True))
+    assert body["cache_shared_prefix"] == {"salt": "shared-prefix:corp", "chars": len(PREFIX)}
+    assert body["cache_salt"] == "tenant-a"
+    # a remote provider (not our cache) or no salt: no declaration
+    assert "cache_shared_prefix" not in json.loads(upstream_body(raw, fields, "m", "tenant-a"))
+    assert "cache_shared_prefix" not in json.loads(
+        upstream_body(raw, fields, "m", None, local_engine=True)
+    )
+
+
+def test_a_client_never_declares_a_shared_prefix_itself() -> None:
+    raw = _raw(
+        {"model": "m", "prompt": "x", "cache_shared_prefix": {"salt": "shared:p", "chars": 1}}
+    )
+    fields = parse_fields(raw, "completion")
+    for salt in ("tenant-a", None):
+        body = json.loads(upstream_body(raw, fields, "m", salt, local_engine=True))
+        assert "cache_shared_prefix" not in body
