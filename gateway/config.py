@@ -20,6 +20,7 @@ from gateway.dataplane.discovery import DiscoverySpec
 from gateway.dataplane.remote import RemoteSpec
 from gateway.identity.audit import AuditSettings
 from gateway.identity.auth import AuthSettings
+from gateway.identity.prices import ModelPrice
 from gateway.store import StoreSettings
 
 PACKAGED_POLICIES = Path(__file__).resolve().parent.parent / "policies"
@@ -115,6 +116,9 @@ class GatewayConfig(_Strict):
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])
     remotes: list[RemoteSpec] = []
+    # model name -> USD per 1M tokens {input, cached_input, output}, local and remote alike;
+    # the admin API's prices (PUT /admin/v1/prices/{model}) override these; unpriced: free
+    pricing: dict[str, ModelPrice] = {}
     policies_dir: Path = PACKAGED_POLICIES  # routing.yaml, retry.yaml (plans: redis.plans_file)
     runtime_dir: Path | None = None  # engine sockets; None: a private temporary folder
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)

@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics, in a registry of its own (served at ``/metrics``).
 
-Names start with ``portico_gateway_``. Label values are bounded by configuration (tenants,
-models, tiers, replicas, limits), never by request content.
+Names start with ``portico_gateway_`` (money: ``portico_spend_``). Label values are bounded
+by configuration (tenants, models, tiers, replicas, limits), never by request content.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ class GatewayMetrics:
             p + "engine_restarts",
             "Engine processes restarted by the supervisor",
             ["engine"],
+            registry=r,
+        )
+        self.spend = Counter(
+            "portico_spend_usd",
+            "Spend at the models' prices (USD), by tenant and model",
+            ["tenant", "model"],
             registry=r,
         )
         self.in_flight = Gauge(p + "requests_in_flight", "Requests being handled", registry=r)

@@ -2,10 +2,11 @@
 
 The policy half of rate limiting (the mechanism is :mod:`gateway.admission.limiter`). For one
 request it builds the bucket set (tenant, key and model scopes; requests/min, tokens/min,
-concurrency, monthly budget), reserves tokens (exact prompt tokens + max_tokens, or a capped
-default), turns a refusal into a 429 in OpenAI's shape with an exact ``retry-after``, and writes
-OpenAI's ``x-ratelimit-*`` headers. Which limiter decides (Redis, or the fallback while Redis is
-unreachable) is :class:`~gateway.admission.failover.FailoverLimiter`'s business, not this one's.
+concurrency, monthly token budget, daily or monthly money budget), reserves tokens (exact prompt
+tokens + max_tokens, or a capped default), turns a refusal into a 429 in OpenAI's shape with an
+exact ``retry-after``, and writes OpenAI's ``x-ratelimit-*`` headers. Which limiter decides
+(Redis, or the fallback while Redis is unreachable) is
+:class:`~gateway.admission.failover.FailoverLimiter`'s business, not this one's.
 
 The dataplane calls, per request::
 
@@ -31,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.admission.abuse import AbuseSettings
 from gateway.admission.failover import FailoverLimiter, RedisDownPolicy
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
+from gateway.identity.prices import MICRO as MICRO_USD
+from gateway.identity.prices import usd_to_micro
 from gateway.identity.principal import Limits, Principal
 from gateway.store import RedisClient
 from portico.errors import RateLimitError
@@ -72,10 +75,25 @@ class InsufficientQuotaError(RateLimitError):
 class LimitExceededError(RateLimitError):
     """A rate or concurrency limit refused the request; ``limit`` and ``scope`` say which."""
 
-    def __init__(self, message: str, *, limit: str, scope: str, headers: dict[str, str]) -> None:
-        super().__init__(message, code="rate_limit_exceeded", headers=headers)
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str,
+        scope: str,
+        headers: dict[str, str],
+        code: str = "rate_limit_exceeded",
+    ) -> None:
+        super().__init__(message, code=code, headers=headers)
         self.limit = limit
         self.scope = scope
+
+
+class BudgetExceededError(LimitExceededError):
+    """A money budget (``daily_budget_usd`` / ``monthly_budget_usd`` of a tenant, key or model)
+    is spent: 429 ``budget_exceeded``, not worth retrying before the period renews."""
+
+    error_type = "insufficient_quota"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +109,7 @@ class _Plan:
 
     buckets: BucketSet
     described: tuple[_Bucket, ...]  # parallel to buckets.keys
+    money: tuple[bool, ...]  # per budget: micro-dollars (True) or tokens
     counts_tokens: tuple[bool, ...]  # per rate bucket: tokens/min (True) or requests/min
     min_tokens_per_minute: int | None
     max_tokens_default: int | None
@@ -138,6 +157,11 @@ def format_duration(ms: int) -> str:
 def utc_month(epoch_s: float) -> str:
     t = time.gmtime(epoch_s)
     return f"{t.tm_year:04d}-{t.tm_mon:02d}"
+
+
+def utc_day(epoch_s: float) -> str:
+    t = time.gmtime(epoch_s)
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
 
 
 class Admission:
@@ -225,14 +249,22 @@ class Admission:
             self._refuse(plan, decision, costs, headers)
         return Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
 
-    async def settle(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
+    async def settle(
+        self,
+        ticket: Ticket,
+        prompt_tokens: int,
+        completion_tokens: int,
+        spend_micro_usd: int = 0,
+    ) -> None:
         """Settle the token reservation with the real usage and free the slot (one round trip).
 
         Refunds what was reserved and not used, charges what was used beyond it (the bucket may
-        go into debt), charges the monthly budget. A stream cut short settles what it produced.
+        go into debt), charges the monthly token budget and adds ``spend_micro_usd`` (the
+        request's price, :meth:`gateway.identity.prices.PriceBook.spend_micro_usd`) to every
+        money budget. A stream cut short settles what it produced.
         """
         used = max(0, prompt_tokens) + max(0, completion_tokens)
-        await self._finish(ticket, used)
+        await self._finish(ticket, used, max(0, spend_micro_usd))
 
     async def release(self, ticket: Ticket) -> None:
         """Free the ticket's concurrency slot. Idempotent; a no-op after :meth:`settle`.
@@ -253,7 +285,7 @@ class Admission:
 
     # ----------------------------------------------------------------- internals
 
-    async def _finish(self, ticket: Ticket, used: int | None) -> None:
+    async def _finish(self, ticket: Ticket, used: int | None, spend: int = 0) -> None:
         if ticket._done:
             return
         ticket._done = True
@@ -266,7 +298,7 @@ class Admission:
         else:
             delta = used - ticket.reserved_tokens
             deltas = [delta if tokens else 0 for tokens in plan.counts_tokens]
-            charges = [used] * len(plan.buckets.budget_keys)
+            charges = [spend if money else used for money in plan.money]
         await self._limiter.settle(limiter, plan.buckets, deltas, charges, ticket._slot_id)
 
     def _reservation(
@@ -308,6 +340,19 @@ class Admission:
         self._rejected.labels(bucket.scope, bucket.limit_name).inc()
         n_rate = len(plan.buckets.rate_keys)
         n_slot = len(plan.buckets.slot_keys)
+        if index >= n_rate + n_slot and plan.money[index - n_rate - n_slot]:
+            used = decision.budget_used[index - n_rate - n_slot]
+            period = "today" if bucket.limit_name.startswith("daily") else "this month"
+            renews = "at 00:00 UTC" if period == "today" else "at the start of next month (UTC)"
+            raise BudgetExceededError(
+                f"You exceeded the {bucket.limit_name} of {bucket.who}: "
+                f"${used / MICRO_USD:.6f} of ${limit / MICRO_USD:.2f} spent {period} (UTC). "
+                f"It renews {renews}.",
+                limit=bucket.limit_name,
+                scope=bucket.scope,
+                headers={**headers, "x-should-retry": "false"},
+                code="budget_exceeded",
+            )
         if index >= n_rate + n_slot:
             used = decision.budget_used[index - n_rate - n_slot]
             raise InsufficientQuotaError(
@@ -358,13 +403,14 @@ class Admission:
         return headers
 
     def _plan_for(self, principal: Principal, model: str) -> _Plan:
-        month = utc_month(self._wall_clock())
+        day = utc_day(self._wall_clock())  # money budgets may be daily
+        month = day[:7]
         model_limits = principal.model_limits.get(model)
         cache_key = (
             principal.tenant_id,
             principal.key_id,
             model,
-            month,
+            day,
             principal.limits,
             principal.key_limits,
             model_limits,
@@ -373,15 +419,24 @@ class Admission:
         if plan is None:
             if len(self._plans) >= PLAN_CACHE_SIZE:
                 self._plans.clear()
-            plan = build_plan(principal, model, model_limits, month)
+            plan = build_plan(principal, model, model_limits, month, day)
             self._plans[cache_key] = plan
         return plan
 
 
-def build_plan(principal: Principal, model: str, model_limits: Limits | None, month: str) -> _Plan:
-    """The bucket set of (principal, model) this month, with key names in their final form.
+def build_plan(
+    principal: Principal,
+    model: str,
+    model_limits: Limits | None,
+    month: str,
+    day: str | None = None,
+) -> _Plan:
+    """The bucket set of (principal, model) this month (and UTC ``day``, for daily money
+    budgets), with key names in their final form.
 
     Keys share the hash tag ``{tenant}`` so one script can touch them all on a Redis Cluster.
+    Money budgets are budgets like the token one (checked at admission, charged at settle, by
+    the same script) whose unit is the micro-dollar.
     """
     tenant = principal.tenant_id
     base = f"portico:rl:{{{tenant}}}"
@@ -403,7 +458,7 @@ def build_plan(principal: Principal, model: str, model_limits: Limits | None, mo
         )
     rate: list[tuple[str, int, _Bucket, bool]] = []
     slots: list[tuple[str, int, _Bucket]] = []
-    budgets: list[tuple[str, int, _Bucket]] = []
+    budgets: list[tuple[str, int, _Bucket, bool]] = []
     for scope, prefix, who, limits in scopes:
         if limits.requests_per_minute is not None:
             bucket = _Bucket(scope, "requests_per_minute", who)
@@ -417,7 +472,15 @@ def build_plan(principal: Principal, model: str, model_limits: Limits | None, mo
         if limits.monthly_token_budget is not None:
             bucket = _Bucket(scope, "monthly_token_budget", who)
             budget_key = prefix.replace("portico:rl:", "portico:budget:", 1) + f":{month}"
-            budgets.append((budget_key, limits.monthly_token_budget, bucket))
+            budgets.append((budget_key, limits.monthly_token_budget, bucket, False))
+        if limits.budget_usd is not None:
+            daily = limits.budget_period == "daily"
+            if daily and day is None:
+                raise ValueError("a daily money budget needs the UTC day")
+            period = f"d:{day}" if daily else f"m:{month}"
+            bucket = _Bucket(scope, "daily_budget_usd" if daily else "monthly_budget_usd", who)
+            spend_key = prefix.replace("portico:rl:", "portico:spend:", 1) + f":{period}"
+            budgets.append((spend_key, usd_to_micro(limits.budget_usd), bucket, True))
     tpms = [limit for _, limit, _, tokens in rate if tokens]
     default_cap = principal.limits.max_tokens_default
     if principal.key_limits is not None and principal.key_limits.max_tokens_default is not None:
@@ -434,6 +497,7 @@ def build_plan(principal: Principal, model: str, model_limits: Limits | None, mo
             labels=tuple(f"{d.scope} {d.limit_name}" for d in described),
         ),
         described=tuple(described),
+        money=tuple(b[3] for b in budgets),
         counts_tokens=tuple(r[3] for r in rate),
         min_tokens_per_minute=min(tpms) if tpms else None,
         max_tokens_default=default_cap,

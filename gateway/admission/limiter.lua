@@ -12,6 +12,9 @@
 --                       after a settle charged more than was reserved: debt) and s (stamp, us)
 --   slots         ZSET  portico:rl:{tenant}:<scope>:conc        member slot id, score lease end
 --   budget        STRING portico:budget:{tenant}:<scope>:<YYYY-MM>   tokens used this month
+--   money budget  STRING portico:spend:{tenant}:<scope>:<d:YYYY-MM-DD|m:YYYY-MM>
+--                       micro-dollars spent this UTC day or month (a budget like the token one:
+--                       the script does not care about the unit; admission.py sends the charges)
 --
 -- Token bucket: capacity = the per-minute limit (the burst), refilled at limit/60 per second.
 -- Idle keys expire once the bucket would be full again, so an absent key means full. Expiry is

@@ -11,7 +11,8 @@ costs, and answers with a :class:`Decision`. Two implementations pass the same c
   Each replica then enforces ``share`` of every limit (1 / number of replicas).
 
 Units: rate limits are per minute (capacity = the limit, refill = limit / 60 per second), times
-are integer microseconds, budgets are tokens per UTC month.
+are integer microseconds, budgets are integers per period whose unit and period the key names
+(tokens per UTC month, or micro-dollars per UTC day or month: gateway/admission/admission.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ log = logging.getLogger("portico.gateway.usage")
 
 
 class UsageRecorder:
-    """Sums usage per (tenant, UTC day) and flushes it to the ledger in the background.
+    """Sums usage per (tenant, UTC day, key, model) and flushes it to the ledger in the
+    background.
 
     ``record`` never waits and never raises; ``start`` begins the periodic flush; ``flush``
     writes everything pending now; ``aclose`` stops the loop and flushes once more.
@@ -32,9 +33,10 @@ class UsageRecorder:
         self._ledger = ledger
         self._interval_s = interval_s
         self._pending: dict[tuple[str, str], dict[str, int]] = {}
-        # (tenant, day, model) -> [requests, prompt tokens, completion tokens, requests whose
-        # output the gateway counted with a tokenizer, ... by the estimate] since the flush
-        self._counts: dict[tuple[str, str, str], list[int]] = {}
+        # (tenant, day, key id, model) -> [requests, prompt tokens, completion tokens, requests
+        # whose output the gateway counted with a tokenizer, ... by the estimate, cached
+        # prompt tokens, spend in micro-dollars] since the flush
+        self._counts: dict[tuple[str, str, str | None, str], list[int]] = {}
         self._day = ""
         self._day_start = self._day_end = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -48,15 +50,20 @@ class UsageRecorder:
         prompt_tokens: int,
         completion_tokens: int,
         source: str = "upstream",
+        *,
+        key_id: str | None = None,
+        cached_tokens: int = 0,
+        spend_micro_usd: int = 0,
     ) -> None:
-        """Count one request; ``source`` is who counted its output (proxy.Usage.source)."""
+        """Count one request; ``source`` is who counted its output (proxy.Usage.source),
+        ``key_id`` the API key it came with (None: a JWT or admin caller)."""
         now = time.time()
         if not self._day_start <= now < self._day_end:
             self._set_day(now)
-        key = (tenant_id, self._day, model)
+        key = (tenant_id, self._day, key_id, model)
         counts = self._counts.get(key)
         if counts is None:
-            counts = self._counts[key] = [0, 0, 0, 0, 0]
+            counts = self._counts[key] = [0, 0, 0, 0, 0, 0, 0]
         # the hot case: three additions, the usage fields are built once per flush
         counts[0] += 1
         counts[1] += prompt_tokens
@@ -65,6 +72,8 @@ class UsageRecorder:
             counts[3] += 1
         elif source == "estimate":
             counts[4] += 1
+        counts[5] += cached_tokens
+        counts[6] += spend_micro_usd
 
     def _set_day(self, now: float) -> None:
         start = datetime.fromtimestamp(now, timezone.utc).replace(
@@ -75,10 +84,21 @@ class UsageRecorder:
         self._day_end = (start + timedelta(days=1)).timestamp()
 
     def _take_counts(self) -> None:
-        """Turn the per-(tenant, day, model) sums into pending usage fields."""
+        """Turn the per-(tenant, day, key, model) sums into pending usage fields."""
         counts, self._counts = self._counts, {}
-        for (tenant_id, day, model), (requests, prompt, completion, *counted) in counts.items():
-            fields = usage_fields(model, prompt, completion, requests, *counted)
+        for (tenant_id, day, key_id, model), sums in counts.items():
+            requests, prompt, completion, tokenizer, estimate, cached, spend = sums
+            fields = usage_fields(
+                model,
+                prompt,
+                completion,
+                requests,
+                tokenizer,
+                estimate,
+                cached_tokens=cached,
+                spend_micro_usd=spend,
+                key_id=key_id,
+            )
             self._add((tenant_id, day), fields)
 
     def _add(self, key: tuple[str, str], fields: dict[str, int]) -> None:

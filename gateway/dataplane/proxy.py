@@ -82,6 +82,8 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # of prompt_tokens, those read from the upstream's prefix cache (priced as cached input)
+    cached_tokens: int = 0
     reported: bool = False
     source: str = "upstream"
     # A Responses API stream: the response object of its ``response.completed`` event (the
@@ -96,12 +98,16 @@ class Usage:
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             self.prompt_tokens = int(prompt or 0)
             self.completion_tokens = int(completion or 0)
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            self.cached_tokens = int(cached or 0)
             self.reported = True
             self.source = "upstream"
 
     def count(self, counter: OutputCounter, completion_tokens: int) -> None:
         """Usage the gateway counted itself (the upstream reported none)."""
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.completion_tokens = completion_tokens
         self.reported = True
         self.source = counter.source

@@ -1,4 +1,5 @@
-"""The admin REST API under ``/admin/v1``: tenants, keys, plans, quota overrides, usage.
+"""The admin REST API under ``/admin/v1``: tenants, keys, plans, quota overrides, usage,
+model prices and the usage export.
 
 Every route depends on :meth:`Authenticator.resolve_admin` (the admin key or an admin-role
 JWT); data-plane keys get 403. Bodies are pydantic models with ``extra="forbid"`` and strict
@@ -18,6 +19,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, Security
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -26,15 +28,23 @@ from redis.exceptions import RedisError
 from gateway.identity.audit import Actor, AuditLog, entry_json
 from gateway.identity.auth import Authenticator
 from gateway.identity.plans import whole_number
+from gateway.identity.prices import ModelPrice, PriceBook
 from gateway.identity.principal import Principal
 from gateway.identity.records import KeyCreate, Tenant, TenantCreate, TenantPatch
 from gateway.identity.tenants import TenantStore
-from portico.errors import ERROR_SCHEMA_DOC, InvalidRequestError, ServiceUnavailableError
+from gateway.identity.usage_export import MEDIA_TYPES, ExportFormat, export_rows, render
+from portico.errors import (
+    ERROR_SCHEMA_DOC,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
 TenantIdPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 KeyIdPath = Annotated[str, Path(pattern=r"^key-[0-9a-f]{16}$")]
+ModelPath = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^|\s]+$")]
 
 
 class KeyRotate(BaseModel):
@@ -112,6 +122,8 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
                     "max_concurrency",
                     "monthly_token_budget",
                     "max_tokens_default",
+                    "budget_usd",
+                    "budget_period",
                 )
             },
             "allowed_models": sorted(principal.allowed_models)
@@ -189,11 +201,16 @@ class AdminAPI:
     secret)."""
 
     def __init__(
-        self, store: TenantStore, authenticator: Authenticator, audit: AuditLog | None = None
+        self,
+        store: TenantStore,
+        authenticator: Authenticator,
+        audit: AuditLog | None = None,
+        prices: PriceBook | None = None,
     ) -> None:
         self.store = store
         self.authenticator = authenticator
         self.audit = audit if audit is not None else AuditLog(store.redis)
+        self.prices = prices if prices is not None else PriceBook(store.redis)
 
     async def _changed(
         self,
@@ -309,6 +326,63 @@ class AdminAPI:
         await self.store.require_tenant(tenant_id)
         return (await self.store.ledger.usage(tenant_id, first, last)).model_dump()
 
+    async def usage_export(
+        self,
+        start: Annotated[str, Query(json_schema_extra=DATE_SCHEMA)],
+        end: Annotated[str, Query(json_schema_extra=DATE_SCHEMA)],
+        fmt: Annotated[ExportFormat, Query(alias="format")] = "csv",
+        tenant_id: Annotated[str | None, Query(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")] = None,
+    ) -> Response:
+        """One row per tenant, key, model and UTC day in ``[start, end]`` (usage_export.py)."""
+        first, last = _usage_date(start, "start"), _usage_date(end, "end")
+        if first is None or last is None:  # both are required: FastAPI refused their absence
+            raise InvalidRequestError("'start' and 'end' are required.", param="query.start")
+        rows = await export_rows(self.store, first, last, tenant_id)
+        name = f"usage-{first.isoformat()}-{last.isoformat()}.{fmt}"
+        return PlainTextResponse(
+            render(rows, fmt),
+            media_type=MEDIA_TYPES[fmt],
+            headers={"content-disposition": f'attachment; filename="{name}"'},
+        )
+
+    async def list_prices(self) -> dict[str, Any]:
+        """Every model's effective price (config, or an admin override), per 1M tokens."""
+        await self.prices.refresh()
+        return {"object": "list", "data": [e.public() for e in self.prices.entries()]}
+
+    async def get_price(self, model: ModelPath) -> dict[str, Any]:
+        await self.prices.refresh()
+        entry = self.prices.entry(model)
+        if entry is None:
+            raise NotFoundError(f"No price is set for the model '{model}'.", param="model")
+        return entry.public()
+
+    async def put_price(
+        self, model: ModelPath, price: ModelPrice, request: Request
+    ) -> dict[str, Any]:
+        """Set (override) a model's price; every replica charges it within its refresh."""
+        before = self.prices.entry(model)
+        entry = await self.prices.put(model, price)
+        await self._changed(
+            request,
+            "price.set",
+            f"price:{model}",
+            None,
+            before.public() if before is not None else None,
+            entry.public(),
+        )
+        return entry.public()
+
+    async def delete_price(self, model: ModelPath, request: Request) -> Response:
+        """Drop the admin override: the config's price (or none) applies again."""
+        before = self.prices.entry(model)
+        if not await self.prices.delete(model):
+            raise NotFoundError(f"No admin price is set for the model '{model}'.", param="model")
+        await self._changed(
+            request, "price.delete", f"price:{model}", None, before.public() if before else None
+        )
+        return Response(status_code=204)
+
     async def audit_log(
         self,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
@@ -342,6 +416,7 @@ def build_admin_router(
     before_auth: BeforeAuth | None = None,
     audit: AuditLog | None = None,
     resolve: AdminResolver | None = None,
+    prices: PriceBook | None = None,
 ) -> APIRouter:
     """The ``/admin/v1`` router. Writes invalidate the authenticator's cache at once and are
     appended to ``audit`` (default: an :class:`AuditLog` with default retention on the
@@ -350,9 +425,10 @@ def build_admin_router(
     ``before_auth`` (e.g. the per-address admin rate limit) runs before the credential is
     checked, so failed guesses count too; router-level ``dependencies`` would run only after
     a successful authentication. ``resolve`` replaces the bearer-only credential check (the
-    console's sessions: gateway/console/sessions.py).
+    console's sessions: gateway/console/sessions.py). ``prices``: the gateway's price book, so
+    a price set here is charged by this replica at once (default: one on the store's Redis).
     """
-    api = AdminAPI(store, authenticator, audit)
+    api = AdminAPI(store, authenticator, audit, prices)
     route_class = _admin_route_class(authenticator, before_auth, resolve)
     # HTTPBearer only documents the scheme in OpenAPI; AdminRoute does the checking.
     router = APIRouter(
@@ -384,6 +460,27 @@ def build_admin_router(
         f"{key}/rotate", api.rotate_key, methods=["POST"], status_code=201, responses=missing
     )
     router.add_api_route(f"{tenant}/usage", api.usage, methods=["GET"], responses=missing)
+    export_body = {"schema": {"type": "string"}}
+    router.add_api_route(
+        "/usage/export",
+        api.usage_export,
+        methods=["GET"],
+        response_class=PlainTextResponse,
+        responses={
+            **missing,
+            200: {
+                "description": "one row per tenant, key, model and UTC day",
+                "content": {media: export_body for media in MEDIA_TYPES.values()},
+            },
+        },
+    )
+    router.add_api_route("/prices", api.list_prices, methods=["GET"])
+    price = "/prices/{model}"
+    router.add_api_route(price, api.get_price, methods=["GET"], responses=missing)
+    router.add_api_route(price, api.put_price, methods=["PUT"])
+    router.add_api_route(
+        price, api.delete_price, methods=["DELETE"], status_code=204, responses=missing
+    )
     router.add_api_route("/audit", api.audit_log, methods=["GET"])
 
     async def openapi() -> dict[str, Any]:

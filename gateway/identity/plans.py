@@ -48,6 +48,9 @@ class LimitsSpec(BaseModel):
     max_concurrency: Count | None = None
     monthly_token_budget: Count | None = None
     max_tokens_default: Count | None = None
+    # a money budget (USD, at the models' prices) per UTC day or month (default monthly)
+    budget_usd: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] | None = None
+    budget_period: Literal["daily", "monthly"] | None = None
 
     def to_limits(self) -> Limits:
         return Limits(**self.model_dump(include=set(LimitsSpec.model_fields)))

@@ -10,13 +10,17 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class Limits:
-    """Quota numbers. ``None`` means unlimited. Units: per minute, per calendar month (UTC)."""
+    """Quota numbers. ``None`` means unlimited. Units: per minute, per calendar month (UTC);
+    ``budget_usd`` is per ``budget_period`` (UTC day or month)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrency: int | None = None
     monthly_token_budget: int | None = None
     max_tokens_default: int | None = None  # the cap reserved when a request sets no max_tokens
+    # money: USD spendable per UTC day or month (None: monthly) at the models' prices
+    budget_usd: float | None = None
+    budget_period: Literal["daily", "monthly"] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,21 @@
 
 Layout: ``portico:usage:{<tenant_id>}:<YYYY-MM-DD>`` (:func:`gateway.identity.layout.usage_key`,
 hash-tagged by tenant) is a hash of counters (``requests``, ``prompt_tokens``,
-``completion_tokens``, and when the gateway counted a request's output itself because its
-upstream reported no usage, ``requests_counted_tokenizer`` or ``requests_counted_estimate``;
-each also as ``<model>|<counter>`` per model), expiring after 400 days. The gateway adds to it
-in batches (``gateway/admission/usage_recorder.py``).
+``cached_tokens`` (the part of the prompt read from the engine's prefix cache),
+``completion_tokens``, ``spend_micro_usd`` (integer micro-dollars at the model's price), and when
+the gateway counted a request's output itself because its upstream reported no usage,
+``requests_counted_tokenizer`` or ``requests_counted_estimate``; each also as
+``<model>|<counter>`` per model, and the first five as ``k:<key_id>|<model>|<counter>`` per API
+key and model), expiring after 400 days. The gateway adds to it in batches
+(``gateway/admission/usage_recorder.py``). Requests of callers without an API key (JWT, admin)
+and those recorded before the per-key fields existed are the model's counts less its keys'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from datetime import date, datetime, timedelta, timezone
 
 from pydantic import BaseModel, Field
@@ -24,10 +30,14 @@ MAX_USAGE_DAYS = 366
 USAGE_COUNTERS = (
     "requests",
     "prompt_tokens",
+    "cached_tokens",
     "completion_tokens",
+    "spend_micro_usd",
     "requests_counted_tokenizer",
     "requests_counted_estimate",
 )
+KEY_COUNTERS = USAGE_COUNTERS[:5]  # per key and model: what an invoice line needs
+KEY_FIELD_PREFIX = "k:"
 
 
 def usage_fields(
@@ -37,60 +47,132 @@ def usage_fields(
     requests: int = 1,
     counted_tokenizer: int = 0,
     counted_estimate: int = 0,
+    *,
+    cached_tokens: int = 0,
+    spend_micro_usd: int = 0,
+    key_id: str | None = None,
 ) -> dict[str, int]:
-    """The usage hash fields that ``requests`` finished requests with these token totals add
-    (totals and the model's twins); the counted-by-the-gateway counters only when not zero."""
+    """The usage hash fields that ``requests`` finished requests with these totals add (totals,
+    the model's twins and, with a ``key_id``, the key and model's); a counter other than
+    requests, prompt and completion tokens only when not zero."""
     out: dict[str, int] = {}
-    for field, amount in (
+    for name, amount in (
         ("requests", requests),
         ("prompt_tokens", prompt_tokens),
+        ("cached_tokens", cached_tokens),
         ("completion_tokens", completion_tokens),
+        ("spend_micro_usd", spend_micro_usd),
         ("requests_counted_tokenizer", counted_tokenizer),
         ("requests_counted_estimate", counted_estimate),
     ):
-        if amount or field in ("requests", "prompt_tokens", "completion_tokens"):
-            out[field] = amount
-            out[f"{model}|{field}"] = amount
+        if amount or name in ("requests", "prompt_tokens", "completion_tokens"):
+            out[name] = amount
+            out[f"{model}|{name}"] = amount
+            if key_id is not None and name in KEY_COUNTERS:
+                out[f"{KEY_FIELD_PREFIX}{key_id}|{model}|{name}"] = amount
     return out
 
 
 class UsageCounters(BaseModel):
     requests: int = 0
     prompt_tokens: int = 0
+    # of prompt_tokens, those the engine read from its prefix cache (priced at cached_input)
+    cached_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # exact, in integer micro-dollars; spend_usd is the same amount in dollars
+    spend_micro_usd: int = 0
+    spend_usd: float = 0.0
     # requests whose output tokens the gateway counted itself (no usage from the upstream):
     # with the model's tokenizer, or by the provider's rule (~4 characters per token)
     requests_counted_tokenizer: int = 0
     requests_counted_estimate: int = 0
 
+    def add(self, other: UsageCounters) -> None:
+        for name in USAGE_COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.complete()
+
+    def complete(self) -> None:
+        """Set the derived fields (total tokens, spend in dollars) from the counters."""
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        self.spend_usd = self.spend_micro_usd / 1_000_000
+
+
+class KeyUsage(UsageCounters):
+    """One API key's usage, with its split per model."""
+
+    models: dict[str, UsageCounters] = Field(default_factory=dict)
+
 
 class DayUsage(UsageCounters):
     date: str
     models: dict[str, UsageCounters] = Field(default_factory=dict)
+    keys: dict[str, UsageCounters] = Field(default_factory=dict)
 
 
 class TenantUsage(BaseModel):
-    """Usage of one tenant over ``[start, end]`` (UTC days); days without traffic omitted."""
+    """Usage of one tenant over ``[start, end]`` (UTC days); days without traffic omitted.
+    ``keys`` holds the requests made with API keys (JWT and admin callers have none)."""
 
     tenant_id: str
     start: str
     end: str
     totals: UsageCounters
     models: dict[str, UsageCounters]
+    keys: dict[str, KeyUsage] = Field(default_factory=dict)
     days: list[DayUsage]
 
 
-def _add(target: UsageCounters, prompt: int, completion: int, requests: int) -> None:
-    target.requests += requests
-    target.prompt_tokens += prompt
-    target.completion_tokens += completion
-    target.total_tokens += prompt + completion
+@dataclass(slots=True)
+class DayRecord:
+    """One tenant's usage hash of one day, parsed: totals, per model, per (key, model)."""
+
+    totals: UsageCounters = dataclass_field(default_factory=UsageCounters)
+    models: dict[str, UsageCounters] = dataclass_field(default_factory=dict)
+    cells: dict[tuple[str, str], UsageCounters] = dataclass_field(default_factory=dict)
+
+    def rows(self) -> list[tuple[str | None, str, UsageCounters]]:
+        """(key id or None, model, counters) per key and model, sorted; the model's requests
+        no key accounts for (JWT or admin callers, older records) under ``None``."""
+        out: list[tuple[str | None, str, UsageCounters]] = []
+        for model in sorted(self.models):
+            cells = sorted((k, c) for (k, m), c in self.cells.items() if m == model)
+            rest = UsageCounters()
+            for name in KEY_COUNTERS:
+                keyed = sum(getattr(c, name) for _, c in cells)
+                setattr(rest, name, getattr(self.models[model], name) - keyed)
+            if any(getattr(rest, name) > 0 for name in KEY_COUNTERS):
+                rest.complete()
+                out.append((None, model, rest))
+            out.extend((key_id, model, counters) for key_id, counters in cells)
+        return out
 
 
-def _add_counted(target: UsageCounters, source: UsageCounters) -> None:
-    target.requests_counted_tokenizer += source.requests_counted_tokenizer
-    target.requests_counted_estimate += source.requests_counted_estimate
+def parse_day(row: Mapping[bytes, bytes]) -> DayRecord:
+    """A usage hash (HGETALL) as a :class:`DayRecord`; unknown fields are ignored."""
+    record = DayRecord()
+    for raw_field, raw_value in row.items():
+        name = raw_field.decode()
+        value = int(raw_value)
+        parts = name.split("|")
+        counter = parts[-1]
+        if counter not in USAGE_COUNTERS:
+            continue
+        if len(parts) == 1:
+            target = record.totals
+        elif len(parts) == 2:
+            target = record.models.setdefault(parts[0], UsageCounters())
+        elif len(parts) == 3 and parts[0].startswith(KEY_FIELD_PREFIX):
+            cell = (parts[0][len(KEY_FIELD_PREFIX) :], parts[1])
+            target = record.cells.setdefault(cell, UsageCounters())
+        else:
+            continue
+        setattr(target, counter, getattr(target, counter) + value)
+    record.totals.complete()
+    for counters in (*record.models.values(), *record.cells.values()):
+        counters.complete()
+    return record
 
 
 class UsageLedger:
@@ -105,13 +187,29 @@ class UsageLedger:
         self.redis = redis
 
     async def record_usage(
-        self, tenant_id: str, model: str, prompt_tokens: int, completion_tokens: int
+        self,
+        tenant_id: str,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        cached_tokens: int = 0,
+        spend_micro_usd: int = 0,
+        key_id: str | None = None,
+        day: str | None = None,
     ) -> None:
-        """Count one finished request (one pipelined round trip; per UTC day)."""
-        day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-        await self.add_usage(
-            {(tenant_id, day): usage_fields(model, prompt_tokens, completion_tokens)}
+        """Count one finished request (one pipelined round trip; per UTC day, today unless
+        ``day`` names one)."""
+        day = day or datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        fields = usage_fields(
+            model,
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens=cached_tokens,
+            spend_micro_usd=spend_micro_usd,
+            key_id=key_id,
         )
+        await self.add_usage({(tenant_id, day): fields})
 
     async def add_usage(self, counts: Mapping[tuple[str, str], Mapping[str, int]]) -> None:
         """Add summed usage fields per ``(tenant_id, "YYYY-MM-DD")`` in one pipelined round trip.
@@ -129,46 +227,33 @@ class UsageLedger:
             pipe.expire(key, USAGE_TTL_SECONDS)
         await pipe.execute()
 
-    async def usage(self, tenant_id: str, start: date, end: date) -> TenantUsage:
-        if end < start:
-            raise InvalidRequestError("'end' is before 'start'.", param="end")
-        num_days = (end - start).days + 1
-        if num_days > MAX_USAGE_DAYS:
-            raise InvalidRequestError(f"At most {MAX_USAGE_DAYS} days per query.", param="end")
-        days = [start + timedelta(days=i) for i in range(num_days)]
+    async def days(self, tenant_id: str, start: date, end: date) -> list[tuple[date, DayRecord]]:
+        """The tenant's parsed usage of every day in ``[start, end]`` that has any (one
+        pipelined round trip). Raises InvalidRequestError for a reversed or too long range."""
+        check_range(start, end)
+        days = [start + timedelta(days=i) for i in range((end - start).days + 1)]
         pipe = self.redis.pipeline(transaction=False)
         for day in days:
             pipe.hgetall(usage_key(tenant_id, day.isoformat()))
         rows = await pipe.execute()
+        return [(day, parse_day(row)) for day, row in zip(days, rows, strict=True) if row]
+
+    async def usage(self, tenant_id: str, start: date, end: date) -> TenantUsage:
         totals = UsageCounters()
         per_model: dict[str, UsageCounters] = {}
+        per_key: dict[str, KeyUsage] = {}
         out: list[DayUsage] = []
-        for day, row in zip(days, rows, strict=True):
-            if not row:
-                continue
-            counts = {k.decode(): int(v) for k, v in row.items()}
-            entry = DayUsage(date=day.isoformat())
-            _add(
-                entry,
-                counts.get("prompt_tokens", 0),
-                counts.get("completion_tokens", 0),
-                counts.get("requests", 0),
-            )
-            entry.requests_counted_tokenizer = counts.get("requests_counted_tokenizer", 0)
-            entry.requests_counted_estimate = counts.get("requests_counted_estimate", 0)
-            for field, value in counts.items():
-                model, sep, counter = field.rpartition("|")
-                if not sep or counter not in USAGE_COUNTERS:
-                    continue
-                slot = entry.models.setdefault(model, UsageCounters())
-                setattr(slot, counter, getattr(slot, counter) + value)
-            for model, slot in entry.models.items():
-                slot.total_tokens = slot.prompt_tokens + slot.completion_tokens
-                into = per_model.setdefault(model, UsageCounters())
-                _add(into, slot.prompt_tokens, slot.completion_tokens, slot.requests)
-                _add_counted(into, slot)
-            _add(totals, entry.prompt_tokens, entry.completion_tokens, entry.requests)
-            _add_counted(totals, entry)
+        for day, record in await self.days(tenant_id, start, end):
+            entry = DayUsage(date=day.isoformat(), models=record.models)
+            entry.add(record.totals)
+            for model, counters in record.models.items():
+                per_model.setdefault(model, UsageCounters()).add(counters)
+            for (key_id, model), counters in record.cells.items():
+                entry.keys.setdefault(key_id, UsageCounters()).add(counters)
+                key_usage = per_key.setdefault(key_id, KeyUsage())
+                key_usage.add(counters)
+                key_usage.models.setdefault(model, UsageCounters()).add(counters)
+            totals.add(record.totals)
             out.append(entry)
         return TenantUsage(
             tenant_id=tenant_id,
@@ -176,5 +261,15 @@ class UsageLedger:
             end=end.isoformat(),
             totals=totals,
             models=per_model,
+            keys=per_key,
             days=out,
         )
+
+
+def check_range(start: date, end: date) -> None:
+    """Raise InvalidRequestError unless ``[start, end]`` is a range of at most
+    ``MAX_USAGE_DAYS`` days."""
+    if end < start:
+        raise InvalidRequestError("'end' is before 'start'.", param="end")
+    if (end - start).days + 1 > MAX_USAGE_DAYS:
+        raise InvalidRequestError(f"At most {MAX_USAGE_DAYS} days per query.", param="end")

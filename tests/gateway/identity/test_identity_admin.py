@@ -145,6 +145,8 @@ async def test_quota_overrides_reach_the_principal(
                 "tokens_per_minute": 5000,
                 "max_concurrency": 3,
                 "monthly_token_budget": 42,
+                "budget_usd": 25,
+                "budget_period": "daily",
             },
             "allowed_models": ["smollm2-135m", "gpt-4o-mini"],
             "model_limits": {"gpt-4o-mini": {"requests_per_minute": 7}},
@@ -161,7 +163,10 @@ async def test_quota_overrides_reach_the_principal(
         "max_concurrency": 3,
         "monthly_token_budget": 42,
         "max_tokens_default": 512,
+        "budget_usd": 25.0,
+        "budget_period": "daily",
     }
+    assert eff["limits"]["budget_usd"] == 25.0 and eff["limits"]["budget_period"] == "daily"
     assert me["key_limits"]["requests_per_minute"] == 5
     assert me["key_limits"]["max_concurrency"] == 1
     assert me["allowed_models"] == ["gpt-4o-mini", "smollm2-135m"]
@@ -172,6 +177,8 @@ async def test_quota_overrides_reach_the_principal(
             "max_concurrency": None,
             "monthly_token_budget": None,
             "max_tokens_default": None,
+            "budget_usd": None,
+            "budget_period": None,
         }
     }
 
@@ -224,6 +231,9 @@ async def test_usage_per_model_per_day(client: httpx.AsyncClient, identity, make
         "prompt_tokens": 33,
         "completion_tokens": 13,
         "total_tokens": 46,
+        "cached_tokens": 0,
+        "spend_micro_usd": 0,
+        "spend_usd": 0.0,
         # requests whose output the gateway counted itself (the upstream reported no usage)
         "requests_counted_tokenizer": 0,
         "requests_counted_estimate": 0,
