@@ -55,6 +55,7 @@ def _delegated() -> list[tuple[str, str, str]]:
         ("admission", "load.admission_bench", "admission cost per request (Redis Lua)"),
         ("soak", "load.soak", "mixed traffic for a while, gateway memory over time"),
         ("standard", "load.standard", "everything `make bench` runs"),
+        ("fairness", "load.fairness_bench", "a quiet tenant next to a noisy one, fcfs vs fair"),
     ]
     return [c for c in candidates if importlib.util.find_spec(c[1]) is not None]
 

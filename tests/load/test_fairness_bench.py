@@ -1,0 +1,112 @@
+"""``portico bench fairness``: its report math on hand-made timings, and a quick real run (two
+real ``portico engine`` processes serving the tiny Llama, fcfs then fair) whose report has every
+part and whose engines counted both tenants. No timing is asserted: the numbers are the
+benchmark's business, not the test's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from load import cli as bench_cli
+from load.fairness_bench import PolicyRun, Timing, Workload, build_report
+
+
+def _timings(*ttfts_s: float, tokens: int = 4) -> list[Timing]:
+    return [Timing(ok=True, ttft=t, latency=t + 0.1, output_tokens=tokens) for t in ttfts_s]
+
+
+def test_report_math_and_targets_on_hand_made_runs() -> None:
+    work = Workload(quiet_requests=4)
+    fcfs = PolicyRun(
+        "fcfs",
+        alone=_timings(0.010, 0.010, 0.010, 0.020),
+        with_noisy=_timings(0.100, 0.200, 0.300, 0.400),
+        window_s=2.0,
+        generated_tokens=1016.0,
+    )
+    fair = PolicyRun(
+        "fair",
+        alone=_timings(0.010, 0.010, 0.010, 0.020),
+        with_noisy=_timings(0.015, 0.020, 0.025, 0.030),
+        window_s=2.0,
+        generated_tokens=996.0,
+    )
+    report = build_report([fcfs, fair], work, "m", ["--x"])
+    assert report["policies_run"] == ["fcfs", "fair"]
+    summary = report["summary"]
+    assert summary["quiet_ttft_ms"]["alone"]["p99"] == pytest.approx(20.0)
+    assert summary["quiet_ttft_ms"]["fcfs"]["p99"] == pytest.approx(400.0)
+    assert summary["quiet_ttft_ms"]["fair"]["p50"] == pytest.approx(22.5)
+    # N's tokens are the engine's total minus Q's (4 requests x 4 tokens), over the window
+    assert summary["noisy_output_tok_s"]["fcfs"] == pytest.approx((1016 - 16) / 2.0)
+    assert summary["total_output_tok_s"]["fair"] == pytest.approx(996 / 2.0)
+    targets = report["targets"]
+    assert targets["fair_p99_over_alone_p99"] == pytest.approx(1.5)
+    assert targets["fcfs_p99_over_fair_p99"] == pytest.approx(400 / 30)
+    assert targets["fair_p99_within_2x_alone"] is True
+    assert targets["fair_p99_3x_better_than_fcfs"] is True
+    assert targets["fair_total_at_least_0_95_fcfs"] is True  # 996 / 1016 = 0.98
+
+    slow_fair = PolicyRun(
+        "fair", alone=fair.alone, with_noisy=_timings(0.1, 0.1, 0.1, 0.2), window_s=2.0,
+        generated_tokens=500.0,
+    )  # fmt: skip
+    missed = build_report([fcfs, slow_fair], work, "m", [])["targets"]
+    assert missed["fair_p99_within_2x_alone"] is False
+    assert missed["fair_p99_3x_better_than_fcfs"] is False
+    assert missed["fair_total_at_least_0_95_fcfs"] is False
+
+
+def test_one_policy_alone_reports_no_targets() -> None:
+    run = PolicyRun("fair", alone=_timings(0.01), with_noisy=_timings(0.02), window_s=1.0)
+    report = build_report([run], Workload(), "m", [])
+    assert report["targets"] == {}
+    assert set(report["summary"]["quiet_ttft_ms"]) == {"alone", "fair"}
+
+
+@pytest.mark.slow
+def test_quick_run_reports_both_policies(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fairness.json"
+    args = bench_cli_args(tiny_llama_dir, out, tmp_path / "plot")
+    assert bench_cli.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "fairness"
+    assert report["policies_run"] == ["fcfs", "fair"]
+    assert set(report["summary"]["quiet_ttft_ms"]) == {"alone", "fcfs", "fair"}
+    for policy in ("fcfs", "fair"):
+        r = report["policies"][policy]
+        assert r["quiet_failed"] == 0
+        assert len(r["quiet_ttft_s"]["alone"]) == len(r["quiet_ttft_s"]["with_noisy"]) == 4
+        assert r["noisy_finished"] >= 4  # the warm-up's worth finished before Q ran
+        assert r["generated_tokens"] > r["quiet_output_tokens"] == 4 * 4
+        # the engine charged both tenants by the engine-hop headers the benchmark sent
+        tenants = r["engine_tenant_generation_tokens"]
+        assert tenants["quiet"] > 0 and tenants["noisy"] > 0
+    assert set(report["targets"]) >= {
+        "fair_p99_within_2x_alone",
+        "fair_p99_3x_better_than_fcfs",
+        "fair_total_at_least_0_95_fcfs",
+    }
+    for path in report["plots"]:
+        assert Path(path).stat().st_size > 0
+
+
+def bench_cli_args(model_dir: Path, out: Path, plot: Path) -> argparse.Namespace:
+    """``portico bench fairness --quick ...`` parsed by the real CLI parser."""
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(
+        [
+            "fairness",
+            "--quick",
+            "--model", str(model_dir),
+            "--engine-args=--kv-cache-memory 32MiB --max-num-seqs 32 --max-model-len 512",
+            "--out", str(out),
+            "--plot", str(plot),
+            "--no-progress",
+        ]
+    )  # fmt: skip
