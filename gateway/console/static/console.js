@@ -344,6 +344,12 @@
     return svg;
   }
 
+  // Integer micro-dollars as exact dollars with six decimals (1000001 -> "$1.000001").
+  function usd(micro) {
+    const m = Math.max(0, Math.round(micro || 0));
+    return `$${Math.floor(m / 1e6)}.${String(m % 1e6).padStart(6, "0")}`;
+  }
+
   async function showUsage(tenantId) {
     await loadTenants();
     const chooser = tenantSelect("Tenant", tenantId || "", (ev) => { location.hash = "#usage/" + enc(ev.target.value); });
@@ -353,19 +359,25 @@
     const legend = h("div", { class: "legend", "aria-hidden": "true" },
       models.map((m, j) => h("span", {}, h("span", { class: "sw s" + (j % 6) }), m)));
     const byModel = models.map((m) => h("tr", {}, cell(m), cell(num(u.models[m].requests), "num"),
-      cell(num(u.models[m].prompt_tokens), "num"), cell(num(u.models[m].completion_tokens), "num"),
-      cell(num(u.models[m].total_tokens), "num")));
+      cell(num(u.models[m].prompt_tokens), "num"), cell(num(u.models[m].cached_tokens), "num"),
+      cell(num(u.models[m].completion_tokens), "num"), cell(num(u.models[m].total_tokens), "num"),
+      cell(usd(u.models[m].spend_micro_usd), "num")));
+    const keys = Object.keys(u.keys || {}).sort();
+    const byKey = keys.map((k) => h("tr", {}, cell(k), cell(num(u.keys[k].requests), "num"),
+      cell(num(u.keys[k].total_tokens), "num"), cell(usd(u.keys[k].spend_micro_usd), "num")));
     const byDay = [];
     for (const d of u.days) for (const m of Object.keys(d.models).sort()) {
       const c = d.models[m];
       byDay.push(h("tr", {}, cell(d.date), cell(m), cell(num(c.requests), "num"),
-        cell(num(c.prompt_tokens), "num"), cell(num(c.completion_tokens), "num")));
+        cell(num(c.prompt_tokens), "num"), cell(num(c.completion_tokens), "num"),
+        cell(usd(c.spend_micro_usd), "num")));
     }
     page(`Usage of ${tenantId}`, h("form", { class: "panel" }, chooser),
-      h("p", {}, `${u.start} to ${u.end}: ${num(u.totals.requests)} requests, ${num(u.totals.total_tokens)} tokens.`),
+      h("p", {}, `${u.start} to ${u.end}: ${num(u.totals.requests)} requests, ${num(u.totals.total_tokens)} tokens, ${usd(u.totals.spend_micro_usd)} spent.`),
       usageChart(u.days, models, `Tokens per day for ${tenantId}`), legend,
-      table("Per model", ["Model", "Requests#", "Prompt tokens#", "Completion tokens#", "Total tokens#"], byModel),
-      table("Per model and day", ["Day", "Model", "Requests#", "Prompt tokens#", "Completion tokens#"], byDay));
+      table("Per model", ["Model", "Requests#", "Prompt tokens#", "Cached tokens#", "Completion tokens#", "Total tokens#", "Spend (USD)#"], byModel),
+      table("Per API key (requests made with a key)", ["Key", "Requests#", "Total tokens#", "Spend (USD)#"], byKey),
+      table("Per model and day", ["Day", "Model", "Requests#", "Prompt tokens#", "Completion tokens#", "Spend (USD)#"], byDay));
   }
 
   // ---------------------------------------------------------------- engines
