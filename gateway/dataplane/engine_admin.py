@@ -3,8 +3,11 @@
 What the supervisor knows (state, pid, restarts), what the pool knows (up, ejected, requests
 outstanding from this gateway) and what the replica's own ``/metrics`` says now (requests
 running and waiting, KV cache usage, preemptions), the same scrape ``/metrics/engines`` does.
-A replica whose metrics do not answer shows ``metrics: null``. Admin credential only, checked
-like the rest of the admin API. The console's engines page reads it.
+A replica whose metrics do not answer shows ``metrics: null``. ``tenants`` lists what the
+replica's scheduler reports per tenant (the ``portico_engine_tenant_*`` families: tokens
+scheduled since the engine started, requests running and waiting, KV blocks held now), busiest
+first; ``null`` with the metrics. Admin credential only, checked like the rest of the admin API.
+The console's engines page reads it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ GAUGES = {
 }
 
 
+# engine per-tenant family -> field of a tenant's row (engine/server/metrics.py); the token
+# counter is split by its ``kind`` label into prompt_tokens / generation_tokens
+TENANT_FAMILIES = {
+    "portico_engine_tenant_requests_running": "running",
+    "portico_engine_tenant_requests_waiting": "waiting",
+    "portico_engine_tenant_kv_blocks": "kv_blocks",
+}
+TENANT_TOKENS = "portico_engine_tenant_tokens"
+TENANT_FIELDS = ("prompt_tokens", "generation_tokens", "running", "waiting", "kv_blocks")
+
+
 def engine_gauges(text: str) -> dict[str, float]:
     """The :data:`GAUGES` of one exposition, summed over label sets (one per served model)."""
     out: dict[str, float] = {}
@@ -42,11 +56,43 @@ def engine_gauges(text: str) -> dict[str, float]:
     return out
 
 
-async def _replica_metrics(replica: Replica) -> dict[str, float] | None:
+def tenant_rows(text: str) -> list[dict[str, Any]]:
+    """One row per tenant of one exposition (:data:`TENANT_FIELDS`, summed over the other
+    labels), tenants holding the most KV blocks, then with the most tokens, first."""
+    rows: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(text):
+        field = TENANT_FAMILIES.get(family.name)
+        if field is None and family.name.removesuffix("_total") != TENANT_TOKENS:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created") or "tenant" not in sample.labels:
+                continue
+            if field is None:  # the token counter: one field per kind
+                field_name = f"{sample.labels.get('kind', 'generation')}_tokens"
+                if field_name not in TENANT_FIELDS:
+                    continue
+            else:
+                field_name = field
+            tenant = sample.labels["tenant"]
+            row = rows.setdefault(tenant, {"tenant": tenant} | dict.fromkeys(TENANT_FIELDS, 0))
+            row[field_name] += int(sample.value)
+    return sorted(
+        rows.values(),
+        key=lambda r: (
+            -r["kv_blocks"],
+            -(r["prompt_tokens"] + r["generation_tokens"]),
+            r["tenant"],
+        ),
+    )
+
+
+async def _replica_metrics(
+    replica: Replica,
+) -> tuple[dict[str, float], list[dict[str, Any]]] | None:
     if not replica.up:
         return None
     found = await fetch_exposition(replica)
-    return None if found is None else engine_gauges(found[1])
+    return None if found is None else (engine_gauges(found[1]), tenant_rows(found[1]))
 
 
 def build_engine_router(
@@ -67,8 +113,9 @@ def build_engine_router(
         replicas = [(pool, r) for pool in pools for r in pool.replicas]
         metrics = await asyncio.gather(*(_replica_metrics(r) for _, r in replicas))
         data = []
-        for (pool, replica), gauges in zip(replicas, metrics, strict=True):
+        for (pool, replica), scraped in zip(replicas, metrics, strict=True):
             process = processes.get(replica.name, {})
+            gauges, tenants = scraped if scraped is not None else (None, None)
             data.append(
                 {
                     "object": "engine",
@@ -81,6 +128,7 @@ def build_engine_router(
                     "ejected": replica.ejected,
                     "outstanding": replica.outstanding,
                     "metrics": gauges,
+                    "tenants": tenants,
                 }
             )
         return {"object": "list", "data": data}

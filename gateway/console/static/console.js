@@ -403,7 +403,30 @@
     page("Engines",
       h("p", {}, h("button", { type: "button", class: "secondary", onclick: () => showEngines() }, "Refresh")),
       table("Engine replicas (scraped from each engine's /metrics now)",
-        ["Replica", "Model", "State", "Restarts#", "Running#", "Waiting#", "KV cache", "Outstanding here#"], rows));
+        ["Replica", "Model", "State", "Restarts#", "Running#", "Waiting#", "KV cache", "Outstanding here#"], rows),
+      h("h2", {}, "Tenants on the engines"),
+      table("Per tenant and replica: requests now, KV blocks held now and tokens scheduled since the engine started; shares are of that replica",
+        ["Replica", "Tenant", "Running#", "Waiting#", "KV blocks#", "KV share", "Tokens#", "Token share"],
+        engines.flatMap(tenantRows)));
+  }
+
+  // One row per tenant of a replica, its shares of the replica's KV blocks and tokens as meters.
+  function tenantRows(e) {
+    const tenants = e.tenants || [];
+    const blocks = tenants.reduce((sum, t) => sum + t.kv_blocks, 0);
+    const tokens = tenants.reduce((sum, t) => sum + t.prompt_tokens + t.generation_tokens, 0);
+    const share = (part, whole, what) => {
+      const f = whole ? part / whole : 0;
+      return h("td", {}, meter(f, `${what} ${Math.round(f * 100)}%`), ` ${(f * 100).toFixed(1)}%`);
+    };
+    return tenants.map((t) => {
+      const served = t.prompt_tokens + t.generation_tokens;
+      return h("tr", {}, cell(e.name), cell(t.tenant), cell(num(t.running), "num"),
+        cell(num(t.waiting), "num"), cell(num(t.kv_blocks), "num"),
+        share(t.kv_blocks, blocks, `${t.tenant}'s share of KV blocks held on ${e.name}:`),
+        cell(num(served), "num"),
+        share(served, tokens, `${t.tenant}'s share of tokens scheduled on ${e.name}:`));
+    });
   }
 
   // ---------------------------------------------------------------- adapters
