@@ -39,6 +39,9 @@ from gateway.store import RedisClient
 from portico.errors import RateLimitError
 
 PLAN_CACHE_SIZE = 4096
+# With no max_tokens asked or reserved, a token budget's remainder is sent as the engine's cap
+# only up to this (any model generates that much; a larger cap could exceed its context).
+UNASKED_BUDGET_CAP = 4096
 CONCURRENCY_RETRY_MS = 1000
 
 
@@ -132,7 +135,10 @@ class Ticket:
     _done: bool = False
     # The max_tokens per completion the reservation covers when the client set none: the
     # gateway sends it to the engine, so no completion generates more than was reserved.
+    # Also set, below what the client asked, when the tenant's token budget has less left
+    # (``budget_stop`` then names that budget, for the client's final stream event).
     max_tokens: int | None = None
+    budget_stop: str | None = None
 
     @property
     def done(self) -> bool:
@@ -152,6 +158,41 @@ def format_duration(ms: int) -> str:
     if hours:
         text = f"{hours}h{text}"
     return text
+
+
+def _cap_at_token_budget(
+    ticket: Ticket,
+    plan: _Plan,
+    decision: Decision,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    num_outputs: int,
+) -> None:
+    """Lower ``ticket.max_tokens`` to what the tightest monthly token budget has left after
+    the prompt (shared by the request's completions), when that is less than the request may
+    otherwise generate. The engine then stops by itself (``finish_reason: "length"``) the step
+    the budget runs out. Budgets are charged at settle, so requests of one tenant running at
+    once each see the same remainder: together they may pass it by what they generate."""
+    first = len(plan.buckets.rate_keys) + len(plan.buckets.slot_keys)
+    tightest: tuple[int, _Bucket] | None = None
+    for b, used in enumerate(decision.budget_used):
+        bucket = plan.described[first + b]
+        if bucket.limit_name != "monthly_token_budget":
+            continue
+        left = plan.buckets.budget_limits[b] - used
+        if tightest is None or left < tightest[0]:
+            tightest = (left, bucket)
+    if tightest is None:
+        return
+    cap = max(1, (tightest[0] - prompt_tokens) // max(1, num_outputs))
+    asked = max_tokens if max_tokens is not None else ticket.max_tokens
+    if asked is not None and asked <= cap:
+        return
+    if asked is None and cap > UNASKED_BUDGET_CAP:
+        return  # a cap that large could pass the model's own limit: let the engine decide
+    ticket.max_tokens = cap
+    ticket.budget_stop = f"{tightest[1].limit_name} of {tightest[1].who}"
+    ticket.headers["x-portico-budget-max-tokens"] = str(cap)
 
 
 def utc_month(epoch_s: float) -> str:
@@ -247,7 +288,9 @@ class Admission:
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
-        return Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
+        ticket = Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
+        _cap_at_token_budget(ticket, plan, decision, prompt_tokens, max_tokens, num_outputs)
+        return ticket
 
     async def settle(
         self,

@@ -148,7 +148,8 @@ def upstream_body(
 ) -> bytes:
     """The body sent to the engine: the client's bytes with the tenant's ``cache_salt``, the
     upstream model name, ``stream_options.include_usage`` and (when the client set none) the
-    ``max_tokens`` admission reserved spliced in. The common case (no alias, no client
+    ``max_tokens`` admission reserved (or a lower one, the tenant's token budget's
+    remainder) spliced in. The common case (no alias, no client
     ``cache_salt``/``stream_options``) edits bytes without re-serializing.
 
     ``local_engine``: every chunk of a stream carries the usage so far (vLLM's
@@ -168,6 +169,7 @@ def upstream_body(
         and "cache_shared_prefix" not in body
         and "stream_options" not in body
         and not fields.edited
+        and (max_tokens is None or fields.max_tokens is None)  # no client cap to lower
     ):
         extra = []
         if max_tokens is not None:
@@ -191,6 +193,7 @@ def upstream_body(
     if shared is not None:
         edited["cache_shared_prefix"] = shared
     if max_tokens is not None:
+        edited.pop("max_completion_tokens", None)  # it would win over max_tokens
         edited[fields.max_tokens_field] = max_tokens
     if usage_option:
         options = {**(body.get("stream_options") or {}), "include_usage": True}
