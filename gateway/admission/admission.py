@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admission.abuse import AbuseSettings
@@ -113,6 +113,7 @@ class _Plan:
     buckets: BucketSet
     described: tuple[_Bucket, ...]  # parallel to buckets.keys
     money: tuple[bool, ...]  # per budget: micro-dollars (True) or tokens
+    tenant_money: tuple[int, ...]  # indexes (among budgets) of the tenant's money budgets
     counts_tokens: tuple[bool, ...]  # per rate bucket: tokens/min (True) or requests/min
     min_tokens_per_minute: int | None
     max_tokens_default: int | None
@@ -243,6 +244,20 @@ class Admission:
             ["scope", "limit"],
             registry=registry,
         )
+        # Tenants' money budgets as their last admission saw them (a dashboard's "% spent"):
+        # tenant scope only, so the label values stay bounded by the number of tenants.
+        self._budget_usd = Gauge(
+            "portico_spend_budget_usd",
+            "A tenant's money budget per period (USD), as of its last admission",
+            ["tenant", "period"],
+            registry=registry,
+        )
+        self._budget_spent_usd = Gauge(
+            "portico_spend_budget_spent_usd",
+            "What a tenant had spent of its money budget this period (USD) at its last admission",
+            ["tenant", "period"],
+            registry=registry,
+        )
 
     @property
     def redis_up(self) -> bool:
@@ -285,6 +300,8 @@ class Admission:
         if outcome is None:  # Redis down, policy "open": admitted without limits
             return Ticket({}, 0, None, None, slot_id)
         decision, limiter = outcome
+        if plan.tenant_money:
+            self._show_budgets(principal.tenant_id, plan, decision)
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
@@ -327,6 +344,17 @@ class Admission:
         await self._limiter.aclose()
 
     # ----------------------------------------------------------------- internals
+
+    def _show_budgets(self, tenant_id: str, plan: _Plan, decision: Decision) -> None:
+        first = len(plan.buckets.rate_keys) + len(plan.buckets.slot_keys)
+        for b in plan.tenant_money:
+            daily = plan.described[first + b].limit_name.startswith("daily")
+            period = "daily" if daily else "monthly"
+            limit = plan.buckets.budget_limits[b]
+            self._budget_usd.labels(tenant_id, period).set(limit / MICRO_USD)
+            self._budget_spent_usd.labels(tenant_id, period).set(
+                decision.budget_used[b] / MICRO_USD
+            )
 
     async def _finish(self, ticket: Ticket, used: int | None, spend: int = 0) -> None:
         if ticket._done:
@@ -541,6 +569,7 @@ def build_plan(
         ),
         described=tuple(described),
         money=tuple(b[3] for b in budgets),
+        tenant_money=tuple(i for i, b in enumerate(budgets) if b[3] and b[2].scope == "tenant"),
         counts_tokens=tuple(r[3] for r in rate),
         min_tokens_per_minute=min(tpms) if tpms else None,
         max_tokens_default=default_cap,

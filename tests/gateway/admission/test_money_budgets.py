@@ -194,3 +194,20 @@ async def test_budget_outranks_a_spent_rate_limit(
     await admission.settle(ticket, 1, 1, spend_micro_usd=1)
     with pytest.raises(BudgetExceededError):
         await admission.admit(who, "m", 1, 1)
+
+
+async def test_tenant_budgets_are_gauges_as_of_the_last_admission(
+    store: RedisClient, make_principal: MakePrincipal
+) -> None:
+    registry = CollectorRegistry()
+    adm = Admission(store, AdmissionSettings(), registry=registry)
+    who = make_principal(budget_usd=2.5, key_limits=Limits(budget_usd=1, budget_period="daily"))
+    await adm.settle(await adm.admit(who, "m", 1, 1), 1, 1, spend_micro_usd=750_000)
+    await adm.release(await adm.admit(who, "m", 1, 1))
+    labels = {"tenant": "acme", "period": "monthly"}
+    assert registry.get_sample_value("portico_spend_budget_usd", labels) == 2.5
+    assert registry.get_sample_value("portico_spend_budget_spent_usd", labels) == 0.75
+    # key budgets are not gauges (label values bounded by tenants, not keys)
+    daily = {"tenant": "acme", "period": "daily"}
+    assert registry.get_sample_value("portico_spend_budget_usd", daily) is None
+    await adm.aclose()
