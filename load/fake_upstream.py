@@ -287,6 +287,10 @@ class FakeUpstreamProtocol(asyncio.Protocol):
             return
         include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
         include_usage = include_usage and self.settings.usage
+        # vLLM's continuous_usage_stats (what the gateway asks engines for): usage so far on
+        # every chunk
+        continuous = include_usage and bool(req["stream_options"].get("continuous_usage_stats"))
+        sent = 0
         self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -301,6 +305,12 @@ class FakeUpstreamProtocol(asyncio.Protocol):
                 "model": model,
                 "choices": choices,
             }
+            if continuous:
+                data["usage"] = {
+                    **usage,
+                    "completion_tokens": sent,
+                    "total_tokens": prompt_tokens + sent,
+                }
             if extra:
                 data.update(extra)
             self._write_chunk(b"data: " + json.dumps(data).encode() + b"\n\n")
@@ -314,6 +324,7 @@ class FakeUpstreamProtocol(asyncio.Protocol):
                 await asyncio.sleep(delay)
             if self.transport.is_closing():
                 return
+            sent = i + 1
             last = i == n - 1
             finish = "length" if last else None
             choice = (

@@ -67,6 +67,7 @@ _USAGE_MARKS = (b'"usage":{', b'"usage": {')
 _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _CONTINUOUS_OPTION = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
 _LAST_USAGE = b',"usage":{'  # the engine's chunks end with their usage (compact JSON)
+_LAST_USAGE_SPACED = b', "usage": {'  # json.dumps' default separators
 _NULL_USAGE = b',"usage":null}'
 
 
@@ -261,21 +262,24 @@ def _take_continuous_usage(block: bytes, usage: Usage, view: UsageView) -> bytes
         if not event:
             continue
         at = event.rfind(_LAST_USAGE)
+        if at < 0:
+            at = event.rfind(_LAST_USAGE_SPACED)
         if at < 0 or not event.endswith(b"}"):
             kept.append(event + b"\n\n")
             continue
         try:
-            usage.take(_loads(event[at + 9 : -1]))
+            usage.take(_loads(event[event.index(b"{", at) : -1]))
         except ValueError:
             kept.append(event + b"\n\n")
             continue
-        if b'"choices":[]' in event[:at]:  # the final usage-only event
+        head = event[:at]
+        if head.endswith((b'"choices":[]', b'"choices": []')):  # the final usage-only event
             if view.final:
                 kept.append(event + b"\n\n")
         elif view.every_chunk:
             kept.append(event + b"\n\n")
         else:
-            kept.append(event[:at] + _NULL_USAGE + b"\n\n")
+            kept.append(head + _NULL_USAGE + b"\n\n")
     return b"".join(kept)
 
 

@@ -63,3 +63,11 @@ def test_the_engine_hop_asks_for_usage_on_every_chunk() -> None:
     body = json.loads(upstream_body(raw, fields, "m", "s", None, local_engine=True))
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert usage_view(fields, True) == UsageView(True, False, True)
+
+
+def test_usage_written_with_spaces_is_read_too() -> None:
+    spaced = STREAM.replace(b'":', b'": ').replace(b'","', b'", "').replace(b',"usage', b', "usage')
+    usage = Usage()
+    events = _events(_take_usage(spaced, usage, UsageView(continuous=True)))
+    assert [e["usage"] for e in events] == [None, None]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (9, 2)
