@@ -234,7 +234,7 @@ class FairPolicy(PriorityPolicy):
     def __init__(self, clock: Callable[[], float], max_wait_s: float | None = None) -> None:
         super().__init__(clock, max_wait_s)
         self.counters: dict[str, float] = {}
-        self._last_drained = 0.0  # the counter of the tenant whose queue emptied last
+        self._last_drained: str | None = None  # the tenant whose queue emptied last
 
     def flow_key(self, flow: _Flow, head: OrderKey) -> tuple[float | int, ...]:
         return (head[0], self.counters.get(flow.tenant, 0.0), *head[1:])
@@ -242,11 +242,14 @@ class FairPolicy(PriorityPolicy):
     def on_backlogged(self, tenant: TenantTag) -> None:
         # VTC's lift: no credit for the time it sent nothing, so it cannot burst past others.
         others = [self.counters.get(t, 0.0) for t in self.num_waiting_by_tenant]
-        floor = min(others) if others else self._last_drained
+        if others:
+            floor = min(others)
+        else:  # nobody waits: start level with the tenant that was served last
+            floor = self.counters.get(self._last_drained, 0.0) if self._last_drained else 0.0
         self.counters[tenant.name] = max(self.counters.get(tenant.name, 0.0), floor)
 
     def on_drained(self, tenant: TenantTag) -> None:
-        self._last_drained = self.counters.get(tenant.name, 0.0)
+        self._last_drained = tenant.name
 
     def charge(self, request: Request, num_tokens: int) -> None:
         name = request.tenant.name
