@@ -26,14 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admission.abuse import AbuseSettings
 from gateway.admission.failover import FailoverLimiter, RedisDownPolicy
 from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
+from gateway.admission.spend import BudgetGauges, MoneyLeft, money_cap
 from gateway.identity.prices import MICRO as MICRO_USD
-from gateway.identity.prices import usd_to_micro
+from gateway.identity.prices import PriceBook, usd_to_micro
 from gateway.identity.principal import Limits, Principal
 from gateway.store import RedisClient
 from portico.errors import RateLimitError
@@ -113,7 +114,7 @@ class _Plan:
     buckets: BucketSet
     described: tuple[_Bucket, ...]  # parallel to buckets.keys
     money: tuple[bool, ...]  # per budget: micro-dollars (True) or tokens
-    tenant_money: tuple[int, ...]  # indexes (among budgets) of the tenant's money budgets
+    has_money: bool
     counts_tokens: tuple[bool, ...]  # per rate bucket: tokens/min (True) or requests/min
     min_tokens_per_minute: int | None
     max_tokens_default: int | None
@@ -196,6 +197,19 @@ def _cap_at_token_budget(
     ticket.headers["x-portico-budget-max-tokens"] = str(cap)
 
 
+def _money_left(plan: _Plan, decision: Decision) -> tuple[MoneyLeft, ...]:
+    first = len(plan.buckets.rate_keys) + len(plan.buckets.slot_keys)
+    out = []
+    for b, money in enumerate(plan.money):
+        if money:
+            bucket = plan.described[first + b]
+            period = "daily" if bucket.limit_name.startswith("daily") else "monthly"
+            label = f"{bucket.limit_name} of {bucket.who}"
+            limit = plan.buckets.budget_limits[b]
+            out.append(MoneyLeft(label, bucket.scope, period, limit, decision.budget_used[b]))
+    return tuple(out)
+
+
 def utc_month(epoch_s: float) -> str:
     t = time.gmtime(epoch_s)
     return f"{t.tm_year:04d}-{t.tm_mon:02d}"
@@ -223,6 +237,7 @@ class Admission:
         limiter: Limiter | None = None,
         local_limiter: LocalLimiter | None = None,
         wall_clock: Callable[[], float] = time.time,
+        prices: PriceBook | None = None,
     ) -> None:
         self.settings = settings
         registry = registry if registry is not None else CollectorRegistry()
@@ -244,20 +259,8 @@ class Admission:
             ["scope", "limit"],
             registry=registry,
         )
-        # Tenants' money budgets as their last admission saw them (a dashboard's "% spent"):
-        # tenant scope only, so the label values stay bounded by the number of tenants.
-        self._budget_usd = Gauge(
-            "portico_spend_budget_usd",
-            "A tenant's money budget per period (USD), as of its last admission",
-            ["tenant", "period"],
-            registry=registry,
-        )
-        self._budget_spent_usd = Gauge(
-            "portico_spend_budget_spent_usd",
-            "What a tenant had spent of its money budget this period (USD) at its last admission",
-            ["tenant", "period"],
-            registry=registry,
-        )
+        self._gauges = BudgetGauges(registry)
+        self._prices = prices
 
     @property
     def redis_up(self) -> bool:
@@ -300,13 +303,20 @@ class Admission:
         if outcome is None:  # Redis down, policy "open": admitted without limits
             return Ticket({}, 0, None, None, slot_id)
         decision, limiter = outcome
-        if plan.tenant_money:
-            self._show_budgets(principal.tenant_id, plan, decision)
+        money = _money_left(plan, decision) if plan.has_money else ()
+        self._gauges.show(principal.tenant_id, money)
         headers = self._headers(plan, decision)
         if not decision.allowed:
             self._refuse(plan, decision, costs, headers)
         ticket = Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
         _cap_at_token_budget(ticket, plan, decision, prompt_tokens, max_tokens, num_outputs)
+        if money and self._prices is not None:  # the completion the money left pays for
+            capped = money_cap(money, self._prices.get(model), prompt_tokens, num_outputs)
+            current = ticket.max_tokens if ticket.max_tokens is not None else max_tokens
+            if capped is not None and (current is None or capped[0] < current):
+                ticket.max_tokens = capped[0]
+                ticket.budget_stop = capped[1].label
+                ticket.headers["x-portico-budget-max-tokens"] = str(capped[0])
         return ticket
 
     async def settle(
@@ -344,17 +354,6 @@ class Admission:
         await self._limiter.aclose()
 
     # ----------------------------------------------------------------- internals
-
-    def _show_budgets(self, tenant_id: str, plan: _Plan, decision: Decision) -> None:
-        first = len(plan.buckets.rate_keys) + len(plan.buckets.slot_keys)
-        for b in plan.tenant_money:
-            daily = plan.described[first + b].limit_name.startswith("daily")
-            period = "daily" if daily else "monthly"
-            limit = plan.buckets.budget_limits[b]
-            self._budget_usd.labels(tenant_id, period).set(limit / MICRO_USD)
-            self._budget_spent_usd.labels(tenant_id, period).set(
-                decision.budget_used[b] / MICRO_USD
-            )
 
     async def _finish(self, ticket: Ticket, used: int | None, spend: int = 0) -> None:
         if ticket._done:
@@ -569,7 +568,7 @@ def build_plan(
         ),
         described=tuple(described),
         money=tuple(b[3] for b in budgets),
-        tenant_money=tuple(i for i, b in enumerate(budgets) if b[3] and b[2].scope == "tenant"),
+        has_money=any(b[3] for b in budgets),
         counts_tokens=tuple(r[3] for r in rate),
         min_tokens_per_minute=min(tpms) if tpms else None,
         max_tokens_default=default_cap,

@@ -24,11 +24,15 @@ class BudgetStop:
     cap, the ``[DONE]`` event is preceded by the quota's error event. Not thread-safe."""
 
     def __init__(self, budget: str, max_tokens: int) -> None:
+        # a money budget (admission.py names it daily_/monthly_budget_usd) or the token one
+        daily, money = budget.startswith("daily_"), "budget_usd" in budget
+        renews = "at 00:00 UTC" if daily else "at the start of next month (UTC)"
         message = (
             f"The {budget} is spent: the completion was stopped at {max_tokens} tokens, what "
-            "was left of it. It renews at the start of next month (UTC)."
+            f"was left of it. It renews {renews}."
         )
-        payload = _dumps(error_body(message, "insufficient_quota", None, "insufficient_quota"))
+        code = "budget_exceeded" if money else "insufficient_quota"
+        payload = _dumps(error_body(message, "insufficient_quota", None, code))
         self.event = b"data: " + payload + b"\n\n"
         self.cut = False
 

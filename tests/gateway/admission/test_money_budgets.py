@@ -4,6 +4,7 @@ monthly budgets per tenant and key, checked and charged by the admission script 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -211,3 +212,42 @@ async def test_tenant_budgets_are_gauges_as_of_the_last_admission(
     daily = {"tenant": "acme", "period": "daily"}
     assert registry.get_sample_value("portico_spend_budget_usd", daily) is None
     await adm.aclose()
+
+
+async def test_a_completion_is_capped_at_what_the_money_left_pays_for(
+    store: RedisClient, make_principal: MakePrincipal
+) -> None:
+    """The engine then stops by itself the step the budget runs out (finish_reason length)."""
+    prices = PriceBook(store, {"m": ModelPrice(input=1000, output=2000)})  # 1000 / 2000 µ$
+    adm = Admission(store, AdmissionSettings(), registry=CollectorRegistry(), prices=prices)
+    who = make_principal(budget_usd=0.01)  # 10,000 micro-dollars
+    # 3 prompt tokens cost 3,000: 7,000 left pay for 3 completion tokens of 2,000
+    ticket = await adm.admit(who, "m", 3, 100)
+    assert ticket.max_tokens == 3 and ticket.budget_stop == "monthly_budget_usd of tenant 'acme'"
+    assert ticket.headers["x-portico-budget-max-tokens"] == "3"
+    await adm.release(ticket)
+    ticket = await adm.admit(who, "m", 3, 2)  # asks for less than is left: untouched
+    assert ticket.max_tokens is None and ticket.budget_stop is None
+    await adm.release(ticket)
+    # two completions share what is left; a key's tighter budget wins
+    tight = make_principal(budget_usd=0.01, key_limits=Limits(budget_usd=0.005))
+    ticket = await adm.admit(tight, "m", 1, 100, num_outputs=2)
+    assert ticket.max_tokens == 1 and ticket.budget_stop == (
+        "monthly_budget_usd of key 'key1' of tenant 'acme'"
+    )
+    await adm.release(ticket)
+    assert (await adm.admit(who, "unpriced", 3, 100)).max_tokens is None
+    await adm.aclose()
+
+
+def test_a_stream_cut_by_a_money_budget_ends_with_budget_exceeded() -> None:
+    from gateway.dataplane.budget_stop import BudgetStop
+
+    stop = BudgetStop("daily_budget_usd of key 'k1' of tenant 'acme'", 3)
+    stop.feed(b'data: {"choices":[{"finish_reason":"length"}]}\n\n')
+    end = stop.feed(b"data: [DONE]\n\n")
+    event = json.loads(end.split(b"\n\n")[0].removeprefix(b"data: "))
+    assert event["error"]["code"] == "budget_exceeded"
+    assert event["error"]["type"] == "insufficient_quota"
+    assert "daily_budget_usd of key 'k1'" in event["error"]["message"]
+    assert "00:00 UTC" in event["error"]["message"]

@@ -1,0 +1,78 @@
+"""Money budgets at admission: the gauges they are shown as, and the completion size the
+tightest one still pays for.
+
+The mechanism (check before the request, charge after it, atomically with the token buckets)
+is the limiter's budgets (gateway/admission/limiter.lua); this module only reads what an
+admission saw. All amounts are integer micro-dollars.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from gateway.identity.prices import MICRO, ModelPrice
+
+
+@dataclass(frozen=True, slots=True)
+class MoneyLeft:
+    """One money budget of a request as its admission saw it."""
+
+    label: str  # e.g. "daily_budget_usd of key 'k1' of tenant 'acme'"
+    scope: str  # "tenant" | "key" | "model"
+    period: str  # "daily" | "monthly"
+    limit: int  # micro-dollars per period
+    used: int  # micro-dollars spent this period before the request
+
+    @property
+    def left(self) -> int:
+        return max(0, self.limit - self.used)
+
+
+class BudgetGauges:
+    """Tenants' money budgets as Prometheus gauges, as of each tenant's last admission (a
+    dashboard's "% spent"). Tenant scope only, so label values stay bounded by the tenants."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._limit = Gauge(
+            "portico_spend_budget_usd",
+            "A tenant's money budget per period (USD), as of its last admission",
+            ["tenant", "period"],
+            registry=registry,
+        )
+        self._spent = Gauge(
+            "portico_spend_budget_spent_usd",
+            "What a tenant had spent of its money budget this period (USD) at its last admission",
+            ["tenant", "period"],
+            registry=registry,
+        )
+
+    def show(self, tenant_id: str, budgets: Iterable[MoneyLeft]) -> None:
+        for budget in budgets:
+            if budget.scope == "tenant":
+                self._limit.labels(tenant_id, budget.period).set(budget.limit / MICRO)
+                self._spent.labels(tenant_id, budget.period).set(budget.used / MICRO)
+
+
+def money_cap(
+    budgets: Iterable[MoneyLeft], price: ModelPrice | None, prompt_tokens: int, num_outputs: int
+) -> tuple[int, MoneyLeft] | None:
+    """The most completion tokens per output that the tightest budget still pays for at
+    ``price`` after the prompt (all of it at the input price: which part the cache holds is
+    known only afterwards), at least 1, and that budget; None when output is free or unpriced.
+    """
+    if price is None:
+        return None
+    input_units, _, output_units = price.units
+    if output_units <= 0:
+        return None
+    tightest: tuple[int, MoneyLeft] | None = None
+    for budget in budgets:
+        # micro-dollars x 1e6 over micro-dollars per 1M tokens: tokens, rounded down
+        affordable = budget.left * MICRO - prompt_tokens * input_units
+        cap = max(1, affordable // (output_units * max(1, num_outputs)))
+        if tightest is None or cap < tightest[0]:
+            tightest = (cap, budget)
+    return tightest
