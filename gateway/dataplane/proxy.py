@@ -68,7 +68,7 @@ _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _CONTINUOUS_OPTION = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
 _LAST_USAGE = b',"usage":{'  # the engine's chunks end with their usage (compact JSON)
 _LAST_USAGE_SPACED = b', "usage": {'  # json.dumps' default separators
-_NULL_USAGE = b',"usage":null}'
+_NULL_USAGE_END = b',"usage":null}\n\n'
 
 
 @dataclass(slots=True)
@@ -90,6 +90,19 @@ class Usage:
     # A Responses API stream: the response object of its ``response.completed`` event (the
     # gateway stores it when the client asked to).
     response: dict[str, Any] | None = None
+    # A stream with usage on every chunk: the latest event carrying it and where its usage
+    # starts, parsed once by :meth:`resolve` when the stream ends (not on every chunk).
+    pending: bytes = b""
+    pending_at: int = -1
+
+    def resolve(self) -> None:
+        """Read the latest usage a stream carried (see ``pending``); idempotent."""
+        if self.pending:
+            event, self.pending = self.pending, b""
+            try:
+                self.take(_loads(event[event.index(b"{", self.pending_at) : -1]))
+            except ValueError:
+                log.warning("unreadable usage in a stream chunk: %.200r", event)
 
     def take(self, usage: Any) -> None:
         """Read OpenAI's usage object: chat/completions/embeddings names, or the Responses
@@ -227,12 +240,12 @@ def usage_view(fields: RequestFields, continuous: bool) -> UsageView:
 def _take_usage(block: bytes, usage: Usage, view: UsageView | bool) -> bytes:
     """Read the usage in ``block`` (one or more SSE events); pass the client only the usage
     ``view`` says it asked for (a bool: whether the final usage event is kept)."""
+    if isinstance(view, UsageView) and view.continuous:
+        return _take_continuous_usage(block, usage, view)
     if not any(mark in block for mark in _USAGE_MARKS):
         return block
     if isinstance(view, bool):
         view = UsageView(final=view)
-    if view.continuous:
-        return _take_continuous_usage(block, usage, view)
     keep_usage = view.final
     kept = []
     for event in block.split(b"\n\n"):
@@ -254,33 +267,29 @@ def _take_usage(block: bytes, usage: Usage, view: UsageView | bool) -> bytes:
 
 
 def _take_continuous_usage(block: bytes, usage: Usage, view: UsageView) -> bytes:
-    """A local engine's stream with usage on every chunk: only the usage object at the end
-    of each event is parsed (not the chunk), and it is replaced by ``null`` on the chunks of
-    a client that did not ask for it, exactly what the engine would have sent that client."""
-    kept = []
-    for event in block.split(b"\n\n"):
-        if not event:
-            continue
-        at = event.rfind(_LAST_USAGE)
-        if at < 0:
-            at = event.rfind(_LAST_USAGE_SPACED)
-        if at < 0 or not event.endswith(b"}"):
-            kept.append(event + b"\n\n")
-            continue
-        try:
-            usage.take(_loads(event[event.index(b"{", at) : -1]))
-        except ValueError:
-            kept.append(event + b"\n\n")
-            continue
-        head = event[:at]
-        if head.endswith((b'"choices":[]', b'"choices": []')):  # the final usage-only event
-            if view.final:
-                kept.append(event + b"\n\n")
-        elif view.every_chunk:
-            kept.append(event + b"\n\n")
-        else:
-            kept.append(head + _NULL_USAGE + b"\n\n")
-    return b"".join(kept)
+    """A local engine's stream with usage on every chunk: the usage object ends each event.
+    The latest one is kept for :meth:`Usage.resolve` (one parse per stream, when it ends),
+    and it is replaced by ``null`` on the chunks of a client that did not ask for it, exactly
+    what the engine would have sent that client."""
+    if block.find(b"\n\n") == len(block) - 2:  # one event per read: the common case
+        return _continuous_event(block[:-2], usage, view)
+    return b"".join(_continuous_event(e, usage, view) for e in block.split(b"\n\n") if e)
+
+
+def _continuous_event(event: bytes, usage: Usage, view: UsageView) -> bytes:
+    """One event (without its blank line) as the client gets it, blank line included."""
+    at = event.rfind(_LAST_USAGE)
+    if at < 0:
+        at = event.rfind(_LAST_USAGE_SPACED)
+    if at < 0 or event[-1:] != b"}":
+        return event + b"\n\n"
+    usage.pending, usage.pending_at = event, at
+    if view.every_chunk:
+        return event + b"\n\n"
+    head = event[:at]
+    if head.endswith((b'"choices":[]', b'"choices": []')):  # the final usage-only event
+        return event + b"\n\n" if view.final else b""
+    return head + _NULL_USAGE_END
 
 
 def _take_response_completed(event: bytes, usage: Usage) -> None:
@@ -569,6 +578,7 @@ class LocalUpstream:
             if not closed:
                 closed = True
                 replica.outstanding -= 1
+                usage.resolve()
                 await blocks.aclose()
                 await resp.aclose()
                 if seen is not None and not usage.reported and self.counter is not None:

@@ -26,16 +26,21 @@ def _events(block: bytes) -> list[dict[str, object]]:
 def test_a_client_that_asked_no_usage_sees_null_usage_and_no_usage_event() -> None:
     usage = Usage()
     out = _take_usage(STREAM, usage, UsageView(continuous=True))
+    usage.resolve()  # what closing the stream does: one parse, of the latest usage
     events = _events(out)
     assert [e["usage"] for e in events] == [None, None]
     assert out.endswith(b"data: [DONE]\n\n")
     assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (9, 2, True)
 
 
-def test_usage_so_far_is_known_after_every_chunk() -> None:
+def test_usage_so_far_is_known_after_any_chunk() -> None:
     usage = Usage()
     _take_usage(_chunk("a", 1), usage, UsageView(continuous=True))
+    assert not usage.reported  # nothing parsed per chunk
+    usage.resolve()
     assert (usage.prompt_tokens, usage.completion_tokens) == (9, 1)
+    usage.resolve()  # idempotent
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (9, 1, True)
 
 
 def test_include_usage_keeps_the_final_event_only() -> None:
@@ -69,5 +74,6 @@ def test_usage_written_with_spaces_is_read_too() -> None:
     spaced = STREAM.replace(b'":', b'": ').replace(b'","', b'", "').replace(b',"usage', b', "usage')
     usage = Usage()
     events = _events(_take_usage(spaced, usage, UsageView(continuous=True)))
+    usage.resolve()
     assert [e["usage"] for e in events] == [None, None]
     assert (usage.prompt_tokens, usage.completion_tokens) == (9, 2)
