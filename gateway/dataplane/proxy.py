@@ -234,6 +234,8 @@ def usage_view(fields: RequestFields, continuous: bool) -> UsageView:
     """The client's view of a stream's usage, from its ``stream_options``."""
     options = fields.body.get("stream_options")
     every = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
+    # a Responses stream is not asked for it: its usage is in its last event only
+    continuous = continuous and fields.kind != "responses"
     return UsageView(fields.wants_usage, fields.wants_usage and every, continuous)
 
 
@@ -281,7 +283,7 @@ def _continuous_event(event: bytes, usage: Usage, view: UsageView) -> bytes:
     at = event.rfind(_LAST_USAGE)
     if at < 0:
         at = event.rfind(_LAST_USAGE_SPACED)
-    if at < 0 or event[-1:] != b"}":
+    if at < 0 or event[-1:] != b"}" or not event.startswith(b"data: {"):
         return event + b"\n\n"
     usage.pending, usage.pending_at = event, at
     if view.every_chunk:

@@ -77,3 +77,20 @@ def test_usage_written_with_spaces_is_read_too() -> None:
     usage.resolve()
     assert [e["usage"] for e in events] == [None, None]
     assert (usage.prompt_tokens, usage.completion_tokens) == (9, 2)
+
+
+def test_a_responses_stream_is_read_as_before() -> None:
+    raw = b'{"model": "m", "stream": true, "input": "hi"}'
+    fields = parse_fields(raw, "responses")
+    view = usage_view(fields, True)
+    assert not view.continuous
+    done = (
+        b"event: response.completed\n"
+        b'data: {"type":"response.completed","response":{"id":"r","usage":'
+        b'{"input_tokens":4,"output_tokens":2}}}\n\n'
+    )
+    usage = Usage()
+    assert _take_usage(done, usage, view) == done
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 2)
+    # an event that is not a data line is never rewritten, even on a continuous stream
+    assert _take_usage(done, Usage(), UsageView(continuous=True)) == done
