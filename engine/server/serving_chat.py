@@ -26,6 +26,7 @@ from engine.server.serving_engine import (
     tenant_of,
     usage,
 )
+from engine.server.shared_prefix import SharedPrefix, salt_with_prefix, shared_prefix_of
 from engine.server.tool_calling import (
     NO_TOOLS,
     ToolCallDeltas,
@@ -98,7 +99,9 @@ class ChatServing:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        started = self.start(req, tenant=tenant_of(request.headers))
+        started = self.start(
+            req, tenant=tenant_of(request.headers), shared=shared_prefix_of(request.headers)
+        )
         plan, request_id, num_prompt = started.plan, started.request_id, started.num_prompt_tokens
         outputs = merge(started.submitted)
         if req.stream:
@@ -115,6 +118,7 @@ class ChatServing:
         req: ChatCompletionRequest,
         request_id: str | None = None,
         tenant: TenantTag | None = None,
+        shared: SharedPrefix | None = None,
     ) -> StartedChat:
         """Check, render and queue the request (the Responses API shares this)."""
         serving = self.serving
@@ -127,6 +131,8 @@ class ChatServing:
         prompt = self.prompt_token_ids(req.messages, plan=plan)
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             prompt = prompt[-req.truncate_prompt_tokens :]
+        elif shared is not None:  # the engine's salt for this request: the field's, widened
+            req.cache_salt = self.shared_salt(req, prompt, shared)  # over the shared prefix
         max_tokens = serving.max_tokens_for(req.requested_max_tokens, len(prompt), "messages")
         params = serving.sampling_params(req, max_tokens)
         if plan.schema is not None:
@@ -143,6 +149,18 @@ class ChatServing:
                 param="tools",
             ) from None
         return StartedChat(plan, request_id, len(prompt), submitted)
+
+    def shared_salt(
+        self, req: ChatCompletionRequest, prompt: list[int], shared: SharedPrefix
+    ) -> str | None:
+        """The request's cache salt with the shared prefix its first message starts with
+        (engine/server/shared_prefix.py): that message cut to the prefix, rendered alone."""
+        first = req.messages[0]
+        if not isinstance(first.content, str) or len(first.content) < shared.num_chars:
+            return req.cache_salt
+        cut = first.model_copy(update={"content": first.content[: shared.num_chars]})
+        prefix = self.prompt_token_ids([cut], add_generation_prompt=False)
+        return salt_with_prefix(req.cache_salt, shared, prompt, prefix)
 
     async def collect(
         self,

@@ -20,6 +20,7 @@ from engine.server.serving_engine import (
     tenant_of,
     usage,
 )
+from engine.server.shared_prefix import salt_with_prefix, shared_prefix_of
 from portico.errors import InvalidRequestError
 
 
@@ -69,6 +70,17 @@ class CompletionServing:
         tenant = tenant_of(request.headers)
         serving.check_request(req)
         prompts = self.prompts(req)
+        shared = shared_prefix_of(request.headers)
+        if (
+            shared is not None
+            and isinstance(req.prompt, str)
+            and req.truncate_prompt_tokens is None
+        ):
+            # the engine's salt for this request: the field's, widened over the shared prefix
+            prefix = self.serving.tokenizer.encode(
+                req.prompt[: shared.num_chars], add_special_tokens=True
+            )
+            req.cache_salt = salt_with_prefix(req.cache_salt, shared, prompts[0].token_ids, prefix)
         jobs = []
         for prompt in prompts:
             max_tokens = serving.max_tokens_for(

@@ -45,7 +45,8 @@ class RequestFields:
     # never receives it raw.
     cache_salt: str | None = None
     # (plan salt, number of characters): the request starts with one of its plan's shared
-    # prefixes (:func:`match_shared_prefix`); set by the request path for local engines
+    # prefixes (:func:`match_shared_prefix`); set by the request path, told to local engines
+    # in a header (gateway/dataplane/proxy.py SHARED_PREFIX_HEADER)
     shared_prefix: tuple[str, int] | None = None
 
     @property

@@ -68,6 +68,9 @@ _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _CONTINUOUS_OPTION = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
 _LAST_USAGE = b',"usage":{'  # the engine's chunks end with their usage (compact JSON)
 _LAST_USAGE_SPACED = b', "usage": {'  # json.dumps' default separators
+# the request starts with a shared prefix of its plan (gateway/identity/cache_salts.py):
+# "<characters>;<salt>", read by engine/server/shared_prefix.py
+SHARED_PREFIX_HEADER = "x-portico-cache-shared-prefix"
 _NULL_USAGE_END = b',"usage":null}\n\n'
 
 
@@ -168,19 +171,13 @@ def upstream_body(
 
     ``local_engine``: every chunk of a stream carries the usage so far (vLLM's
     ``continuous_usage_stats``), so a stream cut short is charged what it generated (the relay
-    gives the client only the usage it asked for, :func:`_take_usage`); and a request that
-    starts with a shared prefix of its plan (``fields.shared_prefix``) says so in
-    ``cache_shared_prefix`` (gateway/identity/cache_salts.py)."""
+    gives the client only the usage it asked for, :func:`_take_usage`)."""
     body = fields.body
     # A Responses stream reports usage in its last event; it has no stream_options to set.
     usage_option = fields.stream and fields.kind != "responses"
-    shared = None
-    if local_engine and cache_salt is not None and fields.shared_prefix is not None:
-        shared = {"salt": fields.shared_prefix[0], "chars": fields.shared_prefix[1]}
     if (
         model == fields.model
         and "cache_salt" not in body
-        and "cache_shared_prefix" not in body
         and "stream_options" not in body
         and not fields.edited
         and (max_tokens is None or fields.max_tokens is None)  # no client cap to lower
@@ -190,8 +187,6 @@ def upstream_body(
             extra.append(b'"%s":%d' % (fields.max_tokens_field.encode(), max_tokens))
         if cache_salt is not None:
             extra.append(b'"cache_salt":' + _dumps(cache_salt))
-        if shared is not None:
-            extra.append(b'"cache_shared_prefix":' + _dumps(shared))
         if usage_option:
             extra.append(_CONTINUOUS_OPTION if local_engine else _USAGE_OPTION)
         if not extra:
@@ -203,9 +198,6 @@ def upstream_body(
     edited.pop("cache_salt", None)  # a client's salt only narrows its tenant's, never replaces
     if cache_salt is not None:
         edited["cache_salt"] = narrowed_salt(cache_salt, fields.cache_salt)
-    edited.pop("cache_shared_prefix", None)  # the gateway's to declare, never a client's
-    if shared is not None:
-        edited["cache_shared_prefix"] = shared
     if max_tokens is not None:
         edited.pop("max_completion_tokens", None)  # it would win over max_tokens
         edited[fields.max_tokens_field] = max_tokens
@@ -442,6 +434,9 @@ class LocalUpstream:
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
         headers = self.request_headers(request_id, credential, principal)
+        if principal is not None and fields.shared_prefix is not None:  # local engines only
+            salt, num_chars = fields.shared_prefix
+            headers[SHARED_PREFIX_HEADER] = f"{num_chars};{salt}"
         url = self.request_url(path)
         tried: tuple[Replica, ...] = ()
         waited = 0.0

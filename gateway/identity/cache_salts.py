@@ -9,9 +9,10 @@ the engine gets the tenant's salt joined with a hash of the client's, never the 
 alone, so no client salt can reach another tenant's blocks.
 
 A plan may declare shared prefixes (a company-wide system prompt): a request that starts with
-one tells the engine so (``cache_shared_prefix``: the plan's salt and the prefix's length in
-characters); the engine hashes that prefix's full blocks under the plan's salt and the rest of
-the request under the tenant's, so the plan's tenants share exactly the declared text.
+one tells the local engine so, in the header ``x-portico-cache-shared-prefix:
+<characters>;<salt>`` the gateway builds like its other engine-hop headers. The engine hashes
+that prefix's full blocks under the plan's salt and the rest of the request under the
+tenant's, so the plan's tenants share exactly the declared text.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.dataplane.fields import match_shared_prefix, parse_fields
 from gateway.dataplane.proxy import upstream_body
-from gateway.identity.cache_salts import narrowed_salt, shared_prefix_salt
+from gateway.identity.cache_salts import narrowed_salt
 from portico.errors import InvalidRequestError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -95,27 +95,3 @@ def test_the_longest_declared_prefix_the_request_starts_with_is_matched() -> Non
         "chat",
     )
     assert match_shared_prefix(parts, prefixes) == 0  # only plain text content is matched
-
-
-def test_a_shared_prefix_is_declared_to_local_engines_only() -> None:
-    raw = _raw({"model": "m", "prompt": PREFIX + " Hi"})
-    fields = parse_fields(raw, "completion")
-    fields.shared_prefix = (shared_prefix_salt("corp"), len(PREFIX))
-    body = json.loads(upstream_body(raw, fields, "m", "tenant-a", local_engine=True))
-    assert body["cache_shared_prefix"] == {"salt": "shared-prefix:corp", "chars": len(PREFIX)}
-    assert body["cache_salt"] == "tenant-a"
-    # a remote provider (not our cache) or no salt: no declaration
-    assert "cache_shared_prefix" not in json.loads(upstream_body(raw, fields, "m", "tenant-a"))
-    assert "cache_shared_prefix" not in json.loads(
-        upstream_body(raw, fields, "m", None, local_engine=True)
-    )
-
-
-def test_a_client_never_declares_a_shared_prefix_itself() -> None:
-    raw = _raw(
-        {"model": "m", "prompt": "x", "cache_shared_prefix": {"salt": "shared:p", "chars": 1}}
-    )
-    fields = parse_fields(raw, "completion")
-    for salt in ("tenant-a", None):
-        body = json.loads(upstream_body(raw, fields, "m", salt, local_engine=True))
-        assert "cache_shared_prefix" not in body
