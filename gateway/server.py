@@ -20,9 +20,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import Gateway
 from gateway.config import GatewayConfig
 from gateway.http_protocol import LimitedHeadersProtocol
+from gateway.request_path import Gateway
 from gateway.tls import Tls12Config
 
 log = logging.getLogger("portico.gateway.server")

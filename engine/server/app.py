@@ -26,20 +26,21 @@ from engine.server.engine_requests import ClientDisconnected
 from engine.server.lora_routes import add_lora_routes, runtime_updates_allowed
 from engine.server.metrics import ServerMetrics
 from engine.server.openapi import openapi_document
-from engine.server.protocol import (
+from engine.server.protocol import parse_body
+from engine.server.protocol_chat import (
     CHAT_UNSUPPORTED,
-    COMPLETION_UNSUPPORTED,
-    RESPONSES_UNSUPPORTED,
     VLLM_CHAT_UNSUPPORTED,
-    VLLM_COMPLETION_UNSUPPORTED,
     ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
-    EmbeddingRequest,
-    ResponsesRequest,
     TokenizeRequest,
-    parse_body,
 )
+from engine.server.protocol_completions import (
+    COMPLETION_UNSUPPORTED,
+    VLLM_COMPLETION_UNSUPPORTED,
+    CompletionRequest,
+    EmbeddingRequest,
+)
+from engine.server.protocol_responses import RESPONSES_UNSUPPORTED, ResponsesRequest
 from engine.server.serving_chat import ChatServing
 from engine.server.serving_completions import CompletionServing
 from engine.server.serving_embeddings import EmbeddingServing

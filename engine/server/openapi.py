@@ -11,14 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    ResponsesRequest,
-    TokenizeRequest,
-)
+from engine.server.protocol_chat import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from engine.server.protocol_completions import CompletionRequest, EmbeddingRequest
+from engine.server.protocol_responses import ResponsesRequest
 from portico.errors import ERROR_SCHEMA_DOC
 
 ERROR_SCHEMA = ERROR_SCHEMA_DOC

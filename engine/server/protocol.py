@@ -1,10 +1,14 @@
-"""The OpenAI request bodies the engine server accepts, validated once at the edge.
+"""The OpenAI request bodies the engine server accepts, validated once at the edge: the shared
+part. Each endpoint's bodies live beside it (:mod:`engine.server.protocol_chat`,
+:mod:`engine.server.protocol_completions`, :mod:`engine.server.protocol_responses`); this module
+holds what they share: the strict base model, the sampling fields of chat and completions, the
+harmless-value tables' helper and vLLM's common unsupported fields, and the parser.
 
 Every body is a strict pydantic model with ``extra="forbid"``: an unknown field is a 400 that
 names it, as OpenAI's API answers. Fields that OpenAI defines but this engine cannot honour yet
-(audio, the legacy ``functions``, ...) are listed in
-:data:`CHAT_UNSUPPORTED` / :data:`COMPLETION_UNSUPPORTED` with the values that are harmless
-(``None``, ``"none"``, ``[]``): any other value is a 400 naming the field, never a silent ignore.
+(audio, the legacy ``functions``, ...) are listed in each endpoint's ``*_UNSUPPORTED`` table with
+the values that are harmless (``None``, ``"none"``, ``[]``): any other value is a 400 naming the
+field, never a silent ignore.
 
 :func:`parse_body` is the one entry: raw bytes in, a typed request out, or an
 :class:`~portico.errors.InvalidRequestError` whose message names the first bad parameter.
@@ -14,32 +18,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.server.structured_fields import (
-    JsonSchemaFormat,
-    ResponseFormat,
-    StructuredOutputsField,
-)
+from engine.server.structured_fields import ResponseFormat, StructuredOutputsField
 from portico.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 32
 MAX_LOGPROBS = 20
-MAX_PROMPTS = 64
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class StrictModel(BaseModel):
@@ -55,107 +47,6 @@ class StreamOptions(StrictModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-
-class TextPart(StrictModel):
-    """A text content part of a chat message (the only part type this engine reads)."""
-
-    type: Literal["text"]
-    text: str
-
-
-class FunctionDefinition(StrictModel):
-    """A function the model may call: OpenAI's ``tools[].function``."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-
-class ToolDefinition(StrictModel):
-    """One entry of ``tools``: only ``function`` tools exist in the chat API."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(StrictModel):
-    name: str
-
-
-class NamedToolChoice(StrictModel):
-    """``tool_choice`` naming one function the model must call."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-class FunctionCall(StrictModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(StrictModel):
-    """A tool call of a replayed assistant message."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(StrictModel):
-    """One chat turn. ``developer`` is OpenAI's newer name for ``system`` and is treated so.
-
-    An assistant turn may carry ``tool_calls`` (its content may then be null); a ``tool`` turn is
-    the result of one call and names it with ``tool_call_id``.
-    """
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    refusal: str | None = None  # in replayed assistant turns; history, not instructions
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_mean_absent(cls, value: Any) -> Any:
-        # Clients replay a response's message object, which carries refusal/audio/... = null.
-        if isinstance(value, dict):
-            return {k: v for k, v in value.items() if v is not None}
-        return value
-
-    @model_validator(mode="after")
-    def _tool_fields_fit_the_role(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages may carry tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _only_text_parts(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(
-                        f"content part type {kind!r} is not supported by this engine "
-                        "(only 'text' parts are)"
-                    )
-        return value
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class SamplingFields(StrictModel):
@@ -236,290 +127,26 @@ class SamplingFields(StrictModel):
         )
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-    # known to OpenAI, refused unless harmless (see CHAT_UNSUPPORTED)
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-    store: Any = None
-    service_tier: Any = None
-    verbosity: Any = None
-    # vLLM's chat-only extras this engine does not implement (VLLM_CHAT_UNSUPPORTED)
-    best_of: Any = None
-    echo: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
-    documents: Any = None
-    chat_template: Any = None
-    chat_template_kwargs: Any = None
-    mm_processor_kwargs: Any = None
-    include_reasoning: Any = None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
-
-    @property
-    def num_logprobs(self) -> int | None:
-        if not self.logprobs:
-            return None
-        return self.top_logprobs or 0
-
-
-TokenIds = Annotated[list[int], Field(min_length=1)]
-
-
-class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: a prompt as a string, a list of strings, or token ids."""
-
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # known to OpenAI, refused unless harmless (see COMPLETION_UNSUPPORTED)
-    suffix: Any = None
-    best_of: Any = None
-    prompt_embeds: Any = None  # vLLM's; see VLLM_UNSUPPORTED
-
-    @field_validator("prompt")
-    @classmethod
-    def _bounded_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("the prompt must not be empty")
-            if isinstance(value[0], (str, list)) and len(value) > MAX_PROMPTS:
-                raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request")
-        return value
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def num_prompt_logprobs(self) -> int | None:
-        """vLLM's ``prompt_logprobs``; with ``echo``, ``logprobs`` covers the prompt too."""
-        if self.echo and self.logprobs is not None:
-            return max(self.logprobs, self.prompt_logprobs or 0)
-        return self.prompt_logprobs
-
-
-class EmbeddingRequest(StrictModel):
-    """``POST /v1/embeddings``: one string, strings, token ids or lists of token ids."""
-
-    model: str
-    input: str | list[str] | TokenIds | list[TokenIds]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
-    # vLLM's extras
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    add_special_tokens: bool = True
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
-    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-
-    @field_validator("input")
-    @classmethod
-    def _bounded_input(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("the input must not be empty")
-            if isinstance(value[0], (str, list)) and len(value) > MAX_EMBEDDING_INPUTS:
-                raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs are allowed")
-        return value
-
-
-class ResponseFunctionTool(StrictModel):
-    """A function tool of the Responses API (flat: no ``function`` wrapper)."""
-
-    type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponseNamedToolChoice(StrictModel):
-    type: Literal["function"]
-    name: str
-
-
-class ResponseTextFormat(StrictModel):
-    """``text.format``: plain text, any JSON object, or a named JSON schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(default=None, min_length=1, max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _schema_needs_a_name(self) -> ResponseTextFormat:
-        if self.type == "json_schema" and (self.name is None or self.json_schema is None):
-            raise ValueError("a json_schema format needs a name and a schema")
-        return self
-
-    def response_format(self) -> ResponseFormat:
-        if self.type != "json_schema":
-            return ResponseFormat(type=self.type)
-        inner = JsonSchemaFormat.model_validate(
-            {"name": self.name, "description": self.description, "schema": self.json_schema,
-             "strict": self.strict}
-        )  # fmt: skip
-        return ResponseFormat(type="json_schema", json_schema=inner)
-
-
-class ResponseText(StrictModel):
-    format: ResponseTextFormat | None = None
-    verbosity: Any = None
-
-
-class ResponsesRequest(StrictModel):
-    """``POST /v1/responses`` (OpenAI's Responses API), rendered onto a chat request.
-
-    ``input`` items are checked by :mod:`engine.server.serving_responses` (it names the bad
-    item); ``store`` and ``previous_response_id`` are the gateway's (it keeps responses per
-    tenant in Redis and sends the engine the whole conversation).
-    """
-
-    model: str
-    input: str | list[dict[str, Any]] = Field(min_length=1)
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    tools: list[ResponseFunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    text: ResponseText | None = None
-    stream: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
-    # Portico's: the gateway expanded previous_response_id, so ``input`` holds the earlier turns
-    previous_input_included: bool = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    truncation: Literal["disabled", "auto"] = "disabled"
-    include: list[str] | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    service_tier: Literal["auto", "default"] | None = None
-    # vLLM's extras
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    top_k: int | None = Field(default=None, ge=-1)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
-    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    # OpenAI's, refused unless harmless (RESPONSES_UNSUPPORTED)
-    reasoning: Any = None
-    background: Any = None
-    top_logprobs: Any = None
-    max_tool_calls: Any = None
-    prompt: Any = None
-    conversation: Any = None
-    stream_options: Any = None
-
-
-class TokenizeRequest(StrictModel):
-    """``POST /tokenize``: text (``prompt``) or chat ``messages``, as vLLM's endpoint takes."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(StrictModel):
-    """``POST /detokenize``: token ids back to text."""
-
-    model: str | None = None
-    tokens: list[int]
-
-
-def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+def none_or(*allowed: Any) -> Callable[[Any], bool]:
+    """A harmless-value predicate: ``None`` or one of ``allowed`` asks for nothing unsupported."""
     return lambda value: value is None or value in allowed
 
-
-# field -> predicate "this value asks for nothing the engine cannot do"
-CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "functions": _none_or([]),
-    "function_call": _none_or("none"),
-    "audio": _none_or(),
-    "modalities": _none_or(["text"]),
-    "prediction": _none_or(),
-    "reasoning_effort": _none_or(),
-    "web_search_options": _none_or(),
-    "store": _none_or(False),
-    "service_tier": _none_or("auto", "default"),
-    "verbosity": _none_or(),
-}
-COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "suffix": _none_or(""),
-    "best_of": _none_or(1),
-}
 
 # Fields vLLM's OpenAI server accepts that this engine does not implement. A client that sends
 # the value meaning "off" (vLLM's default) is served; any other value is a 400 that says the
 # field is not supported, so a vLLM client learns why instead of reading "unrecognized".
 VLLM_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _none_or(False),
-    "length_penalty": _none_or(1, 1.0),
-    "spaces_between_special_tokens": _none_or(True),
-    "allowed_token_ids": _none_or(),
-    "bad_words": _none_or([]),
-    "logits_processors": _none_or(),
-    "return_tokens_as_token_ids": _none_or(False),
-    "return_token_ids": _none_or(False),
-    "request_id": _none_or(),
-    "kv_transfer_params": _none_or(),
-    "vllm_xargs": _none_or(),
-}
-VLLM_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **VLLM_UNSUPPORTED,
-    "prompt_logprobs": _none_or(),  # completions only (with echo, OpenAI's own way too)
-    "best_of": _none_or(1),
-    "echo": _none_or(False),
-    "add_generation_prompt": _none_or(True),
-    "continue_final_message": _none_or(False),
-    "add_special_tokens": _none_or(False),  # the chat template adds them
-    "documents": _none_or(),
-    "chat_template": _none_or(),
-    "chat_template_kwargs": _none_or({}),
-    "mm_processor_kwargs": _none_or({}),
-    "include_reasoning": _none_or(True, False),  # no reasoning parser: nothing to include
-}
-RESPONSES_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "reasoning": _none_or({}),
-    "background": _none_or(False),
-    "top_logprobs": _none_or(0),
-    "max_tool_calls": _none_or(),
-    "prompt": _none_or(),
-    "conversation": _none_or(),
-    "stream_options": _none_or({}, {"include_usage": True}, {"include_obfuscation": False}),
-}
-VLLM_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **VLLM_UNSUPPORTED,
-    "add_special_tokens": _none_or(True),
-    "prompt_embeds": _none_or(),
+    "use_beam_search": none_or(False),
+    "length_penalty": none_or(1, 1.0),
+    "spaces_between_special_tokens": none_or(True),
+    "allowed_token_ids": none_or(),
+    "bad_words": none_or([]),
+    "logits_processors": none_or(),
+    "return_tokens_as_token_ids": none_or(False),
+    "return_token_ids": none_or(False),
+    "request_id": none_or(),
+    "kv_transfer_params": none_or(),
+    "vllm_xargs": none_or(),
 }
 
 RequestT = TypeVar("RequestT", bound=StrictModel)

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from engine.pooling_params import PoolerConfig
 from engine.sampling_params import SamplingParams
 from engine.server.engine_requests import merge, unless_disconnected
-from engine.server.protocol import EmbeddingRequest
+from engine.server.protocol_completions import EmbeddingRequest
 from engine.server.serving_engine import OpenAIServing, random_id, tenant_of
 from portico.errors import InvalidRequestError
 

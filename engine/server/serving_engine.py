@@ -20,7 +20,8 @@ from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.engine_requests import EngineRequest
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.protocol_chat import ChatCompletionRequest
+from engine.server.protocol_completions import CompletionRequest
 from engine.server.structured_fields import structured_outputs_for
 from engine.tenancy import TenantTag, tenant_from_headers
 from portico.errors import (
@@ -190,6 +191,27 @@ class OpenAIServing:
             raise InvalidRequestError(str(exc), param=getattr(exc, "param", None)) from None
 
     # ------------------------------------------------------------------ generation
+
+    async def compile_constraints(
+        self,
+        prompts: list[tuple[list[int], SamplingParams]],
+        param: str,
+        tenant: TenantTag | None = None,
+    ) -> None:
+        """Wait until the grammars of ``prompts`` are compiled (in the engine's compile pool,
+        as ``tenant``'s compiles, then cached), so that a constraint the grammar library
+        refuses, or whose compile runs past its budget, is a 400 naming ``param`` before
+        anything is queued or sent. The event loop is never blocked meanwhile."""
+        specs = {p.structured_outputs.cache_key: p.structured_outputs for _, p in prompts
+                 if p.structured_outputs is not None}  # fmt: skip
+        name = "default" if tenant is None else tenant.name
+        structured = self.engine.engine.structured
+        for spec in specs.values():
+            try:
+                structured.check(spec, param)  # the limits first (a tool's schema is new here)
+                await structured.prepare(spec, param, name)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=getattr(exc, "param", param)) from None
 
     def submit_all(
         self,

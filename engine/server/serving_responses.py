@@ -27,11 +27,9 @@ from starlette.responses import JSONResponse, Response
 
 from engine.outputs import CompletionOutput
 from engine.server.engine_requests import EngineStreamingResponse, merge, unless_disconnected
-from engine.server.protocol import (
-    ChatCompletionRequest,
-    ResponsesRequest,
-    describe_validation_error,
-)
+from engine.server.protocol import describe_validation_error
+from engine.server.protocol_chat import ChatCompletionRequest
+from engine.server.protocol_responses import ResponsesRequest
 from engine.server.serving_chat import ChatServing, StartedChat
 from engine.server.serving_engine import tenant_of
 from engine.server.tool_calling import ToolCallDeltas, new_call_id
@@ -178,7 +176,9 @@ class ResponsesServing:
                 param="previous_response_id",
                 code="unsupported_parameter",
             )
-        started = self.chat.start(chat_request(req), new_id("resp"), tenant_of(request.headers))
+        started = await self.chat.start(
+            chat_request(req), new_id("resp"), tenant_of(request.headers)
+        )
         if req.stream:
             return EngineStreamingResponse(self.stream(req, started), started.submitted)
         body = await unless_disconnected(self.collect(req, started), request)

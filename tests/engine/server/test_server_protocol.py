@@ -9,13 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.server import sse
 from engine.server.metrics import ServerMetrics, token_buckets
-from engine.server.protocol import (
-    CHAT_UNSUPPORTED,
-    COMPLETION_UNSUPPORTED,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-)
+from engine.server.protocol import parse_body
+from engine.server.protocol_chat import CHAT_UNSUPPORTED, ChatCompletionRequest
+from engine.server.protocol_completions import COMPLETION_UNSUPPORTED, CompletionRequest
 from engine.stats import EngineStats
 from portico.errors import InvalidRequestError, ServiceUnavailableError
 

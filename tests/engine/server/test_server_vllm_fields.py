@@ -15,7 +15,8 @@ import httpx
 import pytest
 from engine_server_process import MODEL_NAME, EngineProcess
 
-from engine.server.protocol import VLLM_CHAT_UNSUPPORTED, VLLM_COMPLETION_UNSUPPORTED
+from engine.server.protocol_chat import VLLM_CHAT_UNSUPPORTED
+from engine.server.protocol_completions import VLLM_COMPLETION_UNSUPPORTED
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4}

@@ -9,7 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from engine.server.protocol import CHAT_UNSUPPORTED, ChatCompletionRequest, parse_body
+from engine.server.protocol import parse_body
+from engine.server.protocol_chat import CHAT_UNSUPPORTED, ChatCompletionRequest
 from engine.server.tool_calling import (
     plan_tools,
     render_messages,
