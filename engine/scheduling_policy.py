@@ -60,7 +60,8 @@ class SchedulingPolicy:
         self._waiting: dict[str, tuple[int, Request]] = {}  # request id -> (ticket, request)
         self._keys: dict[str, OrderKey] = {}  # fixed at add; also orders the running list
         self._wait_since: dict[str, float] = {}
-        self._by_age: list[tuple[float, int, Request]] = []  # (wait since, ticket, request)
+        # (wait since, key, ticket, request): overdue requests go oldest first, ties in order
+        self._by_age: list[tuple[float, OrderKey, int, Request]] = []
         self._held: list[Request] = []
         self._held_tenants: set[str] = set()
         self.num_waiting_by_tenant: dict[str, int] = {}
@@ -106,7 +107,7 @@ class SchedulingPolicy:
         flow.num_live += 1
         self.num_waiting_by_tenant[tenant] = self.num_waiting_by_tenant.get(tenant, 0) + 1
         if self.max_wait_s is not None:
-            heapq.heappush(self._by_age, (wait_since, self._ticket, request))
+            heapq.heappush(self._by_age, (wait_since, self._keys[rid], self._ticket, request))
 
     def on_backlogged(self, tenant: TenantTag) -> None:
         """A tenant with no waiting request gets one (fair lifts its counter here)."""
@@ -137,11 +138,11 @@ class SchedulingPolicy:
         if self.max_wait_s is None:
             return None
         by_age = self._by_age
-        while by_age and not self._is_live(by_age[0][1], by_age[0][2]):
+        while by_age and not self._is_live(by_age[0][2], by_age[0][3]):
             heapq.heappop(by_age)
         if not by_age or self.clock() - by_age[0][0] < self.max_wait_s:
             return None
-        request = by_age[0][2]
+        request = by_age[0][3]
         return None if request.tenant.name in self._held_tenants else request
 
     def pop(self, request: Request) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.request import Request
 from engine.sampling_params import ParameterError, SamplingParams
@@ -281,3 +283,101 @@ def test_bad_header_values_raise_naming_the_header(header: str, value: str) -> N
     with pytest.raises(ParameterError) as info:
         tenant_from_headers({header: value})
     assert info.value.param == header
+
+
+# -- properties ----------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    policy_name=st.sampled_from(["fcfs", "priority", "fair"]),
+    max_wait_s=st.sampled_from([math.inf, 4.0]),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "admit", "hold", "hold_tenant", "release", "abort", "tick"]),
+            st.integers(0, 3),  # tenant
+            st.integers(0, 2),  # priority
+            st.booleans(),  # batch class
+        ),
+        max_size=80,
+    ),
+)
+def test_peek_is_always_the_brute_force_minimum(
+    policy_name: str, max_wait_s: float, ops: list[tuple[str, int, int, bool]]
+) -> None:
+    """Whatever the sequence of operations, peek() returns what a scan of every waiting,
+    not-held request by the policy's rule would return, and the counts stay exact."""
+    clock = FakeClock()
+    policy = make_policy(policy_name, clock, max_wait_s)
+    if policy_name != "fair":
+        max_wait_s = math.inf  # the wait bound is fair's only
+    waiting: dict[str, Request] = {}
+    entered: dict[str, float] = {}
+    held: set[str] = set()
+    held_tenants: set[str] = set()
+    for i, (op, t, priority, batch) in enumerate(ops):
+        if op == "add":
+            tag = TenantTag(
+                f"t{t}", weight=1.0 + t, priority_class="batch" if batch else "interactive"
+            )
+            r = req(f"r{i}", tag, arrival=clock.now, priority=priority)
+            policy.add(r)
+            waiting[r.request_id], entered[r.request_id] = r, clock.now
+        elif op == "tick":
+            clock.now += 1.0
+        elif op == "release":
+            policy.release_holds()
+            held.clear()
+            held_tenants.clear()
+        elif op == "hold_tenant":
+            policy.hold_tenant(f"t{t}")
+            held_tenants.add(f"t{t}")
+        elif op == "abort" and waiting:
+            victim = sorted(waiting)[t % len(waiting)]
+            if victim not in held:
+                policy.forget(waiting.pop(victim))
+        else:  # admit or hold the head, as the scheduler does
+            head = policy.peek()
+            if head is None:
+                continue
+            if op == "hold":
+                policy.hold(head)
+                held.add(head.request_id)
+            else:
+                policy.pop(head)
+                policy.charge(head, 5 + priority)
+                del waiting[head.request_id]
+        candidates = [
+            r for rid, r in waiting.items() if rid not in held and r.tenant.name not in held_tenants
+        ]
+        expected = None
+        if candidates:
+            overdue = [
+                r
+                for r in waiting.values()
+                if r.request_id not in held and clock.now - entered[r.request_id] >= max_wait_s
+            ]
+            first = min(
+                overdue, key=lambda r: (entered[r.request_id], policy.key_of(r)), default=None
+            )
+            if first is not None and first.tenant.name not in held_tenants:
+                expected = first
+            elif policy_name == "fair":
+                counters = policy.counters  # type: ignore[attr-defined]
+                expected = min(
+                    candidates,
+                    key=lambda r: (
+                        policy.key_of(r)[0],
+                        counters.get(r.tenant.name, 0.0),
+                        *policy.key_of(r)[1:],
+                    ),
+                )
+            else:
+                expected = min(candidates, key=policy.key_of)
+        assert policy.peek() is expected
+        assert len(policy) == len(waiting)
+        by_tenant: dict[str, int] = {}
+        for rid, r in waiting.items():
+            if rid not in held:
+                by_tenant[r.tenant.name] = by_tenant.get(r.tenant.name, 0) + 1
+        assert policy.num_waiting_by_tenant == by_tenant
