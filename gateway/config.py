@@ -94,6 +94,18 @@ class EngineSpec(_Strict):
         return self
 
 
+class EngineDefaults(_Strict):
+    """What every supervised ``portico engine`` is started with (not a custom ``command``).
+
+    ``scheduling``: the engines' waiting-queue policy, ``--scheduling-policy``: ``fair``
+    (tenants share by their plans' weights), ``fcfs`` (arrival order) or ``priority`` (the
+    request's ``priority`` field, then arrival). A ``--scheduling-policy`` in an engine's own
+    ``args`` wins.
+    """
+
+    scheduling: Literal["fair", "fcfs", "priority"] = "fair"
+
+
 class SupervisorConfig(_Strict):
     """Restart backoff of crashed engines."""
 
@@ -115,6 +127,7 @@ class GatewayConfig(_Strict):
     audit: AuditSettings = Field(default_factory=AuditSettings)
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     engines: list[EngineSpec] = Field(default_factory=lambda: [EngineSpec()])
+    engine: EngineDefaults = Field(default_factory=EngineDefaults)
     remotes: list[RemoteSpec] = []
     # model name -> USD per 1M tokens {input, cached_input, output}, local and remote alike;
     # the admin API's prices (PUT /admin/v1/prices/{model}) override these; unpriced: free

@@ -189,6 +189,7 @@ class _LocalEngines:
         self.upstreams: dict[str, LocalUpstream] = {}
         self.discoveries: list[DNSDiscovery] = []
         self._metrics = metrics
+        self._scheduling = config.engine.scheduling
         timeout = httpx.Timeout(retry.read_timeout_s, connect=retry.connect_timeout_s)
         for spec in config.engines:
             replicas = [
@@ -219,7 +220,7 @@ class _LocalEngines:
         self.processes.append(
             EngineProcess(
                 name,
-                _engine_command(spec, name, uds),
+                _engine_command(spec, name, uds, self._scheduling),
                 replica,
                 socket_path=uds,
                 env=dict(spec.env),
@@ -257,9 +258,12 @@ def _tcp_replica(name: str, host: str, port: int, *, timeout: httpx.Timeout) -> 
     return Replica(name, client, transport, timeout.as_dict())
 
 
-def _engine_command(spec: EngineSpec, name: str, uds: Path) -> list[str]:
+def _engine_command(spec: EngineSpec, name: str, uds: Path, scheduling: str) -> list[str]:
+    """A replica's command line; ours gets ``engine.scheduling`` as ``--scheduling-policy``
+    before the spec's own args (argparse keeps the last, so an engine's own flag wins)."""
     if spec.command is None:
-        return engine_argv(spec.model, spec.name, uds, list(spec.args))
+        extra = ["--scheduling-policy", scheduling, *spec.args]
+        return engine_argv(spec.model, spec.name, uds, extra)
     values = {"uds": str(uds), "model": spec.model, "name": spec.name, "replica": name}
     return [part.format(**values) for part in spec.command] + list(spec.args)
 

@@ -239,7 +239,13 @@ class Gateway:
                     )
                     payload = upstream_body(raw, fields, decision.model, salt, send_max)
                     exchange: Exchange = await upstream.exchange(
-                        path, payload, fields, ctx.request_id, decision.prefix_key, avoid
+                        path,
+                        payload,
+                        fields,
+                        ctx.request_id,
+                        decision.prefix_key,
+                        avoid,
+                        principal=principal,  # the engine hop names the tenant
                     )
                 else:
                     exchange, decision = await self.forward(
@@ -305,7 +311,8 @@ class Gateway:
             payload = upstream.payload(
                 raw, fields, decision.model, principal.cache_salt, max_tokens
             )
-            args = (path, payload, fields, ctx.request_id, decision.prefix_key, (), credential)
+            prefix = decision.prefix_key
+            args = (path, payload, fields, ctx.request_id, prefix, (), credential, principal)
             started = time.monotonic()
             try:
                 if decision.fallbacks and decision.latency_budget_s is not None:
