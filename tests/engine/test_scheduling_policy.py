@@ -7,12 +7,14 @@ test_scheduler_fairness.py; these tests pin the rules those results rest on.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduling_policy import FairPolicy, PriorityPolicy, SchedulingPolicy, make_policy
@@ -381,3 +383,19 @@ def test_peek_is_always_the_brute_force_minimum(
             if rid not in held:
                 by_tenant[r.tenant.name] = by_tenant.get(r.tenant.name, 0) + 1
         assert policy.num_waiting_by_tenant == by_tenant
+
+
+def test_the_engine_flags_choose_the_policy_and_its_wait_bound() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    default = EngineConfig.from_cli_args(parser.parse_args([]))
+    assert (default.scheduling_policy, default.fair_max_wait_s) == ("fair", 30.0)
+    args = parser.parse_args(["--scheduling-policy", "priority", "--fair-max-wait-s", "5"])
+    config = EngineConfig.from_cli_args(args)
+    assert (config.scheduling_policy, config.fair_max_wait_s) == ("priority", 5.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--scheduling-policy", "lottery"])
+    with pytest.raises(ValueError, match="--scheduling-policy"):
+        EngineConfig(scheduling_policy="lottery")
+    with pytest.raises(ValueError, match="--fair-max-wait-s"):
+        EngineConfig(fair_max_wait_s=-1.0)
