@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.pooling_params import TASKS, load_pooler_config
 from engine.spec_decode.config import SpeculativeConfig
+from engine.structured_output.limits import LIMIT_HELP, ConstraintLimits, limit_flag
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -101,6 +102,19 @@ class EngineConfig:
     # Speculative decoding: vLLM's JSON ({"method": "ngram", ...} or {"model": ..., ...}),
     # its dict, or the parsed SpeculativeConfig; None: off. Parsed at construction.
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+    # Structured outputs: limits on a request's constraint, checked before it compiles, and
+    # the compile pool (engine/structured_output/limits.py, docs/structured-outputs.md).
+    structured_outputs_max_bytes: int = ConstraintLimits.max_bytes
+    structured_outputs_max_depth: int = ConstraintLimits.max_depth
+    structured_outputs_max_properties: int = ConstraintLimits.max_properties
+    structured_outputs_max_enum_values: int = ConstraintLimits.max_enum_values
+    structured_outputs_max_nodes: int = ConstraintLimits.max_nodes
+    structured_outputs_max_repeat: int = ConstraintLimits.max_repeat
+    structured_outputs_max_tools: int = ConstraintLimits.max_tools
+    structured_outputs_max_tools_bytes: int = ConstraintLimits.max_tools_bytes
+    structured_outputs_compile_timeout: float = ConstraintLimits.compile_timeout
+    structured_outputs_compile_workers: int = ConstraintLimits.compile_workers
+    structured_outputs_compile_per_tenant: int = ConstraintLimits.compile_per_tenant
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -148,6 +162,11 @@ class EngineConfig:
         _check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
+        for name in LIMIT_HELP:
+            try:
+                ConstraintLimits(**{name: getattr(self, f"structured_outputs_{name}")})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{limit_flag(name)}: {exc}") from None
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
@@ -160,6 +179,13 @@ class EngineConfig:
         """``--speculative-config`` parsed, or None when speculation is off."""
         spec = self.speculative_config
         return spec if isinstance(spec, SpeculativeConfig) else None
+
+    @property
+    def constraint_limits(self) -> ConstraintLimits:
+        """The ``--structured-outputs-*`` flags as one object."""
+        return ConstraintLimits(
+            **{name: getattr(self, f"structured_outputs_{name}") for name in LIMIT_HELP}
+        )
 
     @property
     def lora_module_specs(self) -> list[LoRAModuleSpec]:
@@ -279,6 +305,12 @@ class EngineConfig:
             help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
             "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
         )
+
+        limits = parser.add_argument_group("structured outputs")
+        for name, text in LIMIT_HELP.items():
+            default = getattr(d, f"structured_outputs_{name}")
+            limits.add_argument(limit_flag(name), type=type(default), default=default,
+                                help=f"{text} (default {default:g})")  # fmt: skip
 
         spec = parser.add_argument_group("speculative decoding")
         spec.add_argument(

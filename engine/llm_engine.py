@@ -149,8 +149,9 @@ class LLMEngine:
                 config.speculative, proposer, self.scheduler.max_model_len
             )
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.max_num_seqs
-        )
+            self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.max_num_seqs,
+            config.constraint_limits,
+        )  # fmt: skip
         # Requests whose grammar is still compiling, by id, in arrival order.
         self._waiting_for_grammar: dict[str, Request] = {}
         self._parents: dict[str, _Parent] = {}
@@ -283,7 +284,9 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
             if params.structured_outputs is not None:
-                req.grammar = self.structured.grammar_for(params.structured_outputs)
+                req.grammar = self.structured.grammar_for(
+                    params.structured_outputs, req.tenant.name
+                )
             logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
             parent.completions.append(_Completion(index, req, detok, logprobs))
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
@@ -299,8 +302,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def _admit(self, req: Request) -> None:
-        """To the scheduler now, or once its grammar is compiled."""
-        if req.grammar is not None and not req.grammar.is_ready:
+        """To the scheduler now, or once its grammar is compiled (a grammar that already
+        failed, e.g. cached as past its compile budget, is aborted at the next step)."""
+        grammar = req.grammar
+        if grammar is not None and (not grammar.is_ready or grammar.error is not None):
             self._waiting_for_grammar[req.request_id] = req
         else:
             self.scheduler.add_request(req)
@@ -545,7 +550,9 @@ class LLMEngine:
         return self._make_output(parent)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; no step may run after)."""
+        """Stop the tensor-parallel workers, if any, and the grammar compile workers
+        (idempotent; no step may run after)."""
+        self.structured.close()
         if self.parallel is not None:
             self.parallel.close()
 

@@ -2,16 +2,21 @@
 
 A request's constraint (``SamplingParams.structured_outputs``) goes through three stages:
 
-1. **validate** (:meth:`StructuredOutputManager.check`, on the caller's thread): the spec is
-   turned into an xgrammar ``Grammar`` (schema -> EBNF, no tokenizer work, milliseconds), so an
-   unsupported schema feature or a bad regex is a ``ParameterError`` naming the parameter
-   before anything is queued;
-2. **compile** (:meth:`StructuredOutputManager.grammar_for`, on one background thread): the
-   grammar is compiled against the tokenizer's vocabulary (the token-level automaton, the
-   slow part). Compiled grammars are cached by content: the key is the constraint's canonical
-   text (``StructuredOutputsParams.cache_key``); the tokenizer is fixed per manager, so it is
-   part of the key implicitly. The engine loop never waits: a request stays out of the
-   scheduler until ``GrammarState.is_ready``;
+1. **validate** (:meth:`StructuredOutputManager.check`, on the caller's thread): first the
+   size limits (:mod:`engine.structured_output.limits`: bytes, depth, properties, enum
+   values, repeat bounds; linear time), then the schema keywords, then the spec is turned into
+   an xgrammar ``Grammar`` (schema -> EBNF, no tokenizer work; bounded by the limits), so an
+   oversized or unsupported constraint is a ``ParameterError`` naming the parameter before
+   anything is queued;
+2. **compile** (:meth:`StructuredOutputManager.grammar_for`, in a worker process of
+   :class:`~engine.structured_output.compile_pool.CompilePool`, within a time budget and a
+   per-tenant share): the grammar is compiled against the tokenizer's vocabulary (the
+   token-level automaton, the slow part). Compiled grammars are cached by content: the key is
+   the constraint's canonical text (``StructuredOutputsParams.cache_key``); the tokenizer is
+   fixed per manager, so it is part of the key implicitly. The engine loop never waits: a
+   request stays out of the scheduler until ``GrammarState.is_ready``. The server awaits the
+   compile (:meth:`StructuredOutputManager.prepare`) before it answers, so a compile that
+   fails or runs past its budget is a 400;
 3. **match** (:class:`GrammarState`, engine thread): one xgrammar matcher per sequence (so
    ``n > 1`` children each have their own), advanced with every accepted token. Each step the
    manager fills ONE int32 bitmask for all constrained rows of the batch
@@ -24,14 +29,15 @@ without a rollback; only a token that is *discarded* would need ``GrammarState.r
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +45,18 @@ import torch
 import xgrammar as xgr
 
 from engine.sampling_params import ParameterError, StructuredOutputsParams
+from engine.structured_output.compile_pool import (
+    CompileError,
+    CompilePool,
+    CompileTimeout,
+    CompileWorkerDied,
+    build_grammar,
+)
+from engine.structured_output.limits import ConstraintLimitError, ConstraintLimits, check_limits
 from engine.structured_output.schema_check import UnsupportedSchema, check_regex, check_schema
 
 logger = logging.getLogger("portico.engine.structured_output")
 
-# Whitespace characters allowed between two JSON tokens. Unbounded, a small model at a high
-# temperature can spend all of max_tokens on spaces and newlines; 16 still admits pretty
-# printing (a newline and a deep indent).
-MAX_JSON_WHITESPACE = 16
 # Compiled grammars kept (least recently used dropped first): distinct schemas from many
 # tenants must not grow the engine's memory without bound.
 MAX_CACHED_GRAMMARS = 512
@@ -54,14 +64,15 @@ MAX_CACHED_GRAMMARS = 512
 
 @dataclass
 class GrammarStats:
-    """Compile counters since start (cumulative; seconds are wall time of the compile thread)."""
+    """Compile counters since start (cumulative; seconds are wall time seen by the lanes)."""
 
     num_compiled: int = 0  # cold: compiled against the vocabulary
     num_cache_hits: int = 0  # served from the cache (or joined a compile in flight)
     compile_seconds_total: float = 0.0
     last_compile_seconds: float = 0.0
     num_failed: int = 0
-    tokenizer_setup_seconds: float = 0.0  # once per engine, at start, on the compile thread
+    num_timed_out: int = 0  # ran past the compile budget (their workers were replaced)
+    tokenizer_setup_seconds: float = 0.0  # once per engine, at start, on a compile lane
 
 
 class GrammarState:
@@ -118,10 +129,11 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    """Validates, compiles (in the background, cached) and applies grammars for one tokenizer.
+    """Validates, compiles (in worker processes, cached) and applies grammars for one tokenizer.
 
-    Thread-safety: :meth:`check` may run on any thread; :meth:`grammar_for` on any thread (the
-    cache is locked); :meth:`fill_bitmask` and :class:`GrammarState` on the engine thread only.
+    Thread-safety: :meth:`check`, :meth:`grammar_for` and :meth:`prepare` may run on any thread
+    (the cache is locked); :meth:`fill_bitmask` and :class:`GrammarState` on the engine thread
+    only. :meth:`close` (or garbage collection) stops the compile workers.
     """
 
     def __init__(
@@ -130,111 +142,116 @@ class StructuredOutputManager:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         max_num_seqs: int,
+        limits: ConstraintLimits | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.limits = limits or ConstraintLimits()
         self._tokenizer = tokenizer
         self._stop_token_ids = sorted(stop_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None  # built on the compile thread
         self._cache: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._checked: OrderedDict[str, None] = OrderedDict()  # keys that passed check()
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.stats = GrammarStats()
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
-        self.stats = GrammarStats()
-        self._executor.submit(self._ensure_compiler)
+        self.pool = CompilePool(
+            self._tokenizer_info,
+            num_workers=self.limits.compile_workers,
+            per_tenant=self.limits.compile_per_tenant,
+            timeout_s=self.limits.compile_timeout,
+        )
+        # Engines built and dropped without close() (tests, notebooks) still stop their workers.
+        weakref.finalize(self, self.pool.close)
 
     # -- validate ---------------------------------------------------------------------------
 
     def check(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:
-        """Raise ParameterError naming ``param`` if xgrammar cannot build this constraint."""
+        """Raise ParameterError naming ``param`` if ``spec`` passes a limit or xgrammar cannot
+        build it (the cheap checks first: a huge spec is refused before any conversion)."""
+        check_limits(spec, self.limits, param)
+        key = spec.cache_key
+        with self._lock:
+            if key in self._checked:  # the server checks a spec at each stage: convert once
+                return
         try:
             if spec.json is not None:
                 check_schema(spec.json)
             elif spec.regex is not None:
                 check_regex(spec.regex)
-            self._grammar(spec)
+            build_grammar(spec)
         except UnsupportedSchema as exc:
             raise ParameterError(param, f"{param}: {exc}") from None
         except (RuntimeError, ValueError, TypeError) as exc:
-            # xgrammar prefixes "[time] file.cc:line: "; keep the sentence after it.
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
-            raise ParameterError(
-                param, f"{param}: unsupported or invalid {spec.kind} constraint: {message}"
-            ) from None
-
-    @staticmethod
-    def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
-        any_ws = not spec.disable_any_whitespace
-        ws = MAX_JSON_WHITESPACE if any_ws else None
-        if spec.json is not None:
-            schema = spec.json if isinstance(spec.json, dict) else {}
-            if spec.json is False:
-                raise ValueError("the schema `false` matches nothing")
-            return xgr.Grammar.from_json_schema(
-                schema, any_whitespace=any_ws, strict_mode=True, max_whitespace_cnt=ws
-            )
-        if spec.json_object:
-            return xgr.Grammar.from_json_schema(
-                {"type": "object"}, any_whitespace=any_ws, max_whitespace_cnt=ws
-            )
-        if spec.regex is not None:
-            return xgr.Grammar.from_regex(spec.regex)
-        if spec.choice is not None:
-            return xgr.Grammar.from_ebnf(
-                "root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choice)
-            )
-        assert spec.grammar is not None  # StructuredOutputsParams sets exactly one
-        return xgr.Grammar.from_ebnf(spec.grammar)
+            raise ParameterError(param, _invalid(spec, param, str(exc))) from None
+        with self._lock:
+            self._checked[key] = None
+            if len(self._checked) > MAX_CACHED_GRAMMARS:
+                self._checked.popitem(last=False)
 
     # -- compile ----------------------------------------------------------------------------
 
-    def grammar_for(self, spec: StructuredOutputsParams) -> GrammarState:
+    def grammar_for(self, spec: StructuredOutputsParams, tenant: str = "default") -> GrammarState:
         """A new matcher-to-be for ``spec``: cached if compiled before, else compiled now in
-        the background."""
+        the background, as one of ``tenant``'s compiles."""
+        return GrammarState(self._compiled(spec, tenant))
+
+    async def prepare(
+        self, spec: StructuredOutputsParams, param: str, tenant: str = "default"
+    ) -> None:
+        """Wait (without blocking the event loop) until ``spec`` is compiled and cached.
+
+        Raises ParameterError naming ``param``: a :class:`ConstraintLimitError` naming the
+        budget if the compile ran past it, else the library's reason. Leaving early (a client
+        that disconnects) does not cancel the compile, which other requests may share.
+        """
+        future = self._compiled(spec, tenant)
+        try:
+            await asyncio.shield(asyncio.wrap_future(future))
+        except CompileTimeout:
+            raise ConstraintLimitError(
+                param, "compiling the constraint ran past its time budget and was cancelled",
+                self.limits.compile_timeout, "compile_timeout",
+            ) from None  # fmt: skip
+        except CompileError as exc:
+            raise ParameterError(param, _invalid(spec, param, str(exc))) from None
+
+    def _compiled(self, spec: StructuredOutputsParams, tenant: str) -> Future[xgr.CompiledGrammar]:
+        """The cached compile of ``spec`` (done, failed or in flight), or a new one.
+
+        A compile that ran past its budget stays cached as failed, so the same spec is refused
+        at once instead of holding a worker again; other failures are retried."""
         key = spec.cache_key
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            if future is not None and not _retryable(future):
                 self.stats.num_cache_hits += 1
                 self._cache.move_to_end(key)
-            else:
-                future = self._executor.submit(self._compile, spec)
-                self._cache[key] = future
-                if len(self._cache) > MAX_CACHED_GRAMMARS:
-                    self._cache.popitem(last=False)  # its live matchers keep their grammar
-        return GrammarState(future)
+                return future
+            future = self.pool.submit(spec, tenant)
+            future.add_done_callback(self._count)
+            self._cache[key] = future
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)  # its live matchers keep their grammar
+        return future
 
-    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        compiler = self._ensure_compiler()
-        start = time.perf_counter()
-        try:
-            compiled = compiler.compile_grammar(self._grammar(spec))
-        except Exception:
-            with self._lock:
-                self.stats.num_failed += 1
-            logger.exception("grammar compile failed (%s)", spec.kind)
-            raise
-        seconds = time.perf_counter() - start
+    def _count(self, future: Future[xgr.CompiledGrammar]) -> None:
+        pool = self.pool.stats
         with self._lock:
-            self.stats.num_compiled += 1
-            self.stats.compile_seconds_total += seconds
-            self.stats.last_compile_seconds = seconds
-        logger.info("compiled a %s grammar in %.1f ms", spec.kind, seconds * 1000)
-        return compiled
+            self.stats.num_compiled = pool.num_compiled
+            self.stats.num_failed = pool.num_failed
+            self.stats.num_timed_out = pool.num_timed_out
+            self.stats.compile_seconds_total = pool.compile_seconds_total
+            self.stats.last_compile_seconds = pool.last_compile_seconds
 
-    def _ensure_compiler(self) -> xgr.GrammarCompiler:
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
         """The vocabulary's token table (about a second for a 50k vocabulary): built once, on
-        the compile thread, queued at start so the first request does not wait for it."""
-        if self._compiler is None:
-            start = time.perf_counter()
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
-            )
-            # cache_enabled=False: our cache (by content) is the one cache.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            self.stats.tokenizer_setup_seconds = time.perf_counter() - start
-        return self._compiler
+        a compile lane at start, so the first request does not wait for it."""
+        start = time.perf_counter()
+        info = xgr.TokenizerInfo.from_huggingface(
+            self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+        )
+        self.stats.tokenizer_setup_seconds = time.perf_counter() - start
+        return info
 
     # -- match ------------------------------------------------------------------------------
 
@@ -290,9 +307,23 @@ class StructuredOutputManager:
         return bitmask, rows
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile workers; queued compiles fail."""
+        self.pool.close()
 
 
-def _ebnf_literal(text: str) -> str:
-    """``text`` as an EBNF string literal (JSON escaping is what xgrammar's EBNF reads)."""
-    return json.dumps(text, ensure_ascii=False)
+def _retryable(future: Future[xgr.CompiledGrammar]) -> bool:
+    """A failed compile worth running again (not one that ran past its budget)."""
+    if not future.done() or future.cancelled():
+        return future.cancelled()
+    exc = future.exception()
+    if exc is None or isinstance(exc, CompileTimeout):
+        return False
+    return isinstance(exc, CompileWorkerDied) or not isinstance(exc, CompileError)
+
+
+def _invalid(spec: StructuredOutputsParams, param: str, reason: str) -> str:
+    """The 400's sentence for a constraint the grammar library refused."""
+    # xgrammar prefixes "[time] file.cc:line: "; keep the sentence after it.
+    text = reason.strip().splitlines()[0] if reason.strip() else "unknown error"
+    message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+    return f"{param}: unsupported or invalid {spec.kind} constraint: {message}"

@@ -4,8 +4,10 @@ preemption, n > 1, max_tokens and mixed batches keep their promises."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -154,9 +156,10 @@ def test_unconstrained_rows_in_a_mixed_batch_get_exactly_their_tokens_alone(
 def test_a_request_waiting_for_its_grammar_does_not_stall_the_others(tiny: LoadedModel) -> None:
     engine = make_engine(tiny)
     engine.add_request("free", prompt(6), SamplingParams(temperature=0.0, max_tokens=4))
-    gate = __import__("threading").Event()
-    compile_grammar = engine.structured._compile
-    engine.structured._compile = lambda spec: (gate.wait(), compile_grammar(spec))[1]  # type: ignore[method-assign]
+    gate = threading.Event()
+    pool = engine.structured.pool
+    run_job = pool._run_job
+    pool._run_job = lambda lane, spec: (gate.wait(), run_job(lane, spec))[1]  # type: ignore[method-assign]
     engine.add_request("json", prompt(5), constrained())
     final: dict[str, RequestOutput] = {}
     for _ in range(20):  # the free request finishes while the grammar cannot compile
@@ -225,3 +228,75 @@ def test_grammar_end_finishes_even_with_ignore_eos(tiny: LoadedModel) -> None:
     engine.add_request("r", prompt(5), params)
     out = run_all(engine)["r"].outputs[0]
     assert out.text == "done" and out.finish_reason == "stop"
+
+
+# ----------------------------------------------------------------------------- the compile pool
+
+
+def wide_schema(num_properties: int) -> dict[str, Any]:
+    """An object of many required string properties: its compile grows with the count (30000
+    take minutes; 1000 a fraction of a second)."""
+    props = {f"p{i}": {"type": "string", "description": "x" * 20} for i in range(num_properties)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_a_compile_past_its_budget_is_refused_naming_the_limit_and_its_worker_replaced(
+    tiny: LoadedModel,
+) -> None:
+    # Limits opened so the 2 MB schema reaches the compiler; only the budget stops it.
+    engine = make_engine(
+        tiny,
+        structured_outputs_compile_timeout=0.5,
+        structured_outputs_max_bytes=10**8,
+        structured_outputs_max_properties=10**6,
+        structured_outputs_max_nodes=10**7,
+    )
+    manager = engine.structured
+    huge = StructuredOutputsParams(json=wide_schema(30_000))
+    with pytest.raises(ParameterError) as info:
+        asyncio.run(manager.prepare(huge, "response_format", "evil"))
+    assert info.value.param == "response_format"
+    assert "--structured-outputs-compile-timeout" in str(info.value)
+    assert manager.pool.stats.num_workers_replaced == 1
+    # The same spec is refused from the cache, without holding a worker again.
+    with pytest.raises(ParameterError):
+        asyncio.run(manager.prepare(huge, "response_format", "evil"))
+    assert manager.stats.num_timed_out == 1
+    # The fresh worker compiles, and the engine serves a constrained request.
+    engine.add_request("r", prompt(5), constrained())
+    assert_valid(run_all(engine)["r"].outputs[0].text)
+    # A request whose grammar ran past its budget in the engine is aborted, nothing else.
+    engine.add_request("late", prompt(5), SamplingParams(structured_outputs=huge))
+    assert run_all(engine)["late"].outputs[0].finish_reason == "abort"
+    engine.close()
+
+
+def test_one_tenants_compiles_hold_at_most_its_share_of_the_lanes(tiny: LoadedModel) -> None:
+    """Two lanes, one compile per tenant: while tenant A's first compile is stuck, its second
+    waits and tenant B's compiles on the other lane."""
+    engine = make_engine(
+        tiny, structured_outputs_compile_workers=2, structured_outputs_compile_per_tenant=1
+    )
+    pool = engine.structured.pool
+    gate = threading.Event()
+    started: list[str] = []
+    run_job = pool._run_job
+
+    def gated(lane: int, spec: StructuredOutputsParams) -> Any:
+        started.append(spec.regex or "")
+        if spec.regex and spec.regex.startswith("a"):
+            gate.wait()
+        return run_job(lane, spec)
+
+    pool._run_job = gated  # type: ignore[method-assign]
+    a1 = engine.structured.grammar_for(StructuredOutputsParams(regex="a[0-9]"), "A")
+    a2 = engine.structured.grammar_for(StructuredOutputsParams(regex="ab[0-9]"), "A")
+    b = engine.structured.grammar_for(StructuredOutputsParams(regex="b[0-9]"), "B")
+    b.wait(60)
+    assert b.is_ready and b.error is None
+    assert not a1.is_ready and not a2.is_ready
+    assert started == ["a[0-9]", "b[0-9]"]  # A's second compile never took the free lane
+    gate.set()
+    a2.wait(60)
+    assert a1.is_ready and a2.is_ready and a2.error is None
+    engine.close()
