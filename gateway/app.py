@@ -101,6 +101,7 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
             before_auth=admin_limit,
             audit=gateway.audit,
             resolve=resolve,
+            prices=gateway.prices,
         )
     )
     app.include_router(

@@ -43,6 +43,7 @@ from gateway.dataplane.transport import LeanTransport
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import open_identity
 from gateway.identity.layout import migrate_layout
+from gateway.identity.prices import PriceBook
 from gateway.metrics import GatewayMetrics
 from gateway.request_path import Gateway
 from gateway.store import open_shared_redis
@@ -84,8 +85,17 @@ async def start_gateway(
         limiter = RedisLimiter(
             redis.client, budget_ttl_s=config.admission.budget_key_ttl_seconds, pipe=pipe
         )
+        # prices are read from memory per request; the admin API's are refreshed from Redis
+        prices = PriceBook(redis.client, config.pricing)
+        await prices.refresh()
+        prices.start()
+        stack.push_async_callback(prices.aclose)
         admission = Admission(
-            redis.client, config.admission, registry=metrics.registry, limiter=limiter
+            redis.client,
+            config.admission,
+            registry=metrics.registry,
+            limiter=limiter,
+            prices=prices,
         )
         admission.start_watch()  # Redis probed on a timer; aclose stops the probe
         stack.push_async_callback(admission.aclose)
@@ -160,6 +170,7 @@ async def start_gateway(
             audit=AuditLog(redis.client, config.audit),
             _engine_tasks=engine_tasks,
             usage=usage,
+            prices=prices,
             responses=ResponseStore(redis.client, config.responses_retention_s),
             fits=fits,
             runtime_dir=runtime_dir,

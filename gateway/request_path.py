@@ -45,6 +45,7 @@ from gateway.dataplane.routing import RouteDecision, Router
 from gateway.dataplane.supervisor import Supervisor
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity
+from gateway.identity.prices import PriceBook
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.store import SharedRedis
@@ -87,6 +88,7 @@ class Gateway:
     adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
     audit: AuditLog  # every admin change (identity/audit.py)
     usage: UsageRecorder
+    prices: PriceBook  # per-model prices: spend and money budgets (identity/prices.py)
     responses: ResponseStore  # stored Responses API responses, per tenant
     fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
@@ -413,10 +415,23 @@ class Gateway:
                 if usage.source != "upstream":
                     prompt = prompt_tokens
                     self.metrics.usage_counted.labels(model, usage.source).inc()
+                cached = usage.cached_tokens if usage.source == "upstream" else 0
+                completion = usage.completion_tokens
+                # the served model's price: a fallback tier may differ from the one admitted
+                spend = self.prices.spend_micro_usd(model, prompt, cached, completion)
                 recorder.record(
-                    principal.tenant_id, model, prompt, usage.completion_tokens, usage.source
+                    principal.tenant_id,
+                    model,
+                    prompt,
+                    completion,
+                    usage.source,
+                    key_id=principal.key_id,
+                    cached_tokens=cached,
+                    spend_micro_usd=spend,
                 )
-                await admission.settle(ticket, prompt, usage.completion_tokens)
+                if spend:
+                    self.metrics.spend.labels(principal.tenant_id, model).inc(spend / 1e6)
+                await admission.settle(ticket, prompt, completion, spend)
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
         finally:
