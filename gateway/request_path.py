@@ -34,17 +34,24 @@ from gateway.admission.prompt_tokens import PromptCounter
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import GatewayConfig
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
-from gateway.dataplane.fields import GENERATING_KINDS, RequestFields, parse_fields
+from gateway.dataplane.budget_stop import watch_budget
+from gateway.dataplane.fields import (
+    GENERATING_KINDS,
+    RequestFields,
+    match_shared_prefix,
+    parse_fields,
+)
 from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
 from gateway.dataplane.long_prompts import PromptFit
 from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, Upstream, upstream_body
+from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
 from gateway.dataplane.request_context import CTX_KEY, InFlight, RequestContext
 from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
 from gateway.dataplane.routing import RouteDecision, Router
 from gateway.dataplane.supervisor import Supervisor
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity
+from gateway.identity.cache_salts import shared_prefix_salt
 from gateway.identity.prices import PriceBook
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
@@ -183,6 +190,10 @@ class Gateway:
         raw = await request.body()
         routing_began = trace.mark()
         fields = parse_fields(raw, kind)
+        if principal.shared_prefixes and kind in ("chat", "completion"):
+            num_chars = match_shared_prefix(fields, principal.shared_prefixes)
+            if num_chars:  # told to local engines: cached under the plan's salt
+                fields.shared_prefix = (shared_prefix_salt(principal.plan), num_chars)
         chain = None
         if kind == "responses":  # previous_response_id: the stored turns join the input
             chain = ResponseChain(self.responses, principal.tenant_id, fields)
@@ -239,7 +250,7 @@ class Gateway:
                         if kind in GENERATING_KINDS or kind == "embedding"
                         else None
                     )
-                    payload = upstream_body(raw, fields, decision.model, salt, send_max)
+                    payload = upstream.payload(raw, fields, decision.model, salt, send_max)
                     exchange: Exchange = await upstream.exchange(
                         path,
                         payload,
@@ -258,6 +269,8 @@ class Gateway:
             raise
         ctx.upstream_s = exchange.upstream_s
         trace.answered(exchange)
+        if ticket.budget_stop is not None and send_max is not None and exchange.status == 200:
+            watch_budget(exchange, ticket.budget_stop, send_max)  # a stream it cut says so
         headers = {**ticket.headers, "x-portico-route": decision.header}
         served = decision.model
         if truncated is not None:

@@ -85,7 +85,7 @@ def build_transport(spec: RemoteSpec, url: httpx.URL) -> httpx.AsyncBaseTranspor
 class OpenAIRemoteUpstream(LocalUpstream):
     """One OpenAI-compatible remote (``remotes[]`` with api ``openai`` or ``azure``)."""
 
-    continuous_usage = False  # providers report usage once, at the end (if at all)
+    local_engine = False  # providers report usage once, at the end (if at all)
 
     def __init__(
         self,

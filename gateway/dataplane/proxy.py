@@ -376,9 +376,10 @@ class LocalUpstream:
 
     tenant_keys = False
     tracer: AttemptTracer | None = None  # set by the gateway when tracing is on
-    # Streams carry the usage so far on every chunk (the engine's continuous_usage_stats): a
-    # stream the client leaves midway is still charged what the gateway saw generated.
-    continuous_usage = True
+    # One of our engines: streams carry the usage so far on every chunk (the engine's
+    # continuous_usage_stats), so a stream the client leaves midway is still charged what the
+    # gateway saw generated; and a request's shared prefix is declared in a header.
+    local_engine = True
 
     def __init__(
         self,
@@ -403,7 +404,7 @@ class LocalUpstream:
         max_tokens: int | None,
     ) -> bytes:
         """The body the engine gets (:func:`upstream_body`)."""
-        return upstream_body(raw, fields, model, cache_salt, max_tokens, self.continuous_usage)
+        return upstream_body(raw, fields, model, cache_salt, max_tokens, self.local_engine)
 
     def request_url(self, path: str) -> httpx.URL:
         return _engine_url(path)
@@ -434,7 +435,7 @@ class LocalUpstream:
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
         headers = self.request_headers(request_id, credential, principal)
-        if principal is not None and fields.shared_prefix is not None:  # local engines only
+        if self.local_engine and fields.shared_prefix is not None:
             salt, num_chars = fields.shared_prefix
             headers[SHARED_PREFIX_HEADER] = f"{num_chars};{salt}"
         url = self.request_url(path)
@@ -581,7 +582,7 @@ class LocalUpstream:
                 if seen is not None and not usage.reported and self.counter is not None:
                     usage.count(self.counter, self.counter.count_stream(seen))
 
-        view = usage_view(fields, self.continuous_usage)
+        view = usage_view(fields, self.local_engine)
         exchange.first = _take_usage(first, usage, view)
         exchange.rest = self._relay(blocks, usage, view, replica, seen)
         exchange.close = close
