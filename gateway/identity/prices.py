@@ -21,6 +21,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
+from functools import cached_property
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -52,7 +53,7 @@ class ModelPrice(BaseModel):
     cached_input: Price | None = None
     output: Price
 
-    @property
+    @cached_property  # once per price: Decimal is slow, and this is on every request's path
     def units(self) -> tuple[int, int, int]:
         """(input, cached input, output) in micro-dollars per 1M tokens."""
         cached = self.input if self.cached_input is None else self.cached_input
