@@ -230,12 +230,20 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     c.go(f"usage/{traffic_tenant}", f"Usage of {traffic_tenant}")
     c.wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "svg.chart rect.s0"))
     assert "2 requests" in c.visible("main p").text
+    assert "$0.000000 spent" in c.visible("main p").text  # the tiny model has no price
+    assert "Spend (USD)" in browser.find_element(By.CSS_SELECTOR, "main table thead").text
     c.shot("usage")
 
     # Engines: the tiny engine, ready, with its KV cache meter.
     c.go("engines", "Engines")
     c.wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, "main tbody"), "ready"))
     assert "tiny-0" in browser.find_element(By.CSS_SELECTOR, "main tbody").text
+    # the tenants table: the tenant that had traffic, as the engine's scheduler counted it
+    tenants = "//table[caption[starts-with(text(), 'Per tenant and replica')]]"
+    row = c.wait.until(
+        lambda d: d.find_element(By.XPATH, f"{tenants}//tr[td[2][text()='{traffic_tenant}']]")
+    )
+    assert row.find_element(By.XPATH, "td[1]").text == "tiny-0"
     c.shot("engines")
 
     c.go("adapters", "LoRA adapters")
