@@ -87,7 +87,7 @@ _REASONS = {
     400: "bad input, naming the parameter",
     401: "no admin credential, or a wrong one",
     403: "a valid credential that is not an admin's",
-    404: "no such tenant or key",
+    404: "no such tenant, key or price",
     409: "the resource already exists",
     413: "body too large",
     429: "too many admin requests from this address",
@@ -475,9 +475,9 @@ def build_admin_router(
         },
     )
     router.add_api_route("/prices", api.list_prices, methods=["GET"])
-    price = "/prices/{model}"
+    price = "/prices/{model:path}"  # remote model names may hold a slash
     router.add_api_route(price, api.get_price, methods=["GET"], responses=missing)
-    router.add_api_route(price, api.put_price, methods=["PUT"])
+    router.add_api_route(price, api.put_price, methods=["PUT"], responses=missing)
     router.add_api_route(
         price, api.delete_price, methods=["DELETE"], status_code=204, responses=missing
     )

@@ -229,3 +229,19 @@ async def test_bad_export_parameters_are_refused(
     )
     if param is not None:
         assert param in (err["param"] or ""), err
+
+
+async def test_a_model_name_with_a_slash_has_a_price(client: httpx.AsyncClient) -> None:
+    """Remote models may be named like their provider's (``openai/gpt-4o-mini``)."""
+    resp = await client.put(
+        "/admin/v1/prices/openai/gpt-4o-mini", json={"input": 0.15, "output": 0.6}, headers=A
+    )
+    assert resp.status_code == 200 and resp.json()["model"] == "openai/gpt-4o-mini"
+    got = await client.get("/admin/v1/prices/openai/gpt-4o-mini", headers=A)
+    assert got.json()["output"] == 0.6
+    assert (
+        await client.delete("/admin/v1/prices/openai/gpt-4o-mini", headers=A)
+    ).status_code == 204
+    assert_openai_error(
+        await client.put("/admin/v1/prices/a%7Cb", json={"input": 1, "output": 1}, headers=A), 400
+    )
