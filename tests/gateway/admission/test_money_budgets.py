@@ -251,3 +251,24 @@ def test_a_stream_cut_by_a_money_budget_ends_with_budget_exceeded() -> None:
     assert event["error"]["type"] == "insufficient_quota"
     assert "daily_budget_usd of key 'k1'" in event["error"]["message"]
     assert "00:00 UTC" in event["error"]["message"]
+
+
+async def test_an_outage_does_not_hand_a_spent_money_budget_back(
+    private_redis, redis_client_factory, make_principal: MakePrincipal
+) -> None:  # type: ignore[no-untyped-def]
+    """While Redis is down (policy local, 2 replicas), this replica may spend its half of what
+    Redis last said was left, and no more."""
+    client = redis_client_factory(private_redis.url)
+    settings = AdmissionSettings(replicas=2, redis_timeout_seconds=0.5)
+    adm = Admission(client, settings, registry=CollectorRegistry())
+    who = make_principal(budget_usd=1)
+    await adm.settle(await adm.admit(who, "m", 1, 1), 1, 1, spend_micro_usd=800_000)
+    await adm.release(await adm.admit(who, "m", 1, 1))  # Redis reports 0.8 spent
+    private_redis.stop()
+    # 0.2 left in all: this replica's share is 0.1
+    await adm.settle(await adm.admit(who, "m", 1, 1), 1, 1, spend_micro_usd=99_999)
+    await adm.settle(await adm.admit(who, "m", 1, 1), 1, 1, spend_micro_usd=1)
+    with pytest.raises(BudgetExceededError):
+        await adm.admit(who, "m", 1, 1)
+    await adm.aclose()
+    await client.aclose()
