@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +225,46 @@ def test_a_spent_tenant_budget_refuses_every_key(gateway: GatewayProcess) -> Non
         assert isinstance(body, dict) and body["code"] == "budget_exceeded"
         assert f"daily_budget_usd of tenant '{tenant_id}'" in body["message"]
     assert usage_of(gateway, tenant_id)["totals"]["requests"] == 1
+
+
+def test_a_stream_stops_when_the_money_runs_out(gateway: GatewayProcess) -> None:
+    """Admission caps max_tokens at what the key's budget still pays for after the prompt; the
+    engine stops there by itself and the stream says which budget stopped it."""
+    tenant_id, probe = gateway.create_tenant("standard")
+    messages = [{"role": "user", "content": "count to one hundred"}]
+    first = oa(gateway, probe).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=1
+    )
+    assert first.usage is not None
+    prompt = first.usage.prompt_tokens
+    # the prompt at 1000 micro-dollars a token, three completion tokens at 3000, and 500 over
+    budget = (prompt * 1000 + 3 * 3000 + 500) / 1e6
+    key_id, key = new_key(gateway, tenant_id, budget_usd=budget)
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    events = []
+    with httpx.stream(
+        "POST",
+        gateway.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["x-portico-budget-max-tokens"] == "3"
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = [c["usage"] for c in chunks if c.get("usage")][-1]
+    assert usage["completion_tokens"] == 3
+    finishes = [ch["finish_reason"] for c in chunks for ch in c.get("choices", [])]
+    assert "length" in finishes
+    error = chunks[-1]["error"]
+    assert error["code"] == "budget_exceeded"
+    assert f"monthly_budget_usd of key '{key_id}'" in error["message"]
