@@ -225,7 +225,8 @@ class Admission:
 
     Limits hold exactly across replicas through :class:`RedisLimiter`; while Redis is down the
     ``redis_down_policy`` applies (:class:`FailoverLimiter`, built here from ``limiter`` and
-    ``local_limiter``, makes that decision and returns to Redis by itself).
+    ``local_limiter``, makes that decision and returns to Redis by itself). With ``prices``,
+    a completion is capped at what the tightest money budget still pays for (spend.py).
     """
 
     def __init__(
