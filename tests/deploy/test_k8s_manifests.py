@@ -379,3 +379,106 @@ def test_no_secret_value_is_in_any_manifest(rendered: list[dict[str, Any]]) -> N
     assert "admin_key_file" not in config.get("auth", {})
     text = yaml.safe_dump_all(rendered)
     assert "sk-" not in text and "requirepass " not in text.replace("requirepass $REDIS", "")
+
+
+# --------------------------------------------------------------------------- KEDA
+
+# The fields of KEDA's ScaledObject (keda.sh/v1alpha1, KEDA 2.12+) this repository may use;
+# kubernetes-validate knows only built-in kinds, so the custom resource is checked here:
+# every key must be one KEDA defines, and the embedded HPA behaviour is validated by the
+# Kubernetes schema itself.
+KEDA_SPEC_KEYS = {
+    "scaleTargetRef", "pollingInterval", "cooldownPeriod", "idleReplicaCount",
+    "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers",
+}  # fmt: skip
+KEDA_TRIGGER_KEYS = {"type", "name", "metadata", "metricType", "useCachedMetrics"}
+PROMETHEUS_METADATA_KEYS = {
+    "serverAddress", "query", "threshold", "activationThreshold", "namespace",
+    "ignoreNullValues", "unsafeSsl",
+}  # fmt: skip
+
+
+def engine_metric_types() -> dict[str, str]:
+    """Family name -> Prometheus type, from the engine's own /metrics exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.server.metrics import ServerMetrics
+    from engine.stats import EngineStats
+
+    text = ServerMetrics("smollm2", 2048, lambda: EngineStats()).render().decode()
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def check_keda_triggers(triggers: list[dict[str, Any]], served: str) -> set[str]:
+    """Every trigger a Prometheus query on a gauge the engine exports, for the served model;
+    returns the metric names queried."""
+    import re
+
+    exported = engine_metric_types()
+    queried: set[str] = set()
+    for trigger in triggers:
+        assert set(trigger) <= KEDA_TRIGGER_KEYS and trigger["type"] == "prometheus"
+        assert trigger["metricType"] in ("AverageValue", "Value")
+        meta = trigger["metadata"]
+        assert set(meta) <= PROMETHEUS_METADATA_KEYS
+        assert isinstance(meta["threshold"], str) and float(meta["threshold"]) > 0
+        assert meta["serverAddress"].startswith("http")
+        names = set(re.findall(r"(vllm:[a-z_]+)\{", meta["query"]))
+        assert names and all(exported.get(n) == "gauge" for n in names), meta["query"]
+        assert f'model_name="{served}"' in meta["query"]
+        queried |= names
+    return queried
+
+
+def test_keda_overlay_replaces_the_engine_hpa_with_a_scaledobject_on_the_real_metrics() -> None:
+    objects = render("keda")
+    for obj in objects:
+        if obj["kind"] != "ScaledObject":
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    hpas = [o["metadata"]["name"] for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    assert hpas == ["portico-gateway"]  # two autoscalers on the engines would fight
+    scaled = one(objects, "ScaledObject", "portico-engine")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["metadata"]["namespace"] == "portico"
+    spec = scaled["spec"]
+    assert set(spec) <= KEDA_SPEC_KEYS
+    base_hpa = one(render("cpu"), "HorizontalPodAutoscaler", "portico-engine")
+    assert spec["scaleTargetRef"] == base_hpa["spec"]["scaleTargetRef"]
+    assert spec["minReplicaCount"] == base_hpa["spec"]["minReplicas"]
+    assert spec["maxReplicaCount"] == base_hpa["spec"]["maxReplicas"]
+    sts = one(objects, "StatefulSet", spec["scaleTargetRef"]["name"])
+    assert sts["apiVersion"] == spec["scaleTargetRef"]["apiVersion"]
+    # KEDA builds an HPA from this behaviour: it must be one the HPA schema accepts.
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": spec["advanced"]["horizontalPodAutoscalerConfig"]["name"]},
+        "spec": {
+            "scaleTargetRef": spec["scaleTargetRef"],
+            "maxReplicas": spec["maxReplicaCount"],
+            "behavior": spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
+        },
+    }
+    kubernetes_validate.validate(hpa, K8S_VERSION, strict=True)
+    queried = check_keda_triggers(spec["triggers"], engine_args(objects).served_model_name)
+    assert queried == {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+
+
+def test_keda_check_rejects_a_misnamed_metric_or_model() -> None:
+    """The trigger check is not a rubber stamp: vLLM v0's KV gauge name (not exported here),
+    another model's label or an unknown trigger key all fail it."""
+    objects = render("keda")
+    triggers = one(objects, "ScaledObject", "portico-engine")["spec"]["triggers"]
+    check_keda_triggers(triggers, "smollm2")
+    for mutate in (
+        lambda t: t["metadata"].update(
+            query=t["metadata"]["query"].replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
+        ),
+        lambda t: t["metadata"].update(query=t["metadata"]["query"].replace("smollm2", "other")),
+        lambda t: t["metadata"].update(treshold="4"),
+    ):
+        broken = [dict(t, metadata=dict(t["metadata"])) for t in triggers]
+        for t in broken:
+            mutate(t)
+        with pytest.raises(AssertionError):
+            check_keda_triggers(broken, "smollm2")
