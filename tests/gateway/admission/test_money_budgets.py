@@ -272,3 +272,19 @@ async def test_an_outage_does_not_hand_a_spent_money_budget_back(
         await adm.admit(who, "m", 1, 1)
     await adm.aclose()
     await client.aclose()
+
+
+async def test_a_model_budget_refuses_that_model_only(
+    admission: Admission, store: RedisClient, make_principal: MakePrincipal
+) -> None:
+    """A per-model budget (plan or tenant model_limits): the gateway falls back to the next
+    tier when one is configured (scope "model"), as for the model's other limits."""
+    who = make_principal(model_limits={"big": Limits(budget_usd=0.5, budget_period="daily")})
+    await admission.settle(await admission.admit(who, "big", 1, 1), 1, 1, spend_micro_usd=500_000)
+    day = utc_day(time.time())
+    assert await store.get(f"portico:spend:{{acme}}:m:big:d:{day}") == b"500000"
+    with pytest.raises(BudgetExceededError) as info:
+        await admission.admit(who, "big", 1, 1)
+    assert (info.value.limit, info.value.scope) == ("daily_budget_usd", "model")
+    assert "model 'big' for tenant 'acme'" in info.value.message
+    await admission.release(await admission.admit(who, "small", 1, 1))
