@@ -7,7 +7,7 @@ PORTICO := $(VENV)/bin/portico
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run install dev test test-fast lint typecheck bench clean
+.PHONY: run install dev test test-slow lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,13 +30,15 @@ run: install
 	$(PORTICO) models pull smollm2-135m
 	$(PORTICO) serve
 
-## make test: the whole suite
+## make test: the suite but the long end-to-end runs marked `slow` (under 15 min on 2 cores)
 test: dev
 	$(PORTICO) models pull smollm2-135m
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-
-test-fast: dev
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+## make test-slow: only the tests marked `slow` (CI runs it after `make test`; both gate)
+test-slow: dev
+	$(PORTICO) models pull smollm2-135m
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .

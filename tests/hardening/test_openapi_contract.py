@@ -21,6 +21,7 @@ def engine(hermes_engine_server: EngineProcess) -> EngineProcess:
     return hermes_engine_server
 
 
+@pytest.mark.slow  # schemathesis drives real generations through every route: the longest run
 def test_the_engine_keeps_its_openapi_document(engine: EngineProcess) -> None:
     failures, statuses = contract_failures(
         engine.base_url + "/openapi.json",

@@ -46,6 +46,7 @@ def complete(server: EngineProcess) -> dict:
     return resp.json()
 
 
+@pytest.mark.slow  # its own engine and worker processes (the test ends them: none to share)
 def test_sigterm_drains_and_leaves_no_worker(tp_server: EngineProcess) -> None:
     worker = workers_of(tp_server)[0]
     assert complete(tp_server)["usage"]["completion_tokens"] == 8
@@ -55,6 +56,7 @@ def test_sigterm_drains_and_leaves_no_worker(tp_server: EngineProcess) -> None:
     assert not alive
 
 
+@pytest.mark.slow  # its own engine and worker processes (the test ends them: none to share)
 def test_a_killed_worker_makes_the_engine_exit_non_zero(tp_server: EngineProcess) -> None:
     worker = workers_of(tp_server)[0]
     worker.kill()
