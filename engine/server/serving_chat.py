@@ -27,6 +27,7 @@ from engine.server.serving_engine import (
     usage,
 )
 from engine.server.shared_prefix import SharedPrefix, salt_with_prefix, shared_prefix_of
+from engine.server.structured_fields import structured_outputs_for
 from engine.server.tool_calling import (
     NO_TOOLS,
     ToolCallDeltas,
@@ -99,7 +100,7 @@ class ChatServing:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        started = self.start(
+        started = await self.start(
             req, tenant=tenant_of(request.headers), shared=shared_prefix_of(request.headers)
         )
         plan, request_id, num_prompt = started.plan, started.request_id, started.num_prompt_tokens
@@ -113,21 +114,23 @@ class ChatServing:
         )
         return JSONResponse(body)
 
-    def start(
+    async def start(
         self,
         req: ChatCompletionRequest,
         request_id: str | None = None,
         tenant: TenantTag | None = None,
         shared: SharedPrefix | None = None,
     ) -> StartedChat:
-        """Check, render and queue the request (the Responses API shares this)."""
+        """Check, render, compile its grammar and queue the request (the Responses API
+        shares this)."""
         serving = self.serving
         serving.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true.", param="top_logprobs"
             )
-        plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice)
+        limits = serving.engine.engine.structured.limits
+        plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice, limits)
         prompt = self.prompt_token_ids(req.messages, plan=plan)
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             prompt = prompt[-req.truncate_prompt_tokens :]
@@ -138,6 +141,9 @@ class ChatServing:
         if plan.schema is not None:
             constrain_to_schema(params, plan.schema)
         request_id = request_id or random_id("chatcmpl")
+        found = structured_outputs_for(req)
+        param = "tools" if plan.schema is not None else found[1] if found else "structured_outputs"
+        await serving.compile_constraints([(prompt, params)], param, tenant)
         try:
             submitted = serving.submit_all([(prompt, params)], req, request_id, tenant)
         except InvalidRequestError as exc:

@@ -21,6 +21,7 @@ from engine.server.serving_engine import (
     usage,
 )
 from engine.server.shared_prefix import salt_with_prefix, shared_prefix_of
+from engine.server.structured_fields import structured_outputs_for
 from portico.errors import InvalidRequestError
 
 
@@ -88,6 +89,9 @@ class CompletionServing:
             )
             jobs.append((prompt.token_ids, serving.sampling_params(req, max_tokens)))
         request_id = random_id("cmpl")
+        found = structured_outputs_for(req)
+        if found is not None:  # one constraint for every prompt: compiled once, before queueing
+            await serving.compile_constraints(jobs, found[1], tenant)
         submitted = serving.submit_all(jobs, req, request_id, tenant)
         outputs = merge(submitted)
         if req.stream:

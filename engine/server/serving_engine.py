@@ -192,6 +192,27 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ generation
 
+    async def compile_constraints(
+        self,
+        prompts: list[tuple[list[int], SamplingParams]],
+        param: str,
+        tenant: TenantTag | None = None,
+    ) -> None:
+        """Wait until the grammars of ``prompts`` are compiled (in the engine's compile pool,
+        as ``tenant``'s compiles, then cached), so that a constraint the grammar library
+        refuses, or whose compile runs past its budget, is a 400 naming ``param`` before
+        anything is queued or sent. The event loop is never blocked meanwhile."""
+        specs = {p.structured_outputs.cache_key: p.structured_outputs for _, p in prompts
+                 if p.structured_outputs is not None}  # fmt: skip
+        name = "default" if tenant is None else tenant.name
+        structured = self.engine.engine.structured
+        for spec in specs.values():
+            try:
+                structured.check(spec, param)  # the limits first (a tool's schema is new here)
+                await structured.prepare(spec, param, name)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param=getattr(exc, "param", param)) from None
+
     def submit_all(
         self,
         prompts: list[tuple[list[int], SamplingParams]],

@@ -176,7 +176,9 @@ class ResponsesServing:
                 param="previous_response_id",
                 code="unsupported_parameter",
             )
-        started = self.chat.start(chat_request(req), new_id("resp"), tenant_of(request.headers))
+        started = await self.chat.start(
+            chat_request(req), new_id("resp"), tenant_of(request.headers)
+        )
         if req.stream:
             return EngineStreamingResponse(self.stream(req, started), started.submitted)
         body = await unless_disconnected(self.collect(req, started), request)

@@ -25,8 +25,10 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from engine.sampling_params import ParameterError
 from engine.server.protocol_chat import ChatCompletionRequest, ChatMessage, ToolDefinition
 from engine.server.tool_parsers import JsonToolCallParser, ParsedOutput, ToolParser, tool_parser
+from engine.structured_output.limits import ConstraintLimits, check_tools_limits
 from portico.errors import InvalidRequestError
 
 TOOLS_PREAMBLE = (
@@ -58,15 +60,25 @@ NO_TOOLS = ToolPlan()
 
 
 def plan_tools(
-    req: ChatCompletionRequest, parser_name: str | None, auto_tool_choice: bool
+    req: ChatCompletionRequest,
+    parser_name: str | None,
+    auto_tool_choice: bool,
+    limits: ConstraintLimits | None = None,
 ) -> ToolPlan:
     """The plan for ``req``, or a 400 naming the parameter that does not fit.
 
     ``parser_name`` and ``auto_tool_choice`` are the server's ``--tool-call-parser`` and
     ``--enable-auto-tool-choice``: as in vLLM, ``tool_choice="auto"`` needs both, while
     ``required`` and named choices need neither (the grammar fixes the reply's shape).
+    ``limits`` (None: the defaults) caps the number and size of the tools; the grammar built
+    from their parameters meets the schema limits when it is checked.
     """
     tools = req.tools or []
+    if tools:
+        try:
+            check_tools_limits(tools, limits or ConstraintLimits())
+        except ParameterError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from None
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     names = [t.function.name for t in tools]
     for i, name in enumerate(names):
