@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from engine.kv_events import CLEARED, EVICTED, STORED, KVEventLog
+
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
@@ -78,10 +80,13 @@ class BlockPool:
     free (``ref_cnt == 0``, in the free queue exactly once). A block in ``cached`` has
     ``block_hash`` set and maps back to itself. Free blocks that carry a hash are still
     prefix-cache hits until :meth:`get_new_blocks` evicts them. Not thread-safe: the
-    engine loop is its only user.
+    engine loop is its only user. With ``events``, every hash entering or leaving ``cached`` is
+    recorded there (engine/kv_events.py), in the order it happened.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -89,6 +94,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.events = events
 
     @property
     def num_free(self) -> int:
@@ -114,6 +120,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.record(EVICTED, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -150,9 +158,13 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.record(STORED, block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change). Blocks stay where they are."""
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.record(CLEARED)

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock
+from engine.kv_events import KVEventLog
 from engine.request import Request
 
 _SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
 _LORA_TAG = b"lora\x00"  # the adapter's KV differs from the base model's for equal tokens
 # A salt whose leading tokens are shared (with_shared_prefix): own salt, mark, count, shared salt.
 _SHARED_MARK = "\x00shared-prefix\x00"
+KV_EVENT_CAPACITY = 16384  # block events kept for pollers (~2 MB); a slower reader resyncs
 
 
 def with_shared_prefix(salt: str | None, shared_salt: str, num_tokens: int) -> str:
@@ -48,6 +50,42 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes
     h.update(array("q", token_ids).tobytes())
     h.update(extra)
     return h.digest()
+
+
+def _block_extra(
+    i: int, salt: str | None, num_shared: int, shared_salt: str, lora_id: int | None
+) -> bytes:
+    """The extra keys of full block ``i``: the salt where it starts, the adapter on block 0."""
+    extra = b""
+    if i == 0 and num_shared:
+        extra = _SALT_TAG + shared_salt.encode()
+    elif i == num_shared and salt is not None:  # the request's own salt starts here
+        extra = _SALT_TAG + salt.encode()
+    if i == 0 and lora_id is not None:
+        extra += _LORA_TAG + str(lora_id).encode()
+    return extra
+
+
+def prefix_block_hashes(
+    root_hash: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_int_id: int | None = None,
+) -> list[bytes]:
+    """The hashes of the full blocks of ``token_ids`` exactly as :class:`KVCacheManager`
+    with ``root_hash`` computes them for a request with this salt and adapter (a router outside
+    the engine matches them against the engine's block events: engine/kv_events.py)."""
+    salt, num_shared, shared_salt = None, 0, ""
+    if cache_salt is not None:
+        salt, num_shared, shared_salt = _split_salt(cache_salt, block_size)
+    hashes: list[bytes] = []
+    parent = root_hash
+    for i in range(len(token_ids) // block_size):
+        extra = _block_extra(i, salt, num_shared, shared_salt, lora_int_id)
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass
@@ -90,7 +128,9 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        # Stored/evicted hashes for the gateway's prefix index (engine/kv_events.py).
+        self.events = KVEventLog(KV_EVENT_CAPACITY) if enable_caching else None
+        self.pool = BlockPool(num_gpu_blocks, enable_caching, self.events)
         # A random root per process: hashes (and cache timing) are not predictable from outside.
         self.root_hash = hash_seed if hash_seed is not None else os.urandom(32)
         self.num_cpu_blocks = num_cpu_blocks
@@ -113,15 +153,10 @@ class KVCacheManager:
         salt, num_shared, shared_salt = None, 0, ""
         if request.cache_salt is not None and len(hashes) < num_blocks:
             salt, num_shared, shared_salt = _split_salt(request.cache_salt, bs)
+        lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else self.root_hash
-            extra = b""
-            if i == 0 and num_shared:
-                extra = _SALT_TAG + shared_salt.encode()
-            elif i == num_shared and salt is not None:  # the request's own salt starts here
-                extra = _SALT_TAG + salt.encode()
-            if i == 0 and request.lora_request is not None:
-                extra += _LORA_TAG + str(request.lora_request.lora_int_id).encode()
+            extra = _block_extra(i, salt, num_shared, shared_salt, lora_id)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

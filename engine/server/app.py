@@ -23,6 +23,7 @@ from engine.server import metrics as metrics_module
 from engine.server.auth import ApiKeyMiddleware
 from engine.server.drain import DrainMiddleware, DrainState
 from engine.server.engine_requests import ClientDisconnected
+from engine.server.kv_events_routes import add_kv_event_routes
 from engine.server.lora_routes import add_lora_routes, runtime_updates_allowed
 from engine.server.metrics import ServerMetrics
 from engine.server.openapi import openapi_document
@@ -279,6 +280,7 @@ def create_app(
     app.add_api_route("/openapi.json", routes.openapi, methods=["GET"])
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    add_kv_event_routes(app, engine.engine.scheduler.kv)  # the gateway's prefix index
     lora_flag = bool(getattr(engine.config, "allow_runtime_lora_updating", False))
     if routes.serving.lora is not None and runtime_updates_allowed(lora_flag):
         add_lora_routes(app, routes.serving.lora)
