@@ -67,15 +67,15 @@ class ModelPrice(BaseModel):
         ``prompt_tokens`` includes the cached ones (OpenAI's usage: ``cached_tokens`` is a
         detail of ``prompt_tokens``): uncached = prompt - cached, each priced at its rate.
         """
-        cached = min(max(0, cached_tokens), max(0, prompt_tokens))
-        uncached = max(0, prompt_tokens) - cached
+        # comparisons, not min/max calls: this runs once per request
+        prompt = prompt_tokens if prompt_tokens > 0 else 0
+        cached = cached_tokens if cached_tokens > 0 else 0
+        if cached > prompt:
+            cached = prompt
+        completion = completion_tokens if completion_tokens > 0 else 0
         input_units, cached_units, output_units = self.units
         # tokens x micro-dollars per 1M tokens = micro-dollars x 1e6: divide once, at the end
-        total = (
-            uncached * input_units
-            + cached * cached_units
-            + max(0, completion_tokens) * output_units
-        )
+        total = (prompt - cached) * input_units + cached * cached_units + completion * output_units
         return (total + MICRO // 2) // MICRO
 
     def public(self) -> dict[str, float]:
@@ -126,7 +126,8 @@ class PriceBook:
         self._stop = asyncio.Event()
 
     def get(self, model: str) -> ModelPrice | None:
-        return self._overrides.get(model) or self._configured.get(model)
+        price = self._overrides.get(model)
+        return price if price is not None else self._configured.get(model)
 
     def spend_micro_usd(
         self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int
