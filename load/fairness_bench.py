@@ -7,7 +7,9 @@ For each scheduling policy (``--policies``, default ``fcfs,fair``) one real ``po
 process is started with ``--scheduling-policy <policy>`` and the same flags otherwise, and
 talked to directly on the engine hop: every request carries the ``x-portico-*`` headers the
 gateway would set (engine/tenancy.py), so what is measured is the engine's scheduler alone,
-without the gateway's admission in front. On each engine, in order:
+without the gateway's admission in front. All engines stay up (an idle one costs nothing) and
+``--rounds`` alternate them, so a machine whose load drifts weighs on every policy alike; each
+policy's rounds are pooled. On each engine, each round, in order:
 
 1. **alone**: tenant Q ("quiet") sends ``--quiet-requests`` short requests, one at a time;
 2. **with N**: tenant N ("noisy") keeps ``--noisy-concurrency`` long requests in flight (a
@@ -74,6 +76,7 @@ class Workload:
     quiet_gap_s: float = 0.1  # pause between two of Q's requests
     warmup_requests: int = 16  # N's requests finished before Q starts
     seed: int = 0
+    rounds: int = 1  # the policies take turns this many times
 
 
 QUICK = Workload(
@@ -110,6 +113,18 @@ class PolicyRun:
     window_s: float = 0.0  # Q's with-N phase, first send to last answer
     generated_tokens: float = 0.0  # by the engine in that window (its own counter)
     tenant_tokens: dict[str, float] = field(default_factory=dict)  # per-tenant counter delta
+    round_tok_s: list[float] = field(default_factory=list)  # total output tok/s, each round
+
+    def add(self, other: PolicyRun) -> None:
+        """Pool another round of the same policy into this one."""
+        self.alone += other.alone
+        self.with_noisy += other.with_noisy
+        self.noisy += other.noisy
+        self.window_s += other.window_s
+        self.generated_tokens += other.generated_tokens
+        for tenant, tokens in other.tenant_tokens.items():
+            self.tenant_tokens[tenant] = self.tenant_tokens.get(tenant, 0.0) + tokens
+        self.round_tok_s += other.round_tok_s
 
 
 def token_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -261,6 +276,7 @@ async def run_policy(
         for k, v in after.items()
         if k.startswith("tenant:")
     }
+    run.round_tok_s = [run.generated_tokens / run.window_s] if run.window_s else []
     await _wait_idle(client)
     return run
 
@@ -345,7 +361,7 @@ def _ttft(timings: Sequence[Timing]) -> dict[str, float]:
     return {"p50": p["median"], "p99": p["p99"], "mean": p["mean"]}
 
 
-def _policy_report(run: PolicyRun, work: Workload) -> dict[str, Any]:
+def _policy_report(run: PolicyRun) -> dict[str, Any]:
     quiet_tokens = sum(t.output_tokens for t in run.with_noisy if t.ok)
     noisy_tokens = max(0.0, run.generated_tokens - quiet_tokens)
     window = run.window_s or 1.0
@@ -360,6 +376,7 @@ def _policy_report(run: PolicyRun, work: Workload) -> dict[str, Any]:
         "quiet_output_tokens": quiet_tokens,
         "noisy_output_tok_s": noisy_tokens / window,
         "total_output_tok_s": run.generated_tokens / window,
+        "total_output_tok_s_each_round": run.round_tok_s,
         "engine_tenant_generation_tokens": run.tenant_tokens,
         "quiet_ttft_s": {
             "alone": [t.ttft for t in run.alone if t.ok],
@@ -372,7 +389,7 @@ def build_report(
     runs: Sequence[PolicyRun], work: Workload, model: str, engine_args: Sequence[str]
 ) -> dict[str, Any]:
     """The JSON report: the workload, each policy's numbers, the summary and the targets."""
-    policies = {run.policy: _policy_report(run, work) for run in runs}
+    policies = {run.policy: _policy_report(run) for run in runs}
     alone_run = policies.get("fair") or next(iter(policies.values()))
     summary: dict[str, Any] = {
         "quiet_ttft_ms": {"alone": alone_run["quiet_ttft_ms_alone"]}
@@ -453,10 +470,20 @@ def print_summary(report: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- main
 
 
-async def _measure(url: str, policy: str, work: Workload, progress: bool) -> PolicyRun:
+async def _measure(urls: dict[str, str], work: Workload, progress: bool) -> list[PolicyRun]:
+    """``work.rounds`` rounds, the policies in turn within each; one pooled run per policy."""
     limits = httpx.Limits(max_connections=work.noisy_concurrency + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        return await run_policy(client, policy, work, progress)
+    pooled: dict[str, PolicyRun] = {}
+    for number in range(work.rounds):
+        for policy, url in urls.items():
+            async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+                run = await run_policy(client, policy, work, progress)
+            _say(progress, f"{policy}: round {number + 1} done")
+            if policy in pooled:
+                pooled[policy].add(run)
+            else:
+                pooled[policy] = run
+    return list(pooled.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet-gap-s", type=float, default=d.quiet_gap_s)
     parser.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="policies take turns")
     parser.add_argument("--out", default="load/results/fairness.json")
     parser.add_argument("--plot", default=None, help="PNG path prefix for the two plots")
     parser.add_argument("--no-progress", action="store_true")
@@ -495,16 +523,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             quiet_gap_s=args.quiet_gap_s,
             warmup_requests=args.warmup_requests,
             seed=args.seed,
+            rounds=args.rounds,
         )
     engine_args = shlex.split(args.engine_args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     progress = not args.no_progress
-    runs = []
     with tempfile.TemporaryDirectory(prefix="fairness-bench-") as tmp:
-        for policy in policies:
-            with engine_process(args.model, policy, engine_args, Path(tmp)) as url:
-                _say(progress, f"{policy}: engine ready at {url}")
-                runs.append(asyncio.run(_measure(url, policy, work, progress)))
+        with contextlib.ExitStack() as engines:
+            urls = {}
+            for policy in policies:
+                urls[policy] = engines.enter_context(
+                    engine_process(args.model, policy, engine_args, Path(tmp))
+                )
+                _say(progress, f"{policy}: engine ready at {urls[policy]}")
+            runs = asyncio.run(_measure(urls, work, progress))
     report = build_report(runs, work, args.model, engine_args)
     if args.plot:
         report["plots"] = plot_report(report, args.plot)

@@ -61,6 +61,24 @@ def test_report_math_and_targets_on_hand_made_runs() -> None:
     assert missed["fair_total_at_least_0_95_fcfs"] is False
 
 
+def test_rounds_of_one_policy_pool_their_timings_and_tokens() -> None:
+    first = PolicyRun(
+        "fair", alone=_timings(0.01), with_noisy=_timings(0.02), window_s=2.0,
+        generated_tokens=100.0, tenant_tokens={"noisy": 90.0, "quiet": 3.0}, round_tok_s=[50.0],
+    )  # fmt: skip
+    second = PolicyRun(
+        "fair", alone=_timings(0.03), with_noisy=_timings(0.04), window_s=1.0,
+        generated_tokens=20.0, tenant_tokens={"noisy": 15.0}, round_tok_s=[20.0],
+    )  # fmt: skip
+    first.add(second)
+    assert [t.ttft for t in first.with_noisy] == [0.02, 0.04]
+    assert (first.window_s, first.generated_tokens) == (3.0, 120.0)
+    assert first.tenant_tokens == {"noisy": 105.0, "quiet": 3.0}
+    report = build_report([first], Workload(), "m", [])["policies"]["fair"]
+    assert report["total_output_tok_s"] == pytest.approx(40.0)  # pooled: 120 tokens / 3 s
+    assert report["total_output_tok_s_each_round"] == [50.0, 20.0]
+
+
 def test_one_policy_alone_reports_no_targets() -> None:
     run = PolicyRun("fair", alone=_timings(0.01), with_noisy=_timings(0.02), window_s=1.0)
     report = build_report([run], Workload(), "m", [])
