@@ -115,6 +115,7 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = ConstraintLimits.compile_timeout
     structured_outputs_compile_workers: int = ConstraintLimits.compile_workers
     structured_outputs_compile_per_tenant: int = ConstraintLimits.compile_per_tenant
+    structured_outputs_max_mask_ms: float = ConstraintLimits.max_mask_ms
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -444,6 +444,10 @@ class LLMEngine:
             if req.request_id not in finished:  # e.g. ignore_eos: the grammar still ends it
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 finished.add(req.request_id)
+        if stop is None and req.grammar is not None and req.grammar.too_slow:
+            if req.request_id not in finished:  # its masks would stall every step: cut it
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.add(req.request_id)
         if stop is not None and req.request_id not in finished:
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
         if stop is not None or req.request_id in finished:

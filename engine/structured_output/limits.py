@@ -40,6 +40,9 @@ class ConstraintLimits:
     compile_timeout: float = 10.0  # seconds one compile may take (spec -> token automaton)
     compile_workers: int = 2  # worker processes that compile
     compile_per_tenant: int = 1  # of those, how many one tenant's compiles may hold at once
+    # CPU milliseconds one sequence's next-token mask may take (an ambiguous grammar's grows
+    # with every token); past it the sequence is cut with finish_reason "length".
+    max_mask_ms: float = 50.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,8 +53,10 @@ class ConstraintLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not self.compile_timeout > 0:
-            raise ValueError(f"compile_timeout must be > 0, got {self.compile_timeout!r}")
+        for name in ("compile_timeout", "max_mask_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
 # What each limit means, for ``--help`` (flag: ``--structured-outputs-`` + the field's name).
@@ -68,6 +73,8 @@ LIMIT_HELP = {
     "compile_timeout": "seconds one grammar compile may take before it is cancelled (400)",
     "compile_workers": "grammar compile worker processes",
     "compile_per_tenant": "compiles one tenant may run at once (keep below the workers)",
+    "max_mask_ms": "CPU milliseconds one sequence's next-token mask may take; past it the "
+    "sequence ends with finish_reason length",
 }
 
 

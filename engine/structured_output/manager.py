@@ -72,6 +72,7 @@ class GrammarStats:
     last_compile_seconds: float = 0.0
     num_failed: int = 0
     num_timed_out: int = 0  # ran past the compile budget (their workers were replaced)
+    num_slow_masks: int = 0  # sequences cut because one mask took more than max_mask_ms
     tokenizer_setup_seconds: float = 0.0  # once per engine, at start, on a compile lane
 
 
@@ -79,15 +80,19 @@ class GrammarState:
     """One sequence's constraint: the compiled grammar (a future) and, once ready, its matcher.
 
     Engine thread only. ``is_terminated`` means the grammar has accepted its stop token: the
-    output is complete and the request must end with finish_reason "stop".
+    output is complete and the request must end with finish_reason "stop". ``too_slow`` means
+    its mask cost more than ``max_mask_ms``: the request must end (finish_reason "length")
+    before its growing masks delay every sequence's step.
     """
 
-    __slots__ = ("_future", "matcher", "error")
+    __slots__ = ("_future", "matcher", "error", "too_slow")
 
     def __init__(self, future: Future[xgr.CompiledGrammar]) -> None:
         self._future = future
         self.matcher: xgr.GrammarMatcher | None = None
         self.error: BaseException | None = None
+        # Its mask took more than the limit (an ambiguous grammar): the engine cuts it.
+        self.too_slow = False
 
     @property
     def is_ready(self) -> bool:
@@ -270,8 +275,34 @@ class StructuredOutputManager:
         if len(states) > self._bitmask.shape[0]:
             self._bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
         bitmask = self._bitmask[: len(states)]
+        # CPU time of this thread: another process taking the core does not count.
+        start = time.thread_time()
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        if time.thread_time() - start > self.limits.max_mask_ms / 1000:
+            self._find_slow(states, rows, bitmask)
         return bitmask, rows
+
+    def _find_slow(
+        self, states: Sequence[GrammarState | None], rows: list[int], bitmask: torch.Tensor
+    ) -> None:
+        """The batch's mask took too long: time each row again (a fill does not move the
+        matcher) and mark the rows over the limit. Only paid in that rare case."""
+        for row in rows:
+            state = states[row]
+            assert state is not None and state.matcher is not None  # rows hold matchers
+            start = time.thread_time()
+            state.matcher.fill_next_token_bitmask(bitmask, row)
+            if time.thread_time() - start > self.limits.max_mask_ms / 1000:
+                self._mark_slow(state)
+
+    def _mark_slow(self, state: GrammarState) -> None:
+        if not state.too_slow:
+            state.too_slow = True
+            self.stats.num_slow_masks += 1
+            logger.warning(
+                "a grammar's mask took more than %g ms of CPU: its request is cut",
+                self.limits.max_mask_ms,
+            )
 
     def fill_bitmask_for_guesses(
         self, states: Sequence[GrammarState | None], guesses: Sequence[Sequence[int]]
@@ -291,7 +322,8 @@ class StructuredOutputManager:
         base = 0
         for state, guess in zip(states, guesses, strict=True):
             matcher = state.matcher if state is not None else None
-            if matcher is not None:
+            if state is not None and matcher is not None:
+                start = time.thread_time()
                 num_advanced = 0
                 for j in range(len(guess) + 1):
                     if matcher.is_terminated():
@@ -303,6 +335,8 @@ class StructuredOutputManager:
                     num_advanced += 1
                 if num_advanced:
                     matcher.rollback(num_advanced)
+                if time.thread_time() - start > self.limits.max_mask_ms / 1000 * (1 + len(guess)):
+                    self._mark_slow(state)
             base += 1 + len(guess)
         return bitmask, rows
 

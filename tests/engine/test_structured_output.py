@@ -300,3 +300,25 @@ def test_one_tenants_compiles_hold_at_most_its_share_of_the_lanes(tiny: LoadedMo
     a2.wait(60)
     assert a1.is_ready and a2.is_ready and a2.error is None
     engine.close()
+
+
+def test_a_sequence_whose_mask_costs_more_than_the_limit_is_cut_and_the_others_go_on(
+    tiny: LoadedModel,
+) -> None:
+    """An ambiguous grammar (nested stars: its mask grows with every token) passes the static
+    checks, which do not look inside EBNF; the mask limit cuts it. A limit of one nanosecond
+    makes the first mask over it, so the test does not depend on the machine's speed."""
+    engine = make_engine(tiny, structured_outputs_max_mask_ms=1e-6)
+    ambiguous = StructuredOutputsParams(grammar='root ::= ("a"*)* "b"')
+    engine.add_request(
+        "evil", prompt(5), SamplingParams(max_tokens=50, structured_outputs=ambiguous)
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("free", prompt(7, 300), free)
+    final = run_all(engine)
+    evil = final["evil"].outputs[0]
+    assert evil.finish_reason == "length" and len(evil.token_ids) == 1
+    assert final["free"].outputs[0].finish_reason == "length"
+    assert len(final["free"].outputs[0].token_ids) == 12
+    assert engine.structured.stats.num_slow_masks == 1
+    engine.close()

@@ -130,3 +130,5 @@ def test_the_limits_are_engine_flags_validated_at_construction() -> None:
         EngineConfig(structured_outputs_max_depth=0)
     with pytest.raises(ValueError, match="--structured-outputs-compile-timeout"):
         EngineConfig(structured_outputs_compile_timeout=0.0)
+    with pytest.raises(ValueError, match="--structured-outputs-max-mask-ms"):
+        EngineConfig(structured_outputs_max_mask_ms=-1.0)
