@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock
@@ -76,16 +76,26 @@ def prefix_block_hashes(
     """The hashes of the full blocks of ``token_ids`` exactly as :class:`KVCacheManager`
     with ``root_hash`` computes them for a request with this salt and adapter (a router outside
     the engine matches them against the engine's block events: engine/kv_events.py)."""
+    return list(iter_prefix_block_hashes(root_hash, token_ids, block_size, cache_salt, lora_int_id))
+
+
+def iter_prefix_block_hashes(
+    root_hash: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_int_id: int | None = None,
+) -> Iterator[bytes]:
+    """:func:`prefix_block_hashes` one block at a time: a caller matching a prefix stops
+    hashing at its first miss."""
     salt, num_shared, shared_salt = None, 0, ""
     if cache_salt is not None:
         salt, num_shared, shared_salt = _split_salt(cache_salt, block_size)
-    hashes: list[bytes] = []
     parent = root_hash
     for i in range(len(token_ids) // block_size):
         extra = _block_extra(i, salt, num_shared, shared_salt, lora_int_id)
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
-        hashes.append(parent)
-    return hashes
+        yield parent
 
 
 @dataclass

@@ -31,7 +31,8 @@ from gateway.dataplane.discovery import DNSDiscovery
 from gateway.dataplane.long_prompts import PromptFit, context_length
 from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
 from gateway.dataplane.output_tokens import OutputCounter
-from gateway.dataplane.pool import Pool, Replica
+from gateway.dataplane.pool import Pool, Replica, ReplicaPolicy
+from gateway.dataplane.prefix_index import PrefixIndex, PrefixIndexFeeder
 from gateway.dataplane.proxy import LocalUpstream, Upstream
 from gateway.dataplane.remote import RemoteUpstream
 from gateway.dataplane.request_context import InFlight
@@ -107,6 +108,7 @@ async def start_gateway(
         retry = load_retry_policy(config.policies_dir / "retry.yaml")
         routing = load_routing_policy(config.policies_dir / "routing.yaml")
         local = _LocalEngines(config, runtime_dir, retry, routing.affinity_slack, metrics)
+        local.use_replica_policy(routing.replica_policy)
         for pool in local.pools:
             for replica in pool.replicas:
                 stack.push_async_callback(replica.client.aclose)
@@ -145,6 +147,7 @@ async def start_gateway(
         await asyncio.gather(*(d.refresh() for d in local.discoveries))
         probers = [asyncio.create_task(pool.run_prober()) for pool in [*local.pools, *remote_pools]]
         probers += [asyncio.create_task(d.run()) for d in local.discoveries]
+        probers += [asyncio.create_task(f.run()) for f in local.prefix_feeders]
         stack.push_async_callback(_cancel, probers)
         stack.push_async_callback(supervisor.stop, config.supervisor.stop_timeout_s)
         timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
@@ -220,6 +223,16 @@ class _LocalEngines:
             if spec.discovery is not None:
                 found = functools.partial(_tcp_replica, timeout=timeout)
                 self.discoveries.append(DNSDiscovery(pool, spec.discovery, found))
+
+    def use_replica_policy(self, policy: ReplicaPolicy) -> None:
+        """Set every local pool's replica policy; prefix_aware gives each pool a prefix index
+        and a feeder polling its replicas' block events (gateway/dataplane/prefix_index.py)."""
+        self.prefix_feeders: list[PrefixIndexFeeder] = []
+        for pool in self.pools:
+            pool.replica_policy = policy
+            if policy == "prefix_aware":
+                pool.index = PrefixIndex()
+                self.prefix_feeders.append(PrefixIndexFeeder(pool.index, pool.available_clients))
 
     def _replica(
         self, spec: EngineSpec, name: str, runtime_dir: Path, timeout: httpx.Timeout

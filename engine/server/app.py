@@ -280,7 +280,7 @@ def create_app(
     app.add_api_route("/openapi.json", routes.openapi, methods=["GET"])
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
-    add_kv_event_routes(app, engine.engine.scheduler.kv)  # the gateway's prefix index
+    add_kv_event_routes(app, engine)  # the gateway's prefix index
     lora_flag = bool(getattr(engine.config, "allow_runtime_lora_updating", False))
     if routes.serving.lora is not None and runtime_updates_allowed(lora_flag):
         add_lora_routes(app, routes.serving.lora)

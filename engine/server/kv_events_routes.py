@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
-from engine.kv_cache_manager import KVCacheManager
+from engine.async_engine import AsyncLLMEngine
 from engine.kv_events import KVEvent, KVEventLog
 from portico.errors import InvalidRequestError
 
@@ -57,8 +57,14 @@ def _grouped(events: list[KVEvent]) -> list[dict[str, Any]]:
     return out
 
 
-def add_kv_event_routes(app: FastAPI, kv: KVCacheManager) -> None:
-    """Mount the two routes for ``kv``'s event log (prefix caching on: it has one)."""
+def add_kv_event_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    """Mount the two routes for the engine's event log (prefix caching on: it has one).
+
+    Each poll also carries the engine's load as of its latest step (``num_waiting``,
+    ``num_running``, ``kv_cache_usage``), so one request feeds a router both halves of its
+    score.
+    """
+    kv = engine.engine.scheduler.kv
     log: KVEventLog | None = kv.events
     if log is None:
         return
@@ -68,11 +74,15 @@ def add_kv_event_routes(app: FastAPI, kv: KVCacheManager) -> None:
         since = _int_param(request, "since", 1, 1)
         limit = min(_int_param(request, "limit", MAX_EVENTS_PER_POLL, 1), MAX_EVENTS_PER_POLL)
         batch = log.since(since, limit)
+        stats = engine.stats()
         return {
             "epoch": batch.epoch,
             "next_seq": batch.next_seq,
             "resync": batch.resync,
             "events": _grouped(batch.events),
+            "num_waiting": stats.num_waiting + stats.num_swapped,
+            "num_running": stats.num_running,
+            "kv_cache_usage": stats.kv_cache_usage,
         }
 
     @app.get("/v1/kv_events/snapshot")

@@ -7,6 +7,13 @@ land where the engine's prefix cache already holds it — as long as it is not o
 with the fewest outstanding requests. Rendezvous (highest random weight) hashing moves only the
 keys of a replica that leaves, and needs no ring to rebuild.
 
+Replica policy (``replica_policy`` in policies/routing.yaml): ``least_loaded`` is the choice
+above; ``round_robin`` rotates over the available replicas whatever their load;
+``prefix_aware`` scores each replica by the prompt tokens its engine already caches (a
+:class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by the engines' block events) minus
+its load, and falls back to ``least_loaded`` when the request brings no tokens or no replica's
+index entry is fresh.
+
 Ejection: ``eject_after_failures`` consecutive failed attempts eject a replica for
 ``eject_cooldown_s``; after the cool-down a probe of its ``/health`` readmits it (or starts a
 new cool-down). A replica without a probe path (a remote endpoint) is readmitted half-open
@@ -22,10 +29,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
+from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
+
 log = logging.getLogger("portico.gateway.pool")
+
+ReplicaPolicy = Literal["prefix_aware", "least_loaded", "round_robin"]
+# prefix_aware's exchange rate, in prompt tokens: a request ahead in a replica's queue costs
+# about as much waiting as prefilling this many tokens, and a full KV cache (which will evict
+# and may preempt) this many more. A cached prefix shorter than that does not buy a queue.
+LOAD_COST_TOKENS = 256
+KV_FULL_COST_TOKENS = 512
 
 
 @dataclass(eq=False)
@@ -75,8 +92,12 @@ class Pool:
         eject_after_failures: int = 3,
         eject_cooldown_s: float = 5.0,
         on_eject: Callable[[Replica], None] | None = None,
+        replica_policy: ReplicaPolicy = "least_loaded",
+        index: PrefixIndex | None = None,
     ) -> None:
         self.name = name
+        self.replica_policy = replica_policy
+        self.index = index
         self.replicas = replicas
         self.slack = slack
         self.eject_after_failures = eject_after_failures
@@ -87,13 +108,29 @@ class Pool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.available]
 
-    def pick(self, prefix_key: bytes | None, exclude: tuple[Replica, ...] = ()) -> Replica | None:
+    def available_clients(self) -> list[tuple[str, httpx.AsyncClient]]:
+        """(name, client) of the replicas up now: what a prefix index feeder polls."""
+        return [(r.name, r.client) for r in self.replicas if r.available]
+
+    def pick(
+        self,
+        prefix_key: bytes | None,
+        exclude: tuple[Replica, ...] = (),
+        tokens: RouteTokens | None = None,
+    ) -> Replica | None:
         """The replica for this attempt, or None when no replica can take it."""
         candidates = [r for r in self.replicas if r.available and r not in exclude]
         if not candidates:
             return None
         if len(candidates) == 1:
             return candidates[0]
+        if self.replica_policy == "round_robin":
+            self._next += 1
+            return candidates[self._next % len(candidates)]
+        if self.replica_policy == "prefix_aware" and tokens is not None and self.index is not None:
+            chosen = self._pick_by_prefix(candidates, tokens, self.index)
+            if chosen is not None:
+                return chosen
         least = min(r.outstanding for r in candidates)
         if prefix_key:
             preferred = max(candidates, key=lambda r: _weight(prefix_key, r.key))
@@ -106,6 +143,30 @@ class Pool:
             if replica.outstanding == least:
                 return replica
         return candidates[0]  # unreachable: some candidate holds the minimum
+
+    def _pick_by_prefix(
+        self, candidates: list[Replica], tokens: RouteTokens, index: PrefixIndex
+    ) -> Replica | None:
+        """The best-scoring replica (ties rotate), or None when no index entry is fresh."""
+        scores: list[float] = []
+        any_fresh = False
+        for replica in candidates:
+            entry = index.fresh(replica.name)
+            if entry is None:  # unknown cache: no prefix credit, this gateway's load only
+                scores.append(-LOAD_COST_TOKENS * replica.outstanding)
+                continue
+            any_fresh = True
+            cached = index.cached_tokens(replica.name, tokens) or 0
+            # the engine's queue counts other gateways' requests too; ours may be newer
+            load = max(replica.outstanding, entry.num_waiting + entry.num_running)
+            kv_cost = KV_FULL_COST_TOKENS * entry.kv_cache_usage
+            scores.append(cached - LOAD_COST_TOKENS * load - kv_cost)
+        if not any_fresh:
+            return None
+        best = max(scores)
+        tied = [r for r, score in zip(candidates, scores, strict=True) if score == best]
+        self._next += 1
+        return tied[self._next % len(tied)]
 
     def record_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0

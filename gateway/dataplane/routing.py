@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,6 +67,10 @@ class RoutingPolicy(_Strict):
     keywords: list[str] = []
     prefix_chars: int = Field(default=256, ge=0, le=100_000)
     affinity_slack: int = Field(default=2, ge=0, le=10_000)
+    # how a pool picks a replica (gateway/dataplane/pool.py): least_loaded (with the prefix
+    # affinity above), prefix_aware (the engines' cached blocks, gateway/dataplane/prefix_index.py),
+    # round_robin
+    replica_policy: Literal["prefix_aware", "least_loaded", "round_robin"] = "least_loaded"
 
     @model_validator(mode="after")
     def _fallbacks_name_tiers(self) -> RoutingPolicy:

@@ -38,6 +38,7 @@ async def test_served_prompt_blocks_appear_as_events_a_router_can_match(
             expected = [h.hex() for h in prefix_block_hashes(root, prompt, block_size, "t1")]
             polled = (await client.get("/v1/kv_events", params={"since": 1})).json()
             assert polled["epoch"] == empty["epoch"] and not polled["resync"]
+            assert polled["num_waiting"] == 0 and 0 <= polled["kv_cache_usage"] <= 1
             stored = [h for e in polled["events"] if e["type"] == "stored" for h in e["hashes"]]
             assert stored[:3] == expected
             snap = (await client.get("/v1/kv_events/snapshot")).json()

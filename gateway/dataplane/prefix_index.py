@@ -1,0 +1,208 @@
+"""Which local replica holds which prefix blocks, fed by the engines' block events.
+
+Each engine publishes the hashes of the blocks its prefix cache stores and evicts
+(engine/kv_events.py, served at ``GET /v1/kv_events`` and ``/v1/kv_events/snapshot``). The
+:class:`PrefixIndexFeeder` polls every available replica of a pool on the connection the
+gateway already holds to it and keeps a :class:`PrefixIndex`: per replica, the set of hashes
+cached there, the sequence number it is exact at, and the engine's load as of that poll.
+
+The gateway computes a request's block hashes exactly as the engine does
+(:func:`engine.kv_cache_manager.iter_prefix_block_hashes`: the same token ids, the same
+``cache_salt`` the proxy sends, the engine's block size and hash root from its snapshot), so a
+match is a real cache hit, never a guess on characters. Each engine process has its own root,
+so hashes are computed per replica, lazily, stopping at the first block that replica lacks:
+the cost is the matched prefix, not the prompt times the replicas.
+
+Freshness: a replica's entry is trusted for ``stale_after_s`` after its latest successful poll.
+A replica restart (a new ``epoch``), a poll that fell behind the engine's ring (``resync``) or
+a gap in sequence numbers drops the entry's hashes and takes a new snapshot; events already
+applied (a late or repeated answer) are skipped by sequence number. Memory: at most
+``max_hashes`` hashes per replica (an engine never caches more blocks than its pool holds;
+an entry past the bound is dropped and rebuilt). Everything runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from engine.kv_cache_manager import iter_prefix_block_hashes
+
+log = logging.getLogger("portico.gateway.prefix_index")
+
+STALE_AFTER_S = 5.0  # ~10 missed polls at the default interval
+POLL_INTERVAL_S = 0.5
+MAX_HASHES_PER_REPLICA = 1 << 20  # 32 MiB of hashes; engines hold far fewer blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTokens:
+    """What the prefix scorer needs of a request: its prompt token ids as the engine will see
+    them, and the ``cache_salt`` the proxy sends with it (None: unsalted)."""
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+    lora_int_id: int | None = None
+
+
+@dataclass(slots=True)
+class ReplicaEntry:
+    """One replica's cached hashes, exact after event ``next_seq - 1`` of ``epoch``."""
+
+    epoch: str
+    next_seq: int
+    block_size: int
+    hash_root: bytes
+    hashes: set[bytes] = field(default_factory=set)
+    synced_at: float = 0.0
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class PrefixIndex:
+    """Per replica name, the prefix blocks its engine caches (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        stale_after_s: float = STALE_AFTER_S,
+        max_hashes: int = MAX_HASHES_PER_REPLICA,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stale_after_s = stale_after_s
+        self.max_hashes = max_hashes
+        self.clock = clock
+        self.entries: dict[str, ReplicaEntry] = {}
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    def apply_snapshot(self, replica: str, doc: dict[str, Any]) -> None:
+        """Replace the replica's entry with a ``/v1/kv_events/snapshot`` answer."""
+        hashes = doc["hashes"]
+        if len(hashes) > self.max_hashes:
+            self.entries.pop(replica, None)
+            log.warning("replica %s caches %d blocks, over the index bound", replica, len(hashes))
+            return
+        self.entries[replica] = ReplicaEntry(
+            epoch=doc["epoch"],
+            next_seq=int(doc["next_seq"]),
+            block_size=int(doc["block_size"]),
+            hash_root=bytes.fromhex(doc["hash_root"]),
+            hashes={bytes.fromhex(h) for h in hashes},
+            synced_at=self.clock(),
+        )
+
+    def apply_events(self, replica: str, doc: dict[str, Any]) -> bool:
+        """Apply a ``/v1/kv_events`` answer; False when the replica must be resynced (its
+        entry is then dropped: no stale hashes are scored)."""
+        entry = self.entries.get(replica)
+        if entry is None or doc["resync"] or doc["epoch"] != entry.epoch:
+            self.entries.pop(replica, None)
+            return False
+        for event in doc["events"]:
+            seq = int(event["seq"])
+            hashes = event["hashes"]
+            if event["type"] == "cleared":
+                if seq >= entry.next_seq:
+                    entry.hashes.clear()
+                    entry.next_seq = seq + 1
+                continue
+            for offset, hex_hash in enumerate(hashes):
+                if seq + offset < entry.next_seq:
+                    continue  # applied already (a repeated or late answer)
+                if seq + offset > entry.next_seq:  # a gap: events were lost
+                    self.entries.pop(replica, None)
+                    return False
+                if event["type"] == "stored":
+                    entry.hashes.add(bytes.fromhex(hex_hash))
+                else:
+                    entry.hashes.discard(bytes.fromhex(hex_hash))
+                entry.next_seq += 1
+        if len(entry.hashes) > self.max_hashes:
+            self.entries.pop(replica, None)
+            return False
+        entry.next_seq = max(entry.next_seq, int(doc["next_seq"]))
+        entry.num_waiting = int(doc.get("num_waiting", 0))
+        entry.num_running = int(doc.get("num_running", 0))
+        entry.kv_cache_usage = float(doc.get("kv_cache_usage", 0.0))
+        entry.synced_at = self.clock()
+        return True
+
+    def forget(self, replica: str) -> None:
+        self.entries.pop(replica, None)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def fresh(self, replica: str) -> ReplicaEntry | None:
+        """The replica's entry if its latest poll is recent enough to route on, else None."""
+        entry = self.entries.get(replica)
+        if entry is None or self.clock() - entry.synced_at > self.stale_after_s:
+            return None
+        return entry
+
+    def cached_tokens(self, replica: str, tokens: RouteTokens) -> int | None:
+        """Prompt tokens of the longest prefix cached on the replica (whole blocks), or None
+        when its entry is missing or stale."""
+        entry = self.fresh(replica)
+        if entry is None:
+            return None
+        matched = 0
+        for block_hash in iter_prefix_block_hashes(
+            entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt,
+            tokens.lora_int_id,
+        ):  # fmt: skip
+            if block_hash not in entry.hashes:
+                break
+            matched += 1
+        return matched * entry.block_size
+
+
+class PrefixIndexFeeder:
+    """Polls the replicas of one pool into a :class:`PrefixIndex`.
+
+    ``replicas`` returns (name, client) of the replicas to poll now (the available ones);
+    ``client`` is the replica's own :class:`httpx.AsyncClient`. A replica that does not answer
+    keeps its entry until it goes stale; one answering 404 (an engine without prefix caching,
+    or another server) is simply never indexed.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        replicas: Callable[[], Iterable[tuple[str, httpx.AsyncClient]]],
+        *,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.index = index
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(name, client) for name, client in self.replicas()))
+
+    async def _poll(self, name: str, client: httpx.AsyncClient) -> None:
+        try:
+            entry = self.index.entries.get(name)
+            if entry is not None:
+                resp = await client.get(
+                    "/v1/kv_events", params={"since": entry.next_seq}, timeout=self.timeout_s
+                )
+                if resp.status_code == 200 and self.index.apply_events(name, resp.json()):
+                    return
+            resp = await client.get("/v1/kv_events/snapshot", timeout=self.timeout_s)
+            if resp.status_code == 200:
+                self.index.apply_snapshot(name, resp.json())
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.debug("kv events of %s: %s", name, exc)
+
+    async def run(self, interval_s: float = POLL_INTERVAL_S) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(interval_s)
