@@ -97,7 +97,6 @@ class ConstraintLimitError(ParameterError):
 def check_limits(spec: StructuredOutputsParams, limits: ConstraintLimits, param: str) -> None:
     """Raise :class:`ConstraintLimitError` if ``spec`` passes any limit (linear time)."""
     if spec.json is not None and not isinstance(spec.json, bool):
-        _check_size(spec.json, limits, param)
         _check_schema(spec.json, limits, param)
     elif spec.regex is not None:
         _check_text(spec.regex, limits, param)
@@ -140,17 +139,16 @@ def _check_text(text: str, limits: ConstraintLimits, param: str) -> None:
         )  # fmt: skip
 
 
-def _check_size(schema: Any, limits: ConstraintLimits, param: str) -> None:
-    try:
-        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    except RecursionError:  # deeper than Python's stack: far over any depth limit
-        raise ConstraintLimitError(
-            param, "the schema is nested too deeply", limits.max_depth,
-            "max_depth",
-        ) from None  # fmt: skip
-    except (TypeError, ValueError) as exc:
-        raise ParameterError(param, f"{param}: the schema is not JSON: {exc}") from None
-    _check_text(text, limits, param)
+def _json_size(value: Any) -> int:
+    """Bytes ``value`` adds to its document's compact JSON, not counting what it contains
+    (escapes aside: a string counts its UTF-8 bytes and its quotes)."""
+    if isinstance(value, str):
+        return 2 + (len(value) if value.isascii() else len(value.encode()))
+    if isinstance(value, dict):  # braces, and per member a key, its quotes, ":" and ","
+        return 1 + sum(4 + (len(k) if k.isascii() else len(k.encode())) for k in value) or 2
+    if isinstance(value, list):  # brackets and commas
+        return 1 + len(value) if value else 2
+    return len(str(value))  # numbers, true, false, null
 
 
 # Schema keywords whose integer value becomes a repeat count in the grammar.
@@ -160,13 +158,20 @@ _BOUND_KEYWORDS = (
 
 
 def _check_schema(schema: Any, limits: ConstraintLimits, param: str) -> None:
-    """One iterative walk over the document: depth, nodes, properties, enum values, string
-    and array bounds, and every ``pattern`` regex."""
-    num_nodes = num_properties = num_enum = 0
+    """One iterative walk over the document, stopping at the first limit passed: size, depth,
+    nodes, properties, enum values, string and array bounds, every ``pattern`` regex. A
+    1.5 MB schema is refused after its first 128 KiB are seen, in milliseconds."""
+    num_nodes = num_properties = num_enum = num_bytes = 0
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
         num_nodes += 1
+        num_bytes += _json_size(node)
+        if num_bytes > limits.max_bytes:
+            raise ConstraintLimitError(
+                param, f"the schema is more than {limits.max_bytes} bytes of JSON",
+                limits.max_bytes, "max_bytes",
+            )  # fmt: skip
         if num_nodes > limits.max_nodes:
             raise ConstraintLimitError(
                 param, f"the schema has more than {limits.max_nodes} JSON values",
