@@ -41,7 +41,7 @@ class RequestFields:
     num_outputs: int = 1
     edited: bool = False  # the gateway changed ``body``: the proxy sends it re-serialized
     # The client's own ``cache_salt`` (checked: a string of 1..1024 characters). It only
-    # narrows the tenant's salt (gateway/identity/tenants.py ``narrowed_salt``); the engine
+    # narrows the tenant's salt (gateway/identity/cache_salts.py ``narrowed_salt``); the engine
     # never receives it raw.
     cache_salt: str | None = None
     # (plan salt, number of characters): the request starts with one of its plan's shared
