@@ -156,6 +156,8 @@ async def start_gateway(
         )
         if not all_ready:
             log.error("not every engine became ready in %.0f s; serving what is up", timeout)
+        for name, local_upstream in local.upstreams.items():  # prefix_aware pools hash tokens
+            local_upstream.route_tokenizer = tokenizers.get(name)
         gateway = Gateway(
             config=config,
             metrics=metrics,

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from engine.kv_cache_manager import iter_prefix_block_hashes
+from gateway.dataplane.fields import RequestFields
 
 log = logging.getLogger("portico.gateway.prefix_index")
 
@@ -49,6 +50,30 @@ class RouteTokens:
     token_ids: Sequence[int]
     cache_salt: str | None = None
     lora_int_id: int | None = None
+
+
+def route_token_ids(tokenizer: Any, fields: RequestFields) -> list[int] | None:
+    """The prompt token ids the engine will hash for this request, or None where the gateway
+    cannot be sure of them (tools, shared prefixes, content parts, several prompts, Responses):
+    those requests are routed by load. Mirrors engine/server/serving_chat.py (the chat template
+    rendered with the generation prompt, then encoded without special tokens) and
+    serving_completions.py (a text prompt encoded with them)."""
+    if fields.num_tools or fields.shared_prefix is not None:
+        return None
+    if fields.kind == "chat" and fields.messages:
+        if not all(isinstance(m.get("content"), str) for m in fields.messages):
+            return None
+        text = tokenizer.apply_chat_template(
+            fields.messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if fields.kind == "completion":
+        prompt = fields.prompt
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt, add_special_tokens=True))
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+    return None
 
 
 @dataclass(slots=True)

@@ -39,6 +39,7 @@ from gateway.dataplane.engine_hop import engine_hop_headers
 from gateway.dataplane.fields import RequestFields
 from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
+from gateway.dataplane.prefix_index import RouteTokens, route_token_ids
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import read_body
 from gateway.identity.cache_salts import narrowed_salt
@@ -394,6 +395,8 @@ class LocalUpstream:
         self.policy = policy
         self.metrics = metrics
         self.counter = counter
+        # the served model's tokenizer, for the pool's prefix_aware policy (set at start-up)
+        self.route_tokenizer: Any | None = None
 
     def payload(
         self,
@@ -405,6 +408,23 @@ class LocalUpstream:
     ) -> bytes:
         """The body the engine gets (:func:`upstream_body`)."""
         return upstream_body(raw, fields, model, cache_salt, max_tokens, self.local_engine)
+
+    def _route_tokens(
+        self, fields: RequestFields, principal: Principal | None
+    ) -> RouteTokens | None:
+        """The request's tokens and engine salt for a prefix_aware pool (else None): the salt
+        is the one :func:`upstream_body` sends."""
+        if self.route_tokenizer is None or self.pool.replica_policy != "prefix_aware":
+            return None
+        try:
+            token_ids = route_token_ids(self.route_tokenizer, fields)
+        except Exception:  # a template refusing these messages: the engine will say why
+            return None
+        if token_ids is None:
+            return None
+        tenant_salt = principal.cache_salt if principal is not None else None
+        salt = narrowed_salt(tenant_salt, fields.cache_salt) if tenant_salt is not None else None
+        return RouteTokens(token_ids, salt)
 
     def request_url(self, path: str) -> httpx.URL:
         return _engine_url(path)
@@ -439,6 +459,7 @@ class LocalUpstream:
             salt, num_chars = fields.shared_prefix
             headers[SHARED_PREFIX_HEADER] = f"{num_chars};{salt}"
         url = self.request_url(path)
+        tokens = self._route_tokens(fields, principal)
         tried: tuple[Replica, ...] = ()
         waited = 0.0
         attempt = 0
@@ -447,9 +468,9 @@ class LocalUpstream:
         while True:
             attempt += 1
             replica = (
-                (avoid and self.pool.pick(prefix_key, tried + avoid))
-                or self.pool.pick(prefix_key, tried)
-                or self.pool.pick(prefix_key)
+                (avoid and self.pool.pick(prefix_key, tried + avoid, tokens))
+                or self.pool.pick(prefix_key, tried, tokens)
+                or self.pool.pick(prefix_key, (), tokens)
             )
             if replica is not None:
                 started = time.monotonic()

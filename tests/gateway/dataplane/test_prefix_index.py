@@ -259,3 +259,73 @@ async def test_feeder_leaves_a_replica_without_events_unindexed(answer: int | st
     index = PrefixIndex()
     await PrefixIndexFeeder(index, lambda: [("a", client)]).poll_once()
     assert index.entries == {}
+
+
+async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
+    tiny_llama_dir: Path,
+) -> None:
+    """From the client's body to the engine's block hashes: the tokens the gateway derives
+    equal the engine's own /tokenize, the salt is the one upstream_body sends, and the blocks
+    the engine stores for that exact payload are the ones the index matches."""
+    import json
+
+    from gateway.admission.prompt_tokens import load_tokenizer
+    from gateway.dataplane.fields import parse_fields
+    from gateway.dataplane.prefix_index import route_token_ids
+    from gateway.dataplane.proxy import LocalUpstream, upstream_body
+    from gateway.dataplane.retry import RetryPolicy
+    from gateway.identity.principal import Limits, Principal
+    from gateway.metrics import GatewayMetrics
+
+    engine = AsyncLLMEngine.from_config(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
+    )
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(
+            app=create_app(engine, ServerSettings(served_model_name="t"))
+        ),
+        base_url="http://engine",
+    )
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    assert tokenizer is not None
+    index = PrefixIndex()
+    pool = Pool("t", [Replica("r0", client, up=True)], replica_policy="prefix_aware", index=index)
+    upstream = LocalUpstream(pool, RetryPolicy(), GatewayMetrics())
+    principal = Principal(tenant_id="acme", plan="p", limits=Limits(), cache_salt="tenant-acme")
+    text = "the quick brown fox jumps over the lazy dog " * 8
+    raw = json.dumps({"model": "t", "prompt": text, "max_tokens": 1, "cache_salt": "u1"}).encode()
+    fields = parse_fields(raw, "completion")
+    await engine.start()
+    try:
+        engine_ids = (await client.post("/tokenize", json={"prompt": text})).json()["tokens"]
+        assert route_token_ids(tokenizer, fields) == engine_ids
+        if getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": text}]
+            chat = parse_fields(json.dumps({"model": "t", "messages": messages}).encode(), "chat")
+            engine_chat = await client.post(
+                "/tokenize", json={"messages": messages, "add_generation_prompt": True}
+            )
+            assert route_token_ids(tokenizer, chat) == engine_chat.json()["tokens"]
+        assert upstream._route_tokens(fields, principal) is None  # no tokenizer: load only
+        upstream.route_tokenizer = tokenizer
+        tokens = upstream._route_tokens(fields, principal)
+        assert tokens is not None
+        payload = upstream.payload(raw, fields, "t", principal.cache_salt, None)
+        assert tokens.cache_salt == json.loads(payload)["cache_salt"]
+        assert payload == upstream_body(raw, fields, "t", principal.cache_salt, None, True)
+        feeder = PrefixIndexFeeder(index, pool.available_clients)
+        await feeder.poll_once()
+        assert index.cached_tokens("r0", tokens) == 0
+        resp = await client.post(
+            "/v1/completions", content=payload, headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == 200, resp.text
+        await feeder.poll_once()
+        block_size = index.entries["r0"].block_size
+        cached = index.cached_tokens("r0", tokens)
+        assert cached == len(engine_ids) // block_size * block_size > 0
+        pool.replica_policy = "least_loaded"  # another policy: no tokens are derived
+        assert upstream._route_tokens(fields, principal) is None
+    finally:
+        await engine.shutdown()
+        await client.aclose()
