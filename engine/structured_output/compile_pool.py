@@ -28,6 +28,7 @@ import json
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import threading
 import time
 from collections import OrderedDict, deque
@@ -227,11 +228,11 @@ class CompilePool:
 
     def _lane(self, index: int) -> None:
         try:
-            try:  # ready before the first request: the vocabulary and a worker
+            try:  # ready before the first request: the vocabulary and the fork server
                 self.tokenizer_info()
-                self._workers[index] = self._start_worker()
+                _fork_server()
             except Exception:
-                logger.exception("could not start a grammar compile worker (retried per job)")
+                logger.exception("could not prepare grammar compiles (retried per job)")
             while True:
                 job = self._next_job()
                 if job is None:
@@ -295,9 +296,9 @@ class CompilePool:
             self.stats.num_workers_replaced += 1
 
     def _start_worker(self) -> _Worker:
-        context = multiprocessing.get_context("forkserver")
-        # The fork server imports xgrammar once; every worker is a cheap fork of it.
-        context.set_forkserver_preload([__name__])
+        """A worker for this lane, started at its first job (an engine that never compiles
+        forks none), forked from the fork server."""
+        context = _fork_server()
         parent, child = context.Pipe()
         assert self._info_json is not None  # tokenizer_info() ran first
         process = context.Process(
@@ -315,3 +316,12 @@ class CompilePool:
             worker.kill()
             raise CompileError("the compile worker did not start")
         return worker
+
+
+def _fork_server() -> Any:
+    """The ``forkserver`` context, its server started (idempotent): the server imports this
+    module, and with it xgrammar and torch, once (seconds); each worker is then a fork of it."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    multiprocessing.forkserver.ensure_running()
+    return context
