@@ -30,7 +30,7 @@ run: install
 	$(PORTICO) models pull smollm2-135m
 	$(PORTICO) serve
 
-## make test: the suite but the long end-to-end runs marked `slow` (under 15 min on 2 cores)
+## make test: the suite but the long end-to-end runs marked `slow` (kept under 15 min on 2 cores)
 test: dev
 	$(PORTICO) models pull smollm2-135m
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

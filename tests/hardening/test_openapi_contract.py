@@ -42,6 +42,7 @@ def test_the_engine_keeps_its_openapi_document(engine: EngineProcess) -> None:
     assert engine.proc.poll() is None, engine.logs()
 
 
+@pytest.mark.slow  # schemathesis over every admin operation, each example a real request
 def test_the_gateway_admin_api_keeps_its_openapi_document(
     hardened_gateway: HardenedGateway,
 ) -> None:

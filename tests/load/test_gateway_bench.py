@@ -151,6 +151,7 @@ def test_a_30_per_minute_tenant_hammered_with_100_is_held_to_its_bucket(
     assert result["ok"] and result["background_errors"] == 0
 
 
+@pytest.mark.slow  # the benchmark's fixed-rate rounds, end to end on both sides
 def test_fixed_rate_reports_overhead_and_gateway_cpu(stack: tuple[gs.GatewayHandle, int]) -> None:
     gw, direct = stack
     tenants = gb.create_tenants(f"http://127.0.0.1:{gw.port}", gw.admin_key, 1, 2, prefix="fr")
