@@ -9,10 +9,12 @@ keys of a replica that leaves, and needs no ring to rebuild.
 
 Replica policy (``replica_policy`` in policies/routing.yaml): ``least_loaded`` is the choice
 above; ``round_robin`` rotates over the available replicas whatever their load;
-``prefix_aware`` scores each replica by the prompt tokens its engine already caches (a
-:class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by the engines' block events) minus
-its load, and falls back to ``least_loaded`` when the request brings no tokens or no replica's
-index entry is fresh.
+``prefix_aware`` takes, among the replicas within ``slack`` of the least load, the one whose
+engine already caches the longest prefix of the request's prompt (a
+:class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by the engines' block events), and
+falls back to ``least_loaded`` when the request brings no tokens or no replica's index entry is
+fresh. Lexicographic, not a weighted sum: no exchange rate between tokens and queue length to
+tune, and the same bound on imbalance ``least_loaded``'s affinity already accepts.
 
 Ejection: ``eject_after_failures`` consecutive failed attempts eject a replica for
 ``eject_cooldown_s``; after the cool-down a probe of its ``/health`` readmits it (or starts a
@@ -38,11 +40,9 @@ from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
 log = logging.getLogger("portico.gateway.pool")
 
 ReplicaPolicy = Literal["prefix_aware", "least_loaded", "round_robin"]
-# prefix_aware's exchange rate, in prompt tokens: a request ahead in a replica's queue costs
-# about as much waiting as prefilling this many tokens, and a full KV cache (which will evict
-# and may preempt) this many more. A cached prefix shorter than that does not buy a queue.
-LOAD_COST_TOKENS = 256
-KV_FULL_COST_TOKENS = 512
+# prefix_aware: a replica whose KV cache is this full gets no prefix credit (it is about to
+# evict, and a new request there may preempt one running).
+KV_FULL = 0.95
 
 
 @dataclass(eq=False)
@@ -147,26 +147,31 @@ class Pool:
     def _pick_by_prefix(
         self, candidates: list[Replica], tokens: RouteTokens, index: PrefixIndex
     ) -> Replica | None:
-        """The best-scoring replica (ties rotate), or None when no index entry is fresh."""
-        scores: list[float] = []
+        """The replica caching the longest prefix among those within ``slack`` of the least
+        load and with KV room; then the least loaded; ties rotate. None when no index entry is
+        fresh (the caller routes by load)."""
+        loads: list[int] = []
+        cached: list[int] = []
         any_fresh = False
         for replica in candidates:
             entry = index.fresh(replica.name)
             if entry is None:  # unknown cache: no prefix credit, this gateway's load only
-                scores.append(-LOAD_COST_TOKENS * replica.outstanding)
+                loads.append(replica.outstanding)
+                cached.append(0)
                 continue
             any_fresh = True
-            cached = index.cached_tokens(replica.name, tokens) or 0
             # the engine's queue counts other gateways' requests too; ours may be newer
-            load = max(replica.outstanding, entry.num_waiting + entry.num_running)
-            kv_cost = KV_FULL_COST_TOKENS * entry.kv_cache_usage
-            scores.append(cached - LOAD_COST_TOKENS * load - kv_cost)
+            loads.append(max(replica.outstanding, entry.num_waiting + entry.num_running))
+            full = entry.kv_cache_usage >= KV_FULL
+            cached.append(0 if full else index.cached_tokens(replica.name, tokens) or 0)
         if not any_fresh:
             return None
-        best = max(scores)
-        tied = [r for r, score in zip(candidates, scores, strict=True) if score == best]
+        least = min(loads)
+        eligible = [i for i in range(len(candidates)) if loads[i] <= least + self.slack]
+        best = max(eligible, key=lambda i: (cached[i], -loads[i]))
+        tied = [i for i in eligible if (cached[i], loads[i]) == (cached[best], loads[best])]
         self._next += 1
-        return tied[self._next % len(tied)]
+        return candidates[tied[self._next % len(tied)]]
 
     def record_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0

@@ -16,7 +16,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.server.app import create_app
 from engine.server.settings import ServerSettings
-from gateway.dataplane.pool import LOAD_COST_TOKENS, Pool, Replica
+from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.prefix_index import PrefixIndex, PrefixIndexFeeder, RouteTokens
 
 BS = 4
@@ -36,6 +36,7 @@ class Engine:
     def __init__(self, num_blocks: int = 32, epoch_seed: bytes = b"r") -> None:
         self.kv = KVCacheManager(num_blocks, BS, hash_seed=epoch_seed * 32)
         self.num_waiting = 0
+        self.kv_usage = 0.0
         self.n = 0
 
     def serve(self, tokens: list[int], salt: str | None = None) -> None:
@@ -75,12 +76,12 @@ class Engine:
             ],
             "num_waiting": self.num_waiting,
             "num_running": 0,
-            "kv_cache_usage": 0.0,
+            "kv_cache_usage": self.kv_usage,
         }
 
 
 PROMPT = list(range(10, 30))  # 5 full blocks
-LONG = list(range(1000, 1401))  # 100 full blocks: worth more than a request of queue
+LONG = list(range(1000, 1401))  # 100 full blocks
 
 
 def test_events_in_order_build_the_longest_cached_prefix() -> None:
@@ -156,7 +157,7 @@ def test_a_stale_entry_is_not_scored_and_the_pool_falls_back_to_load() -> None:
     assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[1]  # least loaded
 
 
-def test_prefix_credit_is_traded_against_queue_and_ties_spread() -> None:
+def test_the_prefix_holder_wins_within_the_slack_and_ties_spread() -> None:
     index = PrefixIndex()
     holder, empty = Engine(), Engine(epoch_seed=b"e")
     holder.serve(PROMPT)
@@ -167,13 +168,20 @@ def test_prefix_credit_is_traded_against_queue_and_ties_spread() -> None:
     pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
     tokens = RouteTokens(PROMPT)
     assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r0"}  # type: ignore[union-attr]
-    # a queue worth more than the 20 cached tokens sends the request elsewhere
-    holder.num_waiting = 1
+    # within the pool's slack (2) of the least load, the holder keeps the request
+    holder.num_waiting = 2
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
-    assert 20 < LOAD_COST_TOKENS
+    assert pool.pick(None, tokens=tokens) is replicas[0]
+    # a queue past the slack sends the request elsewhere
+    holder.num_waiting = 3
+    assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
     assert pool.pick(None, tokens=tokens) is replicas[1]
+    # a holder whose KV cache is nearly full gets no prefix credit: equal footing, spread
+    holder.num_waiting, holder.kv_usage = 0, 0.97
+    assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
+    assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r0", "r1"}  # type: ignore[union-attr]
     # no cached prefix anywhere and equal load: requests spread over both replicas
-    holder.num_waiting = 0
+    holder.kv_usage = 0.0
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
     other = RouteTokens(list(range(700, 720)))
     assert {pool.pick(None, tokens=other).name for _ in range(4)} == {"r0", "r1"}  # type: ignore[union-attr]
