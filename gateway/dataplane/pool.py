@@ -171,7 +171,9 @@ class Pool:
         best = max(eligible, key=lambda i: (cached[i], -loads[i]))
         tied = [i for i in eligible if (cached[i], loads[i]) == (cached[best], loads[best])]
         self._next += 1
-        return candidates[tied[self._next % len(tied)]]
+        chosen = candidates[tied[self._next % len(tied)]]
+        index.note_routed(chosen.name, tokens)
+        return chosen
 
     def record_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0

@@ -38,6 +38,7 @@ from gateway.dataplane.fields import RequestFields
 log = logging.getLogger("portico.gateway.prefix_index")
 
 STALE_AFTER_S = 5.0  # ~10 missed polls at the default interval
+ROUTED_TTL_S = 10.0  # a routed request's blocks count as cached there this long, unconfirmed
 POLL_INTERVAL_S = 0.5
 MAX_HASHES_PER_REPLICA = 1 << 20  # 32 MiB of hashes; engines hold far fewer blocks
 
@@ -89,6 +90,8 @@ class ReplicaEntry:
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
+    # hashes of requests routed here and not yet reported stored: hash -> until (monotonic)
+    routed: dict[bytes, float] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -145,10 +148,12 @@ class PrefixIndex:
                 if seq + offset > entry.next_seq:  # a gap: events were lost
                     self.entries.pop(replica, None)
                     return False
+                block_hash = bytes.fromhex(hex_hash)
                 if event["type"] == "stored":
-                    entry.hashes.add(bytes.fromhex(hex_hash))
+                    entry.hashes.add(block_hash)
+                    entry.routed.pop(block_hash, None)  # confirmed
                 else:
-                    entry.hashes.discard(bytes.fromhex(hex_hash))
+                    entry.hashes.discard(block_hash)
                 entry.next_seq += 1
         if len(entry.hashes) > self.max_hashes:
             self.entries.pop(replica, None)
@@ -178,15 +183,37 @@ class PrefixIndex:
         entry = self.fresh(replica)
         if entry is None:
             return None
+        now = self.clock()
         matched = 0
         for block_hash in iter_prefix_block_hashes(
             entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt,
             tokens.lora_int_id,
         ):  # fmt: skip
-            if block_hash not in entry.hashes:
+            if block_hash not in entry.hashes and entry.routed.get(block_hash, 0.0) < now:
                 break
             matched += 1
         return matched * entry.block_size
+
+    def note_routed(self, replica: str, tokens: RouteTokens) -> None:
+        """A request with these tokens was sent to the replica: count its prompt blocks as
+        cached there for ``ROUTED_TTL_S`` before the engine's events confirm them, so a
+        tenant's next request, sent while the first one is still prefilling, follows it (the
+        index alone would learn of the blocks only after the prefill and a poll)."""
+        entry = self.fresh(replica)
+        if entry is None:
+            return
+        now = self.clock()
+        if len(entry.routed) >= self.max_hashes // 4:  # bounded: drop the expired, else all
+            entry.routed = {h: t for h, t in entry.routed.items() if t >= now}
+            if len(entry.routed) >= self.max_hashes // 4:
+                entry.routed.clear()
+        until = now + ROUTED_TTL_S
+        for block_hash in iter_prefix_block_hashes(
+            entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt,
+            tokens.lora_int_id,
+        ):  # fmt: skip
+            if block_hash not in entry.hashes:
+                entry.routed[block_hash] = until
 
 
 class PrefixIndexFeeder:

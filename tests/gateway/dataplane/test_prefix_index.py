@@ -176,15 +176,49 @@ def test_the_prefix_holder_wins_within_the_slack_and_ties_spread() -> None:
     holder.num_waiting = 3
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
     assert pool.pick(None, tokens=tokens) is replicas[1]
-    # a holder whose KV cache is nearly full gets no prefix credit: equal footing, spread
-    holder.num_waiting, holder.kv_usage = 0, 0.97
+    # a holder whose KV cache is nearly full gets no prefix credit: the lower load wins
+    holder.num_waiting, holder.kv_usage = 1, 0.97
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
-    assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r0", "r1"}  # type: ignore[union-attr]
-    # no cached prefix anywhere and equal load: requests spread over both replicas
-    holder.kv_usage = 0.0
+    assert pool.pick(None, tokens=tokens) is replicas[1]
+    # prompts nobody caches, equal load: requests spread over both replicas
+    holder.num_waiting, holder.kv_usage = 0, 0.0
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
-    other = RouteTokens(list(range(700, 720)))
-    assert {pool.pick(None, tokens=other).name for _ in range(4)} == {"r0", "r1"}  # type: ignore[union-attr]
+    fresh_prompts = [RouteTokens(list(range(700 + 40 * i, 720 + 40 * i))) for i in range(4)]
+    assert {pool.pick(None, tokens=t).name for t in fresh_prompts} == {"r0", "r1"}  # type: ignore[union-attr]
+
+
+def test_a_routed_prompt_counts_as_cached_until_confirmed_or_expired() -> None:
+    """A tenant's second request, sent while the first is still prefilling, follows it."""
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    engines = {"r0": Engine(), "r1": Engine(epoch_seed=b"e")}
+    for name, engine in engines.items():
+        index.apply_snapshot(name, engine.snapshot())
+    replicas = [Replica(name, httpx.AsyncClient(), up=True) for name in engines]
+    pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
+    tokens = RouteTokens(PROMPT, cache_salt="t")
+    first = pool.pick(None, tokens=tokens)
+    assert first is not None
+    assert index.cached_tokens(first.name, tokens) == 20  # not stored yet: routed
+    assert all(pool.pick(None, tokens=tokens) is first for _ in range(3))
+    other = next(r for r in replicas if r is not first)
+    assert index.cached_tokens(other.name, tokens) == 0
+    # the engine confirms the blocks: they stay after the routed mark expires
+    engines[first.name].serve(PROMPT, salt="t")
+    assert index.apply_events(first.name, engines[first.name].events(1))
+    assert index.entries[first.name].routed == {}
+    clock.now += 60.0
+    for name, engine in engines.items():  # fresh again
+        assert index.apply_events(name, engine.events(index.entries[name].next_seq))
+    assert index.cached_tokens(first.name, tokens) == 20
+    # a routed prompt the engine never stored stops counting after its TTL
+    lost = RouteTokens(list(range(300, 320)))
+    chosen = pool.pick(None, tokens=lost)
+    assert chosen is not None and index.cached_tokens(chosen.name, lost) == 20
+    clock.now += 11.0
+    for name, engine in engines.items():
+        assert index.apply_events(name, engine.events(index.entries[name].next_seq))
+    assert index.cached_tokens(chosen.name, lost) == 0
 
 
 def test_round_robin_ignores_load_and_least_loaded_ignores_the_index() -> None:
