@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
@@ -45,10 +46,10 @@ TENANT_TOKENS = "portico_engine_tenant_tokens"
 TENANT_FIELDS = ("prompt_tokens", "generation_tokens", "running", "waiting", "kv_blocks")
 
 
-def engine_gauges(text: str) -> dict[str, float]:
+def engine_gauges(families: Sequence[Metric]) -> dict[str, float]:
     """The :data:`GAUGES` of one exposition, summed over label sets (one per served model)."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for sample in family.samples:
             name = GAUGES.get(sample.name) or GAUGES.get(family.name)
             if name is not None and sample.name in (family.name, f"{family.name}_total"):
@@ -56,11 +57,11 @@ def engine_gauges(text: str) -> dict[str, float]:
     return out
 
 
-def tenant_rows(text: str) -> list[dict[str, Any]]:
+def tenant_rows(families: Sequence[Metric]) -> list[dict[str, Any]]:
     """One row per tenant of one exposition (:data:`TENANT_FIELDS`, summed over the other
     labels), tenants holding the most KV blocks, then with the most tokens, first."""
     rows: dict[str, dict[str, Any]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         field = TENANT_FAMILIES.get(family.name)
         if field is None and family.name.removesuffix("_total") != TENANT_TOKENS:
             continue
@@ -92,7 +93,10 @@ async def _replica_metrics(
     if not replica.up:
         return None
     found = await fetch_exposition(replica)
-    return None if found is None else (engine_gauges(found[1]), tenant_rows(found[1]))
+    if found is None:
+        return None
+    families = list(text_string_to_metric_families(found[1]))  # parsed once for both
+    return engine_gauges(families), tenant_rows(families)
 
 
 def build_engine_router(

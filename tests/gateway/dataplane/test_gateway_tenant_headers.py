@@ -23,9 +23,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.server.cli import add_arguments as add_engine_arguments
 from gateway.config import EngineSpec
+from gateway.dataplane.engine_admin import engine_gauges, tenant_rows
 from gateway.dataplane.engine_hop import ENGINE_HOP_HEADERS, engine_hop_headers
 from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
 from gateway.dataplane.pool import Pool
@@ -245,3 +247,30 @@ def test_engine_command_carries_the_scheduling_policy_unless_the_engine_says_oth
     # another server's command line is left alone
     other = _engine_command(EngineSpec(command=["srv", "--uds", "{uds}"]), "x-0", uds, "fair")
     assert other == ["srv", "--uds", str(uds)]
+
+
+def test_tenant_rows_split_tokens_by_kind_and_put_the_biggest_holder_first() -> None:
+    text = """# HELP portico_engine_tenant_tokens_total Tokens scheduled per tenant.
+# TYPE portico_engine_tenant_tokens_total counter
+portico_engine_tenant_tokens_total{kind="prompt",model_name="m",tenant="a"} 10.0
+portico_engine_tenant_tokens_total{kind="generation",model_name="m",tenant="a"} 5.0
+portico_engine_tenant_tokens_total{kind="generation",model_name="m",tenant="b"} 7.0
+portico_engine_tenant_tokens_created{kind="prompt",model_name="m",tenant="a"} 1.7e9
+# HELP portico_engine_tenant_kv_blocks KV blocks held per tenant.
+# TYPE portico_engine_tenant_kv_blocks gauge
+portico_engine_tenant_kv_blocks{model_name="m",tenant="b"} 3.0
+# HELP portico_engine_tenant_requests_waiting Requests waiting per tenant.
+# TYPE portico_engine_tenant_requests_waiting gauge
+portico_engine_tenant_requests_waiting{model_name="m",tenant="a"} 2.0
+# HELP vllm:num_requests_running Requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 1.0
+"""
+    families = list(text_string_to_metric_families(text))
+    empty = dict.fromkeys(("prompt_tokens", "generation_tokens", "running", "waiting"), 0)
+    assert tenant_rows(families) == [
+        {"tenant": "b", **empty, "generation_tokens": 7, "kv_blocks": 3},
+        {"tenant": "a", **empty, "prompt_tokens": 10, "generation_tokens": 5, "waiting": 2,
+         "kv_blocks": 0},
+    ]  # fmt: skip
+    assert engine_gauges(families) == {"running": 1.0}
