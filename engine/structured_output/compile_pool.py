@@ -228,9 +228,9 @@ class CompilePool:
 
     def _lane(self, index: int) -> None:
         try:
-            try:  # ready before the first request: the vocabulary and the fork server
+            try:  # the vocabulary, before the first request; the fork server starts with
+                # the first compile (seconds, once), so engines that never compile pay nothing
                 self.tokenizer_info()
-                _fork_server()
             except Exception:
                 logger.exception("could not prepare grammar compiles (retried per job)")
             while True:
@@ -296,8 +296,8 @@ class CompilePool:
             self.stats.num_workers_replaced += 1
 
     def _start_worker(self) -> _Worker:
-        """A worker for this lane, started at its first job (an engine that never compiles
-        forks none), forked from the fork server."""
+        """A worker for this lane, started at its first job, forked from the fork server
+        (started by the engine's first compile: an engine that never compiles starts none)."""
         context = _fork_server()
         parent, child = context.Pipe()
         assert self._info_json is not None  # tokenizer_info() ran first
