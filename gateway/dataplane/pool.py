@@ -160,8 +160,10 @@ class Pool:
                 cached.append(0)
                 continue
             any_fresh = True
-            # the engine's queue counts other gateways' requests too; ours may be newer
-            loads.append(max(replica.outstanding, entry.num_waiting + entry.num_running))
+            # Ours are exact and live; the engine's queue (as of the last poll) adds what other
+            # gateways sent. Not its running count: a poll old, it would keep a replica looking
+            # busy after our requests there finished, and push a tenant off its cache.
+            loads.append(max(replica.outstanding, entry.num_waiting))
             full = entry.kv_cache_usage >= KV_FULL
             cached.append(0 if full else index.cached_tokens(replica.name, tokens) or 0)
         if not any_fresh:
