@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.dataplane import fields as fields_now
-from gateway.dataplane import proxy as proxy_now
+from gateway.dataplane import usage_relay as proxy_now
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHAT = {

@@ -4,6 +4,8 @@
 - ``routing.py``: ``Router`` (explicit model or ``auto`` by complexity) -> ``RouteDecision``.
 - ``proxy.py``: the ``Upstream`` protocol, ``LocalUpstream`` (retries before the first byte,
   relays SSE); ``remote.py``: ``RemoteUpstream`` through litellm; ``retry.py``: the policy.
+- ``usage_relay.py``: the body sent upstream (``upstream_body``) and the usage read back from
+  an answer (``Usage``, the SSE relay's usage handling).
 - ``pool.py``, ``transport.py``: replicas (least outstanding + prefix affinity, ejection) and
   the lean HTTP transport to them; ``supervisor.py``: starts, watches and drains engines.
 - ``hot_routes.py``, ``request_context.py``: the two completion routes outside FastAPI's

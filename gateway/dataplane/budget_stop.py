@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.dataplane.proxy import DONE_EVENT, Exchange, _dumps
+from gateway.dataplane.proxy import Exchange
+from gateway.dataplane.usage_relay import DONE_EVENT, _dumps
 from portico.errors import error_body
 
 # a chat or completions choice cut by its cap; a Responses stream's incomplete response

@@ -32,10 +32,11 @@ import httpx
 from gateway.dataplane.fields import RequestFields
 from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.proxy import Exchange, LocalUpstream, _dumps, upstream_body
+from gateway.dataplane.proxy import Exchange, LocalUpstream
 from gateway.dataplane.remote import RemoteSpec
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import LeanTransport
+from gateway.dataplane.usage_relay import _dumps, upstream_body
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from portico.errors import error_body

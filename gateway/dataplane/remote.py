@@ -29,8 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.dataplane.fields import RequestFields
 from gateway.dataplane.pool import Replica
-from gateway.dataplane.proxy import DONE_EVENT, Exchange, Usage, _dumps, error_event
+from gateway.dataplane.proxy import Exchange
 from gateway.dataplane.retry import RetryPolicy
+from gateway.dataplane.usage_relay import DONE_EVENT, Usage, _dumps, error_event
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from portico.errors import error_body, status_error_type

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.dataplane.fields import RequestFields, input_items, turns_of
-from gateway.dataplane.proxy import Usage
+from gateway.dataplane.usage_relay import Usage
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError
 

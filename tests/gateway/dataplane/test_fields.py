@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.dataplane.fields import parse_fields
-from gateway.dataplane.proxy import Usage, _take_usage, upstream_body
+from gateway.dataplane.usage_relay import Usage, _take_usage, upstream_body
 from portico.errors import InvalidRequestError
 
 

@@ -314,8 +314,9 @@ async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
     from gateway.admission.prompt_tokens import load_tokenizer
     from gateway.dataplane.fields import parse_fields
     from gateway.dataplane.prefix_index import route_token_ids
-    from gateway.dataplane.proxy import LocalUpstream, upstream_body
+    from gateway.dataplane.proxy import LocalUpstream
     from gateway.dataplane.retry import RetryPolicy
+    from gateway.dataplane.usage_relay import upstream_body
     from gateway.identity.principal import Limits, Principal
     from gateway.metrics import GatewayMetrics
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.dataplane.fields import match_shared_prefix, parse_fields
-from gateway.dataplane.proxy import upstream_body
+from gateway.dataplane.usage_relay import upstream_body
 from gateway.identity.cache_salts import narrowed_salt
 from portico.errors import InvalidRequestError
 
