@@ -33,7 +33,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.speculator import Proposer, Speculator
-from engine.stats import EngineStats
+from engine.stats import EngineStats, engine_stats
 from engine.structured_output import StructuredOutputManager
 from engine.tenancy import TenantTag
 from portico.registry import resolve
@@ -567,36 +567,11 @@ class LLMEngine:
         return len(self._parents)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        running, waiting = self.scheduler.lora_names()
-        stats = EngineStats(
-            running_lora_adapters=running,
-            waiting_lora_adapters=waiting,
+        """A snapshot of the engine's gauges and counters (:func:`engine_stats`)."""
+        spec = self.speculation.stats if self.speculation is not None else None
+        return engine_stats(
+            self.scheduler.stats, self.structured.stats, spec, self._counters,
+            lora_names=self.scheduler.lora_names(),
             max_lora=self.config.max_loras if self.lora is not None else 0,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_swapped=s.num_swapped,
-            kv_cache_usage=s.kv_cache_usage,
-            num_free_blocks=s.num_gpu_blocks - s.num_used_gpu_blocks,
-            num_total_blocks=s.num_gpu_blocks,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            tenants=s.tenants,
             num_waiting_for_grammar=len(self._waiting_for_grammar),
-            grammar_compiles=self.structured.stats.num_compiled,
-            grammar_cache_hits=self.structured.stats.num_cache_hits,
-            grammar_compile_seconds=self.structured.stats.compile_seconds_total,
-            spec_decode_num_accepted_tokens_per_pos=(),  # set below when speculating
-            **self._counters,
-        )
-        if self.speculation is None:
-            return stats
-        spec = self.speculation.stats
-        return dataclasses.replace(
-            stats,
-            spec_decode_num_drafts=spec.num_drafts,
-            spec_decode_num_draft_tokens=spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
-        )
+        )  # fmt: skip

@@ -6,9 +6,17 @@ value directly); gauges describe the moment the snapshot was taken.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.scheduler import SchedulerStats
+    from engine.spec_decode.speculator import SpecDecodeStats
+    from engine.structured_output.manager import GrammarStats
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,52 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     tenants: tuple[TenantStats, ...] = ()  # per tenant: see TenantStats
+
+
+def engine_stats(
+    sched: SchedulerStats,
+    grammar: GrammarStats,
+    spec: SpecDecodeStats | None,
+    counters: Mapping[str, int],
+    *,
+    lora_names: tuple[tuple[str, ...], tuple[str, ...]],
+    max_lora: int,
+    num_waiting_for_grammar: int,
+) -> EngineStats:
+    """One :class:`EngineStats` from the parts' own readings: the scheduler's, the grammar
+    compiler's, the speculator's (None when off), the engine's ``counters`` (named as
+    :class:`EngineStats`' fields) and the running / waiting adapter names."""
+    running, waiting = lora_names
+    stats = EngineStats(
+        running_lora_adapters=running,
+        waiting_lora_adapters=waiting,
+        max_lora=max_lora,
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        num_swapped=sched.num_swapped,
+        kv_cache_usage=sched.kv_cache_usage,
+        num_free_blocks=sched.num_gpu_blocks - sched.num_used_gpu_blocks,
+        num_total_blocks=sched.num_gpu_blocks,
+        prefix_cache_queries=sched.prefix_cache_queries,
+        prefix_cache_hits=sched.prefix_cache_hits,
+        num_preemptions=sched.num_preemptions,
+        tenants=sched.tenants,
+        num_waiting_for_grammar=num_waiting_for_grammar,
+        grammar_compiles=grammar.num_compiled,
+        grammar_cache_hits=grammar.num_cache_hits,
+        grammar_compile_seconds=grammar.compile_seconds_total,
+        spec_decode_num_accepted_tokens_per_pos=(),  # set below when speculating
+        **counters,
+    )
+    if spec is None:
+        return stats
+    return dataclasses.replace(
+        stats,
+        spec_decode_num_drafts=spec.num_drafts,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
+    )
 
 
 class StatsLogger:
