@@ -86,8 +86,11 @@ def test_a_prompt_cached_on_one_replica_is_routed_to_it(gateway: GatewayProcess)
     assert cached_via_gateway(gateway, key, prompts_load_routing_sends_to_replica_0(1)[0]) == 0
     # Wait for the gateway's index to hold replica 1's blocks: each probe is a new seeded
     # prompt (a probe routed by load alone lands on replica 0 and misses).
-    probes = iter(seeded[:25])
+    probes = iter(seeded[:15])
     assert wait_until(lambda: cached_via_gateway(gateway, key, next(probes)) > 0, timeout=60)
-    # From then on every seeded prompt goes to the replica holding it.
-    for prompt in seeded[25:]:
-        assert cached_via_gateway(gateway, key, prompt) >= 384
+    # From then on the seeded prompts go to the replica holding them: load-only routing would
+    # send every one of them to replica 0 (0 hits). Not all of them must hit: a replica whose
+    # latest poll is older than the index's staleness bound is routed by load, by design, and
+    # a CPU-starved machine delays polls (seen once in a loaded suite run).
+    hits = sum(cached_via_gateway(gateway, key, p) >= 384 for p in seeded[15:])
+    assert hits >= 12, f"{hits} of 15 seeded prompts reached the replica that holds them"
