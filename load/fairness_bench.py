@@ -37,9 +37,6 @@ import os
 import platform
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +49,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from load.datasets import TOKEN_ID_RANGE
+from load.gateway_stack import free_port, process
 from load.serve_bench import percentiles
 
 SERVED_NAME = "fairness-bench"
@@ -298,19 +296,13 @@ def _say(progress: bool, message: str) -> None:
 # --------------------------------------------------------------------------- engine process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def engine_process(
     model: str, policy: str, engine_args: Sequence[str], log_dir: Path
 ) -> Iterator[str]:
     """A ``portico engine`` on a loopback port with ``--scheduling-policy policy``; yields its
     base URL once ``/ready`` answers; SIGTERM (then kill) on the way out."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "portico.cli", "engine",
         "--model", model, "--served-model-name", SERVED_NAME,
@@ -320,10 +312,8 @@ def engine_process(
     ]  # fmt: skip
     log_path = log_dir / f"engine-{policy}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
+    with process(cmd, log_path, env) as proc:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if proc.poll() is not None:
@@ -339,14 +329,6 @@ def engine_process(
                 raise RuntimeError(f"engine ({policy}) not ready in time:\n{_tail(log_path)}")
             time.sleep(0.25)
         yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
 
 
 def _tail(path: Path, num_chars: int = 3000) -> str:
