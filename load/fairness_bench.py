@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -112,6 +113,8 @@ class PolicyRun:
     generated_tokens: float = 0.0  # by the engine in that window (its own counter)
     tenant_tokens: dict[str, float] = field(default_factory=dict)  # per-tenant counter delta
     round_tok_s: list[float] = field(default_factory=list)  # total output tok/s, each round
+    cache_queries: float = 0.0  # prompt tokens looked up in the prefix cache in that window
+    cache_hits: float = 0.0  # ... and found there (no prompt repeats: should stay near 0)
 
     def add(self, other: PolicyRun) -> None:
         """Pool another round of the same policy into this one."""
@@ -123,6 +126,8 @@ class PolicyRun:
         for tenant, tokens in other.tenant_tokens.items():
             self.tenant_tokens[tenant] = self.tenant_tokens.get(tenant, 0.0) + tokens
         self.round_tok_s += other.round_tok_s
+        self.cache_queries += other.cache_queries
+        self.cache_hits += other.cache_hits
 
 
 def token_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -130,6 +135,15 @@ def token_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lo, hi = TOKEN_ID_RANGE
     return [[rng.randint(lo, hi) for _ in range(length)] for _ in range(count)]
+
+
+def prompt_seed(work: Workload, round_number: int, stream: str) -> int:
+    """A seed per (round, prompt stream): no prompt repeats within a run, so the prefix cache
+    serves neither policy from an earlier phase or round. (It did: N cycled through 64
+    prompts, so a policy whose with-N window came later or lasted longer found more of N's
+    prompts cached and showed more output per second for the same scheduling.)"""
+    streams = ("quiet-alone", "quiet-with-noisy", "noisy", "warm")
+    return work.seed + 1_000 * round_number + streams.index(stream)
 
 
 def hop_headers(tenant: str) -> dict[str, str]:
@@ -209,10 +223,14 @@ async def read_counters(client: httpx.AsyncClient) -> dict[str, float]:
     """The engine's generated-token total, its per-tenant generation tokens (when it exports
     them: ``tenant:<name>`` keys) and its requests running + waiting (``busy``)."""
     text = (await client.get("/metrics")).text
-    out: dict[str, float] = {"generated": 0.0, "busy": 0.0}
+    out: dict[str, float] = {"generated": 0.0, "busy": 0.0, "cache_queries": 0.0, "cache_hits": 0.0}
     for name, labels, value in _samples(text):
         if name == "vllm:generation_tokens_total":
             out["generated"] += value
+        elif name == "vllm:prefix_cache_queries_total":
+            out["cache_queries"] += value
+        elif name == "vllm:prefix_cache_hits_total":
+            out["cache_hits"] += value
         elif name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
             out["busy"] += value
         elif name == "portico_engine_tenant_tokens_total" and labels.get("kind") == "generation":
@@ -222,25 +240,32 @@ async def read_counters(client: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def run_policy(
-    client: httpx.AsyncClient, policy: str, work: Workload, progress: bool = True
+    client: httpx.AsyncClient,
+    policy: str,
+    work: Workload,
+    progress: bool = True,
+    round_number: int = 0,
 ) -> PolicyRun:
-    """The alone and with-N phases on one (started, ready) engine."""
+    """The alone and with-N phases on one (started, ready) engine. Every engine gets the same
+    prompts in the same round; no prompt repeats within a run (``prompt_seed``)."""
     run = PolicyRun(policy)
-    quiet = token_prompts(work.quiet_requests, work.quiet_prompt_len, work.seed)
-    noisy = token_prompts(max(64, 4 * work.noisy_concurrency), work.noisy_prompt_len, work.seed + 1)
+    quiet_len, noisy_len = work.quiet_prompt_len, work.noisy_prompt_len
+    seed = functools.partial(prompt_seed, work, round_number)
+    quiet_alone = token_prompts(work.quiet_requests, quiet_len, seed("quiet-alone"))
+    quiet_with = token_prompts(work.quiet_requests, quiet_len, seed("quiet-with-noisy"))
+    noisy_rng = random.Random(seed("noisy"))
+    lo, hi = TOKEN_ID_RANGE
     # one untimed request first: the engine's first step pays one-time costs (kernels, caches)
-    await stream_one(client, QUIET, quiet[0][:8], 2)
-    run.alone = await quiet_sequence(client, quiet, work)
+    await stream_one(client, QUIET, token_prompts(1, 8, seed("warm"))[0], 2)
+    run.alone = await quiet_sequence(client, quiet_alone, work)
     _say(progress, f"{policy}: Q alone done")
 
     stop = asyncio.Event()
     finished = asyncio.Condition()
 
-    async def noisy_worker(slot: int) -> None:
-        k = 0
+    async def noisy_worker() -> None:
         while not stop.is_set():
-            prompt = noisy[(slot + k * work.noisy_concurrency) % len(noisy)]
-            k += 1
+            prompt = [noisy_rng.randint(lo, hi) for _ in range(noisy_len)]
             timing = await stream_one(client, NOISY, prompt, work.noisy_output_len)
             async with finished:
                 run.noisy.append(timing)
@@ -248,7 +273,7 @@ async def run_policy(
             if not timing.ok:
                 return  # reported by the caller; no tight loop of failures
 
-    workers = [asyncio.create_task(noisy_worker(i)) for i in range(work.noisy_concurrency)]
+    workers = [asyncio.create_task(noisy_worker()) for _ in range(work.noisy_concurrency)]
     try:
         async with finished:
             await finished.wait_for(
@@ -260,7 +285,7 @@ async def run_policy(
         _say(progress, f"{policy}: N warm ({len(run.noisy)} finished); Q with N")
         before = await read_counters(client)
         started = time.perf_counter()
-        run.with_noisy = await quiet_sequence(client, quiet, work)
+        run.with_noisy = await quiet_sequence(client, quiet_with, work)
         run.window_s = time.perf_counter() - started
         after = await read_counters(client)
     finally:
@@ -269,6 +294,8 @@ async def run_policy(
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     run.generated_tokens = after["generated"] - before["generated"]
+    run.cache_queries = after["cache_queries"] - before["cache_queries"]
+    run.cache_hits = after["cache_hits"] - before["cache_hits"]
     run.tenant_tokens = {
         k.removeprefix("tenant:"): v - before.get(k, 0.0)
         for k, v in after.items()
@@ -359,6 +386,7 @@ def _policy_report(run: PolicyRun) -> dict[str, Any]:
         "noisy_output_tok_s": noisy_tokens / window,
         "total_output_tok_s": run.generated_tokens / window,
         "total_output_tok_s_each_round": run.round_tok_s,
+        "prefix_cache_hit_rate": run.cache_hits / run.cache_queries if run.cache_queries else 0.0,
         "engine_tenant_generation_tokens": run.tenant_tokens,
         "quiet_ttft_s": {
             "alone": [t.ttft for t in run.alone if t.ok],
@@ -459,7 +487,7 @@ async def _measure(urls: dict[str, str], work: Workload, progress: bool) -> list
     for number in range(work.rounds):
         for policy, url in urls.items():
             async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-                run = await run_policy(client, policy, work, progress)
+                run = await run_policy(client, policy, work, progress, number)
             _say(progress, f"{policy}: round {number + 1} done")
             if policy in pooled:
                 pooled[policy].add(run)
