@@ -81,6 +81,11 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     # fair: a request waiting this long is served next whatever its tenant's counter or class.
     fair_max_wait_s: float = 30.0
+    # fair: while two tenants have had work within the window, a step carries at most this
+    # many prefill tokens besides its decodes (0: never capped), so another tenant's new
+    # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
+    fair_contended_prefill_tokens: int = 256
+    fair_contention_window_s: float = 2.0
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out KV blocks (mode "swap")
     kv_cache_memory: str | int = "2GiB"  # KV budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
@@ -127,6 +132,8 @@ class EngineConfig:
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_number("--fair-max-wait-s", self.fair_max_wait_s, 0.0, math.inf)
+        _check_int("--fair-contended-prefill-tokens", self.fair_contended_prefill_tokens, 0)
+        _check_number("--fair-contention-window-s", self.fair_contention_window_s, 0.0, math.inf)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -255,6 +262,15 @@ class EngineConfig:
         g.add_argument("--fair-max-wait-s", type=float, default=d.fair_max_wait_s,
                        help="fair: a request waiting this many seconds runs next (no "
                        "starvation)")  # fmt: skip
+        g.add_argument("--fair-contended-prefill-tokens", type=int,
+                       default=d.fair_contended_prefill_tokens,
+                       help="fair: while two or more tenants have work, a step carries at most "
+                       "this many prefill tokens besides its decodes, so a tenant's new request "
+                       "waits at most one short step (0: no cap)")  # fmt: skip
+        g.add_argument("--fair-contention-window-s", type=float,
+                       default=d.fair_contention_window_s,
+                       help="fair: how long the step cap stays after the last moment two "
+                       "tenants had work")  # fmt: skip
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,

@@ -124,7 +124,13 @@ class Scheduler:
             hash_seed=hash_seed,
         )
         self.requests: dict[str, Request] = {}
-        self.policy = make_policy(config.scheduling_policy, clock, config.fair_max_wait_s)
+        self.policy = make_policy(
+            config.scheduling_policy,
+            clock,
+            config.fair_max_wait_s,
+            contended_prefill_tokens=config.fair_contended_prefill_tokens,
+            contention_window_s=config.fair_contention_window_s,
+        )
         # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -183,6 +189,9 @@ class Scheduler:
         num_pending_decodes = sum(
             1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
         )
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefill_index = {r.request_id: i for i, r in enumerate(prefills)}
+        step.budget = self.policy.step_budget(step.budget, num_pending_decodes, self.running)
         for req in list(self.running):  # a copy: a preemption takes requests out of running
             if step.budget <= 0:
                 break
@@ -196,7 +205,12 @@ class Scheduler:
                 if req.spec_token_ids:
                     num_spec = self._num_guesses(req, step.budget - 1 - num_pending_decodes)
             else:
-                num_new = min(remaining, step.budget - num_pending_decodes)
+                later = prefills[prefill_index[req.request_id] + 1 :]
+                can_admit = len(self.running) < self.config.max_num_seqs
+                reserve = self.policy.prefill_reserve(req, later, can_admit=can_admit)
+                # at least one token for this prefill: what is reserved may find no blocks
+                reserve = min(reserve, step.budget - num_pending_decodes - 1)
+                num_new = min(remaining, step.budget - num_pending_decodes - reserve)
                 if num_new <= 0:
                     continue
             # Guesses get slots only if they fit as they are: never preempt for a guess.

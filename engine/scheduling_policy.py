@@ -126,13 +126,17 @@ class SchedulingPolicy:
         for (_, tenant), flow in self._flows.items():
             if tenant in self._held_tenants:
                 continue
-            heap = flow.heap
-            while not self._is_live(heap[0][1], heap[0][2]):
-                heapq.heappop(heap)  # stale: popped, held or aborted since it was pushed
-            key = self.flow_key(flow, heap[0][0])
+            head = self._head(flow)
+            key = self.flow_key(flow, head[0])
             if best is None or key < best:
-                best, best_request = key, heap[0][2]
+                best, best_request = key, head[2]
         return best_request
+
+    def _head(self, flow: _Flow) -> tuple[OrderKey, int, Request]:
+        heap = flow.heap
+        while not self._is_live(heap[0][1], heap[0][2]):
+            heapq.heappop(heap)  # stale: popped, held or aborted since it was pushed
+        return heap[0]
 
     def _oldest_overdue(self) -> Request | None:
         if self.max_wait_s is None:
@@ -213,6 +217,20 @@ class SchedulingPolicy:
         """Whom to preempt when a running request needs blocks: the last in order."""
         return running[-1]
 
+    def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
+        """This step's token budget (``--max-num-batched-tokens``); fair shrinks it while
+        tenants contend. ``num_decodes`` of the running requests decode this step."""
+        return budget
+
+    def prefill_reserve(
+        self, request: Request, later_prefills: Sequence[Request], *, can_admit: bool
+    ) -> int:
+        """Tokens of this step to leave free, before ``request``'s next prefill chunk, for
+        requests the policy serves first: ``later_prefills`` (running prefills after it in
+        running order) and, if ``can_admit`` (a running slot is free), waiting ones. fcfs and
+        priority: none (running requests go first)."""
+        return 0
+
 
 class PriorityPolicy(SchedulingPolicy):
     """``interactive`` before ``batch``, then vLLM's ``priority`` (lower first), then arrival."""
@@ -232,10 +250,46 @@ class FairPolicy(PriorityPolicy):
 
     name = "fair"
 
-    def __init__(self, clock: Callable[[], float], max_wait_s: float | None = None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        max_wait_s: float | None = None,
+        *,
+        contended_prefill_tokens: int = 0,
+        contention_window_s: float = 0.0,
+    ) -> None:
         super().__init__(clock, max_wait_s)
         self.counters: dict[str, float] = {}
         self._last_drained: str | None = None  # the tenant whose queue emptied last
+        self.contended_prefill_tokens = contended_prefill_tokens
+        self.contention_window_s = contention_window_s
+        self._contended_until = -math.inf
+
+    def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
+        """While two or more tenants have had work (running or waiting) within the last
+        ``contention_window_s``, a step carries at most ``contended_prefill_tokens`` prefill
+        tokens besides its decodes. Why: a step cannot be interrupted, so a request of a tenant
+        that arrives mid-step waits for the rest of it, however fair the next pick is; on a CPU
+        a step's time grows with its tokens. Short steps bound that wait; the window keeps
+        them short between one tenant's requests (an interactive user's next turn), and one
+        tenant alone gets the whole budget back once the window has passed."""
+        if not self.contended_prefill_tokens:
+            return budget
+        now = self.clock()
+        if self._num_active_tenants(running) > 1:
+            self._contended_until = now + self.contention_window_s
+        if now > self._contended_until:
+            return budget
+        return min(budget, num_decodes + self.contended_prefill_tokens)
+
+    def _num_active_tenants(self, running: Sequence[Request]) -> int:
+        """How many tenants have running or waiting requests (counting stops at 2)."""
+        tenants = set(self.num_waiting_by_tenant)
+        for r in running:
+            tenants.add(r.tenant.name)
+            if len(tenants) > 1:
+                break
+        return len(tenants)
 
     def flow_key(self, flow: _Flow, head: OrderKey) -> tuple[float | int, ...]:
         return (head[0], self.counters.get(flow.tenant, 0.0), *head[1:])
@@ -269,6 +323,33 @@ class FairPolicy(PriorityPolicy):
 
         return max(running, key=victim_key)
 
+    def prefill_reserve(
+        self, request: Request, later_prefills: Sequence[Request], *, can_admit: bool
+    ) -> int:
+        """The prompt tokens still to compute of every request of another tenant served no
+        more (lower class rank, or the same class and a counter no higher: a tenant lifted on
+        arrival ties with the one it was lifted to, and the newcomer should not lose the tie
+        to a prefill already under way) that would otherwise wait behind ``request``'s chunk:
+        each later running prefill and, if one can be admitted, each waiting flow's head.
+        Without it an older tenant's long running prefill takes the whole budget step after
+        step and a newly arrived tenant gets the leftovers (a 16-token prompt spread over
+        several steps). One tenant: always 0, so fair plans what fcfs plans."""
+        tenant = request.tenant.name
+        rank = self._rank(request.tenant.class_rank, tenant)
+        need = 0
+        for (class_rank, other), flow in self._flows.items() if can_admit else ():
+            if other != tenant and other not in self._held_tenants:
+                if self._rank(class_rank, other) <= rank:
+                    head = self._head(flow)[2]
+                    need += head.num_tokens - head.num_computed_tokens
+        for r in later_prefills:
+            if r.tenant.name != tenant and self._rank(r.tenant.class_rank, r.tenant.name) <= rank:
+                need += r.num_tokens - r.num_computed_tokens
+        return need
+
+    def _rank(self, class_rank: int, tenant: str) -> tuple[int, float]:
+        return (class_rank, self.counters.get(tenant, 0.0))
+
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     "fcfs": SchedulingPolicy,
@@ -278,10 +359,23 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
 
 
 def make_policy(
-    name: str, clock: Callable[[], float], max_wait_s: float = math.inf
+    name: str,
+    clock: Callable[[], float],
+    max_wait_s: float = math.inf,
+    *,
+    contended_prefill_tokens: int = 0,
+    contention_window_s: float = 0.0,
 ) -> SchedulingPolicy:
-    """The policy ``--scheduling-policy`` names; ``max_wait_s`` bounds waiting under fair."""
+    """The policy ``--scheduling-policy`` names. Under fair, ``max_wait_s`` bounds waiting and
+    ``contended_prefill_tokens`` (0: off) caps a step's prefill while tenants contend."""
     if name not in POLICIES:
         raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {name!r}")
-    wait = max_wait_s if name == "fair" and math.isfinite(max_wait_s) else None
-    return POLICIES[name](clock, wait)
+    if name != "fair":
+        return POLICIES[name](clock, None)
+    wait = max_wait_s if math.isfinite(max_wait_s) else None
+    return FairPolicy(
+        clock,
+        wait,
+        contended_prefill_tokens=contended_prefill_tokens,
+        contention_window_s=contention_window_s,
+    )

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.model_loader import LoadedModel
 from engine.request import Request, RequestStatus
 from engine.sampling_params import ParameterError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tenancy import TenantTag
 from tests.engine.test_scheduler import (
     VOCAB,
@@ -28,6 +28,7 @@ from tests.engine.test_scheduler import (
     reference_output,
     step,
 )
+from tests.engine.test_scheduler import run_all as run_to_the_end
 from tests.engine.tiny_engine import make_engine, run_all
 
 
@@ -154,6 +155,82 @@ def test_a_flooding_tenant_cannot_delay_another_beyond_one_request() -> None:
     assert fair_steps <= 16 and fair_overtakes <= 1
     # FCFS: Q waits behind all 46 waiting flood requests, 4 at a time.
     assert fcfs_steps > 150 and fcfs_overtakes == 0  # they have all finished meanwhile
+
+
+def first_step_with(policy: str) -> dict[str, int]:
+    """N's 200-token prompt is being prefilled 32 tokens a step; Q sends 8 tokens. The
+    tokens each tenant gets in the next step."""
+    sched, model = make(
+        policy, max_num_seqs=8, max_num_batched_tokens=32, fair_contended_prefill_tokens=0
+    )
+    submit(sched, TenantTag("noisy"), prompt_len=200, max_tokens=4)
+    step(sched, model)
+    submit(sched, TenantTag("quiet"), prompt_len=8, max_tokens=4)
+    out, _ = step(sched, model)
+    return {r.tenant.name: n for r, n in out.scheduled}
+
+
+def test_a_new_tenants_prompt_does_not_get_the_leftovers_of_a_long_running_prefill() -> None:
+    # Fair: Q's whole prompt runs in the next step; N's chunk makes room for it.
+    assert first_step_with("fair") == {"noisy": 24, "quiet": 8}
+    # FCFS: the running prefill goes first and takes the whole budget.
+    assert first_step_with("fcfs") == {"noisy": 32}
+
+
+def test_a_reserve_never_stalls_a_running_prefill_when_no_slot_is_free() -> None:
+    # One running slot: Q cannot be admitted until N finishes, so N keeps the whole budget.
+    sched, model = make(
+        "fair", max_num_seqs=1, max_num_batched_tokens=32, fair_contended_prefill_tokens=0
+    )
+    noisy = submit(sched, TenantTag("noisy"), prompt_len=100, max_tokens=2)
+    step(sched, model)
+    quiet = submit(sched, TenantTag("quiet"), prompt_len=8, max_tokens=2)
+    out, _ = step(sched, model)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [(noisy.request_id, 32)]
+    run_to_the_end(sched, model)
+    assert quiet.output_token_ids == reference_output(quiet.prompt_token_ids, 2)
+    assert_no_leaks(sched)
+
+
+def prefill_tokens(out: SchedulerOutput) -> int:
+    return sum(n for r, n in out.scheduled if r.num_computed_tokens < r.num_prompt_tokens)
+
+
+def test_steps_are_capped_while_tenants_contend_and_not_after_the_window() -> None:
+    clock = FakeClock()
+    sched, model = make(
+        "fair",
+        clock=clock,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        fair_contended_prefill_tokens=16,
+        fair_contention_window_s=5.0,
+    )
+    for _ in range(4):
+        submit(sched, TenantTag("noisy"), prompt_len=400, max_tokens=4)
+    out, _ = step(sched, model)
+    assert out.num_scheduled_tokens == 64  # one tenant: the whole budget
+    quiet = submit(sched, TenantTag("quiet"), prompt_len=8, max_tokens=2)
+    while not quiet.is_finished:
+        out, _ = step(sched, model)
+        assert prefill_tokens(out) <= 16
+    assert quiet.output_token_ids == reference_output(quiet.prompt_token_ids, 2)
+    clock.now += 4.0  # Q gone, but within the window: still capped
+    out, _ = step(sched, model)
+    assert prefill_tokens(out) <= 16
+    clock.now += 1.5  # the window has passed: N alone gets the whole budget again
+    out, _ = step(sched, model)
+    assert out.num_scheduled_tokens == 64
+
+
+def test_fcfs_never_caps_a_step() -> None:
+    sched, model = make(
+        "fcfs", max_num_seqs=8, max_num_batched_tokens=64, fair_contended_prefill_tokens=16
+    )
+    submit(sched, TenantTag("noisy"), prompt_len=400, max_tokens=4)
+    submit(sched, TenantTag("quiet"), prompt_len=400, max_tokens=4)
+    out, _ = step(sched, model)
+    assert out.num_scheduled_tokens == 64
 
 
 def test_interactive_runs_before_batch_that_arrived_first() -> None:
@@ -328,6 +405,8 @@ def test_random_multi_tenant_traffic_completes_correctly_without_leaks(
     config = EngineConfig(
         scheduling_policy=policy,
         fair_max_wait_s=data.draw(st.sampled_from([3.0, 30.0])),
+        fair_contended_prefill_tokens=data.draw(st.sampled_from([0, 1, 5, 256])),
+        fair_contention_window_s=data.draw(st.sampled_from([0.0, 4.0])),
         num_gpu_blocks_override=num_blocks,
         block_size=4,
         max_num_batched_tokens=budget,
