@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from engine_server_process import MODEL_NAME, EngineProcess
+from score_oracle import cosine_scores, cross_encoder_scores
 from tiny_llama import build_tiny_reranker
 
 pytestmark = pytest.mark.slow
@@ -51,36 +51,6 @@ def cross_client(reranker: EngineProcess) -> Iterator[httpx.Client]:
 def embed_client(hermes_engine_server: EngineProcess) -> Iterator[httpx.Client]:
     with hermes_engine_server.client() as client:
         yield client
-
-
-def cross_encoder_scores(folder: Path, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
-    """transformers' relevance of each pair (sigmoid of the one logit) and the tokens read."""
-    from transformers import AutoTokenizer, LlamaForSequenceClassification
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = LlamaForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
-    scores, num_tokens = [], 0
-    with torch.no_grad():
-        for a, b in pairs:
-            ids = tokenizer(a, b, return_tensors="pt")["input_ids"]
-            scores.append(torch.sigmoid(model(ids).logits[0, 0]).item())
-            num_tokens += ids.shape[1]
-    return scores, num_tokens
-
-
-def cosine_scores(folder: Path, pairs: list[tuple[str, str]]) -> list[float]:
-    """transformers' cosine of the two texts' last hidden states (the engine's LAST pooling)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-
-    def embed(text: str) -> torch.Tensor:
-        with torch.no_grad():
-            ids = torch.tensor([tokenizer.encode(text)])
-            return model.model(ids).last_hidden_state[0, -1]
-
-    return [torch.cosine_similarity(embed(a), embed(b), dim=0).item() for a, b in pairs]
 
 
 def post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
