@@ -73,16 +73,21 @@ def build_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
     return folder
 
 
-def build_tiny_reranker(folder: Path, seed: int = 0, **overrides: object) -> Path:
-    """Write a random cross-encoder (``LlamaForSequenceClassification``, ``num_labels`` = 1, as
-    a Llama/Qwen2 reranker is saved) with SmolLM2's tokenizer to ``folder``. Its score head is
-    widened like the tiny Llama's weights so pairs get clearly different scores."""
+def build_tiny_reranker(
+    folder: Path, seed: int = 0, architecture: str = "Llama", **overrides: object
+) -> Path:
+    """Write a random cross-encoder (``<architecture>ForSequenceClassification``, Llama or
+    Qwen2, ``num_labels`` = 1, as such rerankers are saved) with SmolLM2's tokenizer to
+    ``folder``. Its weights (biases too) are widened like the tiny Llama's so pairs get clearly
+    different scores."""
     import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    import transformers
 
+    config_cls = getattr(transformers, f"{architecture}Config")
+    model_cls = getattr(transformers, f"{architecture}ForSequenceClassification")
     tokenizer = _load_real_tokenizer()
     params = dict(TINY_LLAMA_CONFIG, **overrides)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -91,10 +96,10 @@ def build_tiny_reranker(folder: Path, seed: int = 0, **overrides: object) -> Pat
         **params,
     )
     torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 or name.endswith(".bias"):  # the norms keep their ones
                 p.normal_(0.0, 0.3 if "embed" in name else 0.08)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)

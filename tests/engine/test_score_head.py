@@ -33,14 +33,21 @@ def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen2_reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2 reranker as they are published: q/k/v biases, no tied embedding."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2-reranker")
+    return build_tiny_reranker(folder, seed=1, architecture="Qwen2", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
 def reranker(reranker_dir: Path) -> LoadedModel:
     return load_model(ModelSource("rerank", reranker_dir, "hf"), torch.float32, "cpu")
 
 
 def hf_logits(folder: Path, ids: list[list[int]]) -> list[float]:
-    from transformers import LlamaForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    model = LlamaForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():
         return [model(torch.tensor([row])).logits[0, 0].item() for row in ids]
 
@@ -72,6 +79,23 @@ def test_score_head_logits_equal_transformers(reranker: LoadedModel, reranker_di
     assert len(set(round(w, 3) for w in want)) == len(want)  # the pairs score differently
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_qwen2_reranker_with_biases_and_an_untied_embedding_equals_transformers(
+    qwen2_reranker_dir: Path,
+) -> None:
+    loaded = load_model(ModelSource("qwen2", qwen2_reranker_dir, "hf"), torch.float32, "cpu")
+    assert loaded.config.qkv_bias and not loaded.config.tie_word_embeddings
+    assert loaded.model.lm_head is None  # a cross-encoder has none: the score head instead
+    ids = pair_ids(loaded)
+    engine = make_engine(loaded)
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams(
+        "LAST", normalize=False, score_head=True))  # fmt: skip
+    for i, row in enumerate(ids):
+        engine.add_request(f"s{i}", row, params)
+    final = run_all(engine)
+    got = [(final[f"s{i}"].embedding or [])[0] for i in range(len(ids))]
+    assert got == pytest.approx(hf_logits(qwen2_reranker_dir, ids), abs=1e-4)
 
 
 def test_multi_label_classifier_is_refused_by_name(reranker_dir: Path) -> None:
