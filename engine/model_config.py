@@ -51,6 +51,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Outputs of the score head of a *ForSequenceClassification checkpoint; 0: a causal LM.
     num_labels: int = 0
+    # What turns the head's logit into the served score: "sigmoid" (vLLM's default for one
+    # label) or "identity" (the raw logit), as the checkpoint's sentence-transformers
+    # activation names it.
+    score_activation: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -129,6 +133,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             num_labels=_num_labels(architecture, raw),
+            score_activation=(
+                _score_activation(raw) if architecture in CROSS_ENCODER_ARCHITECTURES else "sigmoid"
+            ),
         )
 
     @classmethod
@@ -194,3 +201,27 @@ def _num_labels(architecture: str, raw: Mapping[str, Any]) -> int:
             "cross-encoder with one label (a reranker's relevance score) is served"
         )
     return num_labels
+
+
+SCORE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+}
+
+
+def _score_activation(raw: Mapping[str, Any]) -> str:
+    """The activation a cross-encoder's config names (sentence-transformers' ``activation_fn``
+    under ``sentence_transformers``, or its older ``sbert_ce_default_activation_function``),
+    as vLLM reads it; none named: the sigmoid. One it names that we do not know is refused
+    rather than silently replaced by another."""
+    st = raw.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, Mapping) else None
+    name = name or raw.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid"
+    if name not in SCORE_ACTIVATIONS:
+        raise ValueError(
+            f"score activation {name!r} is not supported (supported: "
+            f"{', '.join(SCORE_ACTIVATIONS)})"
+        )
+    return SCORE_ACTIVATIONS[name]

@@ -111,8 +111,10 @@ class EngineRoutes:
             str(getattr(engine.config, "model", "")), getattr(engine.config, "pooler_config", None)
         )
         self.embeddings = EmbeddingServing(self.serving, pooler)
-        self.cross_encoder = bool(getattr(engine.model_config, "is_cross_encoder", False))
-        self.scores = ScoreServing(self.serving, pooler, self.cross_encoder)
+        model_config = engine.model_config
+        self.cross_encoder = bool(getattr(model_config, "is_cross_encoder", False))
+        activation = str(getattr(model_config, "score_activation", "sigmoid"))
+        self.scores = ScoreServing(self.serving, pooler, self.cross_encoder, activation)
         self.responses = ResponsesServing(self.chat)
         self.drain = DrainState()
         self.started_at = int(time.time())

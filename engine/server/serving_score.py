@@ -8,7 +8,8 @@ Two kinds of model score, as vLLM scores them:
   Qwen2 reranker): each pair is one engine request, its two texts tokenized as one sequence the
   way the tokenizer pairs them (``tokenizer(text_1, text_2)``), the last token's hidden state
   read by the score head, and the logit turned into a relevance in (0, 1) by a sigmoid (vLLM's
-  activation for ``num_labels`` = 1).
+  activation for ``num_labels`` = 1; the raw logit where the checkpoint's sentence-transformers
+  config names the identity, as vLLM honours it).
 
 Either way every request is prefilled beside the engine's other work, like an embedding.
 Usage counts the tokens the engine read: ``prompt_tokens`` for score, ``total_tokens`` for
@@ -63,10 +64,17 @@ class ScoreServing:
     """Scores pairs of texts for one model: by cosine of embeddings (``pooler``), or by the
     model's score head when it is a cross-encoder."""
 
-    def __init__(self, serving: OpenAIServing, pooler: PoolerConfig, cross_encoder: bool) -> None:
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        pooler: PoolerConfig,
+        cross_encoder: bool,
+        activation: str = "sigmoid",
+    ) -> None:
         self.serving = serving
         self.pooler = pooler
         self.cross_encoder = cross_encoder
+        self.activate = sigmoid if activation == "sigmoid" else float  # "identity": the logit
 
     async def score(self, req: ScoreRequest, request: Request) -> Response:
         self.serving.check_model(req.model)
@@ -126,7 +134,7 @@ class ScoreServing:
             prompts = [self.pair_ids(req, side_1, side_2, a, b) for a, b in pairs]
             params = SamplingParams(max_tokens=1, temperature=0.0, pooling=SCORE_HEAD)
             outputs = await self.run(req, prompts, params, request)
-            return [sigmoid(out[0]) for out in outputs], sum(len(ids) for ids in prompts)
+            return [self.activate(out[0]) for out in outputs], sum(len(ids) for ids in prompts)
         prompts = [
             self.text_ids(req, text, _param(name, len(texts), i))
             for texts, name in (side_1, side_2)

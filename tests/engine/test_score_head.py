@@ -103,3 +103,16 @@ def test_multi_label_classifier_is_refused_by_name(reranker_dir: Path) -> None:
     raw["id2label"] = {"0": "no", "1": "yes"}
     with pytest.raises(ValueError, match="num_labels=2"):
         ModelConfig.from_hf(raw)
+
+
+def test_score_activation_follows_the_sentence_transformers_config(reranker_dir: Path) -> None:
+    raw = json.loads((reranker_dir / "config.json").read_text())
+    assert ModelConfig.from_hf(raw).score_activation == "sigmoid"  # vLLM's default, 1 label
+    identity = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    assert ModelConfig.from_hf({**raw, "sentence_transformers": identity}).score_activation == (
+        "identity"
+    )
+    older = {**raw, "sbert_ce_default_activation_function": "torch.nn.modules.activation.Sigmoid"}
+    assert ModelConfig.from_hf(older).score_activation == "sigmoid"
+    with pytest.raises(ValueError, match="Tanh"):
+        ModelConfig.from_hf({**raw, "sentence_transformers": {"activation_fn": "torch.nn.Tanh"}})
