@@ -288,8 +288,9 @@ class EngineConfig:
             "NCCL on CUDA with one GPU per rank); heads must divide evenly",
         )
         g.add_argument("--task", default=d.task, choices=TASKS,
-                       help="auto: generation and /v1/embeddings; generate; embed: only "
-                       "/v1/embeddings")  # fmt: skip
+                       help="auto: generation, /v1/embeddings, /v1/score and /v1/rerank; "
+                       "generate: generation only; embed: embeddings, score and rerank only "
+                       "(a cross-encoder checkpoint serves only score and rerank)")  # fmt: skip
         g.add_argument(
             "--pooler-config",
             "--override-pooler-config",

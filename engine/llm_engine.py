@@ -121,7 +121,10 @@ class LLMEngine:
             num_gpu_blocks = parallel.num_gpu_blocks
             self.runner = parallel.make_runner(loaded, config)
         # Embedding and prompt-logprob requests read their prompt's hidden states here.
-        self.prompt_tap = PromptTap(loaded.model.compute_logits)
+        self.prompt_tap = PromptTap(
+            loaded.model.compute_logits,
+            loaded.model.compute_scores if loaded.config.is_cross_encoder else None,
+        )
         self.runner.prompt_tap = self.prompt_tap
         self.scheduler = Scheduler(
             config,

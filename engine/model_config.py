@@ -10,8 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases. The
+# *ForSequenceClassification checkpoints are the same decoder with a score head in place of the
+# LM head: cross-encoders (rerankers) that serve /v1/score and /v1/rerank.
+GENERATIVE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+CROSS_ENCODER_ARCHITECTURES = (
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+)
+SUPPORTED_ARCHITECTURES = GENERATIVE_ARCHITECTURES + CROSS_ENCODER_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -41,6 +49,12 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Outputs of the score head of a *ForSequenceClassification checkpoint; 0: a causal LM.
+    num_labels: int = 0
+    # What turns the head's logit into the served score: "sigmoid" (vLLM's default for one
+    # label) or "identity" (the raw logit), as the checkpoint's sentence-transformers
+    # activation names it.
+    score_activation: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -60,6 +74,11 @@ class ModelConfig:
         if not self.rope_scaling:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """A sequence classifier: its score head, not an LM head, reads the last hidden state."""
+        return self.num_labels > 0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -87,7 +106,7 @@ class ModelConfig:
             scaling["original_max_position_embeddings"] = raw.get("max_position_embeddings")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen2 = architecture.startswith("Qwen2")
         max_positions = int(raw.get("max_position_embeddings", 2048))
         window = raw.get("sliding_window")
         if window and raw.get("use_sliding_window", True) and int(window) < max_positions:
@@ -113,6 +132,10 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_labels=_num_labels(architecture, raw),
+            score_activation=(
+                _score_activation(raw) if architecture in CROSS_ENCODER_ARCHITECTURES else "sigmoid"
+            ),
         )
 
     @classmethod
@@ -160,3 +183,45 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+
+def _num_labels(architecture: str, raw: Mapping[str, Any]) -> int:
+    """The score head's size of a cross-encoder checkpoint (0 for a causal LM). transformers
+    writes ``id2label`` (``num_labels`` is derived from it) and defaults to 2 labels.
+
+    Only ``num_labels`` = 1 is served: that is a reranker's relevance logit, the one number
+    /v1/score and /v1/rerank return (vLLM applies a sigmoid to it); a multi-label classifier
+    has no single score to give."""
+    if architecture not in CROSS_ENCODER_ARCHITECTURES:
+        return 0
+    num_labels = int(raw.get("num_labels") or len(raw.get("id2label") or {}) or 2)
+    if num_labels != 1:
+        raise ValueError(
+            f"{architecture} with num_labels={num_labels} is not supported: only a "
+            "cross-encoder with one label (a reranker's relevance score) is served"
+        )
+    return num_labels
+
+
+SCORE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+}
+
+
+def _score_activation(raw: Mapping[str, Any]) -> str:
+    """The activation a cross-encoder's config names (sentence-transformers' ``activation_fn``
+    under ``sentence_transformers``, or its older ``sbert_ce_default_activation_function``),
+    as vLLM reads it; none named: the sigmoid. One it names that we do not know is refused
+    rather than silently replaced by another."""
+    st = raw.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, Mapping) else None
+    name = name or raw.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid"
+    if name not in SCORE_ACTIVATIONS:
+        raise ValueError(
+            f"score activation {name!r} is not supported (supported: "
+            f"{', '.join(SCORE_ACTIVATIONS)})"
+        )
+    return SCORE_ACTIVATIONS[name]

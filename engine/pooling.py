@@ -6,7 +6,8 @@ and prefill chunks (chunked prefill, the shared token budget). The runner hands 
 final hidden states to a :class:`PromptTap`, which keeps, per such request, only what it needs:
 
 * pooling: a running sum (``MEAN``), the first row (``CLS``) or the last prompt row (``LAST``),
-  finished into one vector (optionally L2-normalised, optionally cut to ``dimensions``);
+  finished into one vector (optionally L2-normalised, optionally cut to ``dimensions``), or, for
+  a cross-encoder's pair (``score_head``), the score head's logits of the pooled row;
 * prompt logprobs: the log-softmax of the logits at prompt position ``p`` read at token
   ``p + 1``, with the top alternatives.
 
@@ -19,6 +20,7 @@ Engine thread only; not thread-safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +59,16 @@ class _PromptState:
 
 class PromptTap:
     """Reads the prompt rows of the requests registered with it out of each step's hidden
-    states (see the module docstring). ``compute_logits`` is the model's LM head."""
+    states (see the module docstring). ``compute_logits`` is the model's LM head;
+    ``compute_scores`` its score head (a cross-encoder's; None for a causal LM)."""
 
-    def __init__(self, compute_logits: Any) -> None:
+    def __init__(
+        self,
+        compute_logits: Any,
+        compute_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.compute_logits = compute_logits
+        self.compute_scores = compute_scores
         self._states: dict[str, _PromptState] = {}
 
     def __bool__(self) -> bool:
@@ -143,4 +151,9 @@ class PromptTap:
         """The pooled vector of a request whose prompt was read whole (None without pooling)."""
         if state.pooling is None or state.pooled is None:
             return None
+        if state.pooling.score_head:
+            if self.compute_scores is None:
+                raise ValueError("a score-head request on a model without a score head")
+            with torch.no_grad():
+                return [float(x) for x in self.compute_scores(state.pooled).tolist()]
         return pool(state.pooled, state.pooling, state.num_prompt_tokens)

@@ -15,11 +15,15 @@ TASKS = ("auto", "generate", "embed")
 @dataclass(frozen=True)
 class PoolingParams:
     """How one embedding request pools: ``pooling_type`` in :data:`POOLING_TYPES`, L2
-    ``normalize``, and ``dimensions`` (keep the first ones, then normalise: Matryoshka)."""
+    ``normalize``, and ``dimensions`` (keep the first ones, then normalise: Matryoshka).
+
+    ``score_head``: a cross-encoder's pair request; the pooled row goes through the model's
+    score head and the result is its logits (``normalize`` and ``dimensions`` do not apply)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     dimensions: int | None = None
+    score_head: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:

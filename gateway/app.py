@@ -71,6 +71,9 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/score", score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
     app.add_api_route("/v1/responses", responses, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
@@ -170,6 +173,14 @@ async def completions(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     return await _gateway(request).complete(request, "embedding", "/v1/embeddings")
+
+
+async def score(request: Request) -> Response:
+    return await _gateway(request).complete(request, "score", "/v1/score")
+
+
+async def rerank(request: Request) -> Response:
+    return await _gateway(request).complete(request, "rerank", request.url.path)
 
 
 async def responses(request: Request) -> Response:

@@ -37,6 +37,7 @@ from gateway.dataplane.adapters import Adapter, AdapterCatalog
 from gateway.dataplane.budget_stop import watch_budget
 from gateway.dataplane.fields import (
     GENERATING_KINDS,
+    POOLING_KINDS,
     RequestFields,
     match_shared_prefix,
     parse_fields,
@@ -247,7 +248,7 @@ class Gateway:
                     # an adapter's engines, or a local-only endpoint: no tier to fall back to
                     salt = (
                         principal.cache_salt
-                        if kind in GENERATING_KINDS or kind == "embedding"
+                        if kind in GENERATING_KINDS or kind in POOLING_KINDS
                         else None
                     )
                     payload = upstream.payload(raw, fields, decision.model, salt, send_max)

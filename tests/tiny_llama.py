@@ -71,3 +71,37 @@ def build_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def build_tiny_reranker(
+    folder: Path, seed: int = 0, architecture: str = "Llama", **overrides: object
+) -> Path:
+    """Write a random cross-encoder (``<architecture>ForSequenceClassification``, Llama or
+    Qwen2, ``num_labels`` = 1, as such rerankers are saved) with SmolLM2's tokenizer to
+    ``folder``. Its weights (biases too) are widened like the tiny Llama's so pairs get clearly
+    different scores."""
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, f"{architecture}Config")
+    model_cls = getattr(transformers, f"{architecture}ForSequenceClassification")
+    tokenizer = _load_real_tokenizer()
+    params = dict(TINY_LLAMA_CONFIG, **overrides)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+        **params,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith(".bias"):  # the norms keep their ones
+                p.normal_(0.0, 0.3 if "embed" in name else 0.08)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder

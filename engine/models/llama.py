@@ -138,8 +138,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.rotary_emb = RotaryEmbedding(cfg)
         self.lm_head: nn.Linear | None = None
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and not cfg.is_cross_encoder:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A cross-encoder's score head (transformers' ``score``); it has no LM head, so the one
+        # token each of its (pooling) requests samples comes from the tied embedding and is
+        # thrown away.
+        self.score: nn.Linear | None = None
+        if cfg.is_cross_encoder:
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         # The output projection in GGUF blocks (set by the loader with quantization "gguf") and
         # prepacked for oneDNN (bf16 on CPU, see prepack_weights).
         self.lm_head_blocks: GGUFBlocks | None = None
@@ -192,6 +198,13 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] in float32 for hidden states [N, hidden]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return block_matmul(hidden, weight, self.lm_head_blocks, None, self.lm_head_packed).float()
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The score head's logits [..., num_labels] in float32 (a cross-encoder only)."""
+        if self.score is None:
+            raise ValueError("this model has no score head (it is not a cross-encoder)")
+        weight = self.score.weight
+        return torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
 
     def prepack_weights(self) -> int:
         """Reorder every projection's weight once for oneDNN (bf16 on CPU; elsewhere nothing

@@ -26,7 +26,7 @@ from engine.server.engine_requests import ClientDisconnected
 from engine.server.kv_events_routes import add_kv_event_routes
 from engine.server.lora_routes import add_lora_routes, runtime_updates_allowed
 from engine.server.metrics import ServerMetrics
-from engine.server.openapi import openapi_document
+from engine.server.openapi import RERANK_PATHS, openapi_document
 from engine.server.protocol import parse_body
 from engine.server.protocol_chat import (
     CHAT_UNSUPPORTED,
@@ -42,11 +42,13 @@ from engine.server.protocol_completions import (
     EmbeddingRequest,
 )
 from engine.server.protocol_responses import RESPONSES_UNSUPPORTED, ResponsesRequest
+from engine.server.protocol_score import RerankRequest, ScoreRequest
 from engine.server.serving_chat import ChatServing
 from engine.server.serving_completions import CompletionServing
 from engine.server.serving_embeddings import EmbeddingServing
 from engine.server.serving_engine import OpenAIServing, effective_max_model_len
 from engine.server.serving_responses import ResponsesServing
+from engine.server.serving_score import ScoreServing
 from engine.server.settings import ServerSettings
 from engine.server.tracing import EngineTraceMiddleware, EngineTracing
 from portico import __version__
@@ -109,6 +111,10 @@ class EngineRoutes:
             str(getattr(engine.config, "model", "")), getattr(engine.config, "pooler_config", None)
         )
         self.embeddings = EmbeddingServing(self.serving, pooler)
+        model_config = engine.model_config
+        self.cross_encoder = bool(getattr(model_config, "is_cross_encoder", False))
+        activation = str(getattr(model_config, "score_activation", "sigmoid"))
+        self.scores = ScoreServing(self.serving, pooler, self.cross_encoder, activation)
         self.responses = ResponsesServing(self.chat)
         self.drain = DrainState()
         self.started_at = int(time.time())
@@ -131,8 +137,17 @@ class EngineRoutes:
         return error_response(exc)
 
     def check_task(self, endpoint: str, serves: str) -> None:
-        """400 for an endpoint the server's ``--task`` turned off (vLLM answers so too)."""
-        if self.task not in ("auto", serves):
+        """400 for an endpoint the server's ``--task`` turned off (vLLM answers so too), and
+        for generation and embeddings on a cross-encoder (it has a score head, no LM head)."""
+        if self.cross_encoder and serves != "score":
+            raise InvalidRequestError(
+                f"The model '{self.name}' is a cross-encoder (a score head, no language-model "
+                f"head): it serves /v1/score and /v1/rerank, not the {endpoint} API.",
+                param="model",
+                code="unsupported_endpoint",
+            )
+        allowed = ("auto", "embed") if serves == "score" else ("auto", serves)
+        if self.task not in allowed:
             raise InvalidRequestError(
                 f"This server does not serve the {endpoint} API: it was started with "
                 f"--task {self.task}.",
@@ -160,6 +175,22 @@ class EngineRoutes:
         req = parse_body(EmbeddingRequest, await request.body())
         try:
             return await self.embeddings.create(req, request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def create_score(self, request: Request) -> Response:
+        self.check_task("Score", "score")
+        req = parse_body(ScoreRequest, await request.body())
+        try:
+            return await self.scores.score(req, request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def create_rerank(self, request: Request) -> Response:
+        self.check_task("Rerank", "score")
+        req = parse_body(RerankRequest, await request.body())
+        try:
+            return await self.scores.rerank(req, request)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -272,6 +303,9 @@ def create_app(
     app.add_api_route("/v1/completions", routes.create_completion, methods=["POST"])
     app.add_api_route("/v1/embeddings", routes.create_embedding, methods=["POST"])
     app.add_api_route("/v1/responses", routes.create_response, methods=["POST"])
+    app.add_api_route("/v1/score", routes.create_score, methods=["POST"])
+    for path in RERANK_PATHS:
+        app.add_api_route(path, routes.create_rerank, methods=["POST"])
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ready", routes.ready, methods=["GET"])

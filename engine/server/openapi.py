@@ -14,6 +14,7 @@ from typing import Any
 from engine.server.protocol_chat import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from engine.server.protocol_completions import CompletionRequest, EmbeddingRequest
 from engine.server.protocol_responses import ResponsesRequest
+from engine.server.protocol_score import RerankRequest, ScoreRequest
 from portico.errors import ERROR_SCHEMA_DOC
 
 ERROR_SCHEMA = ERROR_SCHEMA_DOC
@@ -137,6 +138,56 @@ RESPONSE_OBJECT: dict[str, Any] = {
 }
 
 
+SCORE_LIST: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "object", "model", "data", "usage"],
+    "properties": {
+        "object": {"enum": ["list"]},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "object", "score"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "object": {"enum": ["score"]},
+                    "score": {"type": "number"},
+                },
+            },
+        },
+        "usage": USAGE_SCHEMA,
+    },
+}
+RERANK_OBJECT: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "model", "usage", "results"],
+    "properties": {
+        "usage": {
+            "type": "object",
+            "required": ["total_tokens"],
+            "properties": {"total_tokens": {"type": "integer", "minimum": 0}},
+        },
+        "results": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index", "relevance_score"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "relevance_score": {"type": "number"},
+                    "document": {
+                        "type": "object",
+                        "required": ["text"],
+                        "properties": {"text": {"type": "string"}},
+                    },
+                },
+            },
+        },
+    },
+}
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")  # vLLM serves all three (Jina, Cohere)
+
+
 def _errors(*statuses: int) -> dict[str, Any]:
     reasons = {
         400: "bad input, naming the parameter",
@@ -167,6 +218,15 @@ def _body(model: type[Any]) -> dict[str, Any]:
     }
 
 
+def _pooled(model: type[Any], schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "requestBody": _body(model),
+            "responses": {"200": _json(schema), **_errors(400, 401, 404, 413, 503)},
+        }
+    }
+
+
 def _generation(schema: dict[str, Any], model: type[Any]) -> dict[str, Any]:
     ok = _json(schema, "the completion; with stream=true, server-sent events")
     ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
@@ -185,6 +245,8 @@ def openapi_document(title: str, version: str, model_name: str) -> dict[str, Any
         ResponsesRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        ScoreRequest,
+        RerankRequest,
     )
     components: dict[str, Any] = {}
     for model in models:
@@ -212,6 +274,8 @@ def openapi_document(title: str, version: str, model_name: str) -> dict[str, Any
                 }
             },
             "/v1/responses": {"post": _generation(RESPONSE_OBJECT, ResponsesRequest)},
+            "/v1/score": _pooled(ScoreRequest, SCORE_LIST),
+            **{path: _pooled(RerankRequest, RERANK_OBJECT) for path in RERANK_PATHS},
             "/v1/models": {"get": {"responses": {"200": _json(plain), **_errors(401, 503)}}},
             "/tokenize": {
                 "post": {

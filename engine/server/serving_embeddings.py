@@ -27,6 +27,25 @@ def encode_base64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
+def fit_pooled_input(
+    serving: OpenAIServing, ids: list[int], truncate_prompt_tokens: int | None, param: str
+) -> list[int]:
+    """``ids`` cut to their last ``truncate_prompt_tokens``, or a 400 naming ``param`` when
+    they do not fit the context of a pooling request (which samples one token)."""
+    if truncate_prompt_tokens is not None:
+        ids = ids[-truncate_prompt_tokens:]
+    limit = serving.max_model_len - 1
+    if len(ids) > limit:
+        raise InvalidRequestError(
+            f"This model's maximum input length is {limit} tokens. However, your "
+            f"input has {len(ids)} tokens. Please reduce the length of the input "
+            "(or set truncate_prompt_tokens).",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return ids
+
+
 class EmbeddingServing:
     """Answers embeddings for one model with the model's pooling (``pooler``)."""
 
@@ -54,18 +73,7 @@ class EmbeddingServing:
             else:
                 self.serving.check_token_ids(item, param)
                 ids = list(item)
-            if req.truncate_prompt_tokens is not None:
-                ids = ids[-req.truncate_prompt_tokens :]
-            limit = self.serving.max_model_len - 1  # the pooling request samples one token
-            if len(ids) > limit:
-                raise InvalidRequestError(
-                    f"This model's maximum input length is {limit} tokens. However, your "
-                    f"input has {len(ids)} tokens. Please reduce the length of the input "
-                    "(or set truncate_prompt_tokens).",
-                    param=param,
-                    code="context_length_exceeded",
-                )
-            prompts.append(ids)
+            prompts.append(fit_pooled_input(self.serving, ids, req.truncate_prompt_tokens, param))
         return prompts
 
     async def create(self, req: EmbeddingRequest, request: Request) -> Response:

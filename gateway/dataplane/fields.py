@@ -27,7 +27,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 class RequestFields:
     """What routing, admission and the proxy need to know about one request."""
 
-    kind: str  # "chat" | "completion" | "embedding" | "responses" | "tokenize" | "detokenize"
+    # "chat" | "completion" | "embedding" | "score" | "rerank" | "responses" | "tokenize" |
+    # "detokenize"
+    kind: str
     model: str
     stream: bool
     max_tokens: int | None
@@ -56,6 +58,8 @@ class RequestFields:
 
 
 GENERATING_KINDS = frozenset({"chat", "completion", "responses"})
+# Kinds that read a prompt and generate nothing: admission reserves the prompt alone.
+POOLING_KINDS = frozenset({"embedding", "score", "rerank"})
 MAX_CACHE_SALT_CHARS = 1024  # the engine's own bound on cache_salt
 
 
@@ -213,15 +217,79 @@ def _count(body: dict[str, Any], name: str) -> int:
 
 
 def _non_generating_fields(kind: str, model: str, body: dict[str, Any]) -> RequestFields:
-    """Embeddings (the input is the prompt; nothing is generated: ``max_tokens`` 0) and
-    tokenize/detokenize (nothing counted)."""
+    """Embeddings, score and rerank (their texts are the prompt; nothing is generated:
+    ``max_tokens`` 0) and tokenize/detokenize (nothing counted)."""
     prompt: str | list[Any] | None = None
     messages = None
     if kind == "embedding":
         prompt = body.get("input")
         if not isinstance(prompt, (str, list)) or not prompt:
             raise _bad("Missing required parameter: 'input'.", "input")
+    elif kind == "score":
+        prompt = _score_prompt(body)
+    elif kind == "rerank":
+        prompt = _rerank_prompt(body)
     return RequestFields(kind, model, False, 0, messages, prompt, 0, False, body, 1)
+
+
+def _texts(body: dict[str, Any], name: str) -> list[str]:
+    """A score side (``text_1``, ``text_2``): a non-empty string or list of them."""
+    value = body.get(name)
+    if value is None:
+        raise _bad(f"Missing required parameter: '{name}'.", name)
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts:
+        raise _bad(f"Invalid value for '{name}': must be a string or a non-empty array.", name)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            param = name if isinstance(value, str) else f"{name}[{i}]"
+            raise _bad(f"Invalid value for '{param}': must be a non-empty string.", param)
+    return texts
+
+
+def _score_prompt(body: dict[str, Any]) -> list[str]:
+    """The texts of ``/v1/score`` as the engine reads them at most: each pair's two texts
+    (a cross-encoder reads them as one sequence; an embedding model reads each text once,
+    fewer), so admission reserves no less than the engine's count."""
+    texts_1, texts_2 = _texts(body, "text_1"), _texts(body, "text_2")
+    if len(texts_1) > 1 and len(texts_1) != len(texts_2):
+        raise _bad(
+            "text_1 and text_2 must pair 1:1, 1:N or N:N; got "
+            f"{len(texts_1)} and {len(texts_2)} texts.",
+            "text_2",
+        )
+    return [t for i, text in enumerate(texts_2) for t in (texts_1[i % len(texts_1)], text)]
+
+
+def _rerank_prompt(body: dict[str, Any]) -> list[str]:
+    """The texts of a rerank request (the query beside each document), checked as far as
+    admission depends on them: ``query``, ``documents`` and ``top_n``."""
+    query = body.get("query")
+    if not isinstance(query, str) or not query:
+        raise _bad("Missing required parameter: 'query' (a non-empty string).", "query")
+    documents = body.get("documents")
+    if not isinstance(documents, list) or not documents:
+        raise _bad("Missing required parameter: 'documents' (a non-empty array).", "documents")
+    texts = []
+    for i, doc in enumerate(documents):
+        text = doc.get("text") if isinstance(doc, dict) else doc
+        if not isinstance(text, str) or not text:
+            raise _bad(
+                f"Invalid value for 'documents[{i}]': must be a non-empty string or an object "
+                "with a non-empty 'text'.",
+                f"documents[{i}]",
+            )
+        texts += [query, text]
+    top_n = body.get("top_n")
+    if top_n is not None and (
+        not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= len(documents)
+    ):
+        raise _bad(
+            f"Invalid value for 'top_n': must be an integer from 0 to the number of documents "
+            f"({len(documents)}).",
+            "top_n",
+        )
+    return texts
 
 
 def responses_fields(model: str, body: dict[str, Any]) -> RequestFields:

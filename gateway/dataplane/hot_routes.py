@@ -1,7 +1,8 @@
 """The hot routes served without FastAPI's per-request machinery.
 
 The model-serving routes (``POST /v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings``, ``/v1/responses``, ``/tokenize``, ``/detokenize``) take no declared
+``/v1/embeddings``, ``/v1/score``, the rerank paths, ``/v1/responses``, ``/tokenize``,
+``/detokenize``) take no declared
 parameters, so FastAPI's middleware stack (server-error, telemetry and body-limit layers),
 router, dependency solving, exit stacks and exception middleware add only cost to them.
 :class:`GatewayApp` is the FastAPI app with one change: those are dispatched, before FastAPI's
@@ -35,6 +36,10 @@ HOT_PATHS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
     "/v1/embeddings": "embedding",
+    "/v1/score": "score",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",  # vLLM's aliases: Jina's path and Cohere's v2
+    "/v2/rerank": "rerank",
     "/v1/responses": "responses",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",

@@ -82,11 +82,14 @@ class Usage:
                 log.warning("unreadable usage in a stream chunk: %.200r", event)
 
     def take(self, usage: Any) -> None:
-        """Read OpenAI's usage object: chat/completions/embeddings names, or the Responses
-        API's (``input_tokens``/``output_tokens``)."""
+        """Read OpenAI's usage object: chat/completions/embeddings names, the Responses
+        API's (``input_tokens``/``output_tokens``), or rerank's (Cohere's and Jina's shape:
+        ``total_tokens`` alone, all of them read, none generated)."""
         if isinstance(usage, dict):
             prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            if prompt is None and completion is None:
+                prompt = usage.get("total_tokens")
             self.prompt_tokens = int(prompt or 0)
             self.completion_tokens = int(completion or 0)
             details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")

@@ -100,6 +100,15 @@ def test_usage_event_is_read_and_dropped_unless_asked_for() -> None:
         ("responses", {"model": "m", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ("responses", {"model": "m", "input": "hi", "stream": "yes"}, "stream"),
         ("tokenize", {"prompt": "hi"}, "model"),
+        ("score", {"model": "m", "text_1": "q"}, "text_2"),
+        ("score", {"model": "m", "text_1": 5, "text_2": "d"}, "text_1"),
+        ("score", {"model": "m", "text_1": "q", "text_2": ["d", ""]}, "text_2[1]"),
+        ("score", {"model": "m", "text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+        ("rerank", {"model": "m", "documents": ["d"]}, "query"),
+        ("rerank", {"model": "m", "query": "q", "documents": []}, "documents"),
+        ("rerank", {"model": "m", "query": "q", "documents": [{"title": "x"}]}, "documents[0]"),
+        ("rerank", {"model": "m", "query": "q", "documents": ["d"], "top_n": 2}, "top_n"),
+        ("rerank", {"model": "m", "query": "q", "documents": ["d"], "top_n": True}, "top_n"),
     ],
 )
 def test_new_endpoints_refuse_bad_fields_naming_them(
@@ -130,3 +139,19 @@ def test_responses_fields_read_input_items_as_turns_and_the_output_cap() -> None
     assert fields.messages[1]["content"] == "Hi"  # type: ignore[index]
     embedding = parse_fields(b'{"model": "m", "input": [[1, 2], [3]]}', "embedding")
     assert embedding.max_tokens == 0 and embedding.prompt == [[1, 2], [3]]
+
+
+def test_score_and_rerank_count_each_pair_and_generate_nothing() -> None:
+    score = parse_fields(b'{"model": "m", "text_1": "q", "text_2": ["a", "b"]}', "score")
+    assert score.max_tokens == 0 and score.prompt == ["q", "a", "q", "b"]
+    pairs = parse_fields(b'{"model": "m", "text_1": ["q", "r"], "text_2": ["a", "b"]}', "score")
+    assert pairs.prompt == ["q", "a", "r", "b"]
+    body = {"model": "m", "query": "q", "documents": ["a", {"text": "b"}], "top_n": 1}
+    rerank = parse_fields(json.dumps(body).encode(), "rerank")
+    assert rerank.max_tokens == 0 and rerank.prompt == ["q", "a", "q", "b"]
+
+
+def test_rerank_usage_of_total_tokens_alone_is_read_as_prompt_tokens() -> None:
+    usage = Usage()
+    usage.take({"total_tokens": 42})
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (42, 0, True)
