@@ -4,7 +4,9 @@
     portico bench fairness --quick --model DIR      # a tiny look (the test runs this)
 
 For each scheduling policy (``--policies``, default ``fcfs,fair``) one real ``portico engine``
-process is started with ``--scheduling-policy <policy>`` and the same flags otherwise, and
+process is started with ``--scheduling-policy <policy>`` and the same flags otherwise (an entry
+``POLICY:FLAGS`` adds engine flags for that engine alone, e.g.
+``fair:--fair-contended-prefill-tokens 0`` to price one part of fair against the rest), and
 talked to directly on the engine hop: every request carries the ``x-portico-*`` headers the
 gateway would set (engine/tenancy.py), so what is measured is the engine's scheduler alone,
 without the gateway's admission in front. All engines stay up (an idle one costs nothing) and
@@ -325,19 +327,21 @@ def _say(progress: bool, message: str) -> None:
 
 @contextlib.contextmanager
 def engine_process(
-    model: str, policy: str, engine_args: Sequence[str], log_dir: Path
+    model: str, variant: str, engine_args: Sequence[str], log_dir: Path
 ) -> Iterator[str]:
-    """A ``portico engine`` on a loopback port with ``--scheduling-policy policy``; yields its
-    base URL once ``/ready`` answers; SIGTERM (then kill) on the way out."""
+    """A ``portico engine`` on a loopback port for ``variant`` (``POLICY`` or
+    ``POLICY:FLAGS``: ``--scheduling-policy POLICY``, then ``engine_args``, then ``FLAGS``);
+    yields its base URL once ``/ready`` answers; SIGTERM (then kill) on the way out."""
+    policy, _, own_flags = variant.partition(":")
     port = free_port()
     cmd = [
         sys.executable, "-m", "portico.cli", "engine",
         "--model", model, "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--scheduling-policy", policy, "--log-level", "warning",
-        *engine_args,
+        *engine_args, *shlex.split(own_flags),
     ]  # fmt: skip
-    log_path = log_dir / f"engine-{policy}.log"
+    log_path = log_dir / f"engine-{len(list(log_dir.glob('engine-*.log')))}-{policy}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     url = f"http://127.0.0.1:{port}"
     with process(cmd, log_path, env) as proc:
@@ -502,7 +506,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--engine-args", default="", help='extra engine flags, e.g. "--max-num-seqs 64"'
     )
-    parser.add_argument("--policies", default="fcfs,fair", help="comma-separated, run in order")
+    parser.add_argument(
+        "--policies",
+        default="fcfs,fair",
+        help="comma-separated, run in order; POLICY:FLAGS adds engine flags to that one",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the test's run)")
     d = Workload()
     parser.add_argument("--noisy-concurrency", type=int, default=d.noisy_concurrency)

@@ -157,4 +157,5 @@ def test_in_steps_fair_serves_the_quiet_tenant_first_at_the_same_throughput(
     fcfs, fair = counts["fcfs"], counts["fair"]
     assert fcfs.quiet_waits and fair.quiet_waits
     assert max(fair.quiet_waits) == 1 < max(fcfs.quiet_waits)
+    assert max(fair.quiet_wait_tokens) <= 256 < max(fcfs.quiet_wait_tokens)  # one step's worth
     assert abs(fair.noisy_finished - fcfs.noisy_finished) <= 0.05 * fcfs.noisy_finished
