@@ -399,3 +399,21 @@ def test_the_engine_flags_choose_the_policy_and_its_wait_bound() -> None:
         EngineConfig(scheduling_policy="lottery")
     with pytest.raises(ValueError, match="--fair-max-wait-s"):
         EngineConfig(fair_max_wait_s=-1.0)
+
+
+def test_the_engine_flags_set_the_contended_step_cap_and_its_window() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    default = EngineConfig.from_cli_args(parser.parse_args([]))
+    assert (default.fair_contended_prefill_tokens, default.fair_contention_window_s) == (256, 2.0)
+    args = parser.parse_args(
+        ["--fair-contended-prefill-tokens", "0", "--fair-contention-window-s", "0.5"]
+    )
+    config = EngineConfig.from_cli_args(args)
+    assert (config.fair_contended_prefill_tokens, config.fair_contention_window_s) == (0, 0.5)
+    with pytest.raises(ValueError, match="--fair-contended-prefill-tokens"):
+        EngineConfig(fair_contended_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="--fair-contended-prefill-tokens"):
+        EngineConfig(fair_contended_prefill_tokens=True)
+    with pytest.raises(ValueError, match="--fair-contention-window-s"):
+        EngineConfig(fair_contention_window_s=float("nan"))
