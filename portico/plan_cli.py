@@ -94,6 +94,12 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
     return flags, notes
 
 
+def _kv_dtype(p: MemoryPlan) -> str:
+    """The cache's element type as the plan counts it (``auto`` named as what it resolves to)."""
+    name = p.engine_config.kv_cache_dtype
+    return f"--kv-cache-dtype {name}" + (f": {p.dtype}" if name == "auto" else "")
+
+
 def _rows(p: MemoryPlan) -> list[tuple[str, str]]:
     cfg, m = p.engine_config, p.model_config
     w = p.weights
@@ -115,7 +121,7 @@ def _rows(p: MemoryPlan) -> list[tuple[str, str]]:
             f"{_size(w.gguf_blocks)}, prepacked {_size(w.prepacked)}, "
             f"RoPE {_size(w.rope_tables)})",
         ),  # fmt: skip
-        ("KV cache per token", _size(p.kv_bytes_per_token)),
+        ("KV cache per token", f"{_size(p.kv_bytes_per_token)}  ({_kv_dtype(p)})"),
         (
             "KV cache per sequence",
             f"{_size(p.kv_bytes_per_seq)}  ({p.max_model_len} tokens, "

@@ -75,14 +75,18 @@ def check_against_engine(config: EngineConfig) -> None:
     assert_close(p.weights.total, resident_weight_bytes(runner.model))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("float32", "fp8_e4m3")],
+)
 def test_plan_matches_the_engine_on_the_tiny_model(
-    tiny_llama_dir: Path, one_torch_thread: None, dtype: str
+    tiny_llama_dir: Path, one_torch_thread: None, dtype: str, kv_cache_dtype: str
 ) -> None:
     config = EngineConfig(
         model=str(tiny_llama_dir),
         device="cpu",
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_num_seqs=4,
         max_model_len=512,
         kv_cache_memory="3MiB",

@@ -571,14 +571,16 @@ Item resolve_item(const Attn *a, int r, int64_t local) {
 
 void attend_item(const Attn *a, const Item *it, Scratch *s) {
     load_queries(a, it, s->qbuf);
-    const int fast = use_vector_path(a);
-    if (fast) scores_fast(a, it, s->qbuf, s->scores);
+    const int fast = !a->kv_int8 && use_vector_path(a);
+    if (a->kv_int8) scores_int8(a, it, s->qbuf, s->scores, s->kv);
+    else if (fast) scores_fast(a, it, s->qbuf, s->scores);
     else scores_portable(a, it, s->qbuf, s->scores, s->kv);
     for (int q = 0; q < it->nq; q++) {
         int limit = it->seq_len - it->q_len + it->row0 + q_row(a, it, q) + 1;
         softmax_row(s->scores + (int64_t)q * a->max_seq, limit, it->ctx_end);
     }
-    if (fast) pv_fast(a, it, s->scores, s->obuf);
+    if (a->kv_int8) pv_int8(a, it, s->scores, s->obuf, s->kv);
+    else if (fast) pv_fast(a, it, s->scores, s->obuf);
     else pv_portable(a, it, s->scores, s->obuf, s->kv);
     store_outputs(a, it, s->obuf);
 }
@@ -657,7 +659,8 @@ static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int
 
 /*
  * query:  [T, heads, d] (dtype dt), row stride q_stride_t elements, head stride q_stride_h
- * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous
+ * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous; with kv_int8, int8
+ *         [2, num_blocks, block_size, kv_heads, d + 4]: each row's values, then its float32 scale
  * tables: [num_reqs, max_blocks] int32; query_start: [num_reqs + 1] int32; seq_lens [num_reqs]
  * out:    [T, heads, d] (dtype dt), contiguous
  * Request r's rows query_start[r]..query_start[r+1]-1 are its last positions: row j of q_len
@@ -668,20 +671,21 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
                     int64_t num_blocks, int block_size, int kv_heads, int head_dim,
                     const int32_t *tables, int max_blocks, const int32_t *query_start,
                     const int32_t *seq_lens, int num_reqs, int heads, float scale, int dt,
-                    void *out, int num_threads) {
+                    int kv_int8, void *out, int num_threads) {
     const int group = heads / kv_heads;
     if (group * ROW_TILE > MAX_QUERIES || head_dim > 256) return -1;
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     if (!item_start) return -1;
     int max_seq = 0;
-    const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
+    const int64_t row = kv_int8 ? int8_row_bytes(head_dim) : head_dim;
+    const int64_t half = num_blocks * (int64_t)block_size * kv_heads * row;
     const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, dt, half);
     const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, all_heads, item_start, &max_seq);
     const Attn a = {
         .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,
         .block_size = block_size, .kv_heads = kv_heads, .head_dim = head_dim, .heads = heads,
         .group = group, .max_blocks = max_blocks, .dt = dt, .max_seq = max_seq,
-        .half = half, .decode_all_heads = all_heads,
+        .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_int8,
         .tables = tables, .query_start = query_start, .seq_lens = seq_lens, .scale = scale,
         .out = out,
     };

@@ -16,6 +16,7 @@ typedef struct {
     int block_size, kv_heads, head_dim, heads, group, max_blocks, dt, max_seq;
     int64_t half; /* elements from K to V in the cache */
     int decode_all_heads; /* decode rows take every KV head in one item (decode_items_all_heads) */
+    int kv_int8; /* the cache holds int8 rows with their scales (common.h), not dtype dt */
     const int32_t *tables, *query_start, *seq_lens;
     float scale;
     void *out;
@@ -43,6 +44,10 @@ int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_
 Item resolve_item(const Attn *a, int r, int64_t local);
 /* Attend one work item: its queries' rows of the output. */
 void attend_item(const Attn *a, const Item *it, Scratch *s);
+/* The two passes over an int8 cache (kv_int8.c): scores of the item's queries, then P V; kv is
+ * head_dim floats of scratch. */
+void scores_int8(const Attn *a, const Item *it, const float *qbuf, float *scores, float *kv);
+void pv_int8(const Attn *a, const Item *it, const float *scores, float *obuf, float *kv);
 /* Per-thread scratch for contexts up to max_seq; 0, or -1 out of memory (free it either way). */
 int scratch_alloc(Scratch *s, int max_seq, int head_dim);
 void scratch_free(Scratch *s);
