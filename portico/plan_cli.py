@@ -61,6 +61,8 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
     flags = ["--max-model-len", str(p.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.kv_cache_dtype != "auto":  # the blocks were counted in it
+        flags += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     notes: list[str] = []
     wanted_blocks = cfg.max_num_seqs * p.blocks_per_seq
     if p.device_type == "cuda":
