@@ -8,8 +8,8 @@
 #define ROW_TILE 4     /* query rows (positions) per work item */
 #define MAX_QUERIES 32 /* ROW_TILE * heads per KV head must fit */
 
-#if defined(__AVX512BF16__)
-/* The bf16 score tile (paged_attention.c's pass 1; kv_int8.c's too, on rows widened to bf16). */
+#ifdef __AVX512F__
+/* The score tiles' lane sums (paged_attention.c's pass 1 and kv_int8.c's). */
 /* Four vectors' lane sums per 128-bit chunk: lanes 4c..4c+3 of the result hold the partial sums
  * of a0..a3 over chunk c of each (two unpack-and-add levels). */
 static inline __m512 sum4_chunks(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -29,6 +29,9 @@ static inline __m512 sum16(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
                          _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#endif
+
+#if defined(__AVX512BF16__)
 /* One cache row (bf16, chunks x 32 elements) dotted with one query's pairs, left in 16 lanes. */
 static inline __m512 row_dot(const uint16_t *k, const __m512bh *qv, int chunks) {
     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qv[0]);
