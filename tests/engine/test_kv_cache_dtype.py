@@ -140,18 +140,21 @@ def test_prefix_hit_on_an_8bit_cache_gives_the_uncached_output(
     assert_no_blocks_held(engine)
 
 
-def test_swap_recompute_and_chunked_prefill_keep_the_int8_output(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize(("kv_cache_dtype", "storage"), [("int8", torch.int8), ("fp8_e4m3", FP8)])
+def test_swap_recompute_and_chunked_prefill_keep_the_8bit_output(
+    tiny: LoadedModel, kv_cache_dtype: str, storage: torch.dtype
+) -> None:
     prompts = [prompt(30 + i, start=i * 50) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    roomy = LLM.from_engine(make_engine(tiny, kv_cache_dtype="int8")).generate(prompts, params)
-    expected = [o.outputs[0].token_ids for o in roomy]
+    roomy = make_engine(tiny, kv_cache_dtype=kv_cache_dtype)
+    expected = [o.outputs[0].token_ids for o in LLM.from_engine(roomy).generate(prompts, params)]
     for mode in ("recompute", "swap"):
         engine = make_engine(
-            tiny, kv_cache_dtype="int8", num_gpu_blocks_override=20, preemption_mode=mode,
+            tiny, kv_cache_dtype=kv_cache_dtype, num_gpu_blocks_override=20, preemption_mode=mode,
             max_num_batched_tokens=24,  # every prompt prefills in chunks
         )  # fmt: skip
-        if mode == "swap":  # the swap pool keeps the rows' scales: same layout, same dtype
-            assert engine.runner.cpu_kv_caches[0].dtype == torch.int8
+        if mode == "swap":  # the swap pool keeps int8 rows' scales: same layout, same dtype
+            assert engine.runner.cpu_kv_caches[0].dtype == storage
             assert engine.runner.cpu_kv_caches[0].shape[2:] == engine.runner.kv_caches[0].shape[2:]
         tight = LLM.from_engine(engine).generate(prompts, params)
         assert engine.stats().num_preemptions > 0
