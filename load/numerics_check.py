@@ -16,11 +16,11 @@ with its KV cache in ``int8`` and in ``fp8_e4m3`` instead of bf16.
 For each configuration it reports how many continuations equal the reference's, and how many
 tokens agree on average before the first difference; each 8-bit cache also against the bf16
 cache with everything else equal (the greedy agreement rate the cache alone costs). And the
-perplexity of every configuration on a fixed text (:data:`PERPLEXITY_TEXT`: the history section
-of CPython's LICENSE.txt, shipped with every Python; its sha256 is in the report), read through
-the paged cache in chunks of ``max_num_batched_tokens`` so each chunk attends to K/V stored in
-the cache's dtype. A benchmark-style report, not a test: bf16 is already not float32, and the
-question is whether int8 moves outputs further.
+perplexity of every configuration on a fixed text (:data:`PERPLEXITY_TEXT`: the first 1024
+tokens of CPython's LICENSE.txt, shipped with every Python; its sha256 is in the report), read
+through the paged cache in chunks of ``max_num_batched_tokens`` so each chunk attends to K/V
+stored in the cache's dtype. A benchmark-style report, not a test: bf16 is already not
+float32, and the question is whether int8 moves outputs further.
 """
 
 from __future__ import annotations
