@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.kv_cache_dtype import KV_CACHE_DTYPES
 from engine.pooling_params import TASKS, load_pooler_config
 from engine.spec_decode.config import SpeculativeConfig
 from engine.structured_output.limits import LIMIT_HELP, ConstraintLimits, limit_flag
@@ -86,6 +87,9 @@ class EngineConfig:
     # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
     fair_contended_prefill_tokens: int = 256
     fair_contention_window_s: float = 2.0
+    # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
+    # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
+    kv_cache_dtype: str = "auto"
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out KV blocks (mode "swap")
     kv_cache_memory: str | int = "2GiB"  # KV budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
@@ -147,6 +151,7 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None:
             _check_int("--num-gpu-blocks-override", self.num_gpu_blocks_override, 1)
         _check_int("--seed", self.seed, 0)
+        _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_number("--swap-space", self.swap_space, 0.0, math.inf)
         _check_number("--gpu-memory-utilization", self.gpu_memory_utilization, 0.0, 1.0)
         if self.gpu_memory_utilization == 0:
@@ -273,6 +278,14 @@ class EngineConfig:
                        "tenants had work")  # fmt: skip
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
+        g.add_argument(
+            "--kv-cache-dtype",
+            default=d.kv_cache_dtype,
+            choices=KV_CACHE_DTYPES,
+            help="KV cache element type: auto (the model's dtype), int8 (per token and head "
+            "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
+            "(PyTorch reference only: slow)",
+        )
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)

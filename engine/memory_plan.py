@@ -40,14 +40,19 @@ GGUF_BLOCK_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 8 / 32, "q8_0": 1.0 + 4 / 32}
 INT8_PACKED_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 4 / 32, "q8_0": 1.0 + 2 / 32}
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: str) -> int:
-    """Bytes one KV block takes across all layers: the engine's own function, for ``dtype``
-    given by name (``float32``, ``bfloat16``, ``float16``)."""
+def kv_block_bytes(
+    cfg: ModelConfig, block_size: int, dtype: str, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes one KV block takes across all layers: the engine's own function, for the model's
+    ``dtype`` given by name (``float32``, ``bfloat16``, ``float16``) and ``--kv-cache-dtype``
+    (int8: half of bf16's bytes plus each row's 4-byte scale)."""
     import torch
 
+    from engine.kv_cache_dtype import storage_dtype
     from engine.model_runner import kv_cache_bytes_per_block  # it imports this module
 
-    return kv_cache_bytes_per_block(cfg, block_size, getattr(torch, dtype))
+    cache_dtype = storage_dtype(kv_cache_dtype, getattr(torch, dtype))
+    return kv_cache_bytes_per_block(cfg, block_size, cache_dtype)
 
 
 def activation_reserve_bytes(engine_config: EngineConfig) -> int:
@@ -320,7 +325,7 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         and _has_int8_kernels(),
     )
     memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
-    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype)
+    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
     context = 0 if on_cpu else CUDA_CONTEXT_BYTES
     free_after_weights = memory - context - weights.total
     budget = kv_cache_budget(engine_config, device_type, free_after_weights, memory)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import memory_plan
+from engine import kv_cache_dtype, memory_plan
 from engine.attention import AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
@@ -25,9 +25,15 @@ if TYPE_CHECKING:
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V)."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * element
+    """Bytes one KV block takes across all layers (K and V) in a cache of ``dtype`` (int8: the
+    values and each row's scale, :mod:`engine.kv_cache_dtype`)."""
+    row = kv_cache_dtype.bytes_per_token_head(dtype, cfg.head_dim)
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * row
+
+
+def cache_dtype_of(loaded: LoadedModel, engine_config: EngineConfig) -> torch.dtype:
+    """The KV cache's torch dtype: ``--kv-cache-dtype``, ``auto`` being the model's."""
+    return kv_cache_dtype.storage_dtype(engine_config.kv_cache_dtype, loaded.dtype)
 
 
 def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:
@@ -36,7 +42,8 @@ def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:
     """
     if engine_config.num_gpu_blocks_override is not None:
         return engine_config.num_gpu_blocks_override
-    per_block = kv_cache_bytes_per_block(loaded.config, engine_config.block_size, loaded.dtype)
+    cache_dtype = cache_dtype_of(loaded, engine_config)
+    per_block = kv_cache_bytes_per_block(loaded.config, engine_config.block_size, cache_dtype)
     free, total = (0, 0)
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
@@ -48,7 +55,8 @@ class ModelRunner:
     """Owns the KV cache tensors and runs one model step per scheduler output.
 
     ``kv_caches`` holds one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``
-    (0 = K, 1 = V), on the model's device and dtype. ``cpu_kv_caches`` is the swap pool (same
+    (0 = K, 1 = V), on the model's device, in ``--kv-cache-dtype`` (an int8 row carries its scale
+    in 4 more bytes: :mod:`engine.kv_cache_dtype`). ``cpu_kv_caches`` is the swap pool (same
     layout, ``num_cpu_blocks`` blocks) used when preemption mode is ``swap``. Not thread-safe:
     one step at a time.
     """
@@ -69,13 +77,17 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by the engine with --enable-lora
         self.prompt_tap: PromptTap | None = None  # set by the engine: embeddings, prompt logprobs
         cfg = loaded.config
-        shape = (2, num_gpu_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.cache_dtype = cache_dtype_of(loaded, engine_config)
+        shape = kv_cache_dtype.cache_shape(
+            self.cache_dtype, num_gpu_blocks, self.block_size, cfg.num_key_value_heads,
+            cfg.head_dim,
+        )  # fmt: skip
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         if num_cpu_blocks is None:
-            per_block = kv_cache_bytes_per_block(cfg, self.block_size, self.dtype)
+            per_block = kv_cache_bytes_per_block(cfg, self.block_size, self.cache_dtype)
             swapping = engine_config.preemption_mode == "swap"
             num_cpu_blocks = engine_config.swap_space_bytes // per_block if swapping else 0
         self.num_cpu_blocks = num_cpu_blocks
@@ -84,7 +96,7 @@ class ModelRunner:
         # torch.empty: the OS hands out pages only when a block is first swapped out.
         self.cpu_kv_caches = (
             [
-                torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin)
+                torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin)
                 for _ in range(cfg.num_hidden_layers)
             ]
             if num_cpu_blocks

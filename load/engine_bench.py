@@ -31,6 +31,7 @@ import torch
 
 from engine.config import QUANTIZATIONS, EngineConfig
 from engine.kernels import cpu as cpu_kernels
+from engine.kv_cache_dtype import KV_CACHE_DTYPES
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.model_loader import choose_device, choose_dtype, load_model
@@ -172,6 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV budget on CPU")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size")
     parser.add_argument("--single-stream-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="only measure Portico")
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         quantization=args.quantization,
     )

@@ -19,6 +19,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import GGUF_ACTIVATIONS
+from engine.kernels.reference import to_cache_rows
+from engine.kv_cache_dtype import KV_CACHE_DTYPES, storage_dtype
 from engine.model_loader import (
     QUANTIZATIONS,
     LoadedModel,
@@ -36,6 +38,7 @@ def measure_decode(
     steps: int = 8,
     block_size: int = 16,
     clock: str = "wall",
+    kv_cache_dtype: str = "auto",
 ) -> float:
     """Decode tokens per second (forward + logits of every row) at ``batch_size``.
 
@@ -47,8 +50,9 @@ def measure_decode(
     blocks_per_seq = -(-(context_len + steps + 1) // block_size)
     num_blocks = batch_size * blocks_per_seq + 1
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    cache_dtype = storage_dtype(kv_cache_dtype, loaded.dtype)
     caches = [
-        torch.randn(shape, device=loaded.device).to(loaded.dtype)
+        to_cache_rows(torch.randn(shape, device=loaded.device), cache_dtype)
         for _ in range(cfg.num_hidden_layers)
     ]
     # Interleave the requests' blocks so tables are not contiguous, as in a busy engine.
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("wall", "cpu"),
         help="cpu: this thread's CPU time (needs --threads 1): robust on a shared machine",
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
@@ -126,14 +131,21 @@ def main(argv: list[str] | None = None) -> int:
         loaded.model.fused_step = None
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         tps = max(
-            measure_decode(loaded, batch, args.context_len, args.steps, clock=args.clock)
+            measure_decode(
+                loaded,
+                batch,
+                args.context_len,
+                args.steps,
+                clock=args.clock,
+                kv_cache_dtype=args.kv_cache_dtype,
+            )  # fmt: skip
             for _ in range(max(1, args.repeats))
         )
         print(
             f"{loaded.name} {loaded.dtype} {device} quantization={args.quantization} "
             f"gguf-activations={args.gguf_activations} "
             f"fused={loaded.model.fused_step is not None} clock={args.clock} "
-            f"threads={torch.get_num_threads()} "
+            f"threads={torch.get_num_threads()} kv-cache-dtype={args.kv_cache_dtype} "
             f"batch={batch} context={args.context_len}: {tps:.1f} tok/s"
         )
     return 0

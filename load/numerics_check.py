@@ -10,15 +10,26 @@ three configurations of the same weights:
 * ``bfloat16+int8``: bf16 activations rounded to int8 per 32 values before the block linears
   (``--gguf-activations int8``, the default), as llama.cpp does.
 
+and, for ``--kv-cache-dtype`` (issue 33), the default configuration (bf16 + int8 activations)
+with its KV cache in ``int8`` and in ``fp8_e4m3`` instead of bf16.
+
 For each configuration it reports how many continuations equal the reference's, and how many
-tokens agree on average before the first difference. A benchmark-style report, not a test:
-bf16 is already not float32, and the question is whether int8 moves outputs further.
+tokens agree on average before the first difference; each 8-bit cache also against the bf16
+cache with everything else equal (the greedy agreement rate the cache alone costs). And the
+perplexity of every configuration on a fixed text (:data:`PERPLEXITY_TEXT`: the first 1024
+tokens of CPython's LICENSE.txt, shipped with every Python; its sha256 is in the report), read
+through the paged cache in chunks of ``max_num_batched_tokens`` so each chunk attends to K/V
+stored in the cache's dtype. A benchmark-style report, not a test: bf16 is already not
+float32, and the question is whether int8 moves outputs further.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,18 +59,45 @@ CONFIGS = {
     "float32": {"dtype": "float32", "gguf_activations": "exact"},
     "bfloat16": {"dtype": "bfloat16", "gguf_activations": "exact"},
     "bfloat16+int8": {"dtype": "bfloat16", "gguf_activations": "int8"},
+    "bfloat16+int8, kv int8": {
+        "dtype": "bfloat16", "gguf_activations": "int8", "kv_cache_dtype": "int8",
+    },
+    "bfloat16+int8, kv fp8_e4m3": {
+        "dtype": "bfloat16", "gguf_activations": "int8", "kv_cache_dtype": "fp8_e4m3",
+    },
+}  # fmt: skip
+# Each 8-bit cache's configuration, and the same one with the model's bf16 cache.
+CACHE_PAIRS = {
+    "bfloat16+int8, kv int8": "bfloat16+int8",
+    "bfloat16+int8, kv fp8_e4m3": "bfloat16+int8",
 }
+PERPLEXITY_TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+PERPLEXITY_TOKENS = 1024
 
 
-def continuations(config: dict[str, str], max_tokens: int) -> list[list[int]]:
+def continuations(llm: LLM, max_tokens: int) -> list[list[int]]:
     """Greedy continuations of :data:`PROMPTS`, one request at a time."""
-    llm = LLM(device="cpu", max_num_seqs=1, enable_prefix_caching=False, **config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = []
     for prompt in PROMPTS:
         result = llm.chat([{"role": "user", "content": prompt}], params)[0]
         out.append(list(result.outputs[0].token_ids))
     return out
+
+
+def perplexity(llm: LLM, text: str, num_tokens: int) -> float:
+    """exp of the mean negative log-likelihood of the first ``num_tokens`` tokens of ``text``
+    (each predicted from the ones before it, from the prompt's logprobs)."""
+    ids = llm.tokenizer.encode(text)[:num_tokens]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([ids], params)[0]
+    values = [p.logprob for p in out.prompt_logprobs or [] if p is not None]
+    return math.exp(-sum(values) / len(values))
+
+
+def run_config(config: dict[str, str], max_tokens: int, text: str) -> tuple[list[list[int]], float]:
+    llm = LLM(device="cpu", max_num_seqs=1, enable_prefix_caching=False, **config)
+    return continuations(llm, max_tokens), perplexity(llm, text, PERPLEXITY_TOKENS)
 
 
 def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> dict[str, float]:
@@ -79,13 +117,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", default=".portico/bench/numerics_check.json")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     args = parser.parse_args(argv)
-    runs = {name: continuations(config, args.max_tokens) for name, config in CONFIGS.items()}
+    text = PERPLEXITY_TEXT.read_text()
+    results = {name: run_config(CONFIGS[name], args.max_tokens, text) for name in args.configs}
+    runs = {name: tokens for name, (tokens, _) in results.items()}
     report = {
         "prompts": len(PROMPTS),
         "max_tokens": args.max_tokens,
-        "vs_float32": {name: agreement(runs["float32"], runs[name]) for name in runs},
-        "int8_vs_bfloat16": agreement(runs["bfloat16"], runs["bfloat16+int8"]),
+        "vs_float32": {name: agreement(runs["float32"], runs[name]) for name in runs}
+        if "float32" in runs
+        else {},
+        "int8_vs_bfloat16": agreement(runs["bfloat16"], runs["bfloat16+int8"])
+        if {"bfloat16", "bfloat16+int8"} <= set(runs)
+        else {},
+        "kv_cache_vs_bf16_cache": {
+            name: agreement(runs[base], runs[name])
+            for name, base in CACHE_PAIRS.items()
+            if {name, base} <= set(runs)
+        },
+        "perplexity": {name: ppl for name, (_, ppl) in results.items()},
+        "perplexity_text": {
+            "file": PERPLEXITY_TEXT.name,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "tokens": PERPLEXITY_TOKENS,
+        },
     }
     print(json.dumps(report, indent=2))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,8 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
     flags = ["--max-model-len", str(p.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.kv_cache_dtype != "auto":  # the blocks were counted in it
+        flags += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     notes: list[str] = []
     wanted_blocks = cfg.max_num_seqs * p.blocks_per_seq
     if p.device_type == "cuda":
@@ -94,6 +96,12 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
     return flags, notes
 
 
+def _kv_dtype(p: MemoryPlan) -> str:
+    """The cache's element type as the plan counts it (``auto`` named as what it resolves to)."""
+    name = p.engine_config.kv_cache_dtype
+    return f"--kv-cache-dtype {name}" + (f": {p.dtype}" if name == "auto" else "")
+
+
 def _rows(p: MemoryPlan) -> list[tuple[str, str]]:
     cfg, m = p.engine_config, p.model_config
     w = p.weights
@@ -115,7 +123,7 @@ def _rows(p: MemoryPlan) -> list[tuple[str, str]]:
             f"{_size(w.gguf_blocks)}, prepacked {_size(w.prepacked)}, "
             f"RoPE {_size(w.rope_tables)})",
         ),  # fmt: skip
-        ("KV cache per token", _size(p.kv_bytes_per_token)),
+        ("KV cache per token", f"{_size(p.kv_bytes_per_token)}  ({_kv_dtype(p)})"),
         (
             "KV cache per sequence",
             f"{_size(p.kv_bytes_per_seq)}  ({p.max_model_len} tokens, "

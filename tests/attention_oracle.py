@@ -9,7 +9,8 @@ import random
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.kernels.reference import write_kv_cache_ref
+from engine.kernels.reference import from_cache_rows, to_cache_rows, write_kv_cache_ref
+from engine.kv_cache_dtype import cache_shape
 
 
 def attention_oracle(
@@ -33,10 +34,14 @@ def attention_oracle(
 
 
 def paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int,
-               shape: list[tuple[int, int]], dtype: torch.dtype, seed: int):  # fmt: skip
+               shape: list[tuple[int, int]], dtype: torch.dtype, seed: int,
+               cache_dtype: torch.dtype | None = None):  # fmt: skip
     """A paged KV cache holding random K/V for requests of (query rows, context) ``shape``, on
     shuffled blocks: the queries (a strided view, as the model passes them), the cache, the
-    step's metadata, each request's K and V, and the query rows per request."""
+    step's metadata, each request's K and V, and the query rows per request. The cache is in
+    ``cache_dtype`` (default ``dtype``); K and V are returned as it holds them (an int8 or fp8
+    cache's rounding included), so the oracle on them measures the kernel, not the rounding."""
+    cache_dtype = cache_dtype or dtype
     rng = random.Random(seed)
     torch.manual_seed(seed)
     q_lens, s_lens = [q for q, _ in shape], [s for _, s in shape]
@@ -47,11 +52,15 @@ def paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int,
     for n in needed:
         tables.append(pool[at : at + n])
         at += n
-    cache = torch.zeros(2, len(pool) + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    shape5 = cache_shape(cache_dtype, len(pool) + 1, block_size, kv_heads, head_dim)
+    cache = torch.zeros(shape5, dtype=cache_dtype)
     ks = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
     vs = [torch.randn(s, kv_heads, head_dim).to(dtype) for s in s_lens]
     whole = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
     write_kv_cache_ref(torch.cat(ks), torch.cat(vs), cache, whole.slot_mapping)
+    if cache_dtype != dtype:
+        ks = [from_cache_rows(to_cache_rows(k, cache_dtype), torch.float32) for k in ks]
+        vs = [from_cache_rows(to_cache_rows(v, cache_dtype), torch.float32) for v in vs]
     meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
     # Queries as a strided view of a wider qkv-like row, as the model passes them.
     wide = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim).to(dtype)

@@ -90,11 +90,16 @@ def _choice(t: torch.Tensor) -> KernelChoice:
     return choose(t.device.type)
 
 
+def _fp8(kv_cache: torch.Tensor) -> bool:
+    """An fp8_e4m3 cache: only the references read and write it (engine.kv_cache_dtype)."""
+    return kv_cache.dtype.itemsize == 1 and kv_cache.dtype != torch.int8
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new K/V rows into the paged cache (see :func:`write_kv_cache_ref`)."""
-    if _choice(key).write_kv_cache == "triton":
+    if _choice(key).write_kv_cache == "triton" and not _fp8(kv_cache):
         from engine.kernels.kv_cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, kv_cache, slot_mapping)
@@ -114,7 +119,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention over the paged cache (see :func:`paged_attention_ref`)."""
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
-    impl = _choice(query).paged_attention
+    impl = "reference" if _fp8(kv_cache) else _choice(query).paged_attention
     if impl == "triton":
         from engine.kernels.paged_attention import paged_attention_triton
 

@@ -185,6 +185,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         _I,
         ctypes.c_float,
         _I,
+        _I,
         _P,
         _I,
     ]
@@ -204,8 +205,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_step_supported.argtypes = [_P]
     lib.decode_step.restype = _I
     lib.decode_step.argtypes = [
-        _P, _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, _I, _P, _P, _P, _P, _P, _I64, _I,
-        _P, _I, _P, _P, _I, _P, _P, _I, _P, _I,
+        _P, _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I64,
+        _I, _P, _I, _P, _P, _I, _P, _P, _I, _P, _I,
     ]  # fmt: skip
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
@@ -224,6 +225,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         _I64,
         _I,
         _P,
+        _I,
         _I,
         _I,
     ]
@@ -279,14 +281,17 @@ def paged_attention_cpu(
 ) -> torch.Tensor | None:
     """Native twin of :func:`~engine.kernels.reference.paged_attention_ref` (same meaning).
 
-    Returns ``None`` when the kernels are unavailable or these inputs are outside what they
-    handle (dtype, layout, head counts); the caller then runs the reference.
+    An int8 ``kv_cache`` (rows of ``d`` values and their float32 scale,
+    :mod:`engine.kv_cache_dtype`) is read by the same kernel. Returns ``None`` when the kernels
+    are unavailable or these inputs are outside what they handle (dtype, layout, head counts);
+    the caller then runs the reference.
     """
     lib = load()
+    kv_int8 = kv_cache.dtype == torch.int8
     if (
         lib is None
         or query.dtype not in _DTYPE_CODES
-        or kv_cache.dtype != query.dtype
+        or (kv_cache.dtype != query.dtype and not kv_int8)
         or query.stride(-1) != 1
         or not kv_cache.is_contiguous()
     ):
@@ -303,7 +308,7 @@ def paged_attention_cpu(
         query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), num_blocks,
         block_size, kv_heads, head_dim, tables.data_ptr(), tables.shape[1], starts.data_ptr(),
         lens.data_ptr(), lens.shape[0], heads, float(scale), _DTYPE_CODES[query.dtype],
-        out.data_ptr(), torch.get_num_threads(),
+        int(kv_int8), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out if status == 0 else None
 
@@ -418,12 +423,14 @@ def rope_write_kv_cpu(
 ) -> bool:
     """Rotate the query and key heads of ``qkv`` ([T, (heads + 2 kv_heads) * d]) in place with
     RoPE (float32 tables ``[max_pos, d / 2]``) and store the keys and values in ``kv_cache`` at
-    ``slot_mapping``. Returns False, having changed nothing, when the kernels cannot."""
+    ``slot_mapping`` (quantized, with their scales, into an int8 cache). Returns False, having
+    changed nothing, when the kernels cannot."""
     lib = load()
+    kv_int8 = kv_cache.dtype == torch.int8
     if (
         lib is None
         or qkv.dtype not in _DTYPE_CODES
-        or kv_cache.dtype != qkv.dtype
+        or (kv_cache.dtype != qkv.dtype and not kv_int8)
         or qkv.dim() != 2
         or qkv.stride(-1) != 1
         or not kv_cache.is_contiguous()
@@ -438,6 +445,7 @@ def rope_write_kv_cpu(
     lib.rope_write_kv(
         qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
         cos_t.data_ptr(), sin_t.data_ptr(), pos.data_ptr(), kv_cache.data_ptr(), num_blocks,
-        block_size, slots.data_ptr(), _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+        block_size, slots.data_ptr(), _DTYPE_CODES[qkv.dtype], int(kv_int8),
+        torch.get_num_threads(),
     )  # fmt: skip
     return True

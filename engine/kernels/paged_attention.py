@@ -5,7 +5,9 @@ It serves prefill chunks and decodes alike. One program handles ``BLOCK_M`` quer
 one request and one query head; it walks the request's context ``BLOCK_N`` positions at a time,
 finds each position's slot through the block table (so the cache's block size is independent
 of the tile size), and keeps an online softmax in float32. GQA: query head ``h`` reads KV head
-``h // (heads // kv_heads)``.
+``h // (heads // kv_heads)``. An int8 cache (:mod:`engine.kv_cache_dtype`) is read through
+the same loop: each K/V row widened to float32 and multiplied by its scale, read from the 4
+bytes after the row's values.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton.language as tl
 def _paged_attention_kernel(
     q_ptr,
     cache_ptr,
+    scale_ptr,  # int8 cache: the cache's memory as float32, for each row's scale; else unused
     out_ptr,
     block_tables_ptr,
     query_start_ptr,
@@ -28,7 +31,7 @@ def _paged_attention_kernel(
     q_stride_h,
     o_stride_t,
     o_stride_h,
-    v_offset,  # elements from the K half of the cache to its V half
+    v_offset,  # elements from the K half of the cache to its V half (bytes for int8)
     bt_stride,  # elements between rows of block_tables
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -38,6 +41,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for a float32 cache; "tf32" holds bf16/fp16 K/V exactly
+    KV_INT8: tl.constexpr,  # the cache holds int8 rows of HEAD_DIM values + a float32 scale
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -70,10 +74,18 @@ def _paged_attention_kernel(
                 block_tables_ptr + req * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0
             ).to(tl.int64)
             slots = block * BLOCK_SIZE + offs_n % BLOCK_SIZE
-            kv_off = (slots[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+            row = HEAD_DIM + 4 if KV_INT8 else HEAD_DIM
+            rows = (slots * NUM_KV_HEADS + kv_head) * row
+            kv_off = rows[:, None] + offs_d[None, :]
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            if KV_INT8:
+                k_scale = tl.load(scale_ptr + (rows + HEAD_DIM) // 4, mask=n_mask, other=0.0)
+                v_rows = v_offset + rows + HEAD_DIM
+                v_scale = tl.load(scale_ptr + v_rows // 4, mask=n_mask, other=0.0)
+                k = k * k_scale[:, None]
+                v = v * v_scale[:, None]
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             scores = tl.where(allowed, scores, float("-inf"))
@@ -114,9 +126,11 @@ def paged_attention_triton(
     block_m = 16
     max_query_len = max(query_lens_cpu)
     grid = (len(query_lens_cpu), heads, triton.cdiv(max_query_len, block_m))
+    kv_int8 = kv_cache.dtype == torch.int8
     _paged_attention_kernel[grid](
         query,
         kv_cache,
+        kv_cache.view(torch.float32) if kv_int8 else kv_cache,
         out,
         block_tables,
         query_start_loc,
@@ -135,6 +149,8 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=16,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # int8 K/V widened and scaled are not bf16-exact: keep them in full float32 products
+        PRECISION="ieee" if query.dtype == torch.float32 or kv_int8 else "tf32",
+        KV_INT8=kv_int8,
     )
     return out

@@ -15,6 +15,43 @@ import torch
 import torch.nn.functional as F
 
 _DECODE_CHUNK_BYTES = 4 << 20
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+
+
+def quantize_kv_int8_ref(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., d]`` as the int8 cache stores them: ``[..., d + 4]`` int8, the values
+    ``round(x / scale)`` (ties to even) and then the float32 ``scale = max |x| / 127`` of the row
+    as 4 bytes (:mod:`engine.kv_cache_dtype`). The native and Triton writers store the same."""
+    wide = x.float()
+    scale = wide.abs().amax(-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale > 0, torch.round(wide / safe), torch.zeros_like(wide))
+    q = q.clamp(-127, 127).to(torch.int8)
+    return torch.cat((q, scale.contiguous().view(torch.int8)), dim=-1)
+
+
+def dequantize_kv_int8_ref(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``[..., d + 4]`` int8 back to values ``[..., d]`` in ``dtype``."""
+    scale = rows[..., -4:].contiguous().view(torch.float32)
+    return (rows[..., :-4].float() * scale).to(dtype)
+
+
+def to_cache_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows ``[..., d]`` in the cache's element type (and row layout, for int8)."""
+    if cache_dtype == torch.int8:
+        return quantize_kv_int8_ref(x)
+    if cache_dtype.itemsize == 1:  # fp8_e4m3: saturate, as float8_e4m3fn has no infinity
+        return x.float().clamp(-_FP8_MAX, _FP8_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def from_cache_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows back to K/V values in ``dtype`` (a view when the cache already is ``dtype``)."""
+    if rows.dtype == dtype:
+        return rows
+    if rows.dtype == torch.int8:
+        return dequantize_kv_int8_ref(rows, dtype)
+    return rows.to(dtype)
 
 
 def write_kv_cache_ref(
@@ -25,32 +62,40 @@ def write_kv_cache_ref(
 ) -> None:
     """Scatter ``key``/``value`` rows ([T, kv_heads, d]) into ``kv_cache`` at ``slot_mapping``.
 
-    ``kv_cache`` is ``[2, num_blocks, block_size, kv_heads, d]`` (0 = K, 1 = V), contiguous;
-    slot ``s`` is block ``s // block_size``, offset ``s % block_size``.
+    ``kv_cache`` is ``[2, num_blocks, block_size, kv_heads, row]`` (0 = K, 1 = V), contiguous,
+    ``row`` = d, or d + 4 for an int8 cache (:func:`quantize_kv_int8_ref`); slot ``s`` is block
+    ``s // block_size``, offset ``s % block_size``.
     """
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    _, num_blocks, block_size, kv_heads, row = kv_cache.shape
+    flat = _bytes(kv_cache).view(2, num_blocks * block_size, kv_heads, row)
+    flat[0].index_copy_(0, slot_mapping, _bytes(to_cache_rows(key, kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, _bytes(to_cache_rows(value, kv_cache.dtype)))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor as uint8 (CPU torch has no index_copy_/index_select for float8)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _gather_context(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions 0..ceil(length / block_size) * block_size - 1 of each table row.
+    """K and V of positions 0..ceil(length / block_size) * block_size - 1 of each table row,
+    in ``dtype`` (an int8 or fp8 cache's rows are dequantized after the gather).
 
-    Copies whole blocks (one contiguous row of ``block_size * kv_heads * d`` per block), which
+    Copies whole blocks (one contiguous row of ``block_size * kv_heads * row`` per block), which
     is about twice as fast on CPU as gathering token by token. Returns two
     ``[B, padded_len, kv_heads, d]`` tensors; positions past a request's length are garbage
     for the caller to mask.
     """
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    _, num_blocks, block_size, kv_heads, row = kv_cache.shape
     num_ctx_blocks = -(-length // block_size)
     ids = block_tables[:, :num_ctx_blocks].reshape(-1).to(torch.int64)
-    shape = (block_tables.shape[0], num_ctx_blocks * block_size, kv_heads, head_dim)
+    shape = (block_tables.shape[0], num_ctx_blocks * block_size, kv_heads, row)
     # K and V in one op: the cache is [2, num_blocks, ...], so select along the block dim.
-    both = kv_cache.view(2, num_blocks, -1).index_select(1, ids)
-    return both[0].view(shape), both[1].view(shape)
+    both = _bytes(kv_cache).view(2, num_blocks, -1).index_select(1, ids).view(kv_cache.dtype)
+    keys, values = both[0].view(shape), both[1].view(shape)
+    return from_cache_rows(keys, dtype), from_cache_rows(values, dtype)
 
 
 def _decode_attention(
@@ -63,7 +108,7 @@ def _decode_attention(
 ) -> torch.Tensor:
     batch, heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
-    keys, values = _gather_context(kv_cache, block_tables, max_len)  # [B, L, kv_heads, d]
+    keys, values = _gather_context(kv_cache, block_tables, max_len, query.dtype)  # [B, L, kv, d]
     length = keys.shape[1]
     # GQA without copying K/V: the heads sharing a KV head become that head's query rows.
     q = query.view(batch, kv_heads, heads // kv_heads, head_dim)
@@ -84,7 +129,7 @@ def _prefill_attention(
 ) -> torch.Tensor:
     q_len, heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
-    keys, values = _gather_context(kv_cache, block_table[None, :], seq_len)
+    keys, values = _gather_context(kv_cache, block_table[None, :], seq_len, query.dtype)
     keys = keys[0, :seq_len].transpose(0, 1)  # [kv_heads, L, d]
     values = values[0, :seq_len].transpose(0, 1)
     group = heads // kv_heads
@@ -124,7 +169,7 @@ def paged_attention_ref(
     # Decodes go in chunks whose gathered K/V (~4 MiB) stay in cache for the attention that
     # reads them right after: 1.8x faster per step at 512-token contexts than one gather.
     longest = max((seq_lens_cpu[i] for i in decode_reqs), default=0)
-    per_req = 2 * longest * kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.element_size()
+    per_req = 2 * longest * kv_cache.shape[3] * query.shape[2] * query.element_size()
     chunk = max(1, _DECODE_CHUNK_BYTES // max(per_req, 1))
     for first in range(0, len(decode_reqs), chunk):
         part = decode_reqs[first : first + chunk]

@@ -13,7 +13,9 @@ AVX2 with FMA and F16C: ``cpu.int8_available()``), every
 projection in GGUF Q4_1/Q8_0 blocks packed for them (``--gguf-activations int8``), and sizes
 the kernels take (widths a multiple of 64, head_dim a multiple of 32). LoRA steps that carry
 adapter rows use the Python path (the fused call has no adapter deltas), as does every rank of
-a tensor-parallel engine (no all-reduce inside).
+a tensor-parallel engine (no all-reduce inside). Its KV cache is bfloat16 or int8 (the 8-bit
+cache's rows quantized and read by the same native code as the Python path's); a float32 or
+fp8_e4m3 cache takes the Python path.
 """
 
 from __future__ import annotations
@@ -141,7 +143,12 @@ class FusedDecodeStep:
         serves them (:meth:`head_serves`; else None: the caller runs the head); None (nothing
         written) where the native call declines."""
         lib = cpu.load()
-        if lib is None or not all(c.is_contiguous() for c in kv_caches):
+        cache_dtype = kv_caches[0].dtype
+        if (
+            lib is None
+            or cache_dtype not in (torch.bfloat16, torch.int8)
+            or not all(c.is_contiguous() for c in kv_caches)
+        ):
             return None
         x = self.model.model.embed_tokens(input_ids).contiguous()
         out = torch.empty_like(x)
@@ -161,7 +168,8 @@ class FusedDecodeStep:
             self.table.data_ptr(), self.dims.data_ptr(), self.final_norm.data_ptr(), self.eps,
             self.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
             rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
-            self._caches(kv_caches).data_ptr(), num_blocks, block_size, tables.data_ptr(),
+            self._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
+            block_size, tables.data_ptr(),
             tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0],
             head.data_ptr() if head is not None else None,
             rows.data_ptr() if rows is not None else None,

@@ -60,6 +60,35 @@ def test_paged_attention_matches_per_token_oracle(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "shape"),
+    [
+        (6, 2, 8, 8, [(1, 9), (5, 5), (3, 17), (1, 2)]),  # portable loops, mixed
+        (9, 3, 64, 16, [(1, 40), (1, 7), (1, 130), (1, 3), (1, 64)]),  # decodes: all-heads items
+        (9, 3, 64, 16, [(1, 40), (7, 7), (1, 17), (18, 33), (1, 1)]),  # prefill chunks, decodes
+        (8, 1, 32, 4, [(5, 70), (1, 16)]),  # 8 queries per KV head, small blocks
+    ],
+)
+def test_paged_attention_reads_an_int8_cache(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, shape: list[tuple[int, int]],
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    q, cache, meta, ks, vs, q_lens = paged_case(
+        heads, kv_heads, head_dim, block_size, shape, dtype, seed=heads * 5 + block_size,
+        cache_dtype=torch.int8,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
+    # ks, vs are what the cache holds (int8 times scale): the kernel adds only float32 sums
+    expected = attention_oracle(q, ks, vs, q_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_of_a_request_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
     """With four or more requests, each decode row takes all its KV heads in one work item
     (one thread reads the rows of every head); each request's output is still the one it gets
@@ -168,6 +197,29 @@ def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
     tol = 0 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(qkv[:, : 6 * 16].view(4, 6, 16), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(cache, expected_cache, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_into_an_int8_cache_stores_the_reference_bytes(dtype: torch.dtype) -> None:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    rotary = RotaryEmbedding(cfg)
+    positions = torch.tensor([0, 5, 77, 3])
+    qkv = torch.randn(4, (4 + 2 * 2) * 16).to(dtype)
+    qkv[2, 6 * 16 : 7 * 16] = 0  # a V row of zeros: scale 0, values 0
+    slots = torch.tensor([3, 9, 0, 14])
+    cache = torch.zeros(2, 4, 4, 2, 16 + 4, dtype=torch.int8)
+    done = cpu.rope_write_kv_cpu(qkv, 4, 2, 16, rotary.cos, rotary.sin, positions, cache, slots)
+    assert done
+    # the keys the kernel rotated in place, and the values, through the reference writer
+    keys = qkv[:, 4 * 16 : 6 * 16].view(4, 2, 16)
+    values = qkv[:, 6 * 16 :].view(4, 2, 16)
+    expected = torch.zeros_like(cache)
+    write_kv_cache_ref(keys, values, expected, slots)
+    assert torch.equal(cache, expected)
 
 
 def test_build_is_cached_and_reused(tmp_path) -> None:

@@ -13,6 +13,7 @@ from tiny_llama import build_tiny_llama
 
 from engine.attention import AttentionMetadata
 from engine.kernels import cpu
+from engine.kv_cache_dtype import cache_shape
 from engine.model_loader import load_model
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
@@ -61,10 +62,12 @@ def fused_model(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
     return loaded.model
 
 
-def _caches(model: LlamaForCausalLM, num_blocks: int = 12) -> list[torch.Tensor]:
+def _caches(
+    model: LlamaForCausalLM, num_blocks: int = 12, dtype: torch.dtype = torch.bfloat16
+) -> list[torch.Tensor]:
     cfg = model.config
-    shape = (2, num_blocks, 4, cfg.num_key_value_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
+    shape = cache_shape(dtype, num_blocks, 4, cfg.num_key_value_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
 
 def _step(model, ids, query_lens, seq_lens, tables, caches, fused):  # type: ignore[no-untyped-def]
@@ -78,12 +81,13 @@ def _step(model, ids, query_lens, seq_lens, tables, caches, fused):  # type: ign
         model.fused_step = saved
 
 
-def test_fused_step_equals_the_python_layers_bit_for_bit(fused_model) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+def test_fused_step_equals_the_python_layers_bit_for_bit(fused_model, cache_dtype) -> None:
     model = fused_model
     tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 4000, (9,), generator=gen).tolist() for _ in range(2)]
-    caches_a, caches_b = _caches(model), _caches(model)
+    caches_a, caches_b = _caches(model, dtype=cache_dtype), _caches(model, dtype=cache_dtype)
     for caches in (caches_a, caches_b):  # 18 tokens: the Python path for both
         _step(model, prompts[0] + prompts[1], [9, 9], [9, 9], tables, caches, fused=True)
     # A decode beside a 3-token chunk, then two decodes, then one request alone.

@@ -100,3 +100,43 @@ def test_paged_attention_of_a_build_matches_the_oracle(lib, dtype: torch.dtype) 
     torch.testing.assert_close(
         out.double(), attention_oracle(q, ks, vs, q_lens, scale), atol=tol, rtol=tol
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_of_a_build_reads_an_int8_cache(lib, dtype: torch.dtype) -> None:
+    head_dim = 64
+    shape = [(1, 40), (7, 7), (1, 130), (18, 33), (1, 5), (1, 9)]
+    q, cache, meta, ks, vs, q_lens = paged_case(
+        9, 3, head_dim, 16, shape, dtype, seed=12, cache_dtype=torch.int8
+    )
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        out.double(), attention_oracle(q, ks, vs, q_lens, scale), atol=tol, rtol=tol
+    )
+
+
+def test_int8_cache_write_of_a_build_stores_the_reference_bytes(lib) -> None:
+    from engine.kernels.reference import write_kv_cache_ref
+
+    tokens, q_heads, kv_heads, head_dim = 5, 6, 2, 32
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    half = head_dim // 2
+    cos = torch.ones(8, half)  # angle 0: the rotation leaves every head as it is
+    sin = torch.zeros(8, half)
+    slots = torch.tensor([7, 0, 3, 12, 5])
+    cache = torch.zeros(2, 4, 4, kv_heads, head_dim + 4, dtype=torch.int8)
+    positions = torch.zeros(tokens, dtype=torch.int64)
+    assert cpu.rope_write_kv_cpu(
+        qkv, q_heads, kv_heads, head_dim, cos, sin, positions, cache, slots
+    )
+    k0 = q_heads * head_dim
+    keys = qkv[:, k0 : k0 + kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    values = qkv[:, k0 + kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    expected = torch.zeros_like(cache)
+    write_kv_cache_ref(keys, values, expected, slots)
+    assert torch.equal(cache, expected)

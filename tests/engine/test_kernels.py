@@ -169,9 +169,9 @@ def test_triton_kernels_match_references_under_interpreter() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 8  # 4 shapes x (float32, bfloat16)
+    assert len(results) == 16  # 4 shapes x (float32, bfloat16) x (the model's dtype, int8 cache)
     for r in results:
-        assert r["cache_diff"] == 0.0, r
+        assert r["cache_diff"] == 0.0 and r["cache_equal"], r  # int8: the same bytes, scales too
         # bf16 outputs carry 8 bits of mantissa: one rounding step at |x| ~ 2 is 1/64.
         limit = 1e-5 if r["dtype"] == "torch.float32" else 2e-2
         assert r["attn_diff"] <= limit, r

@@ -75,14 +75,18 @@ def check_against_engine(config: EngineConfig) -> None:
     assert_close(p.weights.total, resident_weight_bytes(runner.model))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("float32", "fp8_e4m3")],
+)
 def test_plan_matches_the_engine_on_the_tiny_model(
-    tiny_llama_dir: Path, one_torch_thread: None, dtype: str
+    tiny_llama_dir: Path, one_torch_thread: None, dtype: str, kv_cache_dtype: str
 ) -> None:
     config = EngineConfig(
         model=str(tiny_llama_dir),
         device="cpu",
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_num_seqs=4,
         max_model_len=512,
         kv_cache_memory="3MiB",
@@ -179,6 +183,26 @@ def test_plan_command_prints_the_flags_that_fit(tiny_llama_dir: Path) -> None:
         memory_bytes=2**30,
     )
     assert again.full_length_seqs >= 8 and again.fits
+
+
+def test_an_int8_kv_cache_plans_about_twice_the_blocks_and_keeps_its_flag(
+    tiny_llama_dir: Path,
+) -> None:
+    base = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="bfloat16",
+                        kv_cache_memory="8MiB")  # fmt: skip
+    bf16 = plan(base, memory_bytes=2**30)
+    int8 = plan(dataclasses.replace(base, kv_cache_dtype="int8"), memory_bytes=2**30)
+    head_dim = bf16.model_config.head_dim
+    # half of bf16's bytes per value, plus a 4-byte scale per row of head_dim values
+    assert int8.kv_block_bytes * 2 * head_dim == bf16.kv_block_bytes * (head_dim + 4)
+    assert int8.num_blocks >= 1.5 * bf16.num_blocks
+    result = portico_process(
+        "plan", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "bfloat16",
+        "--kv-cache-dtype", "int8", "--memory", "1GiB", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    flags = json.loads(result.stdout)["flags"]
+    assert flags[flags.index("--kv-cache-dtype") + 1] == "int8"
 
 
 @pytest.mark.parametrize(

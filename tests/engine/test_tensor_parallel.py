@@ -75,6 +75,19 @@ def test_tp2_greedy_output_equals_tp1_on_tiny_llama(tiny_llama_dir: Path) -> Non
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
+def test_tp2_on_an_int8_kv_cache_equals_tp1(tiny_llama_dir: Path) -> None:
+    """Each rank keeps its KV heads' int8 rows with their scales: the same tokens as one rank
+    with the same cache, through chunked prefill, a cached prefix and swaps."""
+    single, _ = greedy_tokens(tiny_config(tiny_llama_dir, kv_cache_dtype="int8"), TINY_PROMPTS, 24)
+    split, stats = greedy_tokens(
+        tiny_config(tiny_llama_dir, kv_cache_dtype="int8", tensor_parallel_size=2),
+        TINY_PROMPTS,
+        24,
+    )
+    assert split == single
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
 def test_tp_refuses_heads_it_cannot_split_and_leaves_no_worker(tiny_llama_dir: Path) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(

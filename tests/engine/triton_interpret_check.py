@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from engine.kv_cache_dtype import cache_shape
 
 # (heads, kv_heads, head_dim, block_size, [(query_len, seq_len), ...])
 CASES = [
@@ -36,7 +37,12 @@ def _random_tables(rng: random.Random, seq_lens: list[int], block_size: int) -> 
     return tables
 
 
-def run_case(case: tuple, dtype: torch.dtype, seed: int) -> dict[str, float]:
+def run_case(
+    case: tuple, dtype: torch.dtype, seed: int, cache_dtype: torch.dtype | None = None
+) -> dict[str, float]:
+    """One shape: the Triton writer's cache against the reference writer's, and the Triton
+    attention's output against the reference's on the same cache (of ``cache_dtype``, default
+    ``dtype``; int8: rows with their scales, engine.kv_cache_dtype)."""
     from engine.kernels.kv_cache_write import write_kv_cache_triton
     from engine.kernels.paged_attention import paged_attention_triton
 
@@ -48,8 +54,13 @@ def run_case(case: tuple, dtype: torch.dtype, seed: int) -> dict[str, float]:
     tables = _random_tables(rng, s_lens, block_size)
     num_blocks = max(max(t) for t in tables) + 1
     meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
-    cache_shape = (2, num_blocks, block_size, kv_heads, head_dim)
-    cache_ref = torch.randn(cache_shape).to(dtype)  # old context: random
+    cache_dtype = cache_dtype or dtype
+    cache_ref = torch.zeros(cache_shape(cache_dtype, num_blocks, block_size, kv_heads, head_dim),
+                            dtype=cache_dtype)  # fmt: skip
+    old = AttentionMetadata.build([num_blocks * block_size], [num_blocks * block_size],
+                                  [list(range(num_blocks))], block_size)  # fmt: skip
+    olds = torch.randn(2, num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    write_kv_cache_ref(olds[0], olds[1], cache_ref, old.slot_mapping)  # old context: random
     cache_tri = cache_ref.clone()
     tokens = sum(q_lens)
     # K/V as strided views of one fused projection, like the model passes them.
@@ -66,6 +77,7 @@ def run_case(case: tuple, dtype: torch.dtype, seed: int) -> dict[str, float]:
     out_tri = paged_attention_triton(q, cache_ref, *args, *lens)
     return {
         "cache_diff": float((cache_ref.float() - cache_tri.float()).abs().max()),
+        "cache_equal": bool(torch.equal(cache_ref, cache_tri)),
         "attn_diff": float((out_ref.float() - out_tri.float()).abs().max()),
     }
 
@@ -75,8 +87,9 @@ def main() -> None:
         raise SystemExit("set TRITON_INTERPRET=1 before running this check")
     for i, case in enumerate(CASES):
         for dtype in (torch.float32, torch.bfloat16):
-            result = run_case(case, dtype, seed=i)
-            print(json.dumps({"case": i, "dtype": str(dtype), **result}), flush=True)
+            for kv in ("auto", "int8"):
+                result = run_case(case, dtype, i, torch.int8 if kv == "int8" else None)
+                print(json.dumps({"case": i, "dtype": str(dtype), "kv": kv, **result}), flush=True)
 
 
 if __name__ == "__main__":

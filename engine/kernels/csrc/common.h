@@ -111,4 +111,54 @@ static inline void axpy_f32(float *y, float alpha, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
+/* The 8-bit KV cache (--kv-cache-dtype int8): each (token, KV head) row is head_dim int8 values
+ * followed by its float32 scale (4 bytes, unaligned-safe through memcpy), value = q * scale,
+ * scale = max|x| / 127. The scale travels inside the row, so every copy of a block (swap, a
+ * tensor-parallel shard, a shared prefix) carries its scales with it. */
+static inline int64_t int8_row_bytes(int head_dim) { return (int64_t)head_dim + 4; }
+
+/* Quantize n float32 values into dst (n int8 values, then the scale). Rounds x / scale to the
+ * nearest, ties to even, as torch.round does: the reference writes the same bytes. */
+static inline void quantize_row_int8(const float *x, int n, int8_t *dst) {
+    float amax = 0.f;
+    for (int i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float scale = amax / 127.f;
+    for (int i = 0; i < n; i++) {
+        float q = scale > 0.f ? nearbyintf(x[i] / scale) : 0.f;
+        q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
+        dst[i] = (int8_t)q;
+    }
+    memcpy(dst + n, &scale, sizeof(float));
+}
+
+static inline float int8_row_scale(const int8_t *row, int n) {
+    float scale;
+    memcpy(&scale, row + n, sizeof(float));
+    return scale;
+}
+
+/* dst[i] = row[i] * mul for n int8 values (the row's scale, times whatever the caller folds in). */
+static inline void dequantize_row_int8(const int8_t *row, int n, float mul, float *dst) {
+#ifdef __AVX512F__
+    if ((n & 15) == 0) {
+        const __m512 m = _mm512_set1_ps(mul);
+        for (int i = 0; i < n; i += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(row + i));
+            _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), m));
+        }
+        return;
+    }
+#elif defined(__AVX2__)
+    if ((n & 7) == 0) {
+        const __m256 m = _mm256_set1_ps(mul);
+        for (int i = 0; i < n; i += 8) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(row + i));
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), m));
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) dst[i] = (float)row[i] * mul;
+}
+
 #endif /* PORTICO_COMMON_H */

@@ -43,15 +43,18 @@ void add_rms_norm(void *x, const void *delta, const void *weight, float eps, voi
  * (dtype dt), in place, with float32 tables cos/sin [max_pos, head_dim / 2] at positions[r];
  * then the rows' K heads (kv_heads heads starting at head q_heads) and V heads (the kv_heads
  * after them) are copied into the cache [2, num_blocks, block_size, kv_heads, head_dim] at
- * slots[r]. rot_heads = q_heads + kv_heads.
+ * slots[r]. rot_heads = q_heads + kv_heads. With kv_int8 the cache is int8
+ * [2, num_blocks, block_size, kv_heads, head_dim + 4] and each head's row is quantized into it
+ * (quantize_row_int8, common.h).
  */
 void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
                    int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
                    void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
-                   int num_threads) {
+                   int kv_int8, int num_threads) {
     const int half_d = head_dim / 2;
     const int rot_heads = q_heads + kv_heads;
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
+    const int64_t half_int8 = num_blocks * (int64_t)block_size * kv_heads * int8_row_bytes(head_dim);
     const size_t esize = dt == DT_F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
     for (int r = 0; r < rows; r++) {
@@ -71,7 +74,15 @@ void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_
             store_row(qkv, dt, base, half_d, o1);
             store_row(qkv, dt, base + half_d, half_d, o2);
         }
-        if (cache) {
+        if (cache && kv_int8) {
+            float buf[512];
+            int8_t *k_dst = (int8_t *)cache + slots[r] * kv_heads * int8_row_bytes(head_dim);
+            for (int h = 0; h < 2 * kv_heads; h++) { /* K heads, then V heads */
+                load_row(qkv, dt, (int64_t)r * row_stride + (int64_t)(q_heads + h) * head_dim, head_dim, buf);
+                const int64_t at = (h < kv_heads ? 0 : half_int8) + (h % kv_heads) * int8_row_bytes(head_dim);
+                quantize_row_int8(buf, head_dim, k_dst + at);
+            }
+        } else if (cache) {
             const char *row = (const char *)qkv + ((int64_t)r * row_stride + (int64_t)q_heads * head_dim) * esize;
             char *k_dst = (char *)cache + (slots[r] * kv_heads * head_dim) * esize;
             char *v_dst = (char *)cache + (half + slots[r] * kv_heads * head_dim) * esize;

@@ -65,52 +65,6 @@ static inline void scores16(const void *cache, int dt, __m512i rows, __mmask16 m
     for (int q = 0; q < nq; q++) _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(acc[q], sc));
 }
 
-#if defined(__AVX512BF16__)
-/* Four vectors' lane sums per 128-bit chunk: lanes 4c..4c+3 of the result hold the partial sums
- * of a0..a3 over chunk c of each (two unpack-and-add levels). */
-static inline __m512 sum4_chunks(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512d p01 = _mm512_castps_pd(b01), p23 = _mm512_castps_pd(b23);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p01, p23)), _mm512_castpd_ps(_mm512_unpackhi_pd(p01, p23)));
-}
-
-/* Lane i of the result: the sum of the 16 lanes of vector i, from four sum4_chunks results. */
-static inline __m512 sum16(__m512 c0, __m512 c1, __m512 c2, __m512 c3) {
-    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c2, c3, _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(c2, c3, _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* One cache row (bf16, chunks x 32 elements) dotted with one query's pairs, left in 16 lanes. */
-static inline __m512 row_dot(const uint16_t *k, const __m512bh *qv, int chunks) {
-    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qv[0]);
-    for (int z = 1; z < chunks; z++) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + z * 32), qv[z]);
-    return acc;
-}
-
-/* Scores of nq bf16 queries against 16 positions whose cache rows are rows[0..15] (rows past the
- * valid ones repeat a valid row; mask stores only the valid lanes). Each row is read with plain
- * loads, dotted with a query in 16 lanes and the 16 rows' lanes summed by a transpose tree: a
- * few shuffles per row instead of the gathers of scores16, which cost more than the arithmetic
- * on CPUs with slow gathers. Rows stay in L1 between the queries. */
-static inline void scores16_rows(const uint16_t *const rows[16], __mmask16 mask, int head_dim,
-                                 const __m512bh *qv, int nq, float scale, float *out, int64_t stride) {
-    const int chunks = head_dim / 32;
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int q = 0; q < nq; q++) {
-        const __m512bh *qq = qv + q * chunks;
-        __m512 c[4];
-        for (int g = 0; g < 4; g++)
-            c[g] = sum4_chunks(row_dot(rows[4 * g], qq, chunks), row_dot(rows[4 * g + 1], qq, chunks),
-                               row_dot(rows[4 * g + 2], qq, chunks), row_dot(rows[4 * g + 3], qq, chunks));
-        _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(sum16(c[0], c[1], c[2], c[3]), sc));
-    }
-}
-#endif
 
 /* Bytes to prefetch from each cache row an item reads: every head's row of the position from
  * the item of KV head 0 (the other heads' items run next and find theirs in cache), else its own. */
@@ -571,14 +525,16 @@ Item resolve_item(const Attn *a, int r, int64_t local) {
 
 void attend_item(const Attn *a, const Item *it, Scratch *s) {
     load_queries(a, it, s->qbuf);
-    const int fast = use_vector_path(a);
-    if (fast) scores_fast(a, it, s->qbuf, s->scores);
+    const int fast = !a->kv_int8 && use_vector_path(a);
+    if (a->kv_int8) scores_int8(a, it, s->qbuf, s->scores, s->kv);
+    else if (fast) scores_fast(a, it, s->qbuf, s->scores);
     else scores_portable(a, it, s->qbuf, s->scores, s->kv);
     for (int q = 0; q < it->nq; q++) {
         int limit = it->seq_len - it->q_len + it->row0 + q_row(a, it, q) + 1;
         softmax_row(s->scores + (int64_t)q * a->max_seq, limit, it->ctx_end);
     }
-    if (fast) pv_fast(a, it, s->scores, s->obuf);
+    if (a->kv_int8) pv_int8(a, it, s->scores, s->obuf, s->kv);
+    else if (fast) pv_fast(a, it, s->scores, s->obuf);
     else pv_portable(a, it, s->scores, s->obuf, s->kv);
     store_outputs(a, it, s->obuf);
 }
@@ -657,7 +613,8 @@ static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int
 
 /*
  * query:  [T, heads, d] (dtype dt), row stride q_stride_t elements, head stride q_stride_h
- * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous
+ * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous; with kv_int8, int8
+ *         [2, num_blocks, block_size, kv_heads, d + 4]: each row's values, then its float32 scale
  * tables: [num_reqs, max_blocks] int32; query_start: [num_reqs + 1] int32; seq_lens [num_reqs]
  * out:    [T, heads, d] (dtype dt), contiguous
  * Request r's rows query_start[r]..query_start[r+1]-1 are its last positions: row j of q_len
@@ -668,20 +625,21 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
                     int64_t num_blocks, int block_size, int kv_heads, int head_dim,
                     const int32_t *tables, int max_blocks, const int32_t *query_start,
                     const int32_t *seq_lens, int num_reqs, int heads, float scale, int dt,
-                    void *out, int num_threads) {
+                    int kv_int8, void *out, int num_threads) {
     const int group = heads / kv_heads;
     if (group * ROW_TILE > MAX_QUERIES || head_dim > 256) return -1;
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     if (!item_start) return -1;
     int max_seq = 0;
-    const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
+    const int64_t row = kv_int8 ? int8_row_bytes(head_dim) : head_dim;
+    const int64_t half = num_blocks * (int64_t)block_size * kv_heads * row;
     const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, dt, half);
     const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, all_heads, item_start, &max_seq);
     const Attn a = {
         .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,
         .block_size = block_size, .kv_heads = kv_heads, .head_dim = head_dim, .heads = heads,
         .group = group, .max_blocks = max_blocks, .dt = dt, .max_seq = max_seq,
-        .half = half, .decode_all_heads = all_heads,
+        .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_int8,
         .tables = tables, .query_start = query_start, .seq_lens = seq_lens, .scale = scale,
         .out = out,
     };
