@@ -50,6 +50,9 @@ MAX_JSON_WHITESPACE = 16
 # A worker's start: the fork server's first start imports xgrammar and torch (seconds on a
 # busy small machine); later forks take milliseconds plus the vocabulary's tables.
 WORKER_START_TIMEOUT_S = 120.0
+# close() waits for a lane at most its compile's trial and rerun (2 x timeout_s) plus this
+# (the vocabulary build a lane starts with).
+LANE_JOIN_SLACK_S = 60.0
 
 
 class CompileTimeout(Exception):
@@ -195,7 +198,13 @@ class CompilePool:
             return self._info
 
     def close(self) -> None:
-        """Fail what is queued, stop the lanes and kill the workers."""
+        """Fail what is queued, stop the lanes and kill the workers; wait for the lanes.
+
+        Why wait: a lane may be inside xgrammar (the vocabulary build each pool starts with
+        takes seconds, and a compile cannot be interrupted). The engine's finalizer calls this
+        at interpreter exit, and a daemon thread still in xgrammar's C++ when the interpreter
+        finalizes aborts the whole process ("terminate called without an active exception",
+        exit status 134): a script that builds an engine and ends within seconds died so."""
         with self._cond:
             self._closed = True
             jobs = [job for queue in self._queues.values() for job in queue]
@@ -204,6 +213,10 @@ class CompilePool:
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(CompileError("the engine is shutting down"))
+        deadline = time.monotonic() + 2 * self.timeout_s + LANE_JOIN_SLACK_S
+        for lane in self._lanes:
+            if lane is not threading.current_thread():
+                lane.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- the lanes --------------------------------------------------------------------------
 
