@@ -207,6 +207,7 @@ def _start_batch_runner(gateway: Gateway) -> None:
         gateway.serve,
         functools.partial(owner_principal, tenants),
         lambda: gateway.draining,
+        stop_timeout_s=gateway.config.drain_timeout_s,
     )
     gateway.batch_runner = runner
     if gateway.config.batches.run:

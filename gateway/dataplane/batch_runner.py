@@ -96,6 +96,7 @@ class BatchRunner:
         serve: LineServer,
         principal_of: Callable[[str, dict[str, Any]], Awaitable[Principal]],
         draining: Callable[[], bool],
+        stop_timeout_s: float = 30.0,
     ) -> None:
         self.store = store
         self.files = files
@@ -103,9 +104,11 @@ class BatchRunner:
         self.serve = serve
         self.principal_of = principal_of
         self.draining = draining
+        self.stop_timeout_s = stop_timeout_s
         self.owner = f"{os.uname().nodename}:{os.getpid()}:{os.urandom(4).hex()}"
         self._slots = asyncio.Semaphore(settings.max_concurrency)
         self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._lines: set[asyncio.Task[None]] = set()  # every line in flight
         self._wake = asyncio.Event()
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -122,12 +125,22 @@ class BatchRunner:
         return self._stopping or self.draining()
 
     async def stop(self) -> None:
-        """Send no new line; let the lines in flight finish and record; give up the leases."""
+        """Send no new line; let the lines in flight finish and record (for up to
+        ``stop_timeout_s``: a line cut short then has no result and runs again on resume);
+        give up the leases."""
         self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        waiting = {*self._lines, *self._running.values()}
+        if not waiting:
+            return
+        _, late = await asyncio.wait(waiting, timeout=self.stop_timeout_s)
+        if late:
+            log.warning("batch runner: %d task(s) cut short by the stop timeout", len(late))
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
 
     async def _scan(self) -> None:
         while not self.stopping:
@@ -162,13 +175,15 @@ class BatchRunner:
             run.cancel()
             raise
         except Exception:
+            run.cancel()
             log.exception("batch %s: the run failed; it resumes on the next scan", batch_id)
+        else:
+            if not self.stopping:  # the next queued batch starts now
+                self.wake()
         finally:
             self._running.pop((tenant_id, batch_id), None)
             with contextlib.suppress(Exception):
                 await self.store.drop_lease(tenant_id, batch_id, self.owner)
-            if not self.stopping:
-                self.wake()
 
     async def _run(self, tenant_id: str, batch_id: str) -> None:
         store = self.store
@@ -300,14 +315,26 @@ class _Feed:
                 await runner.store.record(self.tenant_id, batch["id"], index, False, entry)
                 continue
             await runner._slots.acquire()
+            ending = await self._ending()  # the wait for a slot may have seen the batch end
+            if ending != "completed":
+                runner._slots.release()
+                continue
             task = asyncio.create_task(self._send(line))
             task.add_done_callback(lambda _: runner._slots.release())
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-        await asyncio.gather(*in_flight)
-        if ending == "completed":  # a line that stopped waiting saw the batch end otherwise
-            ending = await self._ending()
-        return None if runner.stopping else ending
+            for tasks in (in_flight, runner._lines):
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        results = await asyncio.gather(*in_flight, return_exceptions=True)
+        failures = [e for e in results if isinstance(e, BaseException)]
+        if failures:  # Redis or a bug: the run ends here and resumes on the next scan
+            raise failures[0]
+        if runner.stopping:
+            return None
+        if len(await runner.store.done_lines(self.tenant_id, batch["id"])) == len(self.lines):
+            return "completed"
+        # lines without a result: those that stopped waiting saw the batch end otherwise
+        ending = await self._ending()
+        return None if ending == "completed" else ending
 
     async def _ending(self) -> str | None:
         """completed (go on), cancelled, expired, or None (stopping)."""
