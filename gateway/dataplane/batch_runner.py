@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from starlette.responses import Response
 
-from gateway.admission.admission import LimitExceededError
+from gateway.admission.admission import BudgetExceededError, LimitExceededError
 from gateway.dataplane.batches import (
     BATCH_ENDPOINTS,
     TERMINAL,
@@ -370,6 +370,10 @@ class _Feed:
                 response = await runner.serve(
                     self.principal, raw, self.kind, self.batch["endpoint"], ctx
                 )
+            except BudgetExceededError as exc:  # the money budget is spent: no retry helps
+                entry = output_line(line.custom_id, exc.status_code, ctx.request_id, exc.to_dict())
+                await runner.store.record(self.tenant_id, batch_id, line.index, False, entry)
+                return
             except LimitExceededError as exc:  # not run: wait for the limit, then again
                 if await self._pause(_retry_after(exc)):
                     continue

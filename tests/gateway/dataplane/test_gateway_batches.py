@@ -237,3 +237,25 @@ def test_completion_window_expires_the_lines_not_run(gateway: GatewayProcess) ->
     expired = [e["custom_id"] for e in errors if e["error"]["code"] == "batch_expired"]
     assert {"1", "2"} <= set(expired)  # the limit lets one line a minute: two never ran
     assert done.request_counts.completed + done.request_counts.failed == 3
+
+
+def test_a_spent_token_budget_sends_lines_to_the_error_file(gateway: GatewayProcess) -> None:
+    _, client = client_for(gateway, overrides={"monthly_token_budget": 5})
+    messages = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+
+    def spent() -> bool:  # the first answer's usage is settled after it is sent
+        try:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        except openai.RateLimitError as exc:
+            return exc.code == "insufficient_quota"
+        return False
+
+    assert wait_until(spent, timeout=30)
+    file_id = upload(client, [chat_line(str(i), "hi") for i in range(2)])
+    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    done = wait_done(client, batch.id)
+    assert done.status == "completed" and done.output_file_id is None, done
+    errors = read_jsonl(client, done.error_file_id)
+    assert [e["response"]["status_code"] for e in errors] == [429, 429]
+    assert {e["response"]["body"]["error"]["code"] for e in errors} == {"insufficient_quota"}
