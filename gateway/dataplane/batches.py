@@ -52,7 +52,7 @@ return 1
 """
 
 # KEYS: the tenant's active set, the batch, its state, the tenant's index;
-# ARGV: limit, id, json, time
+# ARGV: limit, id, json, the listing's score (creation time)
 _CREATE = """
 if tonumber(ARGV[1]) > 0 and redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('SADD', KEYS[1], ARGV[2])
@@ -179,7 +179,9 @@ class BatchStore:
             state_key(tenant, batch_id),
             f"portico:batches:{{{tenant}}}",
         ]
-        if not await self._create(keys=keys, args=[limit, batch_id, json.dumps(record), now]):
+        # listed newest first by creation time to the microsecond (seconds would tie)
+        args: list[str | int] = [limit, batch_id, json.dumps(record), repr(time.time())]
+        if not await self._create(keys=keys, args=args):
             raise RateLimitError(
                 f"The tenant has {limit} batches not yet finished, the most it may have.",
                 code="batch_limit_reached",
