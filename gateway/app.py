@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.console.routes import build_console_router
 from gateway.console.sessions import ConsoleSessions
 from gateway.dataplane.adapter_admin import build_adapter_router
+from gateway.dataplane.batch_routes import build_batch_router
 from gateway.dataplane.engine_admin import build_engine_router
 from gateway.dataplane.engine_metrics import scrape_engines
 from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
@@ -28,6 +29,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_path import Gateway
 from gateway.tls import AdminClientCertGuard
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers
+
+# a multipart upload's boundaries and part headers around the file's bytes
+UPLOAD_OVERHEAD_BYTES = 64 * 1024
 
 
 def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -> FastAPI:
@@ -62,7 +66,11 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     )
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=config.max_body_bytes,
+        path_limits={"/v1/files": config.batches.max_file_bytes + UPLOAD_OVERHEAD_BYTES},
+    )
     if config.tls is not None and config.tls.admin_requires_client_cert:
         app.add_middleware(AdminClientCertGuard)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, in_flight=in_flight)
@@ -115,6 +123,17 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
             before_auth=admin_limit,
             audit=gateway.audit,
             resolve=resolve,
+        )
+    )
+
+    runner = gateway.batch_runner
+    app.include_router(
+        build_batch_router(
+            gateway.files,
+            gateway.batches,
+            config.batches,
+            gateway.authenticate,
+            runner.wake if runner is not None else lambda: None,
         )
     )
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gateway.admission.admission import AdmissionSettings
 from gateway.console.sessions import ConsoleSettings
+from gateway.dataplane.batches import BatchSettings
 from gateway.dataplane.discovery import DiscoverySpec
 from gateway.dataplane.remote import RemoteSpec
 from gateway.identity.audit import AuditSettings
@@ -144,6 +145,8 @@ class GatewayConfig(_Strict):
     access_log: bool = False
     # how long a stored Responses API response (store: true) is kept; OpenAI keeps 30 days
     responses_retention_s: int = Field(default=30 * 24 * 3600, ge=60)
+    # the Files and Batch APIs: file and batch limits, the runner (dataplane/batches.py)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:

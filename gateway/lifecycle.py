@@ -27,7 +27,10 @@ from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
 from gateway.dataplane.adapters import AdapterCatalog
+from gateway.dataplane.batch_runner import BatchRunner, owner_principal
+from gateway.dataplane.batches import BatchStore
 from gateway.dataplane.discovery import DNSDiscovery
+from gateway.dataplane.files import FileStore
 from gateway.dataplane.long_prompts import PromptFit, context_length
 from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
 from gateway.dataplane.output_tokens import OutputCounter
@@ -177,13 +180,39 @@ async def start_gateway(
             usage=usage,
             prices=prices,
             responses=ResponseStore(redis.client, config.responses_retention_s),
+            files=FileStore(
+                redis.client,
+                config.batches.files_dir or config.redis.data_dir / "files",
+                config.batches.max_file_bytes,
+            ),
+            batches=BatchStore(redis.client),
             fits=fits,
             runtime_dir=runtime_dir,
             tracing=tracing,
             _resources=stack.pop_all(),
         )
+    _start_batch_runner(gateway)
     _freeze_startup_objects()
     return gateway
+
+
+def _start_batch_runner(gateway: Gateway) -> None:
+    """The batch runner, on the gateway's request path; stopped first when the gateway stops
+    (its lines in flight finish while the engines still run)."""
+    tenants = gateway.identity.store
+    runner = BatchRunner(
+        gateway.batches,
+        gateway.files,
+        gateway.config.batches,
+        gateway.serve,
+        functools.partial(owner_principal, tenants),
+        lambda: gateway.draining,
+        stop_timeout_s=gateway.config.drain_timeout_s,
+    )
+    gateway.batch_runner = runner
+    if gateway.config.batches.run:
+        runner.start()
+        gateway._resources.push_async_callback(runner.stop)
 
 
 class _LocalEngines:

@@ -34,6 +34,8 @@ from gateway.admission.prompt_tokens import PromptCounter
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.config import GatewayConfig
 from gateway.dataplane.adapters import Adapter, AdapterCatalog
+from gateway.dataplane.batch_runner import BatchRunner
+from gateway.dataplane.batches import BatchStore
 from gateway.dataplane.budget_stop import watch_budget
 from gateway.dataplane.fields import (
     GENERATING_KINDS,
@@ -42,6 +44,7 @@ from gateway.dataplane.fields import (
     match_shared_prefix,
     parse_fields,
 )
+from gateway.dataplane.files import FileStore
 from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
 from gateway.dataplane.long_prompts import PromptFit
 from gateway.dataplane.pool import Pool, Replica
@@ -98,6 +101,8 @@ class Gateway:
     usage: UsageRecorder
     prices: PriceBook  # per-model prices: spend and money budgets (identity/prices.py)
     responses: ResponseStore  # stored Responses API responses, per tenant
+    files: FileStore  # the Files API, per tenant (dataplane/files.py)
+    batches: BatchStore  # the Batch API's records and line results (dataplane/batches.py)
     fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
@@ -105,6 +110,9 @@ class Gateway:
     draining: bool = False
     tracing: GatewayTracing | None = None  # None: off (OTEL_* unset), no span is ever made
     _failed_auth: dict[str, float] = field(default_factory=dict)  # address -> last failure
+    # feeds batch lines to serve(); made by start_gateway right after the gateway (it calls
+    # back into it), None only in between
+    batch_runner: BatchRunner | None = None
 
     async def stop(self) -> None:
         """Stop the engines (they drain), then close clients, usage, admission, identity and
@@ -189,6 +197,24 @@ class Gateway:
             principal = await self.authenticate(request)
         ctx.tenant = principal.tenant_id
         raw = await request.body()
+        return await self.serve(principal, raw, kind, path, ctx, trace)
+
+    async def serve(
+        self,
+        principal: Principal,
+        raw: bytes,
+        kind: str,
+        path: str,
+        ctx: RequestContext,
+        trace: NoTrace = NO_TRACE,
+    ) -> Response:
+        """An authenticated request's path from parsing on: route, admit, forward, relay,
+        settle. The routes come here through :meth:`complete`; the batch runner
+        (dataplane/batch_runner.py) sends each batch line here with its owner's principal at
+        the ``batch`` priority class, so a line is admitted, routed, charged and settled
+        exactly as the same request sent interactively. Settling runs as the returned
+        response's background task (a relayed stream's ``on_close``)."""
+        ctx.tenant = principal.tenant_id
         routing_began = trace.mark()
         fields = parse_fields(raw, kind)
         if principal.shared_prefixes and kind in ("chat", "completion"):

@@ -165,12 +165,14 @@ def write_gateway_files(
     upstream_cpus: str | None = None,
     remotes: Sequence[dict[str, Any]] = (),
     engines: Sequence[dict[str, Any]] = (),
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """The gateway's config, plans and policies for the bench; returns the config's path.
 
     Each model is a supervised fake upstream on a Unix socket; ``remotes`` and ``engines``
-    (``remotes[]`` / ``engines[]`` items) are added as they are. The plan ``bench`` sets every
-    limit (so admission does its full work) far above what the bench sends.
+    (``remotes[]`` / ``engines[]`` items) are added as they are, ``extra`` top-level config
+    keys too (``batches:``). The plan ``bench`` sets every limit (so admission does its full
+    work) far above what the bench sends.
     """
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
@@ -213,6 +215,7 @@ def write_gateway_files(
         "log_level": "warning",
         "access_log": False,
         "drain_timeout_s": 5,
+        **(extra or {}),
     }
     path = workdir / "portico.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -243,10 +246,14 @@ def gateway(
     models: Sequence[str] = MODELS,
     remotes: Sequence[dict[str, Any]] = (),
     engines: Sequence[dict[str, Any]] = (),
+    extra: dict[str, Any] | None = None,
+    ready_timeout_s: float = 120.0,
 ) -> Iterator[GatewayHandle]:
     """``portico serve`` on ``cpus`` in front of fake engines (and ``remotes``), ready."""
     port = free_port()
-    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus, remotes, engines)
+    config = write_gateway_files(
+        workdir, port, redis_url, models, upstream_cpus, remotes, engines, extra
+    )
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
     env = {
         **os.environ,
@@ -257,5 +264,6 @@ def gateway(
     cmd = pinned([sys.executable, "-m", "portico.cli", "serve", "-c", str(config)], cpus)
     log = workdir / "gateway.log"
     with process(cmd, log, env) as proc:
-        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/ready"), 120, "the gateway", proc, log)
+        ready = f"http://127.0.0.1:{port}/ready"
+        wait_for(lambda: _answers(ready), ready_timeout_s, "the gateway", proc, log)
         yield GatewayHandle(port, admin_key, proc.pid)

@@ -10,6 +10,7 @@ The error types themselves live in :mod:`portico.errors`, which knows nothing of
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,22 +86,27 @@ class BodySizeLimitMiddleware:
     client cannot slip a large body past the limit by omitting the header.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: Mapping[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # exact paths with their own limit (the gateway's file uploads: batches.max_file_bytes)
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
-                    too_big = int(value) > self.max_bytes
+                    too_big = int(value) > max_bytes
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await self._reject(scope, receive, send)
+                    await self._reject(scope, receive, send, max_bytes)
                     return
         received = 0
         started = False
@@ -110,8 +116,8 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge(self.max_bytes)
+                if received > max_bytes:
+                    raise _BodyTooLarge(max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -124,12 +130,10 @@ class BodySizeLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
-                await self._reject(scope, receive, send)
+                await self._reject(scope, receive, send, max_bytes)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = PayloadTooLargeError(
-            f"Request body too large: the limit is {self.max_bytes} bytes."
-        )
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
+        error = PayloadTooLargeError(f"Request body too large: the limit is {max_bytes} bytes.")
         await error_response(error)(scope, receive, send)
 
 
