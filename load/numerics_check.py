@@ -8,7 +8,9 @@ three configurations of the same weights:
   checks that), so it is the reference here;
 * ``bfloat16``: bf16 activations, exact products on the blocks (``--gguf-activations exact``);
 * ``bfloat16+int8``: bf16 activations rounded to int8 per 32 values before the block linears
-  (``--gguf-activations int8``, the default), as llama.cpp does.
+  (``--gguf-activations int8``, the default), as llama.cpp does;
+* ``auto``: no flags, what ``portico engine`` and ``make run`` serve here (``--dtype auto``
+  resolves per CPU, engine/numerics.py); the report names the path it took and why.
 
 For each configuration it reports how many continuations equal the reference's, and how many
 tokens agree on average before the first difference. A benchmark-style report, not a test:
@@ -21,6 +23,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -48,18 +51,22 @@ CONFIGS = {
     "float32": {"dtype": "float32", "gguf_activations": "exact"},
     "bfloat16": {"dtype": "bfloat16", "gguf_activations": "exact"},
     "bfloat16+int8": {"dtype": "bfloat16", "gguf_activations": "int8"},
+    "auto": {},
 }
 
 
-def continuations(config: dict[str, str], max_tokens: int) -> list[list[int]]:
-    """Greedy continuations of :data:`PROMPTS`, one request at a time."""
+def continuations(config: dict[str, str], max_tokens: int) -> tuple[list[list[int]], Any]:
+    """Greedy continuations of :data:`PROMPTS`, one request at a time, and the engine's
+    numerics (``/v1/models``'s description of the path it ran)."""
     llm = LLM(device="cpu", max_num_seqs=1, enable_prefix_caching=False, **config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = []
     for prompt in PROMPTS:
         result = llm.chat([{"role": "user", "content": prompt}], params)[0]
         out.append(list(result.outputs[0].token_ids))
-    return out
+    numerics = llm.engine.numerics.as_dict()
+    llm.engine.close()
+    return out, numerics
 
 
 def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> dict[str, float]:
@@ -80,10 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", default=".portico/bench/numerics_check.json")
     args = parser.parse_args(argv)
-    runs = {name: continuations(config, args.max_tokens) for name, config in CONFIGS.items()}
+    results = {name: continuations(config, args.max_tokens) for name, config in CONFIGS.items()}
+    runs = {name: tokens for name, (tokens, _) in results.items()}
     report = {
         "prompts": len(PROMPTS),
         "max_tokens": args.max_tokens,
+        "paths": {name: numerics for name, (_, numerics) in results.items()},
         "vs_float32": {name: agreement(runs["float32"], runs[name]) for name in runs},
         "int8_vs_bfloat16": agreement(runs["bfloat16"], runs["bfloat16+int8"]),
     }
