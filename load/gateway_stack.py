@@ -165,12 +165,14 @@ def write_gateway_files(
     upstream_cpus: str | None = None,
     remotes: Sequence[dict[str, Any]] = (),
     engines: Sequence[dict[str, Any]] = (),
+    logging: dict[str, Any] | None = None,
 ) -> Path:
     """The gateway's config, plans and policies for the bench; returns the config's path.
 
     Each model is a supervised fake upstream on a Unix socket; ``remotes`` and ``engines``
     (``remotes[]`` / ``engines[]`` items) are added as they are. The plan ``bench`` sets every
-    limit (so admission does its full work) far above what the bench sends.
+    limit (so admission does its full work) far above what the bench sends. ``logging``
+    overrides ``log_level`` and ``access_log`` (default: warning, off).
     """
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
@@ -213,6 +215,7 @@ def write_gateway_files(
         "log_level": "warning",
         "access_log": False,
         "drain_timeout_s": 5,
+        **(logging or {}),
     }
     path = workdir / "portico.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -243,10 +246,13 @@ def gateway(
     models: Sequence[str] = MODELS,
     remotes: Sequence[dict[str, Any]] = (),
     engines: Sequence[dict[str, Any]] = (),
+    logging: dict[str, Any] | None = None,
 ) -> Iterator[GatewayHandle]:
     """``portico serve`` on ``cpus`` in front of fake engines (and ``remotes``), ready."""
     port = free_port()
-    config = write_gateway_files(workdir, port, redis_url, models, upstream_cpus, remotes, engines)
+    config = write_gateway_files(
+        workdir, port, redis_url, models, upstream_cpus, remotes, engines, logging
+    )
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
     env = {
         **os.environ,
