@@ -61,6 +61,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.config = engine.config
+        self.numerics = engine.numerics
         self.last_progress = time.monotonic()
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Condition()

@@ -14,6 +14,7 @@ compiled (in the background, see :mod:`engine.structured_output`); the others ke
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,8 +23,9 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lora import LoRARequest
 from engine.lora.manager import LoRAManager
-from engine.model_loader import LoadedModel, choose_device, choose_dtype, load_model
+from engine.model_loader import LoadedModel, choose_device, load_model, resolve_quantization
 from engine.model_runner import ModelRunner, num_kv_blocks
+from engine.numerics import NumericsPath, resolve_numerics
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from engine.pooling import PromptTap
 from engine.request import Request, RequestStatus
@@ -50,6 +52,8 @@ __all__ = [
     "RequestOutput",
     "TokenLogprob",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +102,11 @@ class LLMEngine:
         parallel: TensorParallelLeader | None = None,
     ) -> None:
         self.config = config
+        # The dtype and activations this engine computes in, and why (/v1/models shows it).
+        self.numerics = loaded.numerics or NumericsPath(
+            str(loaded.dtype).removeprefix("torch."), "exact", "a model loaded by the caller"
+        )
+        log.info("numerics: %s (%s)", self.numerics.name, self.numerics.reason)
         # With --tensor-parallel-size > 1: the worker ranks (``loaded`` is rank 0's shard).
         self.parallel = parallel
         self.tokenizer = loaded.tokenizer
@@ -181,14 +190,13 @@ class LLMEngine:
                 parallel.close()
                 raise
         device = choose_device(config.device)
-        loaded = load_model(
-            resolve(config.model),
-            choose_dtype(config.dtype, device),
-            device,
-            config.quantization,
-            config.gguf_activations,
+        source = resolve(config.model)
+        quantization = resolve_quantization(config.quantization, source, device)
+        path = resolve_numerics(
+            config.dtype, config.gguf_activations, device, quantization == "gguf"
         )
-        return cls(config, loaded)
+        loaded = load_model(source, path.torch_dtype, device, quantization, path.gguf_activations)
+        return cls(config, dataclasses.replace(loaded, numerics=path))
 
     def _make_proposer(
         self, spec: SpeculativeConfig, loaded: LoadedModel, num_gpu_blocks: int

@@ -285,7 +285,8 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
     machine has: CUDA's device memory, or the host's available memory)."""
     import torch
 
-    from engine.model_loader import choose_dtype, resolve_quantization
+    from engine.model_loader import resolve_quantization
+    from engine.numerics import resolve_numerics
     from portico.registry import resolve
 
     source = resolve(engine_config.model)
@@ -293,9 +294,12 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
     if device_type == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_type)
-    dtype = str(choose_dtype(engine_config.dtype, device)).removeprefix("torch.")
-    dtype_bytes = DTYPE_BYTES[dtype]
     quantization = resolve_quantization(engine_config.quantization, source, device)
+    numerics = resolve_numerics(
+        engine_config.dtype, engine_config.gguf_activations, device, quantization == "gguf"
+    )
+    dtype = numerics.dtype
+    dtype_bytes = DTYPE_BYTES[dtype]
     if source.format == "gguf":
         cfg, tensors = gguf_tensors(Path(source.path))
     else:
@@ -319,10 +323,7 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         dtype_bytes,
         gguf_blocks=quantization == "gguf",
         prepacked_bytes=_prepacked_bytes_per_weight() if on_cpu and dtype == "bfloat16" else 0,
-        int8_packed=quantization == "gguf"
-        and dtype == "bfloat16"
-        and engine_config.gguf_activations == "int8"
-        and _has_int8_kernels(),
+        int8_packed=numerics.gguf_activations == "int8" and _has_int8_kernels(),
     )
     memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
     per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)

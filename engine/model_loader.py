@@ -32,6 +32,7 @@ from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
+from engine.numerics import NumericsPath
 from portico.registry import ModelNotFound, ModelSource, models_dir
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
     name: str = ""
+    # How its dtype and activations were chosen (engine.numerics); None: by the caller.
+    numerics: NumericsPath | None = None
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +81,8 @@ _DTYPES = {
 
 
 def choose_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA, float32 on CPU; otherwise the named dtype."""
+    """``auto``: bfloat16 on CUDA, float32 on CPU; otherwise the named dtype. The in-process
+    benchmarks' ``--dtype``; an engine resolves ``auto`` per CPU (engine.numerics)."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if spec not in _DTYPES:

@@ -54,6 +54,7 @@ from typing import Any
 
 import httpx
 
+from gateway.config import GatewayConfig
 from load.gateway_stack import (
     MODELS,
     GatewayHandle,
@@ -434,6 +435,12 @@ def saturation(
     return out
 
 
+def gateway_logging(args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's ``log_level`` and ``access_log``: the packaged config's (info, off) unless
+    asked, so the figures are what ``portico serve`` runs with."""
+    return {"log_level": args.log_level, "access_log": args.access_log}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the results (samples under ``_samples`` keys)."""
     gateway_cpus, client_cpus = default_cpus()
@@ -462,6 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "auth": "api keys (sk-...)",
             "limits": "rpm, tpm, concurrency, monthly budget per tenant (Redis Lua)",
             "cpu_count": os.cpu_count(),
+            "gateway_logging": gateway_logging(args),
         },
         "targets": {"p50_ms": TARGET_P50_MS, "p99_ms": TARGET_P99_MS, "rps": TARGET_RPS},
     }
@@ -473,7 +481,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # does. On the generator's own core it answered in-core (~10 us a round trip here against
         # ~130 us across cores), a baseline no upstream elsewhere could have.
         direct_port = stack.enter_context(direct_upstream(workdir, gateway_cpus))
-        gw = stack.enter_context(gateway(workdir, redis_url, gateway_cpus, client_cpus))
+        gw = stack.enter_context(
+            gateway(workdir, redis_url, gateway_cpus, client_cpus, logging=gateway_logging(args))
+        )
         base = f"http://127.0.0.1:{gw.port}"
         tenants = create_tenants(base, gw.admin_key, args.tenants, args.keys_per_tenant)
         limited = [
@@ -646,6 +656,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--gateway-cpus", default=None, help='taskset list; "" for no pinning')
     p.add_argument("--client-cpus", default=None, help='taskset list; "" for no pinning')
+    p.add_argument(
+        "--log-level",
+        default=GatewayConfig().log_level,
+        choices=["debug", "info", "warning", "error"],
+        help="the gateway's log_level (default: the packaged config's)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=GatewayConfig().access_log,
+        help="uvicorn's access log, one line per request (default: the packaged config's)",
+    )
     p.add_argument("--out", type=Path, default=Path("load/results/gateway.json"))
     p.add_argument("--plot-dir", type=Path, default=None)
     return p

@@ -166,13 +166,15 @@ def write_gateway_files(
     remotes: Sequence[dict[str, Any]] = (),
     engines: Sequence[dict[str, Any]] = (),
     extra: dict[str, Any] | None = None,
+    logging: dict[str, Any] | None = None,
 ) -> Path:
     """The gateway's config, plans and policies for the bench; returns the config's path.
 
     Each model is a supervised fake upstream on a Unix socket; ``remotes`` and ``engines``
     (``remotes[]`` / ``engines[]`` items) are added as they are, ``extra`` top-level config
     keys too (``batches:``). The plan ``bench`` sets every limit (so admission does its full
-    work) far above what the bench sends.
+    work) far above what the bench sends. ``logging`` overrides ``log_level`` and
+    ``access_log`` (default: warning, off).
     """
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
@@ -215,6 +217,7 @@ def write_gateway_files(
         "log_level": "warning",
         "access_log": False,
         "drain_timeout_s": 5,
+        **(logging or {}),
         **(extra or {}),
     }
     path = workdir / "portico.yaml"
@@ -248,11 +251,12 @@ def gateway(
     engines: Sequence[dict[str, Any]] = (),
     extra: dict[str, Any] | None = None,
     ready_timeout_s: float = 120.0,
+    logging: dict[str, Any] | None = None,
 ) -> Iterator[GatewayHandle]:
     """``portico serve`` on ``cpus`` in front of fake engines (and ``remotes``), ready."""
     port = free_port()
     config = write_gateway_files(
-        workdir, port, redis_url, models, upstream_cpus, remotes, engines, extra
+        workdir, port, redis_url, models, upstream_cpus, remotes, engines, extra, logging
     )
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
     env = {

@@ -6,10 +6,13 @@ one after the other, and the serve benchmark (``load/serve_bench.py``) streams t
 synthetic workload (token-id prompts, forced output lengths, greedy) to each at every
 concurrency: the numbers a client sees, from the HTTP request to the last SSE chunk.
 
-* Portico: ``portico engine`` in bfloat16 (``--gguf-activations int8`` by default, or what
-  ``--portico-flags`` says), ``GOMP_SPINCOUNT=30000`` as ``make bench`` runs engines;
+* Portico tuned: ``portico engine`` with ``make bench``'s flags (``--dtype bfloat16``, so
+  ``--gguf-activations int8``, or what ``--portico-flags`` adds) and ``GOMP_SPINCOUNT=30000``;
+* Portico defaults (``--portico-defaults``): ``portico engine --model smollm2-135m`` with no
+  other flag and the environment ``portico serve`` gives its engines (``make run``'s numbers);
 * llama.cpp: ``llama-server -m FILE -t THREADS -np SLOTS -c CONTEXT*SLOTS``, once per slot
-  setting in ``--llama-slots``; each concurrency reports its best slot setting.
+  setting in ``--llama-slots``, where ``default`` is ``llama-server -m FILE`` alone (its own
+  threads, slots and context); each concurrency reports its best slot setting.
 
 ``llama-server`` is not shipped with Portico: build it from the llama.cpp that the PyPI sdist
 of ``llama-cpp-python`` vendors (docs/engine-benchmark.md gives the commands).
@@ -22,29 +25,61 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from load import datasets
-from load.standard import engine_process, free_port, serve, wait_ready, warm_up
+from load.standard import (
+    ENGINE_ENV,
+    ENGINE_FLAGS,
+    REPO_ROOT,
+    SERVED_NAME,
+    engine_process,
+    free_port,
+    serve,
+    wait_ready,
+    warm_up,
+)
 from portico.registry import DEFAULT_MODEL, resolve
 
 
+def llama_command(binary: str, model: Path, port: int, slots: str, threads: int,
+                  context: int) -> list[str]:  # fmt: skip
+    """``llama-server``'s command line; ``slots`` ``default`` leaves threads, slots and
+    context to llama.cpp, as a user who runs ``llama-server -m FILE`` gets."""
+    cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    if slots != "default":
+        cmd += ["-t", str(threads), "-np", slots, "-c", str(context * int(slots))]
+    return cmd
+
+
+def defaults_engine_command(port: int) -> tuple[list[str], dict[str, str]]:
+    """``portico engine`` as ``make run`` starts it: the model and its served name, no other
+    flag, and the environment ``portico serve`` passes on (no OpenMP tuning of ours: the CLI
+    then waits passively, its default for engines beside a gateway)."""
+    cmd = [sys.executable, "-m", "portico.cli", "engine", "--model", DEFAULT_MODEL,
+           "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    tuned = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+    return cmd, {k: v for k, v in os.environ.items() if k not in tuned}
+
+
 @contextlib.contextmanager
-def llama_server(
-    binary: str, model: Path, slots: int, threads: int, context: int, timeout_s: float
-) -> Iterator[str]:
-    """A ready ``llama-server``; yields its ``/v1`` base URL."""
-    port = free_port()
-    cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t",
-           str(threads), "-np", str(slots), "-c", str(context * slots), "--no-webui"]  # fmt: skip
+def server_process(
+    cmd: list[str], env: dict[str, str] | None, ready_url: str, timeout_s: float, what: str
+) -> Iterator[None]:
+    """``cmd`` running until ``ready_url`` answers 200, then stopped (SIGTERM, then kill)."""
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
         try:
-            wait_ready(proc, f"http://127.0.0.1:{port}/health", log, timeout_s, "llama-server")
-            yield f"http://127.0.0.1:{port}/v1"
+            wait_ready(proc, ready_url, log, timeout_s, what)
+            yield
         finally:
             proc.terminate()
             try:
@@ -52,6 +87,26 @@ def llama_server(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+@contextlib.contextmanager
+def llama_server(
+    binary: str, model: Path, slots: str, threads: int, context: int, timeout_s: float
+) -> Iterator[str]:
+    """A ready ``llama-server``; yields its ``/v1`` base URL."""
+    port = free_port()
+    cmd = llama_command(binary, model, port, slots, threads, context)
+    with server_process(cmd, None, f"http://127.0.0.1:{port}/health", timeout_s, "llama-server"):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+@contextlib.contextmanager
+def defaults_engine(timeout_s: float) -> Iterator[str]:
+    """A ready ``portico engine`` with no flags (:func:`defaults_engine_command`)."""
+    port = free_port()
+    cmd, env = defaults_engine_command(port)
+    with server_process(cmd, env, f"http://127.0.0.1:{port}/ready", timeout_s, "portico engine"):
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 def _row(system: str, concurrency: int, summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -85,28 +140,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return workload[: max(count, concurrency)]
 
     rows: list[dict[str, Any]] = []
-    for flags in args.portico_flags.split(";"):
-        extra = flags.split()
-        system = "portico" if not extra else f"portico {' '.join(extra)}"
-        with engine_process(extra, args.timeout) as (_, base_url):
+    if args.portico_defaults:
+        with defaults_engine(args.timeout) as base_url:
+            numerics = _numerics(base_url)
             warm_up(base_url)
             for c in concurrencies:
                 summary, _ = serve(base_url, requests_for(c), c)
-                rows.append(_row(system, c, summary, flags=" ".join(extra)))
+                rows.append(_row("portico defaults", c, summary, flags="", numerics=numerics))
+    for flags in args.portico_flags.split(";"):
+        extra = flags.split()
+        system = "portico" if not extra else f"portico {' '.join(extra)}"
+        tuned = " ".join([*ENGINE_FLAGS, *extra])
+        with engine_process(extra, args.timeout) as (_, base_url):
+            numerics = _numerics(base_url)
+            warm_up(base_url)
+            for c in concurrencies:
+                summary, _ = serve(base_url, requests_for(c), c)
+                rows.append(_row(system, c, summary, flags=tuned, env=ENGINE_ENV,
+                                 numerics=numerics))  # fmt: skip
     if args.llama_server:
-        for slots in (int(s) for s in args.llama_slots.split(",")):
+        for slots in args.llama_slots.split(","):
             with llama_server(
                 args.llama_server, model, slots, args.threads, args.context, args.timeout
             ) as base_url:
                 warm_up(base_url)
                 for c in concurrencies:
-                    if c > 1 and slots == 1:
+                    if c > 1 and slots == "1":
                         continue  # one slot serves one stream; its c=1 row is the baseline
                     # llama-server dropped reused keep-alive connections mid-run (requests
                     # failed at once): a new connection per request for it.
                     summary, _ = serve(base_url, requests_for(c), c, keepalive=False)
                     rows.append(_row("llama.cpp", c, summary, slots=slots))
     return {"rows": rows, "workload": vars(args) | {"model": str(model)}}
+
+
+def _numerics(base_url: str) -> Any:
+    """The path the engine computes on, from its ``/v1/models`` card."""
+    import httpx
+
+    return httpx.get(base_url + "/models", timeout=10).json()["data"][0].get("numerics")
 
 
 def best_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -123,7 +195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                         help="path of llama.cpp's llama-server (or $LLAMA_SERVER)")  # fmt: skip
-    parser.add_argument("--llama-slots", default="1,16,32", help="llama-server -np settings")
+    parser.add_argument("--llama-slots", default="1,16,32",
+                        help="llama-server -np settings; default: llama-server -m FILE "
+                        "with nothing else")  # fmt: skip
+    parser.add_argument(
+        "--portico-defaults",
+        action="store_true",
+        help="also run portico engine with no flags, as make run starts it",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--context", type=int, default=1024, help="context per llama.cpp slot")
     parser.add_argument(

@@ -8,7 +8,9 @@ three configurations of the same weights:
   checks that), so it is the reference here;
 * ``bfloat16``: bf16 activations, exact products on the blocks (``--gguf-activations exact``);
 * ``bfloat16+int8``: bf16 activations rounded to int8 per 32 values before the block linears
-  (``--gguf-activations int8``, the default), as llama.cpp does.
+  (``--gguf-activations int8``, the default), as llama.cpp does;
+* ``auto``: no flags, what ``portico engine`` and ``make run`` serve here (``--dtype auto``
+  resolves per CPU, engine/numerics.py); the report names the path it took and why.
 
 and, for ``--kv-cache-dtype`` (issue 33), the default configuration (bf16 + int8 activations)
 with its KV cache in ``int8`` and in ``fp8_e4m3`` instead of bf16.
@@ -32,6 +34,7 @@ import math
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -65,6 +68,7 @@ CONFIGS = {
     "bfloat16+int8, kv fp8_e4m3": {
         "dtype": "bfloat16", "gguf_activations": "int8", "kv_cache_dtype": "fp8_e4m3",
     },
+    "auto": {},
 }  # fmt: skip
 # Each 8-bit cache's configuration, and the same one with the model's bf16 cache.
 CACHE_PAIRS = {
@@ -95,9 +99,17 @@ def perplexity(llm: LLM, text: str, num_tokens: int) -> float:
     return math.exp(-sum(values) / len(values))
 
 
-def run_config(config: dict[str, str], max_tokens: int, text: str) -> tuple[list[list[int]], float]:
+def run_config(
+    config: dict[str, str], max_tokens: int, text: str
+) -> tuple[list[list[int]], float, Any]:
+    """One configuration's continuations, its perplexity on ``text`` and the engine's numerics
+    (``/v1/models``'s description of the path it ran)."""
     llm = LLM(device="cpu", max_num_seqs=1, enable_prefix_caching=False, **config)
-    return continuations(llm, max_tokens), perplexity(llm, text, PERPLEXITY_TOKENS)
+    try:
+        tokens = continuations(llm, max_tokens)
+        return tokens, perplexity(llm, text, PERPLEXITY_TOKENS), llm.engine.numerics.as_dict()
+    finally:
+        llm.engine.close()
 
 
 def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> dict[str, float]:
@@ -121,10 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = PERPLEXITY_TEXT.read_text()
     results = {name: run_config(CONFIGS[name], args.max_tokens, text) for name in args.configs}
-    runs = {name: tokens for name, (tokens, _) in results.items()}
+    runs = {name: tokens for name, (tokens, _, _) in results.items()}
     report = {
         "prompts": len(PROMPTS),
         "max_tokens": args.max_tokens,
+        "paths": {name: numerics for name, (_, _, numerics) in results.items()},
         "vs_float32": {name: agreement(runs["float32"], runs[name]) for name in runs}
         if "float32" in runs
         else {},
@@ -136,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, base in CACHE_PAIRS.items()
             if {name, base} <= set(runs)
         },
-        "perplexity": {name: ppl for name, (_, ppl) in results.items()},
+        "perplexity": {name: ppl for name, (_, ppl, _) in results.items()},
         "perplexity_text": {
             "file": PERPLEXITY_TEXT.name,
             "sha256": hashlib.sha256(text.encode()).hexdigest(),

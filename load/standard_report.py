@@ -18,7 +18,7 @@ from load.report import markdown_table
 
 TITLES = {
     "engine_offline": "Engine vs transformers static batching (offline)",
-    "engine_served": "Engine served: `portico engine`, smollm2-135m, bf16",
+    "engine_served": "Engine served: `portico engine`, smollm2-135m, `--dtype bfloat16` (tuned)",
     "prefix_caching": "Prefix caching on vs off",
     "gateway": "Gateway vs calling the upstream directly",
     "admission": "Admission cost (Redis token buckets)",
@@ -95,7 +95,7 @@ def targets(sections: Mapping[str, Any]) -> list[dict[str, Any]]:
 
     sec = sections.get("engine_offline", {})
     target = f"engine >= {TARGET_ENGINE_SPEEDUP:g}x transformers static batching, output tokens/s"
-    target += " at concurrency 64 (bf16, CPU)"
+    target += " at concurrency 64 (`load.engine_bench --dtype bfloat16`, CPU)"
     if sec.get("status") == "ok":
         speedup, where = engine_speedup(sec["result"])
         rows.append(
@@ -109,7 +109,8 @@ def targets(sections: Mapping[str, Any]) -> list[dict[str, Any]]:
         rows.append(
             {"target": target, "measured": missing("engine_offline"), "verdict": _verdict(None)}
         )
-    target = f"single-stream decode >= {TARGET_SINGLE_STREAM:g} tokens/s (bf16, CPU)"
+    target = f"single-stream decode >= {TARGET_SINGLE_STREAM:g} tokens/s (in process, "
+    target += "`load.engine_bench --dtype bfloat16`, CPU)"
     single = (
         sec.get("result", {}).get("single_stream", {}).get("decode_tokens_per_s")
         if sec.get("status") == "ok"

@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from engine.model_loader import resolve_quantization
+from engine.numerics import auto_cpu_numerics, cpu_flags
+from portico.registry import resolve
 from tests.engine.server.engine_server_process import API_KEY, MODEL_NAME, EngineProcess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +46,10 @@ def readme_example() -> tuple[dict[str, Any], str]:
 def default_model_engine(
     smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:
-    server = EngineProcess(smollm2_gguf, tmp_path_factory.mktemp("readme") / "engine.log")
+    # --dtype auto: the numerics `make run` serves on this machine (engine/numerics.py)
+    server = EngineProcess(
+        smollm2_gguf, tmp_path_factory.mktemp("readme") / "engine.log", dtype="auto"
+    )
     try:
         server.wait_ready()
         yield server
@@ -52,9 +58,16 @@ def default_model_engine(
 
 
 @pytest.mark.slow
-def test_the_readme_example_prints_the_reply_it_shows(default_model_engine: EngineProcess) -> None:
+def test_the_readme_example_prints_the_reply_it_shows(
+    default_model_engine: EngineProcess, smollm2_gguf: Path
+) -> None:
     kwargs, shown = readme_example()
     assert kwargs["model"] == "smollm2"  # the model `make run` serves under that name
     client = OpenAI(base_url=default_model_engine.base_url + "/v1", api_key=API_KEY)
     reply = client.chat.completions.create(**dict(kwargs, model=MODEL_NAME))
     assert reply.choices[0].message.content == shown
+    # ... computed on the path --dtype auto picks for this CPU, as /v1/models says
+    card = client.models.list().data[0].model_extra["numerics"]
+    source = resolve(str(smollm2_gguf))
+    gguf_blocks = resolve_quantization("auto", source, "cpu") == "gguf"
+    assert card == auto_cpu_numerics(cpu_flags(), gguf_blocks, "int8").as_dict()

@@ -31,11 +31,11 @@ from engine.distributed.sharding import check_divisible, shard_model
 from engine.model_loader import (
     LoadedModel,
     choose_device,
-    choose_dtype,
     load_model,
     resolve_quantization,
 )
 from engine.model_runner import ModelRunner, num_kv_blocks
+from engine.numerics import resolve_numerics
 from portico.registry import resolve
 
 log = logging.getLogger("portico.engine.tp")
@@ -72,18 +72,13 @@ def load_shard(config: EngineConfig, group: TensorParallelGroup) -> LoadedModel:
     source = resolve(config.model)
     device = group.device
     quantization = resolve_quantization(config.quantization, source, device)
-    loaded = load_model(
-        source,
-        choose_dtype(config.dtype, device),
-        "cpu",
-        quantization,
-        config.gguf_activations,
-    )
+    path = resolve_numerics(config.dtype, config.gguf_activations, device, quantization == "gguf")
+    loaded = load_model(source, path.torch_dtype, "cpu", quantization, path.gguf_activations)
     check_divisible(loaded.config, group.world_size)
     local = shard_model(loaded.model, group)
     loaded.model.to(device)
     loaded.model.prepack_weights()
-    return dataclasses.replace(loaded, config=local)
+    return dataclasses.replace(loaded, config=local, numerics=path)
 
 
 def _exit_with_parent(parent: int) -> None:

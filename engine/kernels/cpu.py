@@ -81,9 +81,15 @@ def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c"))
 
 
+def cpu_flags() -> frozenset[str]:
+    """Every flag this CPU reports in ``/proc/cpuinfo`` (empty where there is no such file)."""
+    text = _cpu_identity()
+    return frozenset(text.split()[2:]) if text.startswith("flags") else frozenset()
+
+
 def cpu_features() -> frozenset[str]:
     """The vector instruction sets (of :data:`_FEATURE_BITS`) this CPU reports."""
-    flags = set(_cpu_identity().split())
+    flags = cpu_flags()
     return frozenset(name for name in _FEATURE_BITS if name in flags)
 
 

@@ -118,6 +118,8 @@ class EngineRoutes:
         self.responses = ResponsesServing(self.chat)
         self.drain = DrainState()
         self.started_at = int(time.time())
+        numerics = getattr(engine, "numerics", None)
+        self.numerics = numerics.as_dict() if numerics is not None else None
         self.document = openapi_document("Portico engine", __version__, self.name)
         self.chat_unsupported = {**CHAT_UNSUPPORTED, **VLLM_CHAT_UNSUPPORTED}
         self.completion_unsupported = {**COMPLETION_UNSUPPORTED, **VLLM_COMPLETION_UNSUPPORTED}
@@ -217,10 +219,13 @@ class EngineRoutes:
         root = str(getattr(self.engine.config, "model", self.name))
         lora = self.serving.lora
         adapters = list(lora.registry.values()) if lora else []
+        # The base model's card says how it computes (dtype, activations, why): --dtype auto
+        # differs per CPU, and a client comparing outputs or speeds needs to know which ran.
+        base = {**self._model_card(self.name, root, None), "numerics": self.numerics}
         return {
             "object": "list",
             "data": [
-                self._model_card(self.name, root, None),
+                base,
                 *(self._model_card(a.name, a.path, self.name) for a in adapters),
             ],
         }

@@ -94,7 +94,9 @@ def run_engine(
     loaded: LoadedModel, prompts: list[list[int]], **overrides: Any
 ) -> tuple[LLMEngine, list[list[int]]]:
     """All prompts in one engine, queued together; greedy tokens in prompt order."""
-    config = EngineConfig(model="smollm2", device="cpu", **overrides)
+    # the exact flags: float32 is token for token what transformers produces
+    exact = {"dtype": "float32", "gguf_activations": "exact"}
+    config = EngineConfig(model="smollm2", device="cpu", **{**exact, **overrides})
     engine = LLMEngine(config, loaded)
     outputs = LLM.from_engine(engine).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

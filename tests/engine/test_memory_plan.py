@@ -208,8 +208,9 @@ def test_an_int8_kv_cache_plans_about_twice_the_blocks_and_keeps_its_flag(
 @pytest.mark.parametrize(
     ("memory", "advice"),
     [
-        # ~12.3 MiB of tiny weights and ~17.5 MiB of activations (logits of 64 rows) leave
-        # ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and ~150 KiB (304 tokens) in 30 MiB
+        # ~12.3 MiB of tiny float32 weights and ~17.5 MiB of activations (logits of 64 rows)
+        # leave ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and ~150 KiB (304 tokens) in
+        # 30 MiB (float32 given: --dtype auto is bf16 on CPUs with native bf16)
         ("40MiB", "--max-num-seqs 20 "),
         ("30MiB", "--max-model-len 304 --max-num-seqs 1 "),
     ],
@@ -219,7 +220,7 @@ def test_plan_command_shrinks_what_does_not_fit(
 ) -> None:
     result = portico(
         "plan", "--model", str(tiny_llama_dir), "--device", "cpu", "--max-model-len", "1024",
-        "--max-num-seqs", "64", "--memory", memory,
+        "--max-num-seqs", "64", "--memory", memory, "--dtype", "float32",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "does NOT fit" in result.stdout  # the default 2 GiB cache, as given
@@ -230,6 +231,7 @@ def test_plan_command_shrinks_what_does_not_fit(
     given = EngineConfig(
         model=str(tiny_llama_dir),
         device="cpu",
+        dtype="float32",
         max_model_len=int(flags[flags.index("--max-model-len") + 1]),
         max_num_seqs=int(flags[flags.index("--max-num-seqs") + 1]),
         kv_cache_memory=kv,

@@ -40,6 +40,7 @@ class EngineProcess:
         uds: str | None = None,
         api_key: str | None = API_KEY,
         extra: list[str] | None = None,
+        dtype: str = "float32",
     ) -> None:
         self.uds = uds
         self.port = None if uds else free_port()
@@ -62,6 +63,10 @@ class EngineProcess:
             str(MAX_MODEL_LEN),
             "--log-level",
             "warning",
+            # float32 by default: tests compare outputs with transformers' (--dtype auto is
+            # bf16 on CPUs with native bf16); the README test runs "auto", what `make run` does
+            "--dtype",
+            dtype,
         ]
         args += ["--uds", uds] if uds else ["--port", str(self.port)]
         if api_key:

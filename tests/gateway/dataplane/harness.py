@@ -50,7 +50,17 @@ def tiny_engine(tiny_dir: Path, name: str = "tiny", replicas: int = 1) -> dict[s
         "name": name,
         "model": str(tiny_dir),
         "replicas": replicas,
-        "args": ["--kv-cache-memory", "32MiB", "--max-num-seqs", "32", "--max-model-len", "1024"],
+        # float32: tests compare the engines' outputs with transformers' (auto may be bf16)
+        "args": [
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-num-seqs",
+            "32",
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "float32",
+        ],  # fmt: skip
     }
 
 
