@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from load.standard_report import render_report
+from load.standard_report import keep_hand_written, render_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Run order: the quick, machine-sensitive sections first, the longest (offline) last.
@@ -539,7 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=2) + "\n")
-    args.report.write_text(render_report(results, args.report.parent))
+    existing = args.report.read_text() if args.report.exists() else None
+    report = render_report(results, args.report.parent)
+    args.report.write_text(keep_hand_written(report, existing))
     print(f"[standard] wrote {args.report} and {args.results}")
     return 0
 

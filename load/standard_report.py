@@ -585,6 +585,24 @@ def render_section(name: str, sec: Mapping[str, Any], report_dir: Path) -> str:
     return "\n\n".join(parts)
 
 
+# Everything after this line in docs/benchmarks.md is written by hand (each section names the
+# command that measured it); a new ``make bench`` report replaces only what comes before it.
+HAND_WRITTEN_MARKER = (
+    "<!-- The sections below are written by hand, each with the command that measured it; "
+    "`make bench` rewrites only what is above this line. -->"
+)
+
+
+def keep_hand_written(generated: str, existing: str | None) -> str:
+    """``generated`` (a :func:`render_report`), then the hand-written part of the ``existing``
+    report: what follows :data:`HAND_WRITTEN_MARKER` (the marker included), so that rerunning
+    ``make bench`` does not erase the measurements other benchmarks wrote into the page."""
+    if existing is None or HAND_WRITTEN_MARKER not in existing:
+        return generated
+    kept = existing[existing.index(HAND_WRITTEN_MARKER) :]
+    return generated.rstrip("\n") + "\n\n" + kept
+
+
 def render_report(results: Mapping[str, Any], report_dir: Path = Path("docs")) -> str:
     """The whole of docs/benchmarks.md."""
     m = results.get("machine", {})

@@ -346,3 +346,26 @@ def test_failed_gateway_requests_are_named_not_hidden() -> None:
     text = render_report(results)
     assert "Failed requests (not in the percentiles): gateway: 2 failed (HTTP 503)." in text
     assert "Failed requests" not in render_report(_results())
+
+
+def test_a_new_report_keeps_the_hand_written_sections_below_the_marker() -> None:
+    from load.standard_report import HAND_WRITTEN_MARKER, keep_hand_written
+
+    generated = render_report(_results(), Path("/repo/docs"))
+    old = (
+        "# Benchmarks\n\nold numbers\n\n" + HAND_WRITTEN_MARKER + "\n\n## Fairness\n\nQ p99 1.5 s\n"
+    )
+    merged = keep_hand_written(generated, old)
+    assert merged.startswith(generated.rstrip("\n"))
+    assert "old numbers" not in merged  # the generated part is replaced
+    assert merged.endswith(HAND_WRITTEN_MARKER + "\n\n## Fairness\n\nQ p99 1.5 s\n")
+    assert keep_hand_written(generated, None) == generated
+    assert keep_hand_written(generated, "# no marker in it\n") == generated
+
+
+def test_the_checked_in_report_has_the_marker() -> None:
+    from load.standard_report import HAND_WRITTEN_MARKER
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    assert page.count(HAND_WRITTEN_MARKER) == 1
+    assert page.index("## How these numbers are taken") < page.index(HAND_WRITTEN_MARKER)
