@@ -143,6 +143,7 @@ def test_a_restarted_replica_is_resynced_from_its_new_snapshot() -> None:
 
 
 def test_a_stale_entry_is_not_scored_and_the_pool_falls_back_to_load() -> None:
+    """Stale means the replica's polls have failed for the bound, not that we polled late."""
     clock = Clock()
     index = PrefixIndex(stale_after_s=5.0, clock=clock)
     engine = Engine(num_blocks=128)
@@ -152,9 +153,17 @@ def test_a_stale_entry_is_not_scored_and_the_pool_falls_back_to_load() -> None:
     pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
     replicas[0].outstanding = 1  # r0 holds 400 prompt tokens but is busier
     assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
-    clock.now += 6.0
+    clock.now += 60.0  # a gateway starved or paused for a minute, no poll failed: trusted
+    assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
+    index.note_poll_failed("r0", clock.now)
+    clock.now += 5.0  # failing for the bound, not past it: still trusted
+    assert index.cached_tokens("r0", RouteTokens(LONG)) == 400
+    index.note_poll_failed("r0", clock.now)  # a later failure does not restart the count
+    clock.now += 0.5
     assert index.cached_tokens("r0", RouteTokens(LONG)) is None
     assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[1]  # least loaded
+    assert index.apply_events("r0", engine.events(index.entries["r0"].next_seq))  # answers again
+    assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
 
 
 def test_the_prefix_holder_wins_within_the_slack_and_ties_spread() -> None:
@@ -372,3 +381,39 @@ async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
     finally:
         await engine.shutdown()
         await client.aclose()
+
+
+async def test_feeder_retries_a_closed_connection_and_marks_only_failing_replicas() -> None:
+    """An engine closes a pooled connection its keep-alive let expire (seen after the gateway
+    was paused past the staleness bound): the poll is retried at once and the entry stays
+    exact; a replica that keeps failing goes stale after the bound, counted from its first
+    failure."""
+    clock = Clock()
+    index = PrefixIndex(stale_after_s=5.0, clock=clock)
+    engine = Engine()
+    engine.serve(PROMPT)
+    calls = {"ok": 0, "down": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        calls[host] += 1
+        if host == "down" and calls[host] > 1 or host == "ok" and calls[host] == 2:
+            raise httpx.RemoteProtocolError("the server closed the connection")
+        if request.url.path.endswith("/snapshot"):
+            return httpx.Response(200, json=engine.snapshot())
+        return httpx.Response(200, json=engine.events(int(request.url.params["since"])))
+
+    clients = {
+        name: httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=f"http://{name}")
+        for name in calls
+    }
+    feeder = PrefixIndexFeeder(index, lambda: list(clients.items()))
+    await feeder.poll_once()  # both snapshots
+    await feeder.poll_once()  # ok: closed, retried, answered; down: failed twice
+    assert feeder.failed_polls == 1 and calls["ok"] == 3
+    assert index.entries["ok"].failing_since is None
+    assert index.entries["down"].failing_since == clock.now
+    clock.now += 5.5
+    await feeder.poll_once()
+    assert index.cached_tokens("ok", RouteTokens(PROMPT)) == 20
+    assert index.cached_tokens("down", RouteTokens(PROMPT)) is None
