@@ -12,7 +12,9 @@ seeded interleaved order, ``--concurrency`` requests in flight, streamed. Report
 the prefix-cache hit rate (the engines' ``cached_tokens`` over prompt tokens, from each
 answer's usage), TTFT p50/p99, output tokens per second, and the issue's targets
 (prefix_aware's hit rate within 10% of the single engine's, TTFT p50 at least 2x better than
-round_robin's). JSON (``--out``) and a plot (``--plot PATH``). A benchmark, never a test:
+round_robin's). ``load_only`` is least_loaded with no prefix affinity at all (``prefix_chars:
+0``), the baseline a router without any prefix knowledge gives. JSON (``--out``) and a plot
+(``--plot PATH``). A benchmark, never a test:
 numbers depend on the machine and on what else runs on it.
 """
 
@@ -36,7 +38,11 @@ import yaml
 from load.gateway_stack import BENCH_PLAN, free_port, process, redis_server, wait_for
 from load.serve_bench import percentiles
 
-POLICIES = ("prefix_aware", "least_loaded", "round_robin")
+POLICIES = ("prefix_aware", "least_loaded", "round_robin", "load_only")
+# A baseline, not a replica policy: least_loaded without its rendezvous affinity on the prompt's
+# first characters (prefix_chars 0), which already keeps each tenant of this workload (its own
+# system prompt) on one replica and so is prefix routing of a kind.
+BASELINES = {"load_only": ("least_loaded", {"prefix_chars": 0})}
 SERVED = "fleet"
 WORDS = "alpha beta gamma delta river stone cloud amber cedar harbor lantern meadow".split()
 
@@ -84,7 +90,9 @@ def write_config(workdir: Path, port: int, redis_url: str, policy: str, replicas
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
     (policies / "retry.yaml").write_text("{}\n")
-    routing = {"tiers": [{"name": "only", "model": SERVED}], "replica_policy": policy}
+    replica_policy, extra = BASELINES.get(policy, (policy, {}))
+    routing = {"tiers": [{"name": "only", "model": SERVED}], "replica_policy": replica_policy}
+    routing.update(extra)
     (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
     plans = workdir / "plans.yaml"
     plan = {**BENCH_PLAN, "max_tokens_default": args.max_tokens}

@@ -9,12 +9,18 @@ keys of a replica that leaves, and needs no ring to rebuild.
 
 Replica policy (``replica_policy`` in policies/routing.yaml): ``least_loaded`` is the choice
 above; ``round_robin`` rotates over the available replicas whatever their load;
-``prefix_aware`` takes, among the replicas within ``slack`` of the least load, the one whose
-engine already caches the longest prefix of the request's prompt (a
-:class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by the engines' block events), and
-falls back to ``least_loaded`` when the request brings no tokens or no replica's index entry is
-fresh. Lexicographic, not a weighted sum: no exchange rate between tokens and queue length to
-tune, and the same bound on imbalance ``least_loaded``'s affinity already accepts.
+``prefix_aware`` takes the replica with the least estimated prefill work once this request
+is added: the prompt tokens it would have to compute there (its prompt less the longest prefix
+that replica's engine caches, per a :class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by
+the engines' block events) plus the work queued there before it (its outstanding requests,
+or the engine's waiting queue if longer, each costed at the uncached tokens of the requests
+recently routed there). So the holder of a tenant's system prompt keeps the tenant until its
+queue outweighs the prefill the cache saves, and no longer; equal work prefers the longer cached
+prefix, then rotates. It falls back to ``least_loaded`` when the request brings no tokens or no
+replica's index entry is fresh. (The first version took the longest prefix among replicas
+within ``slack`` of the least load: one request past the slack sent a tenant to a cold replica
+to prefill its whole system prompt behind nothing, slower than waiting, and its hit rate equalled
+``least_loaded``'s.)
 
 Ejection: ``eject_after_failures`` consecutive failed attempts eject a replica for
 ``eject_cooldown_s``; after the cool-down a probe of its ``/health`` readmits it (or starts a
@@ -43,6 +49,10 @@ ReplicaPolicy = Literal["prefix_aware", "least_loaded", "round_robin"]
 # prefix_aware: a replica whose KV cache is this full gets no prefix credit (it is about to
 # evict, and a new request there may preempt one running).
 KV_FULL = 0.95
+# prefix_aware: the least any queued request is costed at, in prompt tokens (a fully cached one
+# still takes a slot in every decode step and a small prefill of its last block).
+MIN_QUEUED_TOKENS = 16.0
+QUEUED_EWMA = 0.2  # weight of the newest routed request in a replica's per-request cost
 
 
 @dataclass(eq=False)
@@ -104,6 +114,9 @@ class Pool:
         self.eject_cooldown_s = eject_cooldown_s
         self.on_eject = on_eject
         self._next = 0  # rotates ties between equally loaded replicas
+        # prefix_aware: per replica name, uncached prompt tokens of a request routed there
+        # recently (an average): what one queued request there is costed at
+        self.queued_cost: dict[str, float] = {}
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.available]
@@ -147,33 +160,44 @@ class Pool:
     def _pick_by_prefix(
         self, candidates: list[Replica], tokens: RouteTokens, index: PrefixIndex
     ) -> Replica | None:
-        """The replica caching the longest prefix among those within ``slack`` of the least
-        load and with KV room; then the least loaded; ties rotate. None when no index entry is
-        fresh (the caller routes by load)."""
-        loads: list[int] = []
-        cached: list[int] = []
+        """The replica with the least estimated prefill work with this request added (see the
+        module docstring); equal work prefers the longer cached prefix, then rotates. None when
+        no index entry is fresh (the caller routes by load)."""
+        prompt = len(tokens.token_ids)
+        work: list[float] = []
+        uncached: list[int] = []
         any_fresh = False
         for replica in candidates:
             entry = index.fresh(replica.name)
-            if entry is None:  # unknown cache: no prefix credit, this gateway's load only
-                loads.append(replica.outstanding)
-                cached.append(0)
-                continue
-            any_fresh = True
-            # Ours are exact and live; the engine's queue (as of the last poll) adds what other
-            # gateways sent. Not its running count: a poll old, it would keep a replica looking
-            # busy after our requests there finished, and push a tenant off its cache.
-            loads.append(max(replica.outstanding, entry.num_waiting))
-            full = entry.kv_cache_usage >= KV_FULL
-            cached.append(0 if full else index.cached_tokens(replica.name, tokens) or 0)
+            queued = replica.outstanding
+            cached = 0
+            if entry is not None:
+                any_fresh = True
+                # Ours are exact and live; the engine's queue (as of the last poll) adds what
+                # other gateways sent. Not its running count: a poll old, it would keep a
+                # replica looking busy after our requests there finished.
+                queued = max(queued, entry.num_waiting)
+                if entry.kv_cache_usage < KV_FULL:  # a nearly full cache is about to evict
+                    cached = min(index.cached_tokens(replica.name, tokens) or 0, prompt)
+            # no history there yet: queued requests are taken to be like this one
+            per_request = max(
+                self.queued_cost.get(replica.name, prompt - cached), MIN_QUEUED_TOKENS
+            )
+            uncached.append(prompt - cached)
+            work.append(queued * per_request + prompt - cached)
         if not any_fresh:
             return None
-        least = min(loads)
-        eligible = [i for i in range(len(candidates)) if loads[i] <= least + self.slack]
-        best = max(eligible, key=lambda i: (cached[i], -loads[i]))
-        tied = [i for i in eligible if (cached[i], loads[i]) == (cached[best], loads[best])]
+        best = min(range(len(candidates)), key=lambda i: (work[i], uncached[i]))
+        tied = [
+            i
+            for i in range(len(candidates))
+            if (work[i], uncached[i]) == (work[best], uncached[best])
+        ]
         self._next += 1
-        chosen = candidates[tied[self._next % len(tied)]]
+        i = tied[self._next % len(tied)]
+        chosen = candidates[i]
+        old = self.queued_cost.get(chosen.name, float(uncached[i]))
+        self.queued_cost[chosen.name] = old + QUEUED_EWMA * (uncached[i] - old)
         index.note_routed(chosen.name, tokens)
         return chosen
 

@@ -13,7 +13,14 @@ match is a real cache hit, never a guess on characters. Each engine process has 
 so hashes are computed per replica, lazily, stopping at the first block that replica lacks:
 the cost is the matched prefix, not the prompt times the replicas.
 
-Freshness: a replica's entry is trusted for ``stale_after_s`` after its latest successful poll.
+Freshness is judged by the replica's answers, not by our poll cadence: an entry is trusted
+until polls of that replica have failed (an error, a refusal, or no answer within
+``stale_after_s``) for ``stale_after_s``. A gateway starved of CPU (or paused) that comes back
+after the bound still routes on what the replicas last told it (a block cached then is very
+likely cached now; a miss costs one prefill), where an age-since-last-poll rule sent every
+request of that moment by load. Each replica is polled by its own task, so a slow replica
+delays no other's, and a poll that fails on a pooled connection the engine closed (its
+keep-alive expired while we were starved) is retried once at once.
 A replica restart (a new ``epoch``), a poll that fell behind the engine's ring (``resync``) or
 a gap in sequence numbers drops the entry's hashes and takes a new snapshot; events already
 applied (a late or repeated answer) are skipped by sequence number. Memory: at most
@@ -92,6 +99,7 @@ class ReplicaEntry:
     kv_cache_usage: float = 0.0
     # hashes of requests routed here and not yet reported stored: hash -> until (monotonic)
     routed: dict[bytes, float] = field(default_factory=dict)
+    failing_since: float | None = None  # when the first poll failing since the last answer began
 
 
 class PrefixIndex:
@@ -163,7 +171,16 @@ class PrefixIndex:
         entry.num_running = int(doc.get("num_running", 0))
         entry.kv_cache_usage = float(doc.get("kv_cache_usage", 0.0))
         entry.synced_at = self.clock()
+        entry.failing_since = None
         return True
+
+    def note_poll_failed(self, replica: str, started_at: float) -> None:
+        """A poll begun at ``started_at`` got no usable answer: the entry goes stale once
+        polls have failed for ``stale_after_s`` from the first such one."""
+        entry = self.entries.get(replica)
+        if entry is not None and entry.failing_since is None:
+            entry.failing_since = started_at
+            log.info("kv events of replica %s: a poll failed", replica)
 
     def forget(self, replica: str) -> None:
         self.entries.pop(replica, None)
@@ -171,9 +188,13 @@ class PrefixIndex:
     # -- reading ---------------------------------------------------------------------------
 
     def fresh(self, replica: str) -> ReplicaEntry | None:
-        """The replica's entry if its latest poll is recent enough to route on, else None."""
+        """The replica's entry unless its polls have been failing for ``stale_after_s``."""
         entry = self.entries.get(replica)
-        if entry is None or self.clock() - entry.synced_at > self.stale_after_s:
+        if entry is None:
+            return None
+        if entry.failing_since is not None and (
+            self.clock() - entry.failing_since > self.stale_after_s
+        ):
             return None
         return entry
 
@@ -220,9 +241,12 @@ class PrefixIndexFeeder:
     """Polls the replicas of one pool into a :class:`PrefixIndex`.
 
     ``replicas`` returns (name, client) of the replicas to poll now (the available ones);
-    ``client`` is the replica's own :class:`httpx.AsyncClient`. A replica that does not answer
-    keeps its entry until it goes stale; one answering 404 (an engine without prefix caching,
-    or another server) is simply never indexed.
+    ``client`` is the replica's own :class:`httpx.AsyncClient`. Each replica has at most one
+    poll in flight, in its own task, and no poll waits on another replica's. A poll gives up
+    after the index's ``stale_after_s`` (an engine busy with a prefill on a loaded machine
+    answers late, not never); a replica that does not answer keeps its entry until its polls
+    have failed that long; one answering 404 (an engine without prefix caching, or another
+    server) is simply never indexed.
     """
 
     def __init__(
@@ -230,31 +254,66 @@ class PrefixIndexFeeder:
         index: PrefixIndex,
         replicas: Callable[[], Iterable[tuple[str, httpx.AsyncClient]]],
         *,
-        timeout_s: float = 2.0,
+        timeout_s: float | None = None,
     ) -> None:
         self.index = index
         self.replicas = replicas
-        self.timeout_s = timeout_s
+        self.timeout_s = index.stale_after_s if timeout_s is None else timeout_s
+        self.failed_polls = 0  # polls with no usable answer, for logs and tests
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
 
     async def poll_once(self) -> None:
+        """Poll every replica now (each once, concurrently) and wait for all of them."""
         await asyncio.gather(*(self._poll(name, client) for name, client in self.replicas()))
 
     async def _poll(self, name: str, client: httpx.AsyncClient) -> None:
-        try:
-            entry = self.index.entries.get(name)
-            if entry is not None:
-                resp = await client.get(
-                    "/v1/kv_events", params={"since": entry.next_seq}, timeout=self.timeout_s
-                )
-                if resp.status_code == 200 and self.index.apply_events(name, resp.json()):
+        started = self.index.clock()
+        for attempt in (1, 2):
+            try:
+                if await self._fetch(name, client):
                     return
-            resp = await client.get("/v1/kv_events/snapshot", timeout=self.timeout_s)
-            if resp.status_code == 200:
-                self.index.apply_snapshot(name, resp.json())
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            log.debug("kv events of %s: %s", name, exc)
+                break  # an answer we cannot use (404, 5xx): no point asking again now
+            except httpx.TransportError as exc:  # a pooled connection the engine closed
+                log.debug("kv events of %s (attempt %d): %r", name, attempt, exc)
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                log.debug("kv events of %s: %r", name, exc)
+                break
+        self.failed_polls += 1
+        self.index.note_poll_failed(name, started)
+
+    async def _fetch(self, name: str, client: httpx.AsyncClient) -> bool:
+        """One poll: the events since the entry's sequence number, else a snapshot. True when
+        the index is now exact for the replica."""
+        entry = self.index.entries.get(name)
+        if entry is not None:
+            resp = await client.get(
+                "/v1/kv_events", params={"since": entry.next_seq}, timeout=self.timeout_s
+            )
+            if resp.status_code == 200 and self.index.apply_events(name, resp.json()):
+                return True
+        resp = await client.get("/v1/kv_events/snapshot", timeout=self.timeout_s)
+        if resp.status_code != 200:
+            return False
+        self.index.apply_snapshot(name, resp.json())
+        return name in self.index.entries
+
+    def _start_polls(self) -> None:
+        for name, client in self.replicas():
+            if name not in self._in_flight:
+                task = asyncio.create_task(self._poll(name, client))
+                self._in_flight[name] = task
+                task.add_done_callback(self._poll_done)
+
+    def _poll_done(self, task: asyncio.Task[None]) -> None:
+        for name, running in list(self._in_flight.items()):
+            if running is task:
+                del self._in_flight[name]
 
     async def run(self, interval_s: float = POLL_INTERVAL_S) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(interval_s)
+        try:
+            while True:
+                self._start_polls()
+                await asyncio.sleep(interval_s)
+        finally:
+            for task in list(self._in_flight.values()):
+                task.cancel()

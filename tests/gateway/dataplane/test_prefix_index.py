@@ -143,6 +143,7 @@ def test_a_restarted_replica_is_resynced_from_its_new_snapshot() -> None:
 
 
 def test_a_stale_entry_is_not_scored_and_the_pool_falls_back_to_load() -> None:
+    """Stale means the replica's polls have failed for the bound, not that we polled late."""
     clock = Clock()
     index = PrefixIndex(stale_after_s=5.0, clock=clock)
     engine = Engine(num_blocks=128)
@@ -152,39 +153,58 @@ def test_a_stale_entry_is_not_scored_and_the_pool_falls_back_to_load() -> None:
     pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
     replicas[0].outstanding = 1  # r0 holds 400 prompt tokens but is busier
     assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
-    clock.now += 6.0
+    clock.now += 60.0  # a gateway starved or paused for a minute, no poll failed: trusted
+    assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
+    index.note_poll_failed("r0", clock.now)
+    clock.now += 5.0  # failing for the bound, not past it: still trusted
+    assert index.cached_tokens("r0", RouteTokens(LONG)) == 400
+    index.note_poll_failed("r0", clock.now)  # a later failure does not restart the count
+    clock.now += 0.5
     assert index.cached_tokens("r0", RouteTokens(LONG)) is None
     assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[1]  # least loaded
+    assert index.apply_events("r0", engine.events(index.entries["r0"].next_seq))  # answers again
+    assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
 
 
-def test_the_prefix_holder_wins_within_the_slack_and_ties_spread() -> None:
+def test_the_holder_wins_until_its_queue_outweighs_the_saved_prefill() -> None:
+    """Work = queued requests x their cost + this request's uncached tokens: the holder of
+    400 of 401 prompt tokens keeps the request behind a queue that costs less than 400."""
     index = PrefixIndex()
-    holder, empty = Engine(), Engine(epoch_seed=b"e")
-    holder.serve(PROMPT)
+    holder, empty = Engine(num_blocks=128), Engine(num_blocks=128, epoch_seed=b"e")
+    holder.serve(LONG)
     for name, engine in (("r0", holder), ("r1", empty)):
         index.apply_snapshot(name, engine.snapshot())
         assert index.apply_events(name, engine.events(1))
     replicas = [Replica(f"r{i}", httpx.AsyncClient(), up=True) for i in range(2)]
     pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
-    tokens = RouteTokens(PROMPT)
+    tokens = RouteTokens(LONG)
     assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r0"}  # type: ignore[union-attr]
-    # within the pool's slack (2) of the least load, the holder keeps the request
-    holder.num_waiting = 2
-    assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
+    # far past least_loaded's slack of 2: 10 queued (cached) requests cost 10 x 16 < 400
+    replicas[0].outstanding = 10
     assert pool.pick(None, tokens=tokens) is replicas[0]
-    # a queue past the slack sends the request elsewhere
-    holder.num_waiting = 3
+    # other gateways' requests queued there too (the engine's waiting queue): 30 x 16 > 400
+    holder.num_waiting = 30
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
     assert pool.pick(None, tokens=tokens) is replicas[1]
-    # a holder whose KV cache is nearly full gets no prefix credit: the lower load wins
-    holder.num_waiting, holder.kv_usage = 1, 0.97
+    # that request's blocks count as cached on r1 now (routed, unconfirmed), so r1 holds the
+    # prefix too: with one cold request queued there (costed 401) it still weighs less
+    replicas[1].outstanding = 1
+    assert pool.pick(None, tokens=tokens) is replicas[1]
+    # a holder whose KV cache is nearly full gets no prefix credit: the lighter queue wins
+    holder.num_waiting, holder.kv_usage = 0, 0.97
     assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
     assert pool.pick(None, tokens=tokens) is replicas[1]
-    # prompts nobody caches, equal load: requests spread over both replicas
-    holder.num_waiting, holder.kv_usage = 0, 0.0
-    assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
-    fresh_prompts = [RouteTokens(list(range(700 + 40 * i, 720 + 40 * i))) for i in range(4)]
-    assert {pool.pick(None, tokens=t).name for t in fresh_prompts} == {"r0", "r1"}  # type: ignore[union-attr]
+
+
+def test_equal_work_spreads_evenly() -> None:
+    index = PrefixIndex()
+    for name, seed in (("r0", b"a"), ("r1", b"b")):
+        index.apply_snapshot(name, Engine(epoch_seed=seed).snapshot())
+    replicas = [Replica(f"r{i}", httpx.AsyncClient(), up=True) for i in range(2)]
+    pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
+    cold = [RouteTokens(list(range(700 + 40 * i, 720 + 40 * i))) for i in range(8)]
+    chosen = [pool.pick(None, tokens=t).name for t in cold]  # type: ignore[union-attr]
+    assert chosen.count("r0") == chosen.count("r1") == 4
 
 
 def test_a_routed_prompt_counts_as_cached_until_confirmed_or_expired() -> None:
@@ -372,3 +392,39 @@ async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
     finally:
         await engine.shutdown()
         await client.aclose()
+
+
+async def test_feeder_retries_a_closed_connection_and_marks_only_failing_replicas() -> None:
+    """An engine closes a pooled connection its keep-alive let expire (seen after the gateway
+    was paused past the staleness bound): the poll is retried at once and the entry stays
+    exact; a replica that keeps failing goes stale after the bound, counted from its first
+    failure."""
+    clock = Clock()
+    index = PrefixIndex(stale_after_s=5.0, clock=clock)
+    engine = Engine()
+    engine.serve(PROMPT)
+    calls = {"ok": 0, "down": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        calls[host] += 1
+        if host == "down" and calls[host] > 1 or host == "ok" and calls[host] == 2:
+            raise httpx.RemoteProtocolError("the server closed the connection")
+        if request.url.path.endswith("/snapshot"):
+            return httpx.Response(200, json=engine.snapshot())
+        return httpx.Response(200, json=engine.events(int(request.url.params["since"])))
+
+    clients = {
+        name: httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url=f"http://{name}")
+        for name in calls
+    }
+    feeder = PrefixIndexFeeder(index, lambda: list(clients.items()))
+    await feeder.poll_once()  # both snapshots
+    await feeder.poll_once()  # ok: closed, retried, answered; down: failed twice
+    assert feeder.failed_polls == 1 and calls["ok"] == 3
+    assert index.entries["ok"].failing_since is None
+    assert index.entries["down"].failing_since == clock.now
+    clock.now += 5.5
+    await feeder.poll_once()
+    assert index.cached_tokens("ok", RouteTokens(PROMPT)) == 20
+    assert index.cached_tokens("down", RouteTokens(PROMPT)) is None
