@@ -188,6 +188,8 @@ class AuditLog:
         no more). One call scans at most :data:`MAX_SCAN` entries, so with a filter that
         matches rarely a page may hold fewer than ``limit`` entries and still have a cursor."""
         limit = max(1, min(limit, MAX_PAGE))
+        if before is not None and _is_first_id(before):
+            return [], None  # nothing is older; Redis refuses an exclusive range ending at 0-0
         high = f"({before}" if before else ("+" if until is None else f"{int(until * 1000)}")
         low = "-" if since is None else f"{int(since * 1000)}"
         found: list[AuditEntry] = []
@@ -207,6 +209,12 @@ class AuditLog:
             if scanned >= MAX_SCAN:
                 return found, last
             high = f"({last}"
+
+
+def _is_first_id(stream_id: str) -> bool:
+    """Is ``stream_id`` (``ms-seq``, checked by the route) the least id a stream can hold?"""
+    ms, _, seq = stream_id.partition("-")
+    return int(ms or 0) == 0 and int(seq or 0) == 0
 
 
 def _matches(

@@ -126,6 +126,9 @@ async def test_audit_filters_and_pages(client: httpx.AsyncClient, make_tenant) -
     assert (await audit(client, actor="someone-else"))["data"] == []
     assert (await audit(client, since=time.time() + 3600))["data"] == []
     assert len((await audit(client, until=time.time() + 3600))["data"]) == 7
+    # The least stream id as a cursor: nothing is older (Redis refuses the range "(0-0").
+    first = await audit(client, before="000000-0")
+    assert (first["data"], first["next"]) == ([], None)
 
 
 async def test_audit_needs_the_admin_credential_and_valid_params(
