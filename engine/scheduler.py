@@ -209,7 +209,7 @@ class Scheduler:
                 can_admit = len(self.running) < self.config.max_num_seqs
                 reserve = self.policy.prefill_reserve(req, later, can_admit=can_admit)
                 # at least one token for this prefill: what is reserved may find no blocks
-                reserve = min(reserve, step.budget - num_pending_decodes - 1)
+                reserve = max(0, min(reserve, step.budget - num_pending_decodes - 1))
                 num_new = min(remaining, step.budget - num_pending_decodes - reserve)
                 if num_new <= 0:
                     continue
