@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.dataplane.responses_store import page_limit
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError, RateLimitError
 
@@ -260,12 +261,7 @@ class BatchStore:
 
     async def page(self, tenant_id: str, query: Mapping[str, str]) -> dict[str, Any]:
         """``GET /v1/batches``: newest first, ``limit`` 1-100 (default 20), ``after`` an id."""
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise InvalidRequestError("Invalid value for 'limit': 1 to 100.", param="limit")
+        limit = page_limit(query)
         index = f"portico:batches:{{{tenant_id}}}"
         ids = [_text(i) for i in await self.redis.zrevrange(index, 0, -1)]
         after = query.get("after")

@@ -171,18 +171,24 @@ class ResponseChain:
             yield block
 
 
-def input_items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
-    """``GET /v1/responses/{id}/input_items``: OpenAI's list page (``order`` desc by default,
-    ``limit`` 1-100, default 20, ``after`` an item id)."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequestError("Invalid value for 'order': asc or desc.", param="order")
+def page_limit(query: Mapping[str, str]) -> int:
+    """An OpenAI list page's ``limit``: 1 to 100, 20 when absent; 400 naming it otherwise."""
     try:
         limit = int(query.get("limit", "20"))
     except ValueError:
         limit = 0
     if not 1 <= limit <= 100:
         raise InvalidRequestError("Invalid value for 'limit': 1 to 100.", param="limit")
+    return limit
+
+
+def input_items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: OpenAI's list page (``order`` desc by default,
+    ``limit`` 1-100, default 20, ``after`` an item id)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError("Invalid value for 'order': asc or desc.", param="order")
+    limit = page_limit(query)
     ordered = items if order == "asc" else items[::-1]
     after = query.get("after")
     if after is not None:

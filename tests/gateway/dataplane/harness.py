@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -181,3 +182,13 @@ def answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def usage_requests(redis_url: str, tenant: str) -> int:
+    """Requests in the tenant's usage records (all days, keys and models)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"portico:usage:{{{tenant}}}:*"))
+        return sum(int(client.hget(k, "requests") or 0) for k in keys)
+    finally:
+        client.close()

@@ -24,7 +24,12 @@ import psutil
 import pytest
 import redis
 
-from tests.gateway.dataplane.harness import GatewayProcess, fake_engine_command, wait_until
+from tests.gateway.dataplane.harness import (
+    GatewayProcess,
+    fake_engine_command,
+    usage_requests,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -79,15 +84,6 @@ def resume_and_check(
     assert [o["custom_id"] for o in output] == [f"line-{i}" for i in range(NUM_LINES)]
     assert all(o["response"]["status_code"] == 200 for o in output)
     return second
-
-
-def usage_requests(redis_url: str, tenant: str) -> int:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"portico:usage:{{{tenant}}}:*"))
-        return sum(int(client.hget(k, "requests") or 0) for k in keys)
-    finally:
-        client.close()
 
 
 def test_sigterm_mid_batch_then_a_new_gateway_runs_each_line_once(

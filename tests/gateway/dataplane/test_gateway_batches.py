@@ -19,9 +19,14 @@ from typing import Any
 
 import openai
 import pytest
-import redis
 
-from tests.gateway.dataplane.harness import GatewayProcess, live_slots, tiny_engine, wait_until
+from tests.gateway.dataplane.harness import (
+    GatewayProcess,
+    live_slots,
+    tiny_engine,
+    usage_requests,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -82,15 +87,6 @@ def wait_done(client: openai.OpenAI, batch_id: str, timeout: float = 300) -> Any
 def read_jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     assert file_id is not None
     return [json.loads(ln) for ln in client.files.content(file_id).text.splitlines()]
-
-
-def usage_requests(redis_url: str, tenant: str) -> int:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"portico:usage:{{{tenant}}}:*"))
-        return sum(int(client.hget(k, "requests") or 0) for k in keys)
-    finally:
-        client.close()
 
 
 def test_sdk_batch_end_to_end_with_bad_lines_in_the_error_file(
