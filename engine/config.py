@@ -16,6 +16,21 @@ from engine.structured_output.limits import LIMIT_HELP, ConstraintLimits, limit_
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# --max-num-batched-tokens 0 by device type: CUDA keeps vLLM's serving default; on a CPU a
+# 2048-token step takes seconds, which every other request waits out (measured: 512 tokens
+# per step cost no more per token than 2048 on smollm2-135m, docs/benchmarks.md)
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+def _device_type(device: str) -> str:
+    """``cpu`` or ``cuda`` for ``--device`` (``auto``: cuda when torch sees one)."""
+    if device != "auto":
+        return device
+    import torch  # only here: the config is read where torch may not be loaded yet
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fair", "fcfs", "priority")  # engine/scheduling_policy.py
 QUANTIZATIONS = ("auto", "none", "gguf")
@@ -74,7 +89,9 @@ class EngineConfig:
     gguf_activations: str = "int8"
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # 0: by device, DEFAULT_BATCHED_TOKENS (a CPU step's time grows with its tokens; 512 is no
+    # slower per token there and keeps a step near half a second: docs/benchmarks.md)
+    max_num_batched_tokens: int = 0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -89,6 +106,10 @@ class EngineConfig:
     # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
     fair_contended_prefill_tokens: int = 256
     fair_contention_window_s: float = 2.0
+    # fair: another tenant's prompt (served no more) with at most this many tokens to compute
+    # runs in a step without the prefill chunks of tenants served more (0: off), so its first
+    # token costs a short step, not a full one.
+    fair_short_prefill_tokens: int = 256
     # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
@@ -140,6 +161,7 @@ class EngineConfig:
         _check_number("--fair-max-wait-s", self.fair_max_wait_s, 0.0, math.inf)
         _check_int("--fair-contended-prefill-tokens", self.fair_contended_prefill_tokens, 0)
         _check_number("--fair-contention-window-s", self.fair_contention_window_s, 0.0, math.inf)
+        _check_int("--fair-short-prefill-tokens", self.fair_short_prefill_tokens, 0)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -147,7 +169,9 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         _check_int("--max-num-seqs", self.max_num_seqs, 1)
-        _check_int("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
+        _check_int("--max-num-batched-tokens", self.max_num_batched_tokens, 0)
+        if not self.max_num_batched_tokens:
+            self.max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[_device_type(self.device)]
         if self.max_model_len is not None:
             _check_int("--max-model-len", self.max_model_len, 1)
         if self.num_gpu_blocks_override is not None:
@@ -259,8 +283,9 @@ class EngineConfig:
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most requests running at once")  # fmt: skip
-        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                       help="token budget of one step")  # fmt: skip
+        g.add_argument("--max-num-batched-tokens", type=int, default=0,
+                       help="token budget of one step (default 0: 512 on CPU, 2048 on "
+                       "CUDA)")  # fmt: skip
         g.add_argument("--max-model-len", type=int, default=None,
                        help="context length cap (default: the model's)")  # fmt: skip
         g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
@@ -285,6 +310,11 @@ class EngineConfig:
                        default=d.fair_contention_window_s,
                        help="fair: how long the step cap stays after the last moment two "
                        "tenants had work")  # fmt: skip
+        g.add_argument("--fair-short-prefill-tokens", type=int,
+                       default=d.fair_short_prefill_tokens,
+                       help="fair: a prompt of a tenant served no more than the others, with "
+                       "at most this many tokens left, runs in a step without the others' "
+                       "prefill chunks (0: off)")  # fmt: skip
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
         g.add_argument(

@@ -130,6 +130,7 @@ class Scheduler:
             config.fair_max_wait_s,
             contended_prefill_tokens=config.fair_contended_prefill_tokens,
             contention_window_s=config.fair_contention_window_s,
+            short_prefill_tokens=config.fair_short_prefill_tokens,
         )
         # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []

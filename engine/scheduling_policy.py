@@ -29,6 +29,9 @@ from engine.request import Request
 from engine.tenancy import TenantTag
 
 OrderKey = tuple[int, int, float, int]  # (class rank, priority, arrival, seq): lower runs first
+# A prefill reserve meaning "all of the step": the scheduler clamps every reserve so the
+# prefill it is asked for still gets one token.
+SIT_OUT = 1 << 62
 
 
 @dataclass
@@ -227,8 +230,8 @@ class SchedulingPolicy:
     ) -> int:
         """Tokens of this step to leave free, before ``request``'s next prefill chunk, for
         requests the policy serves first: ``later_prefills`` (running prefills after it in
-        running order) and, if ``can_admit`` (a running slot is free), waiting ones. fcfs and
-        priority: none (running requests go first)."""
+        running order) and, if ``can_admit`` (a running slot is free), waiting ones; ``SIT_OUT``
+        for all of it. fcfs and priority: none (running requests go first)."""
         return 0
 
 
@@ -257,12 +260,14 @@ class FairPolicy(PriorityPolicy):
         *,
         contended_prefill_tokens: int = 0,
         contention_window_s: float = 0.0,
+        short_prefill_tokens: int = 0,
     ) -> None:
         super().__init__(clock, max_wait_s)
         self.counters: dict[str, float] = {}
         self._last_drained: str | None = None  # the tenant whose queue emptied last
         self.contended_prefill_tokens = contended_prefill_tokens
         self.contention_window_s = contention_window_s
+        self.short_prefill_tokens = short_prefill_tokens
         self._contended_until = -math.inf
 
     def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
@@ -333,7 +338,14 @@ class FairPolicy(PriorityPolicy):
         each later running prefill and, if one can be admitted, each waiting flow's head.
         Without it an older tenant's long running prefill takes the whole budget step after
         step and a newly arrived tenant gets the leftovers (a 16-token prompt spread over
-        several steps). One tenant: always 0, so fair plans what fcfs plans."""
+        several steps). One tenant: always 0, so fair plans what fcfs plans.
+
+        When what those requests need is short (at most ``short_prefill_tokens``), the whole
+        step is theirs: ``request`` sits out (the scheduler still gives it one token, so it
+        never stalls). Why: on a CPU a step's time grows with its tokens, so a newcomer's
+        16-token prompt sharing a step with another tenant's 240-token chunk waits for all
+        of it; alone with the decodes its step is a fraction of that. The cost is one step's
+        fixed overhead per such prompt, paid by the tenant served more."""
         tenant = request.tenant.name
         rank = self._rank(request.tenant.class_rank, tenant)
         need = 0
@@ -345,6 +357,8 @@ class FairPolicy(PriorityPolicy):
         for r in later_prefills:
             if r.tenant.name != tenant and self._rank(r.tenant.class_rank, r.tenant.name) <= rank:
                 need += r.num_tokens - r.num_computed_tokens
+        if 0 < need <= self.short_prefill_tokens:
+            return SIT_OUT
         return need
 
     def _rank(self, class_rank: int, tenant: str) -> tuple[int, float]:
@@ -365,9 +379,12 @@ def make_policy(
     *,
     contended_prefill_tokens: int = 0,
     contention_window_s: float = 0.0,
+    short_prefill_tokens: int = 0,
 ) -> SchedulingPolicy:
-    """The policy ``--scheduling-policy`` names. Under fair, ``max_wait_s`` bounds waiting and
-    ``contended_prefill_tokens`` (0: off) caps a step's prefill while tenants contend."""
+    """The policy ``--scheduling-policy`` names. Under fair, ``max_wait_s`` bounds waiting,
+    ``contended_prefill_tokens`` (0: off) caps a step's prefill while tenants contend, and
+    a less-served tenant's prompt of at most ``short_prefill_tokens`` runs in a step without
+    the others' prefill chunks (0: off)."""
     if name not in POLICIES:
         raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {name!r}")
     if name != "fair":
@@ -378,4 +395,5 @@ def make_policy(
         wait,
         contended_prefill_tokens=contended_prefill_tokens,
         contention_window_s=contention_window_s,
+        short_prefill_tokens=short_prefill_tokens,
     )

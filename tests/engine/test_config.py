@@ -18,7 +18,7 @@ def parse(*argv: str) -> EngineConfig:
 def test_no_flags_give_the_dataclass_defaults() -> None:
     assert parse() == EngineConfig()
     config = EngineConfig()
-    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 64, 2048)
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 64, 512)
     assert config.enable_prefix_caching and config.enable_chunked_prefill
     assert config.preemption_mode == "recompute" and config.kv_cache_memory_bytes == 2 * 2**30
     assert config.swap_space_bytes == 2**30 and config.model_name == "smollm2-135m"
@@ -91,3 +91,11 @@ def test_bad_values_raise_naming_the_flag(flag: str, kwargs: dict) -> None:
 def test_a_bad_flag_value_on_the_command_line_is_refused() -> None:
     with pytest.raises(ValueError, match="--block-size"):
         parse("--block-size", "12")
+
+
+def test_the_step_budget_defaults_by_device_and_an_explicit_one_wins() -> None:
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 512
+    assert EngineConfig(device="cuda").max_num_batched_tokens == 2048
+    assert parse("--device", "cuda").max_num_batched_tokens == 2048
+    assert parse("--device", "cuda", "--max-num-batched-tokens", "96").max_num_batched_tokens == 96
+    assert EngineConfig(device="cpu", max_num_batched_tokens=4096).max_num_batched_tokens == 4096

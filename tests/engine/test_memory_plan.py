@@ -208,8 +208,8 @@ def test_an_int8_kv_cache_plans_about_twice_the_blocks_and_keeps_its_flag(
 @pytest.mark.parametrize(
     ("memory", "advice"),
     [
-        # ~12.3 MiB of tiny float32 weights and ~17.5 MiB of activations (logits of 64 rows)
-        # leave ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and ~150 KiB (304 tokens) in
+        # ~12.3 MiB of tiny float32 weights and ~17.5 MiB of activations (logits of 64 rows,
+        # a 2048-token step) leave ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and ~150 KiB (304 tokens) in
         # 30 MiB (float32 given: --dtype auto is bf16 on CPUs with native bf16)
         ("40MiB", "--max-num-seqs 20 "),
         ("30MiB", "--max-model-len 304 --max-num-seqs 1 "),
@@ -221,6 +221,7 @@ def test_plan_command_shrinks_what_does_not_fit(
     result = portico(
         "plan", "--model", str(tiny_llama_dir), "--device", "cpu", "--max-model-len", "1024",
         "--max-num-seqs", "64", "--memory", memory, "--dtype", "float32",
+        "--max-num-batched-tokens", "2048",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "does NOT fit" in result.stdout  # the default 2 GiB cache, as given

@@ -157,11 +157,15 @@ def test_a_flooding_tenant_cannot_delay_another_beyond_one_request() -> None:
     assert fcfs_steps > 150 and fcfs_overtakes == 0  # they have all finished meanwhile
 
 
-def first_step_with(policy: str) -> dict[str, int]:
+def first_step_with(policy: str, short_prefill_tokens: int = 0) -> dict[str, int]:
     """N's 200-token prompt is being prefilled 32 tokens a step; Q sends 8 tokens. The
     tokens each tenant gets in the next step."""
     sched, model = make(
-        policy, max_num_seqs=8, max_num_batched_tokens=32, fair_contended_prefill_tokens=0
+        policy,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        fair_contended_prefill_tokens=0,
+        fair_short_prefill_tokens=short_prefill_tokens,
     )
     submit(sched, TenantTag("noisy"), prompt_len=200, max_tokens=4)
     step(sched, model)
@@ -175,6 +179,48 @@ def test_a_new_tenants_prompt_does_not_get_the_leftovers_of_a_long_running_prefi
     assert first_step_with("fair") == {"noisy": 24, "quiet": 8}
     # FCFS: the running prefill goes first and takes the whole budget.
     assert first_step_with("fcfs") == {"noisy": 32}
+
+
+def test_a_new_tenants_short_prompt_runs_without_the_others_prefill() -> None:
+    # Q's 8 tokens are short (at most 8): N's chunk sits out, keeping the one token that
+    # guarantees it progress, so Q's step is short.
+    assert first_step_with("fair", short_prefill_tokens=8) == {"noisy": 1, "quiet": 8}
+    # One token more than the limit: N only makes room, as above.
+    assert first_step_with("fair", short_prefill_tokens=7) == {"noisy": 24, "quiet": 8}
+    assert first_step_with("fcfs", short_prefill_tokens=8) == {"noisy": 32}
+
+
+def quiet_chunk_after_noisy_newcomer(quiet_weight: float) -> int:
+    """N's short request runs beside Q's 400-token prompt and ends; then N sends an 8-token
+    prompt, lifted (no credit for idling) to Q's counter if that is higher. The tokens Q's
+    prefill gets in the next step."""
+    sched, model = make(
+        "fair",
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        fair_contended_prefill_tokens=0,
+        fair_short_prefill_tokens=16,
+    )
+    noisy, quiet = TenantTag("noisy"), TenantTag("quiet", weight=quiet_weight)
+    submit(sched, noisy, prompt_len=8, max_tokens=2)
+    long_quiet = submit(sched, quiet, prompt_len=400, max_tokens=2)
+    for _ in range(5):
+        step(sched, model)
+    submit(sched, noisy, prompt_len=8, max_tokens=2)
+    out, _ = step(sched, model)
+    planned = {r.request_id: n for r, n in out.scheduled}
+    run_to_the_end(sched, model)
+    assert long_quiet.output_token_ids == reference_output(long_quiet.prompt_token_ids, 2)
+    assert_no_leaks(sched)
+    return planned[long_quiet.request_id]
+
+
+def test_only_a_tenant_served_less_makes_others_sit_out() -> None:
+    # Weight 100: Q's ~150 prefill tokens count 1.5 against N's 9, so N is served more and
+    # its new short prompt waits for room: Q's chunk takes the whole budget.
+    assert quiet_chunk_after_noisy_newcomer(quiet_weight=100.0) == 32
+    # Weight 1: N's arrival ties it with Q, so Q's chunk sits out for N's short prompt.
+    assert quiet_chunk_after_noisy_newcomer(quiet_weight=1.0) == 1
 
 
 def test_a_reserve_never_stalls_a_running_prefill_when_no_slot_is_free() -> None:
@@ -406,6 +452,7 @@ def test_random_multi_tenant_traffic_completes_correctly_without_leaks(
         scheduling_policy=policy,
         fair_max_wait_s=data.draw(st.sampled_from([3.0, 30.0])),
         fair_contended_prefill_tokens=data.draw(st.sampled_from([0, 1, 5, 256])),
+        fair_short_prefill_tokens=data.draw(st.sampled_from([0, 1, 8, 256])),
         fair_contention_window_s=data.draw(st.sampled_from([0.0, 4.0])),
         num_gpu_blocks_override=num_blocks,
         block_size=4,
@@ -510,6 +557,7 @@ def test_a_prefills_reserve_never_takes_a_running_decodes_token() -> None:
             max_num_batched_tokens=budget,
             max_num_seqs=rng.randint(2, 6),
             fair_contended_prefill_tokens=rng.choice([0, 1, 3]),
+            fair_short_prefill_tokens=rng.choice([0, 2, 256]),
         )
         for _ in range(40):
             if rng.random() < 0.5:

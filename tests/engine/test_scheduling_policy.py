@@ -417,3 +417,14 @@ def test_the_engine_flags_set_the_contended_step_cap_and_its_window() -> None:
         EngineConfig(fair_contended_prefill_tokens=True)
     with pytest.raises(ValueError, match="--fair-contention-window-s"):
         EngineConfig(fair_contention_window_s=float("nan"))
+
+
+def test_the_engine_flag_sets_the_short_prefill_limit() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).fair_short_prefill_tokens == 256
+    args = parser.parse_args(["--fair-short-prefill-tokens", "0"])
+    assert EngineConfig.from_cli_args(args).fair_short_prefill_tokens == 0
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="--fair-short-prefill-tokens"):
+            EngineConfig(fair_short_prefill_tokens=bad)
