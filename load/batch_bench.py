@@ -63,9 +63,19 @@ async def ttft(http: httpx.AsyncClient, key: str, question: str, max_tokens: int
         if response.status_code != 200:
             raise RuntimeError(f"chat answered {response.status_code}: {await response.aread()!r}")
         async for line in response.aiter_lines():
-            if not first and line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+            if not first and has_content(line):
                 first = time.perf_counter() - began
     return first
+
+
+def has_content(line: str) -> bool:
+    """Is this SSE line a chunk carrying generated text? The first chunk of a chat stream is
+    the role with an empty content, sent before any token is computed: it is not a first
+    token."""
+    if not line.startswith("data: {"):
+        return False
+    chunk = json.loads(line[6:])
+    return any(c.get("delta", {}).get("content") for c in chunk.get("choices") or ())
 
 
 async def phase(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.dataplane.batches import BatchLine, batch_model, parse_line, read_lines
-from load.batch_bench import CHAT, SERVED_NAME, batch_file, main
+from load.batch_bench import CHAT, SERVED_NAME, batch_file, has_content, main
 
 
 def test_every_line_of_the_batch_file_is_well_formed() -> None:
@@ -35,3 +35,12 @@ def test_quick_run_reports_both_phases_and_a_finished_batch(
     for side in ("ttft_alone", "ttft_with_batch"):
         assert report[side]["median"] > 0
     assert {"ratio_p50", "ratio_p99", "target_met_p50", "load_average"} <= set(report)
+
+
+def test_the_role_chunk_is_not_a_first_token() -> None:
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    token = {"choices": [{"index": 0, "delta": {"content": "Apple"}}]}
+    assert not has_content("data: " + json.dumps(role))
+    assert has_content("data: " + json.dumps(token))
+    assert not has_content("data: [DONE]") and not has_content(": keep-alive")
+    assert not has_content("data: " + json.dumps({"choices": [], "usage": {"total_tokens": 3}}))
