@@ -30,7 +30,7 @@ from gateway.dataplane.adapters import AdapterCatalog
 from gateway.dataplane.batch_runner import BatchRunner, owner_principal
 from gateway.dataplane.batches import BatchStore
 from gateway.dataplane.discovery import DNSDiscovery
-from gateway.dataplane.files import FileStore
+from gateway.dataplane.files import DiskStorage, FileStorage, FileStore
 from gateway.dataplane.long_prompts import PromptFit, context_length
 from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
 from gateway.dataplane.output_tokens import OutputCounter
@@ -42,6 +42,7 @@ from gateway.dataplane.request_context import InFlight
 from gateway.dataplane.responses_store import ResponseStore
 from gateway.dataplane.retry import RetryPolicy, load_retry_policy
 from gateway.dataplane.routing import Router, load_routing_policy
+from gateway.dataplane.s3_storage import S3Storage
 from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.dataplane.transport import LeanTransport
 from gateway.identity.audit import AuditLog
@@ -134,6 +135,8 @@ async def start_gateway(
             set(upstreams),
             strict=config.policies_dir.resolve() != PACKAGED_POLICIES,
         )
+        storage = _file_storage(config, env)  # a missing S3 credential stops the start here
+        stack.push_async_callback(storage.aclose)
         # The adapter catalog is read before the engines start: each engine that becomes
         # ready gets its pool's adapters (the supervisor's on_state).
         adapters = AdapterCatalog(
@@ -180,11 +183,7 @@ async def start_gateway(
             usage=usage,
             prices=prices,
             responses=ResponseStore(redis.client, config.responses_retention_s),
-            files=FileStore(
-                redis.client,
-                config.batches.files_dir or config.redis.data_dir / "files",
-                config.batches.max_file_bytes,
-            ),
+            files=FileStore(redis.client, storage, config.batches.max_file_bytes),
             batches=BatchStore(redis.client),
             fits=fits,
             runtime_dir=runtime_dir,
@@ -194,6 +193,15 @@ async def start_gateway(
     _start_batch_runner(gateway)
     _freeze_startup_objects()
     return gateway
+
+
+def _file_storage(config: GatewayConfig, env: Mapping[str, str]) -> FileStorage:
+    """Where the Files API keeps bytes: the S3-compatible bucket of ``batches.store``, or
+    ``batches.files_dir`` (default ``<redis.data_dir>/files``) on disk."""
+    store = config.batches.store
+    if store is not None:
+        return S3Storage(store, store.credentials(env))
+    return DiskStorage(config.batches.files_dir or config.redis.data_dir / "files")
 
 
 def _start_batch_runner(gateway: Gateway) -> None:

@@ -227,3 +227,18 @@ def redis_cluster_url(redis_cluster: LocalRedisCluster) -> str:
 @pytest.fixture(scope="session")
 def python_exe() -> str:
     return sys.executable
+
+
+# --------------------------------------------------------------------------- s3
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3-compatible server (moto_server, authentication on) for the session
+    (tests/s3_server.py); each test makes its own bucket with ``new_bucket()``."""
+    from tests.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    yield server
+    server.stop()

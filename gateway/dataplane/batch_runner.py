@@ -45,7 +45,7 @@ from gateway.dataplane.batches import (
     parse_line,
     read_lines,
 )
-from gateway.dataplane.files import FileStore
+from gateway.dataplane.files import FileStorageError, FileStore
 from gateway.dataplane.proxy import RelayResponse
 from gateway.dataplane.request_context import RequestContext
 from gateway.identity.principal import Principal
@@ -197,6 +197,8 @@ class BatchRunner:
         )
         try:
             content = await self.files.content(tenant_id, batch["input_file_id"])
+        except FileStorageError:  # the storage is down, not the batch wrong: it resumes
+            raise
         except APIError as exc:
             await self._fail(tenant_id, batch_id, exc)
             return

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.dataplane.responses_store import page_limit
+from gateway.dataplane.s3_storage import S3StoreSettings
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError, RateLimitError
 
@@ -87,6 +88,8 @@ class BatchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     files_dir: Path | None = None  # None: <redis.data_dir>/files
+    # None: file bytes on disk under files_dir; {kind: s3, ...}: in an S3-compatible bucket
+    store: S3StoreSettings | None = None
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)  # OpenAI: 200 MB
     max_lines_per_batch: int = Field(default=50_000, ge=1)  # OpenAI: 50,000
     max_batches_per_tenant: int = Field(default=10, ge=1)  # not yet finished, at once
@@ -95,6 +98,12 @@ class BatchSettings(BaseModel):
     run: bool = True  # false: this replica serves the APIs but runs no batch
     lease_s: float = Field(default=15.0, ge=1, le=600)  # a dead runner's batch waits this long
     scan_interval_s: float = Field(default=5.0, gt=0, le=600)  # how often the queue is read
+
+    @model_validator(mode="after")
+    def _one_storage(self) -> BatchSettings:
+        if self.store is not None and self.files_dir is not None:
+            raise ValueError("files_dir is where files live without a store: set one of them")
+        return self
 
 
 def batch_key(tenant_id: str, batch_id: str) -> str:

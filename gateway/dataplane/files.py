@@ -1,12 +1,15 @@
-"""The OpenAI Files API's store, per tenant: file bytes on disk, metadata in Redis.
+"""The OpenAI Files API's store, per tenant: file bytes in a :class:`FileStorage`, metadata in
+Redis.
 
-A file's bytes live under ``files_dir/<tenant>/<file id>`` (the gateway's data dir by default,
-written to a temporary name and renamed, so a reader never sees half a file); its metadata (the
-file object OpenAI returns) is one Redis string ``portico:files:{tenant}:<id>`` and the tenant's
+A file's bytes are one object under the key ``<tenant>/<file id>`` in the configured storage:
+on disk under ``files_dir`` (the gateway's data dir by default, written to a temporary name
+and renamed, so a reader never sees half a file; :class:`DiskStorage`), or in an
+S3-compatible bucket (``batches.store``, dataplane/s3_storage.py). Its metadata (the file
+object OpenAI returns) is one Redis string ``portico:files:{tenant}:<id>`` and the tenant's
 listing one sorted set ``portico:files:{tenant}`` (score: creation time), the tenant as the hash
 tag as everywhere in the store. Every read goes through the tenant: another tenant's file id is
-a 404, exactly as an id that never existed. An S3-compatible store is not implemented: every
-gateway replica that serves the Files API must share ``files_dir``.
+a 404, exactly as an id that never existed. Gateway replicas that share Redis share files when
+they share the storage: one bucket, or one ``files_dir`` (a shared volume).
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.store import RedisClient
-from portico.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+from portico.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError, UpstreamError
 
 _FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{1,64}$")
 
@@ -41,17 +44,71 @@ def _not_found(file_id: str) -> NotFoundError:
     return NotFoundError(f"No such File object: {file_id}", param="id", code="file_not_found")
 
 
+class FileStorageError(UpstreamError):
+    """The storage holding file bytes could not be reached or refused a request (a missing
+    bucket, bad credentials): a 502 for the client, the details in the gateway's log."""
+
+    default_code = "file_storage_error"
+
+
+class FileStorage(Protocol):
+    """Where file bytes live, by key (``<tenant>/<file id>``). A write replaces the whole
+    object at once (a reader sees the old bytes or the new, never part); ``read`` raises
+    ``FileNotFoundError`` for a key that holds nothing; ``remove`` of such a key is no error.
+    Anything else that fails is a :class:`FileStorageError`."""
+
+    async def write(self, key: str, content: bytes) -> None: ...
+
+    async def read(self, key: str) -> bytes: ...
+
+    async def remove(self, key: str) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class DiskStorage:
+    """File bytes under ``root``: ``root/<tenant>/<file id>``, written to a temporary name,
+    synced and renamed into place."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    async def write(self, key: str, content: bytes) -> None:
+        await asyncio.to_thread(self._write, self.path(key), content)
+
+    @staticmethod
+    def _write(path: Path, content: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        with open(partial, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+
+    async def read(self, key: str) -> bytes:
+        return await asyncio.to_thread(self.path(key).read_bytes)
+
+    async def remove(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    async def aclose(self) -> None:
+        return None
+
+
 class FileStore:
     """Create, read, list and delete a tenant's files. Safe to share between coroutines: every
-    write is a new file renamed into place plus single-key Redis commands."""
+    write replaces a whole object in the storage, plus single-key Redis commands. The bytes are
+    written before the metadata and removed before it, so a failing storage leaves nothing in
+    Redis that points at bytes it does not hold."""
 
-    def __init__(self, redis: RedisClient, files_dir: Path, max_file_bytes: int) -> None:
+    def __init__(self, redis: RedisClient, storage: FileStorage, max_file_bytes: int) -> None:
         self.redis = redis
-        self.files_dir = files_dir
+        self.storage = storage
         self.max_file_bytes = max_file_bytes
-
-    def path(self, tenant_id: str, file_id: str) -> Path:
-        return self.files_dir / tenant_id / file_id
 
     async def create(
         self,
@@ -64,7 +121,7 @@ class FileStore:
         """Store ``content`` as a new file of ``tenant_id`` (``file_id`` given: written again
         under that id, as a batch's output file is when finalizing is repeated)."""
         file_id = file_id or f"file-{uuid.uuid4().hex}"
-        await asyncio.to_thread(self._write, self.path(tenant_id, file_id), content)
+        await self.storage.write(f"{tenant_id}/{file_id}", content)
         meta = {
             "id": file_id,
             "object": "file",
@@ -82,16 +139,6 @@ class FileStore:
             await pipe.execute()
         return meta
 
-    @staticmethod
-    def _write(path: Path, content: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        with open(partial, "wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-
     async def get(self, tenant_id: str, file_id: str) -> dict[str, Any]:
         """The file object, or a 404 (also for another tenant's id)."""
         if not _FILE_ID.match(file_id):
@@ -105,17 +152,17 @@ class FileStore:
     async def content(self, tenant_id: str, file_id: str) -> bytes:
         await self.get(tenant_id, file_id)
         try:
-            return await asyncio.to_thread(self.path(tenant_id, file_id).read_bytes)
+            return await self.storage.read(f"{tenant_id}/{file_id}")
         except FileNotFoundError:
             raise _not_found(file_id) from None
 
     async def delete(self, tenant_id: str, file_id: str) -> dict[str, Any]:
         await self.get(tenant_id, file_id)
+        await self.storage.remove(f"{tenant_id}/{file_id}")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(file_key(tenant_id, file_id))
             pipe.zrem(files_index_key(tenant_id), file_id)
             await pipe.execute()
-        self.path(tenant_id, file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
     async def list_page(self, tenant_id: str, query: Mapping[str, str]) -> dict[str, Any]:

@@ -1,11 +1,12 @@
 """The Batch and Files stores on a real Redis server and a real Redis Cluster (every key of a
-script or transaction shares the tenant's hash tag), the line checks, the multipart reader on
-the bodies httpx (the OpenAI SDK's transport) writes, and the batch owner's principal."""
+script or transaction shares the tenant's hash tag), with the files on disk and in a bucket of
+a real S3-compatible server; the line checks, the multipart reader on the bodies httpx (the
+OpenAI SDK's transport) writes, and the batch owner's principal."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,8 @@ from gateway.dataplane.batches import (
     parse_line,
 )
 from gateway.dataplane.engine_hop import PRIORITY_CLASS_HEADER, engine_hop_headers
-from gateway.dataplane.files import FileStore, read_upload
+from gateway.dataplane.files import DiskStorage, FileStorage, FileStore, read_upload
+from gateway.dataplane.s3_storage import S3Storage, S3StoreSettings
 from gateway.identity.auth import AuthSettings, open_identity
 from gateway.identity.records import KeyCreate, TenantCreate
 from gateway.store import RedisClient, StoreSettings, open_shared_redis
@@ -110,10 +112,32 @@ async def test_one_runner_holds_a_batch_lease(redis_client: RedisClient) -> None
     assert await store.take_lease("acme", "batch_1", "b", 10)
 
 
-async def test_files_are_per_tenant(redis_client: RedisClient, tmp_path: Path) -> None:
-    files = FileStore(redis_client, tmp_path / "files", 1024)
+@pytest.fixture(params=["disk", "s3"])
+async def file_storage(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[FileStorage, Callable[[str], bool]]]:
+    """The storage (on disk, or in a bucket of a real S3-compatible server) and a check
+    whether it holds a key."""
+    if request.param == "disk":
+        disk = DiskStorage(tmp_path / "files")
+        yield disk, lambda key: disk.path(key).exists()
+        return
+    server = request.getfixturevalue("s3_server")
+    bucket = server.new_bucket()
+    settings = S3StoreSettings.model_validate(server.store_config(bucket))
+    s3 = S3Storage(settings, settings.credentials({}))
+    yield s3, lambda key: key in server.objects(bucket)
+    await s3.aclose()
+
+
+async def test_files_are_per_tenant(
+    redis_client: RedisClient, file_storage: tuple[FileStorage, Callable[[str], bool]]
+) -> None:
+    storage, holds = file_storage
+    files = FileStore(redis_client, storage, 1024)
     meta = await files.create("acme", "in.jsonl", "batch", b"{}\n")
     assert await files.content("acme", meta["id"]) == b"{}\n"
+    assert holds(f"acme/{meta['id']}")
     for call in (files.get, files.content, files.delete):
         with pytest.raises(NotFoundError):
             await call("other", meta["id"])
@@ -121,7 +145,7 @@ async def test_files_are_per_tenant(redis_client: RedisClient, tmp_path: Path) -
     assert [f["id"] for f in page["data"]] == [meta["id"]]
     assert (await files.list_page("acme", {"purpose": "batch_output"}))["data"] == []
     assert (await files.delete("acme", meta["id"]))["deleted"]
-    assert not files.path("acme", meta["id"]).exists()
+    assert not holds(f"acme/{meta['id']}")
 
 
 def test_lines_are_checked_one_by_one() -> None:
