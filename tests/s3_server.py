@@ -3,11 +3,12 @@ test dependency) in its own process on a free loopback port, with request authen
 
 moto checks credentials only once its first ``INITIAL_NO_AUTH_ACTION_COUNT`` requests are
 served; the server is started with that count at 3 and those three requests create an IAM user,
-its access key and a policy allowing it every S3 action. From then on every request must carry
-a SigV4 signature that moto recomputes (with botocore) and compares, and an access key moto
-knows: a wrong secret is ``SignatureDoesNotMatch``, an unknown key ``InvalidAccessKeyId``.
-boto3 (moto's own dependency) does the bootstrap and the tests' look-ups into the bucket; the
-gateway never uses it.
+its access key and a policy allowing it every S3 and IAM action (so tests can make more users
+and deny them actions: :meth:`S3Server.new_user`, :meth:`S3Server.deny`). From then on every
+request must carry a SigV4 signature that moto recomputes (with botocore) and compares, and an
+access key moto knows: a wrong secret is ``SignatureDoesNotMatch``, an unknown key
+``InvalidAccessKeyId``. boto3 (moto's own dependency) does the bootstrap and the tests'
+look-ups into the bucket; the gateway never uses it.
 """
 
 from __future__ import annotations
@@ -76,11 +77,36 @@ class S3Server:
         key = iam.create_access_key(UserName="portico")["AccessKey"]
         policy = {
             "Version": "2012-10-17",
-            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+            "Statement": [{"Effect": "Allow", "Action": ["s3:*", "iam:*"], "Resource": "*"}],
         }
         iam.put_user_policy(UserName="portico", PolicyName="s3", PolicyDocument=json.dumps(policy))
         self.access_key_id = key["AccessKeyId"]
         self.secret_access_key = key["SecretAccessKey"]
+
+    def new_user(self) -> tuple[str, str, str]:
+        """Another IAM user allowed every S3 action: (user name, key id, secret)."""
+        iam = self.client("iam")
+        name = f"user-{uuid.uuid4().hex[:8]}"
+        iam.create_user(UserName=name)
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName=name, PolicyName="s3", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return name, key["AccessKeyId"], key["SecretAccessKey"]
+
+    def deny(self, user: str, actions: list[str] | None) -> None:
+        """Deny ``user`` these S3 actions (an explicit Deny wins over the Allow); None lifts it."""
+        iam = self.client("iam")
+        if actions is None:
+            iam.delete_user_policy(UserName=user, PolicyName="deny")
+            return
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Deny", "Action": actions, "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName=user, PolicyName="deny", PolicyDocument=json.dumps(policy))
 
     def client(self, service: str = "s3", key_id: str = "", secret: str = "") -> Any:
         """A boto3 client of this server (the accepted key unless one is given)."""

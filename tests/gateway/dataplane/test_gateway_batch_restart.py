@@ -5,7 +5,8 @@ Stopped with SIGTERM (a drain): the lines in flight finish and are recorded, the
 runs only the lines without a result; every line is answered once in the output file and the
 tenant is charged for exactly one request per line (no line run twice, none lost). Killed with
 SIGKILL: the lines in flight lose their answers and run again once the dead runner's lease
-expires; the output file still holds every line exactly once.
+expires; the output file still holds every line exactly once. The SIGTERM case runs with the
+files on disk and in an S3-compatible bucket.
 
 The engine is the fast fake upstream (``fake_chunk_delay_ms`` makes each line take a while),
 so the batch is certainly mid-way when the first gateway stops.
@@ -37,11 +38,11 @@ NUM_LINES = 40
 CHAT = "/v1/chat/completions"
 
 
-def gateway_config(redis_url: str) -> dict[str, Any]:
+def gateway_config(redis_url: str, store: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "redis": {"url": redis_url},
         "engines": [{"name": "fake", "command": fake_engine_command()}],
-        "batches": {"max_concurrency": 2, "scan_interval_s": 0.5, "lease_s": 3},
+        "batches": {"max_concurrency": 2, "scan_interval_s": 0.5, "lease_s": 3, "store": store},
     }
 
 
@@ -69,9 +70,13 @@ def answered(client: openai.OpenAI, batch_id: str) -> int:
 
 
 def resume_and_check(
-    workdir: Path, redis_url: str, key_client: openai.OpenAI, batch_id: str
+    workdir: Path,
+    redis_url: str,
+    key_client: openai.OpenAI,
+    batch_id: str,
+    store: dict[str, Any] | None = None,
 ) -> GatewayProcess:
-    second = GatewayProcess(workdir, gateway_config(redis_url), {})
+    second = GatewayProcess(workdir, gateway_config(redis_url, store), {})
     second.start(timeout=300)
     client = key_client.with_options(base_url=second.base_url + "/v1")
     assert wait_until(
@@ -86,10 +91,15 @@ def resume_and_check(
     return second
 
 
+@pytest.mark.parametrize("storage", ["disk", "s3"])
 def test_sigterm_mid_batch_then_a_new_gateway_runs_each_line_once(
-    tmp_path: Path, redis_server: Any
+    tmp_path: Path, redis_server: Any, storage: str, request: pytest.FixtureRequest
 ) -> None:
-    first = GatewayProcess(tmp_path, gateway_config(redis_server.url), {})
+    store = None
+    if storage == "s3":  # the files in a bucket of a real S3-compatible server
+        s3_server = request.getfixturevalue("s3_server")
+        store = s3_server.store_config(s3_server.new_bucket())
+    first = GatewayProcess(tmp_path, gateway_config(redis_server.url, store), {})
     first.start(timeout=300)
     try:
         tenant, client, batch_id = start_batch(first)
@@ -101,7 +111,7 @@ def test_sigterm_mid_batch_then_a_new_gateway_runs_each_line_once(
     done_before = r.hlen(f"portico:batch_out:{{{tenant}}}:{batch_id}")
     r.close()
     assert 4 <= done_before < NUM_LINES
-    second = resume_and_check(tmp_path, redis_server.url, client, batch_id)
+    second = resume_and_check(tmp_path, redis_server.url, client, batch_id, store)
     assert second.terminate() == 0, second.log()
     # usage is flushed when each gateway stops: one request per line, none twice
     assert usage_requests(redis_server.url, tenant) == NUM_LINES
