@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,7 +50,8 @@ class S3Server:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        binary = Path(sys.executable).with_name("moto_server")
+        beside = Path(sys.executable).with_name("moto_server")  # the venv's, else PATH's
+        binary = beside if beside.exists() else Path(shutil.which("moto_server") or beside)
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(NO_AUTH_BOOTSTRAP_REQUESTS)}
         with (self.workdir / "moto.log").open("wb") as log:
             self.proc = subprocess.Popen(

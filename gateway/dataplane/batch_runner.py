@@ -174,6 +174,9 @@ class BatchRunner:
         except asyncio.CancelledError:
             run.cancel()
             raise
+        except FileStorageError as exc:  # logged by the storage; an outage, not a bug
+            run.cancel()
+            log.warning("batch %s: %s It resumes on the next scan.", batch_id, exc.message)
         except Exception:
             run.cancel()
             log.exception("batch %s: the run failed; it resumes on the next scan", batch_id)

@@ -55,7 +55,8 @@ class FileStorage(Protocol):
     """Where file bytes live, by key (``<tenant>/<file id>``). A write replaces the whole
     object at once (a reader sees the old bytes or the new, never part); ``read`` raises
     ``FileNotFoundError`` for a key that holds nothing; ``remove`` of such a key is no error.
-    Anything else that fails is a :class:`FileStorageError`."""
+    A remote storage that refuses a request or cannot be reached raises
+    :class:`FileStorageError`."""
 
     async def write(self, key: str, content: bytes) -> None: ...
 

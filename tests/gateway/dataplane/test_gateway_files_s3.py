@@ -151,7 +151,8 @@ def test_a_batch_waits_while_the_store_refuses_its_input_and_then_finishes(
     try:
         batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
         # the runner tries, is refused, and tries again on later scans; the batch stays
-        assert wait_until(lambda: runner.log().count("AccessDenied") >= 2, timeout=60)
+        refused = "refused to read the file (AccessDenied). It resumes on the next scan."
+        assert wait_until(lambda: runner.log().count(refused) >= 2, timeout=60), runner.log()
         assert client.batches.retrieve(batch.id).status in ("validating", "in_progress")
     finally:
         s3_server.deny(shared["users"]["runner"], None)
