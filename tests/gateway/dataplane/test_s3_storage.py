@@ -97,6 +97,23 @@ async def test_a_file_larger_than_a_part_goes_up_in_parts(s3_server: Any) -> Non
         await s3.aclose()
 
 
+async def test_a_failed_multipart_upload_is_aborted(s3_server: Any) -> None:
+    """Parts under S3's 5 MiB minimum (the settings refuse them; built here past the check)
+    make the server refuse the completion: the upload is aborted, no part and no object stay."""
+    bucket = s3_server.new_bucket()
+    valid = S3StoreSettings.model_validate(s3_server.store_config(bucket))
+    small_parts = valid.model_copy(update={"multipart_part_bytes": MiB})
+    s3 = S3Storage(small_parts, valid.credentials({}))
+    try:
+        with pytest.raises(FileStorageError, match="EntityTooSmall"):
+            await s3.write("acme/file-small-parts", os.urandom(2 * MiB + 1))
+        uploads = s3_server.client().list_multipart_uploads(Bucket=bucket)
+        assert uploads.get("Uploads", []) == []
+        assert s3_server.objects(bucket) == {}
+    finally:
+        await s3.aclose()
+
+
 @pytest.mark.parametrize("failure", ["no such bucket", "unknown key", "wrong secret"])
 async def test_a_failing_storage_is_a_502_and_leaves_nothing_in_redis(
     s3_server: Any, redis_client: RedisClient, redis_url: str, failure: str
