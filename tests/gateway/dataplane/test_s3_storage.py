@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis as sync_redis
 
+from gateway.config import ConfigError, parse_config
 from gateway.dataplane.files import FileStorageError, FileStore
 from gateway.dataplane.s3_storage import S3Storage, S3StoreSettings
 from gateway.store import RedisClient, StoreSettings, open_shared_redis
@@ -196,3 +197,13 @@ def test_settings_credentials_and_addressing() -> None:
             S3StoreSettings.model_validate({"kind": "s3", **bad})
     assert "s3cr3t" not in repr(S3StoreSettings(kind="s3", bucket="b-1", access_key_id="a",
                                                 secret_access_key="s3cr3t"))  # fmt: skip
+
+
+def test_the_gateway_config_selects_the_store() -> None:
+    config = parse_config({"batches": {"store": {"kind": "s3", "bucket": "my-bucket"}}})
+    assert config.batches.store is not None and config.batches.store.bucket == "my-bucket"
+    assert parse_config({}).batches.store is None  # on disk, as before
+    with pytest.raises(ConfigError, match="files_dir"):
+        parse_config({"batches": {"files_dir": "/x", "store": {"kind": "s3", "bucket": "b-1"}}})
+    with pytest.raises(ConfigError, match="batches.store.kind"):
+        parse_config({"batches": {"store": {"kind": "gcs", "bucket": "b-1"}}})
