@@ -209,8 +209,9 @@ def test_an_int8_kv_cache_plans_about_twice_the_blocks_and_keeps_its_flag(
     ("memory", "advice"),
     [
         # ~12.3 MiB of tiny float32 weights and ~17.5 MiB of activations (logits of 64 rows,
-        # a 2048-token step) leave ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and ~150 KiB (304 tokens) in
-        # 30 MiB (float32 given: --dtype auto is bf16 on CPUs with native bf16)
+        # a 2048-token step) leave ~10 MiB (20 sequences of 1024 tokens) in 40 MiB, and
+        # ~150 KiB (304 tokens) in 30 MiB (float32 given: --dtype auto is bf16 on CPUs with
+        # native bf16)
         ("40MiB", "--max-num-seqs 20 "),
         ("30MiB", "--max-model-len 304 --max-num-seqs 1 "),
     ],
