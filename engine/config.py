@@ -106,9 +106,9 @@ class EngineConfig:
     # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
     fair_contended_prefill_tokens: int = 256
     fair_contention_window_s: float = 2.0
-    # fair: another tenant's prompt (served no more) with at most this many tokens to compute
-    # runs in a step without the prefill chunks of tenants served more (0: off), so its first
-    # token costs a short step, not a full one.
+    # fair: the least-served flows' prompts, when they need at most this many tokens in all,
+    # run in a step without the other flows' prefill (0: off), so a newcomer's first token
+    # costs a short step, not a full one (FairPolicy.short_step).
     fair_short_prefill_tokens: int = 256
     # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).

@@ -67,6 +67,14 @@ class _Step:
 
     budget: int
     planned: dict[str, tuple[Request, int, bool]] = field(default_factory=dict)
+    # (class rank, tenant) flows whose prefills alone run (the policy's short step), or None
+    favoured: set[tuple[int, str]] | None = None
+
+    def sits_out(self, req: Request) -> bool:
+        """Is ``req``'s prefill kept out of this step (another flow's short step)?"""
+        return self.favoured is not None and (
+            (req.tenant.class_rank, req.tenant.name) not in self.favoured
+        )
 
     def scheduled(self) -> list[tuple[Request, int]]:
         """Decodes first, then prefill chunks, each in planning order."""
@@ -193,6 +201,8 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         prefill_index = {r.request_id: i for i, r in enumerate(prefills)}
         step.budget = self.policy.step_budget(step.budget, num_pending_decodes, self.running)
+        can_admit = len(self.running) < self.config.max_num_seqs
+        step.favoured = self.policy.short_step(self.running, can_admit=can_admit)
         for req in list(self.running):  # a copy: a preemption takes requests out of running
             if step.budget <= 0:
                 break
@@ -206,9 +216,12 @@ class Scheduler:
                 if req.spec_token_ids:
                     num_spec = self._num_guesses(req, step.budget - 1 - num_pending_decodes)
             else:
-                later = prefills[prefill_index[req.request_id] + 1 :]
-                can_admit = len(self.running) < self.config.max_num_seqs
-                reserve = self.policy.prefill_reserve(req, later, can_admit=can_admit)
+                if step.sits_out(req):
+                    reserve = step.budget  # the step is other flows' (short prefills)
+                else:
+                    later = prefills[prefill_index[req.request_id] + 1 :]
+                    can_admit = len(self.running) < self.config.max_num_seqs
+                    reserve = self.policy.prefill_reserve(req, later, can_admit=can_admit)
                 # at least one token for this prefill: what is reserved may find no blocks
                 reserve = max(0, min(reserve, step.budget - num_pending_decodes - 1))
                 num_new = min(remaining, step.budget - num_pending_decodes - reserve)
@@ -256,6 +269,12 @@ class Scheduler:
                     continue
             if self._at_kv_share(req):
                 policy.hold_tenant(req.tenant.name)
+                continue
+            if step.sits_out(req):  # another flow's short step
+                if any(tenant == req.tenant.name for _, tenant in step.favoured or ()):
+                    policy.hold(req)  # the tenant's other class is favoured: only this one
+                else:
+                    policy.hold_tenant(req.tenant.name)
                 continue
             if req.status == RequestStatus.SWAPPED:
                 num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)

@@ -29,9 +29,7 @@ from engine.request import Request
 from engine.tenancy import TenantTag
 
 OrderKey = tuple[int, int, float, int]  # (class rank, priority, arrival, seq): lower runs first
-# A prefill reserve meaning "all of the step": the scheduler clamps every reserve so the
-# prefill it is asked for still gets one token.
-SIT_OUT = 1 << 62
+FlowId = tuple[int, str]  # (class rank, tenant)
 
 
 @dataclass
@@ -230,9 +228,14 @@ class SchedulingPolicy:
     ) -> int:
         """Tokens of this step to leave free, before ``request``'s next prefill chunk, for
         requests the policy serves first: ``later_prefills`` (running prefills after it in
-        running order) and, if ``can_admit`` (a running slot is free), waiting ones; ``SIT_OUT``
-        for all of it. fcfs and priority: none (running requests go first)."""
+        running order) and, if ``can_admit`` (a running slot is free), waiting ones. fcfs and
+        priority: none (running requests go first)."""
         return 0
+
+    def short_step(self, running: Sequence[Request], *, can_admit: bool) -> set[FlowId] | None:
+        """The flows (class rank, tenant) whose prefills alone run this step, every other
+        prefill sitting it out; None: no such step. fcfs and priority: never."""
+        return None
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -339,13 +342,7 @@ class FairPolicy(PriorityPolicy):
         Without it an older tenant's long running prefill takes the whole budget step after
         step and a newly arrived tenant gets the leftovers (a 16-token prompt spread over
         several steps). One tenant: always 0, so fair plans what fcfs plans.
-
-        When what those requests need is short (at most ``short_prefill_tokens``), the whole
-        step is theirs: ``request`` sits out (the scheduler still gives it one token, so it
-        never stalls). Why: on a CPU a step's time grows with its tokens, so a newcomer's
-        16-token prompt sharing a step with another tenant's 240-token chunk waits for all
-        of it; alone with the decodes its step is a fraction of that. The cost is one step's
-        fixed overhead per such prompt, paid by the tenant served more."""
+        """
         tenant = request.tenant.name
         rank = self._rank(request.tenant.class_rank, tenant)
         need = 0
@@ -357,9 +354,48 @@ class FairPolicy(PriorityPolicy):
         for r in later_prefills:
             if r.tenant.name != tenant and self._rank(r.tenant.class_rank, r.tenant.name) <= rank:
                 need += r.num_tokens - r.num_computed_tokens
-        if 0 < need <= self.short_prefill_tokens:
-            return SIT_OUT
         return need
+
+    def short_step(self, running: Sequence[Request], *, can_admit: bool) -> set[FlowId] | None:
+        """The least-served flows (by class, then counter; on a tie the one needing fewer
+        tokens first) whose prompt tokens still to compute, running or waiting (if
+        ``can_admit``), come to at most ``short_prefill_tokens`` in all, when some other flow
+        has prefill work too: this step is theirs and the decodes'. Every other prefill sits
+        it out (a running one keeps one token, so it never stalls) and no other waiting
+        request is admitted in it. Why: on a CPU a step's time grows with its tokens, so a
+        newcomer's 16-token prompt sharing a step with another tenant's 250-token chunk waits
+        for all of it, and alone with the decodes its step is a fraction of that. The flows
+        served more pay one step's fixed cost per such prompt; their counters decide how often
+        (a tenant that keeps sending short prompts soon outranks them and loses the favour).
+        A tenant lifted on arrival ties with the one it was lifted to; the smaller need wins
+        the tie, so a newcomer's short prompt is not queued behind a long one. No short step
+        while a request is overdue (``max_wait_s``): the wait bound comes first."""
+        if not self.short_prefill_tokens or self._oldest_overdue() is not None:
+            return None
+        need: dict[FlowId, int] = {}
+        for r in running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left > 1:
+                flow_id = (r.tenant.class_rank, r.tenant.name)
+                need[flow_id] = need.get(flow_id, 0) + left
+        if can_admit:
+            for flow_id, flow in self._flows.items():
+                if flow_id[1] not in self._held_tenants:
+                    head = self._head(flow)[2]
+                    left = head.num_tokens - head.num_computed_tokens
+                    need[flow_id] = need.get(flow_id, 0) + left
+        if len(need) < 2:
+            return None
+        order = sorted(need, key=lambda f: (self._rank(*f), need[f]))
+        favoured: set[FlowId] = set()
+        total = 0
+        for flow_id in order:
+            total += need[flow_id]
+            if total > self.short_prefill_tokens:
+                break
+            favoured.add(flow_id)
+        # None as well when every flow's work is short: nobody needs to sit out
+        return favoured if favoured and len(favoured) < len(order) else None
 
     def _rank(self, class_rank: int, tenant: str) -> tuple[int, float]:
         return (class_rank, self.counters.get(tenant, 0.0))

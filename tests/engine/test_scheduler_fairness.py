@@ -190,6 +190,59 @@ def test_a_new_tenants_short_prompt_runs_without_the_others_prefill() -> None:
     assert first_step_with("fcfs", short_prefill_tokens=8) == {"noisy": 32}
 
 
+def test_a_short_step_admits_none_of_the_waiting_requests_of_the_flow_served_more() -> None:
+    """N has requests running and waiting (the budget admits them slowly); Q's 8 tokens
+    arrive, lifted to tie with N. Q's step carries Q's prompt, one token of each of N's running
+    prefills and none of N's waiting requests: the tie goes to the smaller need."""
+    sched, model = make(
+        "fair",
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        fair_contended_prefill_tokens=0,
+        fair_short_prefill_tokens=16,
+    )
+    noisy = [submit(sched, TenantTag("noisy"), prompt_len=60, max_tokens=2) for _ in range(6)]
+    step(sched, model)
+    step(sched, model)
+    waiting_before = {r.request_id for r in noisy if r.status == RequestStatus.WAITING}
+    assert waiting_before  # the premise: N has waiting requests
+    quiet = submit(sched, TenantTag("quiet"), prompt_len=8, max_tokens=2)
+    out, _ = step(sched, model)
+    planned = {r.request_id: n for r, n in out.scheduled}
+    assert planned.pop(quiet.request_id) == 8
+    assert planned and all(n == 1 for n in planned.values())  # N's running prefills: 1 each
+    assert not waiting_before & planned.keys()  # none of N's waiting ones admitted
+    run_to_the_end(sched, model)
+    for r in [*noisy, quiet]:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 2)
+    assert_no_leaks(sched)
+
+
+def test_a_tenants_favoured_class_runs_while_its_other_class_sits_out() -> None:
+    """One tenant has a long batch prompt waiting and a short interactive one; another tenant's
+    long prefill runs. The short step is the interactive flow's: the same tenant's batch
+    request is held, not admitted beside it."""
+    sched, model = make(
+        "fair",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        fair_contended_prefill_tokens=0,
+        fair_short_prefill_tokens=16,
+    )
+    other = submit(sched, TenantTag("other"), prompt_len=300, max_tokens=2)
+    step(sched, model)
+    bulk = submit(sched, TenantTag("t", priority_class="batch"), prompt_len=40, max_tokens=2)
+    chat = submit(sched, TenantTag("t"), prompt_len=8, max_tokens=2)
+    out, _ = step(sched, model)
+    planned = {r.request_id: n for r, n in out.scheduled}
+    assert planned == {chat.request_id: 8, other.request_id: 1}
+    assert bulk.status == RequestStatus.WAITING
+    run_to_the_end(sched, model)
+    for r in (other, bulk, chat):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 2)
+    assert_no_leaks(sched)
+
+
 def quiet_chunk_after_noisy_newcomer(quiet_weight: float) -> int:
     """N's short request runs beside Q's 400-token prompt and ends; then N sends an 8-token
     prompt, lifted (no credit for idling) to Q's counter if that is higher. The tokens Q's
