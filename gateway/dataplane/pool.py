@@ -221,21 +221,32 @@ class Pool:
 
     def acquire(self, replica: Replica, tokens: RouteTokens | None = None) -> Lease:
         """Send a request to ``replica``: count it there until the lease is released, charged
-        (for prefix_aware) with the prompt tokens it will compute there, and note its prompt
-        as cached there (routed, until the engine confirms it)."""
-        prefill = 0
-        tenant = None
+        (for prefix_aware) with the prompt tokens it will compute there, note its prompt as
+        cached there (routed, until the engine confirms it), and name the request already
+        computing some of its uncached blocks there (``Lease.follows``)."""
         index = self.index
-        if tokens is not None and self.replica_policy == "prefix_aware" and index is not None:
-            tenant = tokens.tenant
-            prompt = len(tokens.token_ids)
-            cached = index.cached_tokens(replica.name, tokens)
-            prefill = prompt - min(cached or 0, prompt)
-            if cached is not None:
-                old = self.queued_cost.get(replica.name, float(prefill))
-                self.queued_cost[replica.name] = old + QUEUED_EWMA * (prefill - old)
-                index.note_routed(replica.name, tokens)
-        return replica.load.lease(prefill, tenant)
+        if tokens is None or self.replica_policy != "prefix_aware" or index is None:
+            return replica.load.lease(0, None)
+        prompt = len(tokens.token_ids)
+        cached = index.cached_tokens(replica.name, tokens)
+        prefill = prompt - min(cached or 0, prompt)
+        if cached is None:  # no fresh entry: nothing known of its blocks there
+            return replica.load.lease(prefill, tokens.tenant)
+        old = self.queued_cost.get(replica.name, float(prefill))
+        self.queued_cost[replica.name] = old + QUEUED_EWMA * (prefill - old)
+        computing = replica.load.computing
+        blocks: list[bytes] = []
+        follows = None
+        for block_hash in index.block_hashes(replica.name, tokens):
+            if index.is_stored(replica.name, block_hash):
+                continue
+            leader = computing.get(block_hash)
+            if leader is not None:
+                follows = leader
+            else:
+                blocks.append(block_hash)
+        index.note_routed(replica.name, tokens)
+        return replica.load.lease(prefill, tokens.tenant, tuple(blocks), follows)
 
     def record_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0

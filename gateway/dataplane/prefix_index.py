@@ -223,6 +223,17 @@ class PrefixIndex:
             matched += 1
         return matched * entry.block_size
 
+    def block_hashes(self, replica: str, tokens: RouteTokens) -> Iterator[bytes]:
+        """The request's block hashes as that replica's engine computes them (lazily); none
+        when its entry is missing or stale."""
+        entry = self.fresh(replica)
+        return iter(()) if entry is None else _block_hashes(entry, tokens)
+
+    def is_stored(self, replica: str, block_hash: bytes) -> bool:
+        """Whether the replica's engine reported the block stored (not only routed there)."""
+        entry = self.entries.get(replica)
+        return entry is not None and block_hash in entry.hashes
+
     def note_routed(self, replica: str, tokens: RouteTokens) -> None:
         """A request with these tokens was sent to the replica: count its prompt blocks as
         cached there for ``ROUTED_TTL_S`` before the engine's events confirm them, so a

@@ -59,6 +59,9 @@ from gateway.metrics import GatewayMetrics
 from portico.errors import ServiceUnavailableError, UpstreamError
 
 log = logging.getLogger("portico.gateway.proxy")
+# The longest a request waits for another request's first token before it is sent to compute
+# the blocks they share itself (gateway/dataplane/replica_load.py, ``Lease.follows``).
+FOLLOW_WAIT_S = 10.0
 
 # the request starts with a shared prefix of its plan (gateway/identity/cache_salts.py):
 # "<characters>;<salt>", read by engine/server/shared_prefix.py
@@ -246,6 +249,7 @@ class LocalUpstream:
             if replica is not None:
                 started = time.monotonic()
                 lease = self.pool.acquire(replica, tokens)
+                lease.streamed = fields.stream
                 try:
                     if self.tracer is None:
                         result = await self._attempt(replica, url, payload, headers, fields, lease)
@@ -304,6 +308,9 @@ class LocalUpstream:
         # The caller took ``lease`` on the replica; every path below that does not hand the
         # open stream to ``close`` releases it.
         try:
+            leader = lease.follows
+            if leader is not None and leader.streamed:  # its prefill is ours: let it finish
+                await leader.wait_prefilled(FOLLOW_WAIT_S)
             return await self._attempt_open(replica, url, payload, headers, fields, lease)
         except BaseException:
             lease.release()

@@ -20,6 +20,12 @@ does with it:
 - every step while it waits carries the replica's decode rows and a fixed cost
   (``STEP_OVERHEAD_TOKENS``), and a step holds at most one chunk of prefill.
 
+A request whose uncached prompt blocks another request sent to the same replica is computing
+now (a tenant's second question, sent while its first is still prefilling its system prompt)
+``follows`` that request: the proxy holds it until the leader's first token, so the engine finds
+the blocks cached instead of computing them a second time side by side (it does not wait for
+blocks another request is computing; each computes its own).
+
 So the holder of a tenant's prompt keeps it while other tenants' cold prefills run there (one
 step of theirs is cheaper than the whole prompt elsewhere), and loses it when the tenant's own
 requests pile up there behind long prefills; the pool adds the recomputation itself once more
@@ -28,6 +34,8 @@ as the cost a spill puts on the fleet (gateway/dataplane/pool.py). Event loop th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -53,14 +61,28 @@ class ReplicaLoad:
     num_prefilling: int = 0
     num_decoding: int = 0
     tenant_prefill: dict[str | None, int] = field(default_factory=dict)
+    # prompt blocks being computed here now: block hash -> the lease of the request computing
+    # it (until its first token)
+    computing: dict[bytes, Lease] = field(default_factory=dict)
 
-    def lease(self, prefill_tokens: int, tenant: str | None) -> Lease:
-        """A request just sent here, with ``prefill_tokens`` prompt tokens to compute."""
+    def lease(
+        self,
+        prefill_tokens: int,
+        tenant: str | None,
+        blocks: tuple[bytes, ...] = (),
+        follows: Lease | None = None,
+    ) -> Lease:
+        """A request just sent here, with ``prefill_tokens`` prompt tokens to compute, of which
+        ``blocks`` (hashes) no other request here is computing; ``follows``: the request
+        computing the deepest of its other uncached blocks."""
         self.outstanding += 1
         self.pending_prefill += prefill_tokens
         self.num_prefilling += 1
         self.tenant_prefill[tenant] = self.tenant_prefill.get(tenant, 0) + prefill_tokens
-        return Lease(self, prefill_tokens, tenant)
+        lease = Lease(self, prefill_tokens, tenant, blocks, follows)
+        for block_hash in blocks:
+            self.computing[block_hash] = lease
+        return lease
 
 
 @dataclass(slots=True, eq=False)
@@ -72,11 +94,29 @@ class Lease:
     load: ReplicaLoad
     prefill_tokens: int
     tenant: str | None
+    blocks: tuple[bytes, ...] = ()
+    follows: Lease | None = None
+    streamed: bool = False  # its first token is seen (a stream): followers may wait for it
     prefilled: bool = False
     released: bool = False
+    _done: asyncio.Event | None = None
+
+    async def wait_prefilled(self, timeout_s: float) -> None:
+        """Until this request's first token (or its end), at most ``timeout_s``."""
+        if self.prefilled or self.released:
+            return
+        if self._done is None:
+            self._done = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._done.wait(), timeout_s)
 
     def _end_prefill(self) -> None:
         load = self.load
+        for block_hash in self.blocks:
+            if load.computing.get(block_hash) is self:
+                del load.computing[block_hash]
+        if self._done is not None:
+            self._done.set()
         load.pending_prefill -= self.prefill_tokens
         load.num_prefilling -= 1
         left = load.tenant_prefill.get(self.tenant, 0) - self.prefill_tokens

@@ -240,6 +240,30 @@ def test_a_tenant_spills_when_its_own_requests_pile_up_on_the_holder() -> None:
     assert pool.pick(None, tokens=tokens) is r0
 
 
+def test_a_request_sharing_blocks_another_is_computing_follows_it() -> None:
+    """A tenant's second question sent while its first still prefills the system prompt on
+    that replica follows the first (the engine would compute the blocks again side by side);
+    once the engine stores them, nobody follows."""
+    pool, (r0, _), engines, index = two_replicas()
+    system = list(range(2000, 2400))  # 100 blocks
+    first = RouteTokens([*system, 1, 2, 3, 4], cache_salt="t", tenant="t")
+    second = RouteTokens([*system, 5, 6, 7, 8], cache_salt="t", tenant="t")
+    lead = pool.acquire(r0, first)
+    assert lead.follows is None and len(lead.blocks) == 101
+    follow = pool.acquire(r0, second)
+    assert follow.follows is lead and len(follow.blocks) == 1  # its own question's block
+    other_salt = pool.acquire(r0, RouteTokens(second.token_ids, cache_salt="u", tenant="u"))
+    assert other_salt.follows is None  # another tenant's salt: other blocks
+    lead.first_token()
+    engines["r0"].serve(first.token_ids, salt="t")
+    sync(index, engines)
+    third = pool.acquire(r0, RouteTokens([*system, 9, 9, 9, 9], cache_salt="t", tenant="t"))
+    assert third.follows is None and len(third.blocks) == 1
+    for lease in (follow, other_salt, third):
+        lease.release()
+    assert r0.load.computing == {} and r0.outstanding == 1  # the first, decoding
+
+
 def test_the_running_batch_and_the_engines_queue_weigh_between_two_holders() -> None:
     pool, (r0, r1), engines, index = two_replicas(("r0", LONG, None), ("r1", LONG, None))
     tokens = RouteTokens(LONG, tenant="t")
@@ -626,6 +650,89 @@ async def test_a_request_through_the_proxy_holds_its_prefill_until_its_first_tok
             "/v1/completions", payload, fields, "rid-3", None, principal=principal
         )
         assert exchange.status == 400 and replica.load == ReplicaLoad()
+    finally:
+        await engine.shutdown()
+        await client.aclose()
+
+
+async def test_a_request_sent_while_its_prefix_is_computed_waits_and_hits_the_cache(
+    tiny_llama_dir: Path,
+) -> None:
+    """Two streamed requests sharing a long prefix, the second sent while the first is still
+    being computed: the second follows the first (the proxy holds it until the first's first
+    token) and finds the prefix cached; nothing is left marked as computing. (This tiny engine
+    is quick enough to serve the two one step apart either way; the hold itself is proven in
+    tests/gateway/dataplane/test_replica_load.py.)"""
+    import asyncio
+    import json
+
+    from gateway.admission.prompt_tokens import load_tokenizer
+    from gateway.dataplane.fields import parse_fields
+    from gateway.dataplane.proxy import LocalUpstream
+    from gateway.dataplane.replica_load import Lease
+    from gateway.dataplane.retry import RetryPolicy
+    from gateway.identity.principal import Limits, Principal
+    from gateway.metrics import GatewayMetrics
+
+    engine = AsyncLLMEngine.from_config(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
+    )
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(
+            app=create_app(engine, ServerSettings(served_model_name="t"))
+        ),
+        base_url="http://engine",
+    )
+    index = PrefixIndex()
+    replica = Replica("r0", client, up=True)
+    pool = Pool("t", [replica], replica_policy="prefix_aware", index=index)
+    upstream = LocalUpstream(pool, RetryPolicy(max_attempts=1), GatewayMetrics())
+    upstream.route_tokenizer = load_tokenizer(str(tiny_llama_dir))
+    principal = Principal(tenant_id="acme", plan="p", limits=Limits(), cache_salt="tenant-acme")
+    shared = "the quick brown fox jumps over the lazy dog " * 10
+
+    async def cached_tokens(question: str) -> int:
+        raw = json.dumps(
+            {"model": "t", "prompt": shared + question, "max_tokens": 2, "stream": True}
+        ).encode()
+        fields = parse_fields(raw, "completion")
+        payload = upstream.payload(raw, fields, "t", principal.cache_salt, None)
+        exchange = await upstream.exchange(
+            "/v1/completions", payload, fields, question, None, principal=principal
+        )
+        assert exchange.status == 200 and exchange.rest is not None and exchange.close
+        async for _ in exchange.rest:
+            pass
+        await exchange.close()
+        return exchange.usage.cached_tokens
+
+    leases: list[Lease] = []
+    acquire = pool.acquire
+
+    def recording_acquire(replica: Replica, tokens: RouteTokens | None = None) -> Lease:
+        leases.append(acquire(replica, tokens))
+        return leases[-1]
+
+    pool.acquire = recording_acquire  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        await PrefixIndexFeeder(index, pool.available_clients).poll_once()
+        first = asyncio.create_task(cached_tokens("one?"))
+        for _ in range(1000):  # until the first is sent
+            await asyncio.sleep(0)
+            if replica.outstanding:
+                break
+        second = asyncio.create_task(cached_tokens("two?"))
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if replica.outstanding == 2:
+                break
+        assert replica.outstanding == 2
+        lead, follower = leases
+        assert lead.follows is None and follower.follows is lead and lead.streamed
+        assert await first == 0
+        assert await second >= 64  # the shared prefix's whole blocks
+        assert lead.prefilled and replica.load.computing == {}
     finally:
         await engine.shutdown()
         await client.aclose()

@@ -3,6 +3,7 @@ took, and the expected wait follows the engine's fair scheduler."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from gateway.dataplane.replica_load import (
@@ -81,3 +82,25 @@ def test_decode_rows_weigh_on_every_step_and_others_queued_count_as_ahead() -> N
     assert estimate_wait(load, "t", 20, foreign_prefill=1000) == 1020 + 4 * (
         STEP_OVERHEAD_TOKENS + 4
     )
+
+
+async def test_a_follower_waits_for_its_leaders_first_token_or_end_or_the_bound() -> None:
+    load = ReplicaLoad()
+    leader = load.lease(400, "t", blocks=(b"a", b"b"))
+    follower = load.lease(20, "t", blocks=(b"c",), follows=leader)
+    assert load.computing == {b"a": leader, b"b": leader, b"c": follower}
+    waiting = asyncio.create_task(leader.wait_prefilled(60.0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    leader.first_token()  # its blocks are computed (the engine stores them): not "computing"
+    await waiting
+    assert load.computing == {b"c": follower}
+    await leader.wait_prefilled(60.0)  # already past: returns at once
+    failed = load.lease(400, "u", blocks=(b"d",))
+    waiting = asyncio.create_task(failed.wait_prefilled(60.0))
+    await asyncio.sleep(0)
+    failed.release()  # an attempt that failed: its followers go on (and compute it themselves)
+    await waiting
+    stuck = load.lease(400, "v", blocks=(b"e",))
+    await stuck.wait_prefilled(0.01)  # bounded: returns with the leader still prefilling
+    assert not stuck.prefilled and load.computing[b"e"] is stuck
