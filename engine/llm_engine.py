@@ -585,4 +585,5 @@ class LLMEngine:
             lora_names=self.scheduler.lora_names(),
             max_lora=self.config.max_loras if self.lora is not None else 0,
             num_waiting_for_grammar=len(self._waiting_for_grammar),
+            resident_lora_adapters=self.lora.resident_names() if self.lora is not None else (),
         )  # fmt: skip

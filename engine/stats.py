@@ -77,6 +77,7 @@ class EngineStats:
     # LoRA (vLLM's lora_requests_info): adapter names of running / waiting requests
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    resident_lora_adapters: tuple[str, ...] = ()  # in a LoRA slot now (a router prefers these)
     max_lora: int = 0
     num_waiting_for_grammar: int = 0
     grammar_compiles: int = 0
@@ -98,14 +99,16 @@ def engine_stats(
     lora_names: tuple[tuple[str, ...], tuple[str, ...]],
     max_lora: int,
     num_waiting_for_grammar: int,
+    resident_lora_adapters: tuple[str, ...] = (),
 ) -> EngineStats:
     """One :class:`EngineStats` from the parts' own readings: the scheduler's, the grammar
     compiler's, the speculator's (None when off), the engine's ``counters`` (named as
-    :class:`EngineStats`' fields) and the running / waiting adapter names."""
+    :class:`EngineStats`' fields), the running / waiting adapter names and those in slots."""
     running, waiting = lora_names
     stats = EngineStats(
         running_lora_adapters=running,
         waiting_lora_adapters=waiting,
+        resident_lora_adapters=resident_lora_adapters,
         max_lora=max_lora,
         num_running=sched.num_running,
         num_waiting=sched.num_waiting,

@@ -10,7 +10,8 @@ match), a real ``portico serve`` is started in front of ``--replicas`` engine re
 prompt (``--system-words`` random words), each asking ``--questions`` short questions, in one
 seeded interleaved order, ``--concurrency`` requests in flight, streamed. Reported per run:
 the prefix-cache hit rate (the engines' ``cached_tokens`` over prompt tokens, from each
-answer's usage), TTFT p50/p99, output tokens per second, and the issue's targets
+answer's usage), TTFT p50/p99, output tokens per second (and, in ``--out``, each request's
+tenant, send time, TTFT and cached tokens), and the issue's targets
 (prefix_aware's hit rate within 10% of the single engine's, TTFT p50 at least 2x better than
 round_robin's). ``load_only`` is least_loaded with no prefix affinity at all (``prefix_chars:
 0``), the baseline a router without any prefix knowledge gives. JSON (``--out``) and a plot
@@ -161,7 +162,9 @@ async def drive(base_url: str, keys: list[str], args: argparse.Namespace) -> dic
 
         async def run(t: int, messages: list[dict[str, str]]) -> dict[str, float]:
             async with gate:
-                return await one_request(client, keys[t], messages, args.max_tokens)
+                sent = time.perf_counter() - start
+                result = await one_request(client, keys[t], messages, args.max_tokens)
+                return {"tenant": t, "sent_s": sent, **result}
 
         start = time.perf_counter()
         results = await asyncio.gather(*(run(t, m) for t, m in reqs))
@@ -174,6 +177,17 @@ async def drive(base_url: str, keys: list[str], args: argparse.Namespace) -> dic
         "ttft_ms": percentiles(ttfts),  # mean, median, p90, p99
         "output_tok_s": sum(r["completion_tokens"] for r in results) / wall,
         "wall_s": wall,
+        # per request, in send order: which tenant, when, its TTFT and cached prompt tokens
+        "detail": [
+            {
+                "tenant": r["tenant"],
+                "sent_s": round(r["sent_s"], 3),
+                "ttft_ms": round(1000 * r["ttft_s"], 1),
+                "cached": r["cached_tokens"],
+                "prompt": r["prompt_tokens"],
+            }
+            for r in sorted(results, key=lambda r: r["sent_s"])
+        ],
     }
 
 
@@ -232,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_policy(root, redis_url, "least_loaded", 1, args))  # the single engine
             for policy in policies:
                 runs.append(run_policy(root, redis_url, policy, args.replicas, args))
-                print(json.dumps(runs[-1]), flush=True)
+                print(json.dumps(_brief(runs[-1])), flush=True)
     by = {r["policy"]: r for r in runs[1:]}
     single = runs[0]
     targets: dict[str, bool] = {}
@@ -244,12 +258,18 @@ def main(argv: list[str] | None = None) -> int:
             targets["ttft_p50_2x_better_than_round_robin"] = rr >= 2 * pa["ttft_ms"]["median"]
     summary = {"args": vars(args) | {"out": None, "plot": None}, "single": single,
                "runs": runs[1:], "targets": targets}  # fmt: skip
-    print(json.dumps(summary, indent=2, default=str))
+    brief = summary | {"single": _brief(single), "runs": [_brief(r) for r in runs[1:]]}
+    print(json.dumps(brief, indent=2, default=str))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2, default=str))
     if args.plot:
         plot(summary, args.plot)
     return 0
+
+
+def _brief(run: dict[str, Any]) -> dict[str, Any]:
+    """A run without its per-request detail (what is printed; ``--out`` keeps it all)."""
+    return {k: v for k, v in run.items() if k != "detail"}
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

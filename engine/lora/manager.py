@@ -152,6 +152,21 @@ class LoRAManager:
     def get(self, name: str) -> LoRARequest | None:
         return self.registry.get(name)
 
+    def registered_ids(self) -> dict[str, int]:
+        """Each listed adapter's name and number (any thread): a router hashes an adapter's
+        prompt blocks with that number, as this engine does."""
+        with self._registry_lock:
+            return {name: lora.lora_int_id for name, lora in self.registry.items()}
+
+    def resident_names(self) -> tuple[str, ...]:
+        """Listed adapters in a slot now (engine thread): a request for one of these runs
+        without copying weights in first."""
+        in_slots = self._slot_of
+        if not in_slots:
+            return ()
+        with self._registry_lock:
+            return tuple(n for n, lora in self.registry.items() if lora.lora_int_id in in_slots)
+
     # -- the step (engine thread) ------------------------------------------------------------
 
     def prepare(self, rows: list[tuple[LoRARequest | None, int]]) -> None:

@@ -61,10 +61,12 @@ def add_kv_event_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     """Mount the two routes for the engine's event log (prefix caching on: it has one).
 
     Each poll also carries the engine's load as of its latest step (``num_waiting``,
-    ``num_running``, ``kv_cache_usage``), so one request feeds a router both halves of its
-    score.
+    ``num_running``, ``kv_cache_usage``) and its LoRA adapters (``lora_adapters``: name ->
+    the number its block hashes carry; ``lora_resident``: those in a slot now), so one request
+    feeds a router every part of its score.
     """
     kv = engine.engine.scheduler.kv
+    lora = engine.engine.lora
     log: KVEventLog | None = kv.events
     if log is None:
         return
@@ -83,6 +85,8 @@ def add_kv_event_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             "num_waiting": stats.num_waiting + stats.num_swapped,
             "num_running": stats.num_running,
             "kv_cache_usage": stats.kv_cache_usage,
+            "lora_adapters": lora.registered_ids() if lora is not None else {},
+            "lora_resident": list(stats.resident_lora_adapters),
         }
 
     @app.get("/v1/kv_events/snapshot")

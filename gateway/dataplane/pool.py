@@ -9,18 +9,24 @@ keys of a replica that leaves, and needs no ring to rebuild.
 
 Replica policy (``replica_policy`` in policies/routing.yaml): ``least_loaded`` is the choice
 above; ``round_robin`` rotates over the available replicas whatever their load;
-``prefix_aware`` takes the replica with the least estimated prefill work once this request
-is added: the prompt tokens it would have to compute there (its prompt less the longest prefix
-that replica's engine caches, per a :class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by
-the engines' block events) plus the work queued there before it (its outstanding requests,
-or the engine's waiting queue if longer, each costed at the uncached tokens of the requests
-recently routed there). So the holder of a tenant's system prompt keeps the tenant until its
-queue outweighs the prefill the cache saves, and no longer; equal work prefers the longer cached
-prefix, then rotates. It falls back to ``least_loaded`` when the request brings no tokens or no
-replica's index entry is fresh. (The first version took the longest prefix among replicas
-within ``slack`` of the least load: one request past the slack sent a tenant to a cold replica
-to prefill its whole system prompt behind nothing, slower than waiting, and its hit rate equalled
-``least_loaded``'s.)
+``prefix_aware`` takes the replica where this request's first token is expected soonest, plus
+the prefill it would recompute there that another replica caches. Per replica: the prompt
+tokens it would compute there (its prompt less the longest prefix that replica's engine caches,
+per a :class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by the engines' block events),
+the work ahead of it there as the engine's fair scheduler orders it, and the decode rows that
+share every step (:func:`~gateway.dataplane.replica_load.estimate_wait`, from this gateway's
+live :class:`~gateway.dataplane.replica_load.ReplicaLoad` of each replica and what the engine
+reports beyond it: other gateways' waiting requests, its running batch, its LoRA slots). The
+recomputation is counted once more because a spill costs the fleet that prefill, not only this
+request: so a tenant stays on the holder of its prompt while other tenants' work runs there,
+and spills to a second replica (which then caches it too) when its own requests pile up on the
+holder behind long prefills, or the holder's queue outweighs about two prompts. Equal scores
+prefer the longer cached prefix, then rotate. It falls back to ``least_loaded`` when the request
+brings no tokens or no replica's index entry is fresh. (Earlier versions: the longest prefix
+within ``slack`` of the least load sent a tenant to a cold replica one request past the slack,
+and its hit rate equalled ``least_loaded``'s; then the least queue x average uncached tokens,
+which counted no decode rows and no tenant, kept every tenant on its holder whatever piled up
+behind it there, and spilled by an average skewed by the first cold prompts.)
 
 Ejection: ``eject_after_failures`` consecutive failed attempts eject a replica for
 ``eject_cooldown_s``; after the cool-down a probe of its ``/health`` readmits it (or starts a
@@ -42,6 +48,7 @@ from typing import Literal
 import httpx
 
 from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
+from gateway.dataplane.replica_load import ADAPTER_LOAD_TOKENS, Lease, ReplicaLoad, estimate_wait
 
 log = logging.getLogger("portico.gateway.pool")
 
@@ -49,8 +56,8 @@ ReplicaPolicy = Literal["prefix_aware", "least_loaded", "round_robin"]
 # prefix_aware: a replica whose KV cache is this full gets no prefix credit (it is about to
 # evict, and a new request there may preempt one running).
 KV_FULL = 0.95
-# prefix_aware: the least any queued request is costed at, in prompt tokens (a fully cached one
-# still takes a slot in every decode step and a small prefill of its last block).
+# prefix_aware: the least a request queued by others (beyond this gateway's) is costed at, in
+# prompt tokens (a fully cached one still takes a small prefill of its last block).
 MIN_QUEUED_TOKENS = 16.0
 QUEUED_EWMA = 0.2  # weight of the newest routed request in a replica's per-request cost
 
@@ -71,7 +78,7 @@ class Replica:
     timeouts: dict[str, float | None] = field(default_factory=dict)
     up: bool = False  # set by the supervisor (process running and ready)
     probe_path: str | None = "/health"  # None: readmitted half-open after the cool-down
-    outstanding: int = 0
+    load: ReplicaLoad = field(default_factory=ReplicaLoad, repr=False)
     consecutive_failures: int = 0
     ejected: bool = False
     ejected_until: float = 0.0
@@ -83,6 +90,15 @@ class Replica:
     @property
     def available(self) -> bool:
         return self.up and not self.ejected
+
+    @property
+    def outstanding(self) -> int:
+        """Requests this gateway has sent here and not yet closed (its leases)."""
+        return self.load.outstanding
+
+    @outstanding.setter
+    def outstanding(self, value: int) -> None:
+        self.load.outstanding = value
 
 
 def _weight(prefix_key: bytes, replica_key: bytes) -> int:
@@ -160,46 +176,77 @@ class Pool:
     def _pick_by_prefix(
         self, candidates: list[Replica], tokens: RouteTokens, index: PrefixIndex
     ) -> Replica | None:
-        """The replica with the least estimated prefill work with this request added (see the
-        module docstring); equal work prefers the longer cached prefix, then rotates. None when
-        no index entry is fresh (the caller routes by load)."""
+        """The replica with the least expected wait plus recomputation (see the module
+        docstring); equal scores prefer the longer cached prefix, then rotate. None when no
+        index entry is fresh (the caller routes by load)."""
         prompt = len(tokens.token_ids)
-        work: list[float] = []
+        waits: list[float] = []
         uncached: list[int] = []
         any_fresh = False
         for replica in candidates:
             entry = index.fresh(replica.name)
-            queued = replica.outstanding
             cached = 0
+            foreign = 0.0
+            rows = None
+            adapter = 0.0
             if entry is not None:
                 any_fresh = True
-                # Ours are exact and live; the engine's queue (as of the last poll) adds what
-                # other gateways sent. Not its running count: a poll old, it would keep a
-                # replica looking busy after our requests there finished.
-                queued = max(queued, entry.num_waiting)
                 if entry.kv_cache_usage < KV_FULL:  # a nearly full cache is about to evict
                     cached = min(index.cached_tokens(replica.name, tokens) or 0, prompt)
-            # no history there yet: queued requests are taken to be like this one
-            per_request = max(
-                self.queued_cost.get(replica.name, prompt - cached), MIN_QUEUED_TOKENS
-            )
+                # Requests waiting there beyond ours (other gateways'; the engine's count is a
+                # poll old), each costed at the uncached tokens recently routed there.
+                beyond = max(0, entry.num_waiting - replica.load.num_prefilling)
+                per_request = self.queued_cost.get(replica.name, prompt - cached)
+                foreign = beyond * max(per_request, MIN_QUEUED_TOKENS)
+                rows = entry.num_running
+                if tokens.model in entry.lora_ids and tokens.model not in entry.lora_resident:
+                    adapter = ADAPTER_LOAD_TOKENS
             uncached.append(prompt - cached)
-            work.append(queued * per_request + prompt - cached)
+            wait = estimate_wait(
+                replica.load, tokens.tenant, prompt - cached,
+                foreign_prefill=foreign, num_decoding=rows,
+            )  # fmt: skip
+            waits.append(wait + adapter)
         if not any_fresh:
             return None
-        best = min(range(len(candidates)), key=lambda i: (work[i], uncached[i]))
-        tied = [
-            i
-            for i in range(len(candidates))
-            if (work[i], uncached[i]) == (work[best], uncached[best])
-        ]
+        least_uncached = min(uncached)
+        score = [(waits[i] + uncached[i] - least_uncached, uncached[i]) for i in range(len(waits))]
+        best = min(score)
+        tied = [i for i in range(len(candidates)) if score[i] == best]
         self._next += 1
-        i = tied[self._next % len(tied)]
-        chosen = candidates[i]
-        old = self.queued_cost.get(chosen.name, float(uncached[i]))
-        self.queued_cost[chosen.name] = old + QUEUED_EWMA * (uncached[i] - old)
-        index.note_routed(chosen.name, tokens)
+        chosen = candidates[tied[self._next % len(tied)]]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("prefix_aware chose %s; scores %s", chosen.name, score)
         return chosen
+
+    def acquire(self, replica: Replica, tokens: RouteTokens | None = None) -> Lease:
+        """Send a request to ``replica``: count it there until the lease is released, charged
+        (for prefix_aware) with the prompt tokens it will compute there, note its prompt as
+        cached there (routed, until the engine confirms it), and name the request already
+        computing some of its uncached blocks there (``Lease.follows``)."""
+        index = self.index
+        if tokens is None or self.replica_policy != "prefix_aware" or index is None:
+            return replica.load.lease(0, None)
+        prompt = len(tokens.token_ids)
+        cached = index.cached_tokens(replica.name, tokens)
+        prefill = prompt - min(cached or 0, prompt)
+        if cached is None:  # no fresh entry: nothing known of its blocks there
+            return replica.load.lease(prefill, tokens.tenant)
+        old = self.queued_cost.get(replica.name, float(prefill))
+        self.queued_cost[replica.name] = old + QUEUED_EWMA * (prefill - old)
+        computing = replica.load.computing
+        blocks: list[bytes] = []
+        follows = None
+        for block_hash in index.block_hashes(replica.name, tokens):
+            if index.is_stored(replica.name, block_hash):
+                continue
+            leader = computing.get(block_hash)
+            if leader is not None:
+                follows = leader
+            else:
+                blocks.append(block_hash)
+        index.note_routed(replica.name, tokens)
+        return replica.load.lease(prefill, tokens.tenant, tuple(blocks), follows)
 
     def record_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0

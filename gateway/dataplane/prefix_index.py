@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +53,17 @@ MAX_HASHES_PER_REPLICA = 1 << 20  # 32 MiB of hashes; engines hold far fewer blo
 @dataclass(frozen=True, slots=True)
 class RouteTokens:
     """What the prefix scorer needs of a request: its prompt token ids as the engine will see
-    them, and the ``cache_salt`` the proxy sends with it (None: unsalted)."""
+    them, the ``cache_salt`` the proxy sends with it (None: unsalted), the tenant the engine
+    will charge for it (its fair share there), and the model it names: an adapter's name is
+    looked up per replica, whose engine numbers its adapters itself (the number is inside the
+    block hash); any other name is the base model. ``lora_int_id`` hashes as that adapter
+    number on every replica (tests)."""
 
     token_ids: Sequence[int]
     cache_salt: str | None = None
     lora_int_id: int | None = None
+    tenant: str | None = None
+    model: str | None = None
 
 
 def route_token_ids(tokenizer: Any, fields: RequestFields) -> list[int] | None:
@@ -97,6 +103,9 @@ class ReplicaEntry:
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
+    # LoRA adapters the engine serves (name -> its adapter number) and those in its slots now
+    lora_ids: dict[str, int] = field(default_factory=dict)
+    lora_resident: frozenset[str] = frozenset()
     # hashes of requests routed here and not yet reported stored: hash -> until (monotonic)
     routed: dict[bytes, float] = field(default_factory=dict)
     failing_since: float | None = None  # when the first poll failing since the last answer began
@@ -170,6 +179,8 @@ class PrefixIndex:
         entry.num_waiting = int(doc.get("num_waiting", 0))
         entry.num_running = int(doc.get("num_running", 0))
         entry.kv_cache_usage = float(doc.get("kv_cache_usage", 0.0))
+        entry.lora_ids = {str(k): int(v) for k, v in doc.get("lora_adapters", {}).items()}
+        entry.lora_resident = frozenset(doc.get("lora_resident", ()))
         entry.synced_at = self.clock()
         entry.failing_since = None
         return True
@@ -206,14 +217,22 @@ class PrefixIndex:
             return None
         now = self.clock()
         matched = 0
-        for block_hash in iter_prefix_block_hashes(
-            entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt,
-            tokens.lora_int_id,
-        ):  # fmt: skip
+        for block_hash in _block_hashes(entry, tokens):
             if block_hash not in entry.hashes and entry.routed.get(block_hash, 0.0) < now:
                 break
             matched += 1
         return matched * entry.block_size
+
+    def block_hashes(self, replica: str, tokens: RouteTokens) -> Iterator[bytes]:
+        """The request's block hashes as that replica's engine computes them (lazily); none
+        when its entry is missing or stale."""
+        entry = self.fresh(replica)
+        return iter(()) if entry is None else _block_hashes(entry, tokens)
+
+    def is_stored(self, replica: str, block_hash: bytes) -> bool:
+        """Whether the replica's engine reported the block stored (not only routed there)."""
+        entry = self.entries.get(replica)
+        return entry is not None and block_hash in entry.hashes
 
     def note_routed(self, replica: str, tokens: RouteTokens) -> None:
         """A request with these tokens was sent to the replica: count its prompt blocks as
@@ -229,12 +248,19 @@ class PrefixIndex:
             if len(entry.routed) >= self.max_hashes // 4:
                 entry.routed.clear()
         until = now + ROUTED_TTL_S
-        for block_hash in iter_prefix_block_hashes(
-            entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt,
-            tokens.lora_int_id,
-        ):  # fmt: skip
+        for block_hash in _block_hashes(entry, tokens):
             if block_hash not in entry.hashes:
                 entry.routed[block_hash] = until
+
+
+def _block_hashes(entry: ReplicaEntry, tokens: RouteTokens) -> Iterator[bytes]:
+    """The request's block hashes as that replica's engine computes them (lazily)."""
+    lora_int_id = tokens.lora_int_id
+    if tokens.model is not None and tokens.model in entry.lora_ids:
+        lora_int_id = entry.lora_ids[tokens.model]
+    return iter_prefix_block_hashes(
+        entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt, lora_int_id
+    )
 
 
 class PrefixIndexFeeder:

@@ -40,6 +40,7 @@ from gateway.dataplane.fields import RequestFields
 from gateway.dataplane.output_tokens import OutputCounter
 from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.prefix_index import RouteTokens, route_token_ids
+from gateway.dataplane.replica_load import Lease
 from gateway.dataplane.retry import RetryPolicy
 from gateway.dataplane.transport import read_body
 from gateway.dataplane.usage_relay import (
@@ -58,6 +59,9 @@ from gateway.metrics import GatewayMetrics
 from portico.errors import ServiceUnavailableError, UpstreamError
 
 log = logging.getLogger("portico.gateway.proxy")
+# The longest a request waits for another request's first token before it is sent to compute
+# the blocks they share itself (gateway/dataplane/replica_load.py, ``Lease.follows``).
+FOLLOW_WAIT_S = 10.0
 
 # the request starts with a shared prefix of its plan (gateway/identity/cache_salts.py):
 # "<characters>;<salt>", read by engine/server/shared_prefix.py
@@ -193,7 +197,8 @@ class LocalUpstream:
             return None
         tenant_salt = principal.cache_salt if principal is not None else None
         salt = narrowed_salt(tenant_salt, fields.cache_salt) if tenant_salt is not None else None
-        return RouteTokens(token_ids, salt)
+        tenant = principal.tenant_id if principal is not None else None
+        return RouteTokens(token_ids, salt, tenant=tenant, model=fields.model)
 
     def request_url(self, path: str) -> httpx.URL:
         return _engine_url(path)
@@ -243,14 +248,16 @@ class LocalUpstream:
             )
             if replica is not None:
                 started = time.monotonic()
-                replica.outstanding += 1
+                lease = self.pool.acquire(replica, tokens)
+                lease.streamed = fields.stream
                 try:
                     if self.tracer is None:
-                        result = await self._attempt(replica, url, payload, headers, fields)
+                        result = await self._attempt(replica, url, payload, headers, fields, lease)
                     else:
                         result = await self.tracer.attempt(
-                            self._attempt, replica, url, payload, headers, fields
-                        )
+                            functools.partial(self._attempt, lease=lease),
+                            replica, url, payload, headers, fields,
+                        )  # fmt: skip
                 except (httpx.TransportError, _BrokenAnswer) as exc:
                     self.pool.record_failure(replica)
                     last_failure = f"{type(exc).__name__} from replica {replica.name}"
@@ -296,13 +303,17 @@ class LocalUpstream:
         payload: bytes,
         headers: dict[str, str],
         fields: RequestFields,
+        lease: Lease,
     ) -> Exchange:
-        # The replica's outstanding count was raised by the caller; every path below that does
-        # not hand the open stream to ``close`` lowers it again.
+        # The caller took ``lease`` on the replica; every path below that does not hand the
+        # open stream to ``close`` releases it.
         try:
-            return await self._attempt_open(replica, url, payload, headers, fields)
+            leader = lease.follows
+            if leader is not None and leader.streamed:  # its prefill is ours: let it finish
+                await leader.wait_prefilled(FOLLOW_WAIT_S)
+            return await self._attempt_open(replica, url, payload, headers, fields, lease)
         except BaseException:
-            replica.outstanding -= 1
+            lease.release()
             raise
 
     async def _attempt_open(
@@ -312,6 +323,7 @@ class LocalUpstream:
         payload: bytes,
         headers: dict[str, str],
         fields: RequestFields,
+        lease: Lease,
     ) -> Exchange:
         if replica.transport is not None:
             request = httpx.Request(
@@ -335,7 +347,7 @@ class LocalUpstream:
                 raise _BrokenAnswer(str(exc)) from exc
             finally:
                 await resp.aclose()
-            replica.outstanding -= 1
+            lease.release()
             exchange = Exchange(resp.status_code, content_type, body=body)
             if resp.status_code == 200:
                 try:
@@ -354,6 +366,8 @@ class LocalUpstream:
         except BaseException:  # cancelled (a tier's latency budget): free the connection
             await resp.aclose()
             raise
+        if first.count(b"\n\n") > 1:  # more than the role event: the first token is out
+            lease.first_token()
         exchange = Exchange(200, content_type)
         usage = exchange.usage
         closed = False
@@ -365,7 +379,7 @@ class LocalUpstream:
             nonlocal closed
             if not closed:
                 closed = True
-                replica.outstanding -= 1
+                lease.release()
                 usage.resolve()
                 await blocks.aclose()
                 await resp.aclose()
@@ -374,7 +388,7 @@ class LocalUpstream:
 
         view = usage_view(fields, self.local_engine)
         exchange.first = _take_usage(first, usage, view)
-        exchange.rest = self._relay(blocks, usage, view, replica, seen)
+        exchange.rest = self._relay(blocks, usage, view, replica, seen, lease)
         exchange.close = close
         return exchange
 
@@ -385,9 +399,13 @@ class LocalUpstream:
         view: UsageView,
         replica: Replica,
         seen: list[bytes] | None = None,
+        lease: Lease | None = None,
     ) -> AsyncIterator[bytes]:
         try:
             async for block in blocks:
+                if lease is not None:  # the event after the role chunk: the first token is out
+                    lease.first_token()
+                    lease = None
                 if seen is not None and not usage.reported:
                     seen.append(block)
                 out = _take_usage(block, usage, view)

@@ -179,3 +179,33 @@ def test_lora_requests_info_metric(server: EngineProcess) -> None:
     (sample,) = info.samples
     assert sample.labels["max_lora"] == "3"
     assert set(sample.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+
+
+def test_kv_events_name_the_adapters_and_a_router_matches_an_adapters_blocks(
+    server: EngineProcess,
+) -> None:
+    """The poll a gateway's prefix index reads names each adapter with this engine's number
+    for it and those in a slot; with them the router hashes an adapter's prompt as the engine
+    did (the number is inside the block hash: the base model's blocks differ)."""
+    from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
+
+    prompt = PROMPT * 6  # 36 tokens: two full blocks
+
+    async def run() -> None:
+        c = client(server)
+        await c.completions.create(model="sql", prompt=prompt, max_tokens=1)
+
+    asyncio.run(run())
+    index = PrefixIndex()
+    with server.client() as http:
+        index.apply_snapshot("r", http.get("/v1/kv_events/snapshot").json())
+        doc = http.get("/v1/kv_events", params={"since": index.entries["r"].next_seq}).json()
+    assert index.apply_events("r", doc)
+    assert {"sql", "code"} <= set(doc["lora_adapters"])
+    assert doc["lora_adapters"]["sql"] != doc["lora_adapters"]["code"]
+    assert "sql" in doc["lora_resident"]
+    block_size = index.entries["r"].block_size
+    full = len(prompt) // block_size * block_size
+    assert index.cached_tokens("r", RouteTokens(prompt, model="sql")) == full > 0
+    assert index.cached_tokens("r", RouteTokens(prompt, model="code")) == 0
+    assert index.cached_tokens("r", RouteTokens(prompt, model=MODEL_NAME)) == 0

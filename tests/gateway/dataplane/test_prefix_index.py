@@ -12,6 +12,7 @@ import pytest
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora.adapter import LoRARequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.server.app import create_app
@@ -36,12 +37,20 @@ class Engine:
     def __init__(self, num_blocks: int = 32, epoch_seed: bytes = b"r") -> None:
         self.kv = KVCacheManager(num_blocks, BS, hash_seed=epoch_seed * 32)
         self.num_waiting = 0
+        self.num_running = 0
         self.kv_usage = 0.0
+        self.lora_adapters: dict[str, int] = {}  # name -> this engine's number for it
+        self.lora_resident: list[str] = []
         self.n = 0
 
-    def serve(self, tokens: list[int], salt: str | None = None) -> None:
+    def serve(self, tokens: list[int], salt: str | None = None, adapter: str | None = None) -> None:
         self.n += 1
-        req = Request(f"q{self.n}", tokens, SamplingParams(max_tokens=1), cache_salt=salt)
+        lora = None
+        if adapter is not None:
+            lora = LoRARequest(adapter, self.lora_adapters[adapter], "/adapters/" + adapter)
+        req = Request(
+            f"q{self.n}", tokens, SamplingParams(max_tokens=1), cache_salt=salt, lora_request=lora
+        )
         hits, num_hit = self.kv.get_computed_blocks(req)
         assert self.kv.allocate_slots(req, req.num_tokens - num_hit, hits) is not None
         req.num_computed_tokens = req.num_tokens
@@ -75,8 +84,10 @@ class Engine:
                 for e in batch.events
             ],
             "num_waiting": self.num_waiting,
-            "num_running": 0,
+            "num_running": self.num_running,
             "kv_cache_usage": self.kv_usage,
+            "lora_adapters": self.lora_adapters,
+            "lora_resident": self.lora_resident,
         }
 
 
@@ -166,34 +177,156 @@ def test_a_stale_entry_is_not_scored_and_the_pool_falls_back_to_load() -> None:
     assert pool.pick(None, tokens=RouteTokens(LONG)) is replicas[0]
 
 
-def test_the_holder_wins_until_its_queue_outweighs_the_saved_prefill() -> None:
-    """Work = queued requests x their cost + this request's uncached tokens: the holder of
-    400 of 401 prompt tokens keeps the request behind a queue that costs less than 400."""
+def two_replicas(
+    *holding: tuple[str, list[int], str | None],
+) -> tuple[Pool, list[Replica], dict[str, Engine], PrefixIndex]:
+    """A prefix_aware pool over r0 and r1, real KV cache managers behind them, each ``(name,
+    tokens, salt)`` served (so cached) on that replica and the index synced."""
     index = PrefixIndex()
-    holder, empty = Engine(num_blocks=128), Engine(num_blocks=128, epoch_seed=b"e")
-    holder.serve(LONG)
-    for name, engine in (("r0", holder), ("r1", empty)):
-        index.apply_snapshot(name, engine.snapshot())
-        assert index.apply_events(name, engine.events(1))
-    replicas = [Replica(f"r{i}", httpx.AsyncClient(), up=True) for i in range(2)]
+    engines = {"r0": Engine(num_blocks=256), "r1": Engine(num_blocks=256, epoch_seed=b"e")}
+    for name, tokens, salt in holding:
+        engines[name].serve(tokens, salt=salt)
+    sync(index, engines)
+    replicas = [Replica(name, httpx.AsyncClient(), up=True) for name in engines]
+    return Pool("m", replicas, replica_policy="prefix_aware", index=index), replicas, engines, index
+
+
+def sync(index: PrefixIndex, engines: dict[str, Engine]) -> None:
+    for name, engine in engines.items():
+        if name not in index.entries:
+            index.apply_snapshot(name, engine.snapshot())
+        assert index.apply_events(name, engine.events(index.entries[name].next_seq))
+
+
+def test_the_holder_keeps_a_tenant_while_other_tenants_prefill_there() -> None:
+    """Other tenants' cold prompts and decode rows on the holder cost this tenant one chunk of
+    their prefill (the engine's fair policy lifts it), less than its 400 cached tokens."""
+    pool, (r0, r1), _, _ = two_replicas(("r0", LONG, "t"))
+    tokens = RouteTokens(LONG, cache_salt="t", tenant="t")
+    r0.load.lease(401, "u")
+    r0.load.lease(401, "v")
+    for _ in range(3):
+        r0.load.lease(0, "w").first_token()
+    assert r0.outstanding == 5 and r1.outstanding == 0  # least_loaded's slack of 2 is long past
+    assert pool.pick(None, tokens=tokens) is r0
+    # a queue of others (another gateway's, as the engine reports it) past the prompt: spill
+    r0.load = type(r0.load)()
+    pool.index.entries["r0"].num_waiting = 60  # type: ignore[union-attr]  # 60 x 16 tokens
+    assert pool.pick(None, tokens=tokens) is r1
+
+
+def test_a_tenant_spills_when_its_own_requests_pile_up_on_the_holder() -> None:
+    """Its own pending prefill is ahead of it there (FCFS within a tenant, and its counter puts
+    the other tenants first): past the cost of recomputing the prompt elsewhere, it spills to
+    the second replica, which then caches it too and shares the tenant."""
+    pool, (r0, r1), _, index = two_replicas(("r0", LONG, "t"))
+    tokens = RouteTokens(LONG, cache_salt="t", tenant="t")
+    own = pool.acquire(r0, RouteTokens(list(range(5000, 5401)), cache_salt="t", tenant="t"))
+    assert own.prefill_tokens == 401  # a cold prompt of the tenant's, still prefilling on r0
+    assert pool.pick(None, tokens=tokens) is r0  # waiting for one's own 401 beats recomputing
+    r0.load.lease(401, "u")  # and another tenant's cold prompt: 802 ahead of it there
+    first = pool.pick(None, tokens=tokens)
+    assert first is r1
+    spilled = pool.acquire(r1, tokens)
+    assert spilled.prefill_tokens == 401 and r1.load.tenant_prefill == {"t": 401}
+    assert index.cached_tokens("r1", tokens) == 400  # routed there: it holds the prefix now
+    # the next one waits for that prefill on r1 (less than the pile on r0)
+    assert pool.pick(None, tokens=tokens) is r1
+    spilled.first_token()
+    own.release()
+    # both hold it; r0's pile is another tenant's now (one chunk) against r1's decode row
+    assert pool.pick(None, tokens=tokens) is r1
+    r1.load.lease(300, "t")
+    assert pool.pick(None, tokens=tokens) is r0
+
+
+def test_a_request_sharing_blocks_another_is_computing_follows_it() -> None:
+    """A tenant's second question sent while its first still prefills the system prompt on
+    that replica follows the first (the engine would compute the blocks again side by side);
+    once the engine stores them, nobody follows."""
+    pool, (r0, _), engines, index = two_replicas()
+    system = list(range(2000, 2400))  # 100 blocks
+    first = RouteTokens([*system, 1, 2, 3, 4], cache_salt="t", tenant="t")
+    second = RouteTokens([*system, 5, 6, 7, 8], cache_salt="t", tenant="t")
+    lead = pool.acquire(r0, first)
+    assert lead.follows is None and len(lead.blocks) == 101
+    follow = pool.acquire(r0, second)
+    assert follow.follows is lead and len(follow.blocks) == 1  # its own question's block
+    other_salt = pool.acquire(r0, RouteTokens(second.token_ids, cache_salt="u", tenant="u"))
+    assert other_salt.follows is None  # another tenant's salt: other blocks
+    lead.first_token()
+    engines["r0"].serve(first.token_ids, salt="t")
+    sync(index, engines)
+    third = pool.acquire(r0, RouteTokens([*system, 9, 9, 9, 9], cache_salt="t", tenant="t"))
+    assert third.follows is None and len(third.blocks) == 1
+    for lease in (follow, other_salt, third):
+        lease.release()
+    assert r0.load.computing == {} and r0.outstanding == 1  # the first, decoding
+
+
+def test_the_running_batch_and_the_engines_queue_weigh_between_two_holders() -> None:
+    pool, (r0, r1), engines, index = two_replicas(("r0", LONG, None), ("r1", LONG, None))
+    tokens = RouteTokens(LONG, tenant="t")
+    for _ in range(6):
+        r0.load.lease(0, "x").first_token()
+    for _ in range(2):
+        r1.load.lease(0, "x").first_token()
+    assert pool.pick(None, tokens=tokens) is r1  # fewer decode rows in every step
+    engines["r1"].num_running = 20  # the engine runs more than ours (another gateway's)
+    sync(index, engines)
+    assert pool.pick(None, tokens=tokens) is r0
+    engines["r0"].num_waiting = 30  # and queues prompts beyond ours: ahead of this one
+    sync(index, engines)
+    assert pool.pick(None, tokens=tokens) is r1
+
+
+def test_the_tenants_fair_share_decides_between_two_holders() -> None:
+    """Equal pending prefill on both: where it is another tenant's, this tenant is lifted past
+    most of it; where it is its own, it waits for all of it. (Queue x average cost, the
+    previous scorer, saw the two as equal.)"""
+    pool, (r0, r1), _, _ = two_replicas(("r0", LONG, "t"), ("r1", LONG, "t"))
+    tokens = RouteTokens(LONG, cache_salt="t", tenant="t")
+    r0.load.lease(600, "t")
+    r1.load.lease(600, "u")
+    assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r1"}  # type: ignore[union-attr]
+    other = RouteTokens(LONG, cache_salt="t", tenant="u")  # the other way round for tenant u
+    assert {pool.pick(None, tokens=other).name for _ in range(4)} == {"r0"}  # type: ignore[union-attr]
+
+
+def test_an_adapters_prefix_is_hashed_per_replica_and_a_resident_adapter_is_preferred() -> None:
+    """Each engine numbers its adapters itself and the number is inside the block hash: the
+    index matches an adapter's prompt with each replica's own number; between two holders
+    the one with the adapter in a slot wins."""
+    index = PrefixIndex()
+    engines = {"r0": Engine(num_blocks=256), "r1": Engine(num_blocks=256, epoch_seed=b"e")}
+    engines["r0"].lora_adapters = {"acme-sql": 1}
+    engines["r1"].lora_adapters = {"other": 1, "acme-sql": 2}
+    for engine in engines.values():
+        engine.serve(LONG, salt="t", adapter="acme-sql")
+    sync(index, engines)
+    replicas = [Replica(name, httpx.AsyncClient(), up=True) for name in engines]
     pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
-    tokens = RouteTokens(LONG)
+    tokens = RouteTokens(LONG, cache_salt="t", tenant="t", model="acme-sql")
+    assert index.cached_tokens("r0", tokens) == index.cached_tokens("r1", tokens) == 400
+    base = RouteTokens(LONG, cache_salt="t", tenant="t", model="m")  # the base model's blocks
+    assert index.cached_tokens("r0", base) == index.cached_tokens("r1", base) == 0
+    engines["r1"].lora_resident = ["acme-sql"]
+    sync(index, engines)
+    assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r1"}  # type: ignore[union-attr]
+    engines["r0"].lora_resident = ["acme-sql"]
+    engines["r1"].lora_resident = ["other"]
+    sync(index, engines)
     assert {pool.pick(None, tokens=tokens).name for _ in range(4)} == {"r0"}  # type: ignore[union-attr]
-    # far past least_loaded's slack of 2: 10 queued (cached) requests cost 10 x 16 < 400
-    replicas[0].outstanding = 10
-    assert pool.pick(None, tokens=tokens) is replicas[0]
-    # other gateways' requests queued there too (the engine's waiting queue): 30 x 16 > 400
-    holder.num_waiting = 30
-    assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
-    assert pool.pick(None, tokens=tokens) is replicas[1]
-    # that request's blocks count as cached on r1 now (routed, unconfirmed), so r1 holds the
-    # prefix too: with one cold request queued there (costed 401) it still weighs less
-    replicas[1].outstanding = 1
-    assert pool.pick(None, tokens=tokens) is replicas[1]
-    # a holder whose KV cache is nearly full gets no prefix credit: the lighter queue wins
-    holder.num_waiting, holder.kv_usage = 0, 0.97
-    assert index.apply_events("r0", holder.events(index.entries["r0"].next_seq))
-    assert pool.pick(None, tokens=tokens) is replicas[1]
+
+
+def test_a_nearly_full_cache_gets_no_prefix_credit() -> None:
+    pool, (r0, r1), engines, index = two_replicas(("r0", LONG, None))
+    tokens = RouteTokens(LONG)
+    assert pool.pick(None, tokens=tokens) is r0
+    engines["r0"].kv_usage = 0.97  # about to evict, and a new request may preempt one there
+    sync(index, engines)
+    r0.load.lease(0, "x").first_token()  # then the lighter replica wins
+    assert pool.pick(None, tokens=tokens) is r1
 
 
 def test_equal_work_spreads_evenly() -> None:
@@ -202,9 +335,15 @@ def test_equal_work_spreads_evenly() -> None:
         index.apply_snapshot(name, Engine(epoch_seed=seed).snapshot())
     replicas = [Replica(f"r{i}", httpx.AsyncClient(), up=True) for i in range(2)]
     pool = Pool("m", replicas, replica_policy="prefix_aware", index=index)
-    cold = [RouteTokens(list(range(700 + 40 * i, 720 + 40 * i))) for i in range(8)]
-    chosen = [pool.pick(None, tokens=t).name for t in cold]  # type: ignore[union-attr]
+    cold = [RouteTokens(list(range(700 + 40 * i, 720 + 40 * i)), tenant=f"t{i}") for i in range(8)]
+    chosen = []
+    for tokens in cold:  # eight tenants' first prompts, all still prefilling
+        replica = pool.pick(None, tokens=tokens)
+        assert replica is not None
+        pool.acquire(replica, tokens)
+        chosen.append(replica.name)
     assert chosen.count("r0") == chosen.count("r1") == 4
+    assert replicas[0].load.pending_prefill == replicas[1].load.pending_prefill == 80
 
 
 def test_a_routed_prompt_counts_as_cached_until_confirmed_or_expired() -> None:
@@ -219,6 +358,8 @@ def test_a_routed_prompt_counts_as_cached_until_confirmed_or_expired() -> None:
     tokens = RouteTokens(PROMPT, cache_salt="t")
     first = pool.pick(None, tokens=tokens)
     assert first is not None
+    assert index.cached_tokens(first.name, tokens) == 0  # a pick alone commits nothing
+    pool.acquire(first, tokens)
     assert index.cached_tokens(first.name, tokens) == 20  # not stored yet: routed
     assert all(pool.pick(None, tokens=tokens) is first for _ in range(3))
     other = next(r for r in replicas if r is not first)
@@ -234,7 +375,9 @@ def test_a_routed_prompt_counts_as_cached_until_confirmed_or_expired() -> None:
     # a routed prompt the engine never stored stops counting after its TTL
     lost = RouteTokens(list(range(300, 320)))
     chosen = pool.pick(None, tokens=lost)
-    assert chosen is not None and index.cached_tokens(chosen.name, lost) == 20
+    assert chosen is not None
+    pool.acquire(chosen, lost)
+    assert index.cached_tokens(chosen.name, lost) == 20
     clock.now += 11.0
     for name, engine in engines.items():
         assert index.apply_events(name, engine.events(index.entries[name].next_seq))
@@ -428,3 +571,168 @@ async def test_feeder_retries_a_closed_connection_and_marks_only_failing_replica
     await feeder.poll_once()
     assert index.cached_tokens("ok", RouteTokens(PROMPT)) == 20
     assert index.cached_tokens("down", RouteTokens(PROMPT)) is None
+
+
+async def test_a_request_through_the_proxy_holds_its_prefill_until_its_first_token(
+    tiny_llama_dir: Path,
+) -> None:
+    """LocalUpstream with a real engine: a stream is charged its uncached prompt (per tenant)
+    from the send until its first token, then counts as one decode row until closed; a
+    non-streamed answer and a refused one leave nothing behind either."""
+    import asyncio
+    import json
+
+    from gateway.admission.prompt_tokens import load_tokenizer
+    from gateway.dataplane.fields import parse_fields
+    from gateway.dataplane.proxy import LocalUpstream
+    from gateway.dataplane.replica_load import ReplicaLoad
+    from gateway.dataplane.retry import RetryPolicy
+    from gateway.identity.principal import Limits, Principal
+    from gateway.metrics import GatewayMetrics
+
+    engine = AsyncLLMEngine.from_config(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
+    )
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(
+            app=create_app(engine, ServerSettings(served_model_name="t"))
+        ),
+        base_url="http://engine",
+    )
+    index = PrefixIndex()
+    replica = Replica("r0", client, up=True)
+    pool = Pool("t", [replica], replica_policy="prefix_aware", index=index)
+    upstream = LocalUpstream(pool, RetryPolicy(max_attempts=1), GatewayMetrics())
+    upstream.route_tokenizer = load_tokenizer(str(tiny_llama_dir))
+    principal = Principal(tenant_id="acme", plan="p", limits=Limits(), cache_salt="tenant-acme")
+    text = "the quick brown fox jumps over the lazy dog " * 8
+
+    def request(**extra: Any) -> tuple[bytes, Any]:
+        raw = json.dumps({"model": "t", "prompt": text, "max_tokens": 4, **extra}).encode()
+        fields = parse_fields(raw, "completion")
+        return upstream.payload(raw, fields, "t", principal.cache_salt, None), fields
+
+    await engine.start()
+    try:
+        await PrefixIndexFeeder(index, pool.available_clients).poll_once()
+        payload, fields = request(stream=True)
+        tokens = upstream._route_tokens(fields, principal)
+        assert tokens is not None and tokens.tenant == "acme" and tokens.model == "t"
+        sent = asyncio.create_task(
+            upstream.exchange(
+                "/v1/completions", payload, fields, "rid-1", None, principal=principal
+            )
+        )
+        for _ in range(1000):  # until it is sent: charged before the engine computed anything
+            await asyncio.sleep(0)
+            if replica.outstanding:
+                break
+        assert replica.outstanding == 1
+        n = len(tokens.token_ids)  # nothing cached yet: the whole prompt
+        assert replica.load.pending_prefill == n and replica.load.tenant_prefill == {"acme": n}
+        exchange = await sent
+        assert exchange.status == 200 and exchange.rest is not None and exchange.close
+        # the in-process transport hands the whole stream over at once: its first events
+        # hold the first token, so the request is a decode row now
+        assert (replica.load.pending_prefill, replica.load.num_decoding) == (0, 1)
+        async for _ in exchange.rest:
+            pass
+        await exchange.close()
+        await exchange.close()  # closing twice gives back nothing twice
+        assert replica.load == ReplicaLoad()
+        payload, fields = request()  # not streamed: charged until the answer is read
+        exchange = await upstream.exchange(
+            "/v1/completions", payload, fields, "rid-2", None, principal=principal
+        )
+        assert exchange.status == 200 and replica.load == ReplicaLoad()
+        payload, fields = request(max_tokens=100_000)  # refused by the engine: a 400
+        exchange = await upstream.exchange(
+            "/v1/completions", payload, fields, "rid-3", None, principal=principal
+        )
+        assert exchange.status == 400 and replica.load == ReplicaLoad()
+    finally:
+        await engine.shutdown()
+        await client.aclose()
+
+
+async def test_a_request_sent_while_its_prefix_is_computed_waits_and_hits_the_cache(
+    tiny_llama_dir: Path,
+) -> None:
+    """Two streamed requests sharing a long prefix, the second sent while the first is still
+    being computed: the second follows the first (the proxy holds it until the first's first
+    token) and finds the prefix cached; nothing is left marked as computing. (This tiny engine
+    is quick enough to serve the two one step apart either way; the hold itself is proven in
+    tests/gateway/dataplane/test_replica_load.py.)"""
+    import asyncio
+    import json
+
+    from gateway.admission.prompt_tokens import load_tokenizer
+    from gateway.dataplane.fields import parse_fields
+    from gateway.dataplane.proxy import LocalUpstream
+    from gateway.dataplane.replica_load import Lease
+    from gateway.dataplane.retry import RetryPolicy
+    from gateway.identity.principal import Limits, Principal
+    from gateway.metrics import GatewayMetrics
+
+    engine = AsyncLLMEngine.from_config(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
+    )
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(
+            app=create_app(engine, ServerSettings(served_model_name="t"))
+        ),
+        base_url="http://engine",
+    )
+    index = PrefixIndex()
+    replica = Replica("r0", client, up=True)
+    pool = Pool("t", [replica], replica_policy="prefix_aware", index=index)
+    upstream = LocalUpstream(pool, RetryPolicy(max_attempts=1), GatewayMetrics())
+    upstream.route_tokenizer = load_tokenizer(str(tiny_llama_dir))
+    principal = Principal(tenant_id="acme", plan="p", limits=Limits(), cache_salt="tenant-acme")
+    shared = "the quick brown fox jumps over the lazy dog " * 10
+
+    async def cached_tokens(question: str) -> int:
+        raw = json.dumps(
+            {"model": "t", "prompt": shared + question, "max_tokens": 2, "stream": True}
+        ).encode()
+        fields = parse_fields(raw, "completion")
+        payload = upstream.payload(raw, fields, "t", principal.cache_salt, None)
+        exchange = await upstream.exchange(
+            "/v1/completions", payload, fields, question, None, principal=principal
+        )
+        assert exchange.status == 200 and exchange.rest is not None and exchange.close
+        async for _ in exchange.rest:
+            pass
+        await exchange.close()
+        return exchange.usage.cached_tokens
+
+    leases: list[Lease] = []
+    acquire = pool.acquire
+
+    def recording_acquire(replica: Replica, tokens: RouteTokens | None = None) -> Lease:
+        leases.append(acquire(replica, tokens))
+        return leases[-1]
+
+    pool.acquire = recording_acquire  # type: ignore[method-assign]
+    await engine.start()
+    try:
+        await PrefixIndexFeeder(index, pool.available_clients).poll_once()
+        first = asyncio.create_task(cached_tokens("one?"))
+        for _ in range(1000):  # until the first is sent
+            await asyncio.sleep(0)
+            if replica.outstanding:
+                break
+        second = asyncio.create_task(cached_tokens("two?"))
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if replica.outstanding == 2:
+                break
+        assert replica.outstanding == 2
+        lead, follower = leases
+        assert lead.follows is None and follower.follows is lead and lead.streamed
+        assert await first == 0
+        assert await second >= 64  # the shared prefix's whole blocks
+        assert lead.prefilled and replica.load.computing == {}
+    finally:
+        await engine.shutdown()
+        await client.aclose()
