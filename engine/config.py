@@ -110,6 +110,9 @@ class EngineConfig:
     # run in a step without the other flows' prefill (0: off), so a newcomer's first token
     # costs a short step, not a full one (FairPolicy.short_step).
     fair_short_prefill_tokens: int = 256
+    # fair: while interactive requests have been around within the contention window, batch
+    # requests take at most this many prefill tokens a step (0: no limit): batches in the gaps.
+    fair_batch_prefill_tokens: int = 64
     # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
@@ -162,6 +165,7 @@ class EngineConfig:
         _check_int("--fair-contended-prefill-tokens", self.fair_contended_prefill_tokens, 0)
         _check_number("--fair-contention-window-s", self.fair_contention_window_s, 0.0, math.inf)
         _check_int("--fair-short-prefill-tokens", self.fair_short_prefill_tokens, 0)
+        _check_int("--fair-batch-prefill-tokens", self.fair_batch_prefill_tokens, 0)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -312,9 +316,14 @@ class EngineConfig:
                        "tenants had work")  # fmt: skip
         g.add_argument("--fair-short-prefill-tokens", type=int,
                        default=d.fair_short_prefill_tokens,
-                       help="fair: a prompt of a tenant served no more than the others, with "
-                       "at most this many tokens left, runs in a step without the others' "
-                       "prefill chunks (0: off)")  # fmt: skip
+                       help="fair: the least-served tenants' prompts, when they need at most "
+                       "this many tokens in all, run in a step without the others' prefill "
+                       "(0: off)")  # fmt: skip
+        g.add_argument("--fair-batch-prefill-tokens", type=int,
+                       default=d.fair_batch_prefill_tokens,
+                       help="fair: while interactive requests have had work within the "
+                       "contention window, batch-class requests take at most this many prefill "
+                       "tokens a step (0: no limit)")  # fmt: skip
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
         g.add_argument(

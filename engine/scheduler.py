@@ -69,6 +69,8 @@ class _Step:
     planned: dict[str, tuple[Request, int, bool]] = field(default_factory=dict)
     # (class rank, tenant) flows whose prefills alone run (the policy's short step), or None
     favoured: set[tuple[int, str]] | None = None
+    # prefill tokens batch-class requests may still take this step (None: no limit)
+    batch_left: int | None = None
 
     def sits_out(self, req: Request) -> bool:
         """Is ``req``'s prefill kept out of this step (another flow's short step)?"""
@@ -139,6 +141,7 @@ class Scheduler:
             contended_prefill_tokens=config.fair_contended_prefill_tokens,
             contention_window_s=config.fair_contention_window_s,
             short_prefill_tokens=config.fair_short_prefill_tokens,
+            batch_prefill_tokens=config.fair_batch_prefill_tokens,
         )
         # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []
@@ -203,6 +206,8 @@ class Scheduler:
         step.budget = self.policy.step_budget(step.budget, num_pending_decodes, self.running)
         can_admit = len(self.running) < self.config.max_num_seqs
         step.favoured = self.policy.short_step(self.running, can_admit=can_admit)
+        if self.config.enable_chunked_prefill:  # whole prompts could never fit a small cap
+            step.batch_left = self.policy.batch_prefill_budget(self.running)
         for req in list(self.running):  # a copy: a preemption takes requests out of running
             if step.budget <= 0:
                 break
@@ -225,6 +230,8 @@ class Scheduler:
                 # at least one token for this prefill: what is reserved may find no blocks
                 reserve = max(0, min(reserve, step.budget - num_pending_decodes - 1))
                 num_new = min(remaining, step.budget - num_pending_decodes - reserve)
+                if step.batch_left is not None and req.tenant.class_rank:
+                    num_new = min(num_new, step.batch_left)
                 if num_new <= 0:
                     continue
             # Guesses get slots only if they fit as they are: never preempt for a guess.
@@ -276,15 +283,21 @@ class Scheduler:
                 else:
                     policy.hold_tenant(req.tenant.name)
                 continue
+            budget = step.budget
+            if step.batch_left is not None and req.tenant.class_rank:
+                if step.batch_left <= 0:  # the batch class's share of this step is spent
+                    policy.hold_class(req.tenant.class_rank)
+                    continue
+                budget = min(budget, step.batch_left)
             if req.status == RequestStatus.SWAPPED:
-                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget)
+                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
                 pairs = self.kv.swap_in(req, num_new) if num_new else None
                 if pairs is None:
                     break
                 out.swap_in.extend(pairs)
             else:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-                num_new = self._chunk(req.num_tokens - num_hit_tokens, step.budget)
+                num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
                 if not num_new or self.kv.allocate_slots(req, num_new, hits) is None:
                     break
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
@@ -322,6 +335,8 @@ class Scheduler:
         picks in the same step already see them)."""
         step.planned[req.request_id] = (req, num_new, is_decode)
         step.budget -= num_new
+        if step.batch_left is not None and req.tenant.class_rank and not is_decode:
+            step.batch_left -= num_new
         self.policy.charge(req, num_new)
 
     def _unplan(self, step: _Step, req: Request) -> None:
@@ -329,6 +344,8 @@ class Scheduler:
         entry = step.planned.pop(req.request_id, None)
         if entry is not None:
             step.budget += entry[1]
+            if step.batch_left is not None and req.tenant.class_rank and not entry[2]:
+                step.batch_left += entry[1]
             self.policy.charge(req, -entry[1])
 
     def _num_guesses(self, req: Request, budget: int) -> int:

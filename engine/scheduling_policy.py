@@ -65,6 +65,7 @@ class SchedulingPolicy:
         self._by_age: list[tuple[float, OrderKey, int, Request]] = []
         self._held: list[Request] = []
         self._held_tenants: set[str] = set()
+        self._held_classes: set[int] = set()
         self.num_waiting_by_tenant: dict[str, int] = {}
         self._seq = 0
         self._ticket = 0
@@ -124,8 +125,8 @@ class SchedulingPolicy:
             return aged
         best: tuple[float | int, ...] | None = None
         best_request: Request | None = None
-        for (_, tenant), flow in self._flows.items():
-            if tenant in self._held_tenants:
+        for (class_rank, tenant), flow in self._flows.items():
+            if tenant in self._held_tenants or class_rank in self._held_classes:
                 continue
             head = self._head(flow)
             key = self.flow_key(flow, head[0])
@@ -148,7 +149,9 @@ class SchedulingPolicy:
         if not by_age or self.clock() - by_age[0][0] < self.max_wait_s:
             return None
         request = by_age[0][3]
-        return None if request.tenant.name in self._held_tenants else request
+        if request.tenant.name in self._held_tenants:
+            return None
+        return None if request.tenant.class_rank in self._held_classes else request
 
     def pop(self, request: Request) -> None:
         """Take a waiting request out (admitted, or finished while waiting). O(1): lazy."""
@@ -192,11 +195,16 @@ class SchedulingPolicy:
         """Skip every request of ``tenant`` until :meth:`release_holds`."""
         self._held_tenants.add(tenant)
 
+    def hold_class(self, class_rank: int) -> None:
+        """Skip every request of that priority class until :meth:`release_holds`."""
+        self._held_classes.add(class_rank)
+
     def release_holds(self) -> None:
         for request in self._held:
             self._enqueue(request, self._wait_since[request.request_id], notify=False)
         self._held.clear()
         self._held_tenants.clear()
+        self._held_classes.clear()
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._held)
@@ -237,6 +245,11 @@ class SchedulingPolicy:
         prefill sitting it out; None: no such step. fcfs and priority: never."""
         return None
 
+    def batch_prefill_budget(self, running: Sequence[Request]) -> int | None:
+        """The most prefill tokens ``batch``-class requests may take this step; None: no
+        limit. fcfs and priority: none."""
+        return None
+
 
 class PriorityPolicy(SchedulingPolicy):
     """``interactive`` before ``batch``, then vLLM's ``priority`` (lower first), then arrival."""
@@ -264,6 +277,7 @@ class FairPolicy(PriorityPolicy):
         contended_prefill_tokens: int = 0,
         contention_window_s: float = 0.0,
         short_prefill_tokens: int = 0,
+        batch_prefill_tokens: int = 0,
     ) -> None:
         super().__init__(clock, max_wait_s)
         self.counters: dict[str, float] = {}
@@ -271,7 +285,9 @@ class FairPolicy(PriorityPolicy):
         self.contended_prefill_tokens = contended_prefill_tokens
         self.contention_window_s = contention_window_s
         self.short_prefill_tokens = short_prefill_tokens
+        self.batch_prefill_tokens = batch_prefill_tokens
         self._contended_until = -math.inf
+        self._interactive_until = -math.inf
 
     def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
         """While two or more tenants have had work (running or waiting) within the last
@@ -289,6 +305,23 @@ class FairPolicy(PriorityPolicy):
         if now > self._contended_until:
             return budget
         return min(budget, num_decodes + self.contended_prefill_tokens)
+
+    def batch_prefill_budget(self, running: Sequence[Request]) -> int | None:
+        """While an ``interactive`` request has been running or waiting within the last
+        ``contention_window_s``, ``batch`` requests take at most ``batch_prefill_tokens``
+        prefill tokens a step (0: no limit). Why: the class order already admits interactive
+        requests first, but the step in flight when one arrives cannot be cut short, and
+        batch lines' prompts filling it make the interactive request wait it out. Keeping
+        the batch's share of a step small while interactive traffic is around runs the batch
+        in the gaps; alone, it gets the whole budget back once the window has passed."""
+        if not self.batch_prefill_tokens:
+            return None
+        now = self.clock()
+        if any(rank == 0 for rank, _ in self._flows) or any(
+            r.tenant.class_rank == 0 for r in running
+        ):
+            self._interactive_until = now + self.contention_window_s
+        return self.batch_prefill_tokens if now <= self._interactive_until else None
 
     def _num_active_tenants(self, running: Sequence[Request]) -> int:
         """How many tenants have running or waiting requests (counting stops at 2)."""
@@ -416,11 +449,13 @@ def make_policy(
     contended_prefill_tokens: int = 0,
     contention_window_s: float = 0.0,
     short_prefill_tokens: int = 0,
+    batch_prefill_tokens: int = 0,
 ) -> SchedulingPolicy:
     """The policy ``--scheduling-policy`` names. Under fair, ``max_wait_s`` bounds waiting,
     ``contended_prefill_tokens`` (0: off) caps a step's prefill while tenants contend, and
     a less-served tenant's prompt of at most ``short_prefill_tokens`` runs in a step without
-    the others' prefill chunks (0: off)."""
+    the others' prefill chunks (0: off), and ``batch`` requests take at most
+    ``batch_prefill_tokens`` of a step while interactive ones are around (0: off)."""
     if name not in POLICIES:
         raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {name!r}")
     if name != "fair":
@@ -432,4 +467,5 @@ def make_policy(
         contended_prefill_tokens=contended_prefill_tokens,
         contention_window_s=contention_window_s,
         short_prefill_tokens=short_prefill_tokens,
+        batch_prefill_tokens=batch_prefill_tokens,
     )

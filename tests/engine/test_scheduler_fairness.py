@@ -322,6 +322,51 @@ def test_steps_are_capped_while_tenants_contend_and_not_after_the_window() -> No
     assert out.num_scheduled_tokens == 64
 
 
+def batch_prefill_per_step(policy: str) -> tuple[list[int], int]:
+    """A batch tenant's long prompts next to an interactive tenant's short requests: the batch
+    class's prefill tokens in each step while the chats run, then (the window passed, no chat
+    left) in one step alone."""
+    clock = FakeClock()
+    sched, model = make(
+        policy,
+        clock=clock,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        fair_contended_prefill_tokens=0,
+        fair_short_prefill_tokens=0,
+        fair_batch_prefill_tokens=12,
+        fair_contention_window_s=5.0,
+    )
+    bulk = [
+        submit(sched, TenantTag("bulk", priority_class="batch"), prompt_len=200, max_tokens=2)
+        for _ in range(3)
+    ]
+    chats = [submit(sched, TenantTag("chat"), prompt_len=8, max_tokens=6) for _ in range(2)]
+    shares = []
+    while not all(c.is_finished for c in chats):
+        out, _ = step(sched, model)
+        shares.append(sum(n for r, n in out.scheduled if r.tenant.priority_class == "batch"))
+    for c in chats:
+        assert c.output_token_ids == reference_output(c.prompt_token_ids, 6)
+    clock.now += 6.0  # past the window; only the batch is left
+    out, _ = step(sched, model)
+    alone = sum(n for _, n in out.scheduled)
+    run_to_the_end(sched, model)
+    for r in bulk:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, 2)
+    assert_no_leaks(sched)
+    return shares, alone
+
+
+def test_batch_prefill_is_kept_small_while_interactive_requests_run() -> None:
+    shares, alone = batch_prefill_per_step("fair")
+    assert max(shares) <= 12 and sum(shares) > 0  # capped, never stalled
+    assert alone == 64  # alone again after the window: the whole budget
+    # priority has the class order but no cap: the batch fills what the chats leave
+    shares, alone = batch_prefill_per_step("priority")
+    assert max(shares) > 12 and alone == 64
+
+
 def test_fcfs_never_caps_a_step() -> None:
     sched, model = make(
         "fcfs", max_num_seqs=8, max_num_batched_tokens=64, fair_contended_prefill_tokens=16
@@ -506,6 +551,7 @@ def test_random_multi_tenant_traffic_completes_correctly_without_leaks(
         fair_max_wait_s=data.draw(st.sampled_from([3.0, 30.0])),
         fair_contended_prefill_tokens=data.draw(st.sampled_from([0, 1, 5, 256])),
         fair_short_prefill_tokens=data.draw(st.sampled_from([0, 1, 8, 256])),
+        fair_batch_prefill_tokens=data.draw(st.sampled_from([0, 1, 4, 64])),
         fair_contention_window_s=data.draw(st.sampled_from([0.0, 4.0])),
         num_gpu_blocks_override=num_blocks,
         block_size=4,
@@ -611,6 +657,7 @@ def test_a_prefills_reserve_never_takes_a_running_decodes_token() -> None:
             max_num_seqs=rng.randint(2, 6),
             fair_contended_prefill_tokens=rng.choice([0, 1, 3]),
             fair_short_prefill_tokens=rng.choice([0, 2, 256]),
+            fair_batch_prefill_tokens=rng.choice([0, 1, 64]),
         )
         for _ in range(40):
             if rng.random() < 0.5:

@@ -428,3 +428,8 @@ def test_the_engine_flag_sets_the_short_prefill_limit() -> None:
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="--fair-short-prefill-tokens"):
             EngineConfig(fair_short_prefill_tokens=bad)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).fair_batch_prefill_tokens == 64
+    args = parser.parse_args(["--fair-batch-prefill-tokens", "0"])
+    assert EngineConfig.from_cli_args(args).fair_batch_prefill_tokens == 0
+    with pytest.raises(ValueError, match="--fair-batch-prefill-tokens"):
+        EngineConfig(fair_batch_prefill_tokens=-3)
