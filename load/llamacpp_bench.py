@@ -7,7 +7,8 @@ synthetic workload (token-id prompts, forced output lengths, greedy) to each at 
 concurrency: the numbers a client sees, from the HTTP request to the last SSE chunk.
 
 * Portico tuned: ``portico engine`` with ``make bench``'s flags (``--dtype bfloat16``, so
-  ``--gguf-activations int8``, or what ``--portico-flags`` adds) and ``GOMP_SPINCOUNT=30000``;
+  ``--gguf-activations int8``, or what ``--portico-flags`` adds) and ``GOMP_SPINCOUNT=30000``
+  pinned (the CLI's default since issue 35, given explicitly);
 * Portico defaults (``--portico-defaults``): ``portico engine --model smollm2-135m`` with no
   other flag and the environment ``portico serve`` gives its engines (``make run``'s numbers);
 * llama.cpp: ``llama-server -m FILE -t THREADS -np SLOTS -c CONTEXT*SLOTS``, once per slot
@@ -58,8 +59,8 @@ def llama_command(binary: str, model: Path, port: int, slots: str, threads: int,
 
 def defaults_engine_command(port: int) -> tuple[list[str], dict[str, str]]:
     """``portico engine`` as ``make run`` starts it: the model and its served name, no other
-    flag, and the environment ``portico serve`` passes on (no OpenMP tuning of ours: the CLI
-    then waits passively, its default for engines beside a gateway)."""
+    flag, and none of the caller's OpenMP settings, so the CLI's own default applies
+    (``portico.cli.openmp_defaults``), as it does for the engines of ``portico serve``."""
     cmd = [sys.executable, "-m", "portico.cli", "engine", "--model", DEFAULT_MODEL,
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
            "--port", str(port)]  # fmt: skip

@@ -11,7 +11,8 @@ import argparse
 import importlib
 import os
 import sys
-from types import ModuleType
+from collections.abc import Mapping
+from types import MappingProxyType, ModuleType
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -56,14 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# OpenMP's waiting for everything `portico` starts (engines inherit it from `portico serve`): a
+# bounded spin (~30,000 polls, then sleep) between parallel regions. Measured one variable at a
+# time against OMP_WAIT_POLICY=PASSIVE, the earlier default (docs/engine-benchmark.md, "OpenMP
+# waiting"): as fast or faster with the other core idle and with it busy; the fused decode step
+# sleeps on its own futex barrier, so spinning no longer starves a descheduled peer there.
+OPENMP_DEFAULTS: Mapping[str, str] = MappingProxyType({"GOMP_SPINCOUNT": "30000"})
+OPENMP_USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What ``portico`` adds to ``environ``: :data:`OPENMP_DEFAULTS`, or nothing when the user
+    chose OpenMP's waiting (either of :data:`OPENMP_USER_SETTINGS` set, to any value)."""
+    if any(name in environ for name in OPENMP_USER_SETTINGS):
+        return {}
+    return dict(OPENMP_DEFAULTS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Before anything imports torch: OpenMP's default spin-waiting makes every op of a small
-    # model up to 15x slower when the cores are shared (engines beside a gateway, tests,
-    # benchmarks), so the default here is passive waiting. An engine with cores of its own
-    # decodes small batches up to ~1.8x faster with a bounded spin (GOMP_SPINCOUNT=30000,
-    # docs/engine-benchmark.md). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    # Before anything imports torch (OpenMP reads its settings once, when it loads).
+    os.environ.update(openmp_defaults(os.environ))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
