@@ -57,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# OpenMP's waiting for everything `portico` starts (engines inherit it from `portico serve`): a
-# bounded spin (~30,000 polls, then sleep) between parallel regions. Measured one variable at a
-# time against OMP_WAIT_POLICY=PASSIVE, the earlier default (docs/engine-benchmark.md, "OpenMP
-# waiting"): as fast or faster with the other core idle and with it busy; the fused decode step
-# sleeps on its own futex barrier, so spinning no longer starves a descheduled peer there.
-OPENMP_DEFAULTS: Mapping[str, str] = MappingProxyType({"GOMP_SPINCOUNT": "30000"})
+# OpenMP's waiting for everything `portico` starts (engines inherit it from `portico serve`):
+# passive, so a thread that finished its share sleeps instead of spinning. Measured one variable
+# at a time against a bounded spin (GOMP_SPINCOUNT=30000, the tuned benchmarks' setting;
+# docs/engine-benchmark.md, "OpenMP waiting"): served one stream and 16 streams decode at the
+# same speed (the fused step sleeps on its own barrier), while 64-row steps ran 4-10x slower
+# with the spin whenever other work held a core. Engines with cores to themselves may set
+# GOMP_SPINCOUNT=30000 (up to ~1.3x at 64 rows on a quiet machine).
+OPENMP_DEFAULTS: Mapping[str, str] = MappingProxyType({"OMP_WAIT_POLICY": "PASSIVE"})
 OPENMP_USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 

@@ -80,8 +80,8 @@ def test_redis_fixture_is_a_real_server_with_lua(redis_url: str) -> None:
 @pytest.mark.parametrize(
     ("user_env", "spin_count"),
     [
-        ({}, "30000"),  # nothing chosen: portico's bounded spin
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, "0"),  # the user's choice wins
+        ({}, "0"),  # nothing chosen: portico's passive waiting (no spin)
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),  # the user's choice wins
         ({"GOMP_SPINCOUNT": "5"}, "5"),
     ],
 )
@@ -102,6 +102,6 @@ def test_the_openmp_runtime_an_engine_loads_waits_as_portico_defaults_unless_the
 
 
 def test_openmp_defaults_add_nothing_to_an_environment_that_chose_its_waiting() -> None:
-    assert cli.openmp_defaults({"PATH": "/bin"}) == {"GOMP_SPINCOUNT": "30000"}
+    assert cli.openmp_defaults({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     for name in cli.OPENMP_USER_SETTINGS:
         assert cli.openmp_defaults({name: "anything"}) == {}

@@ -14,8 +14,6 @@ from engine.server.cli import add_arguments
 from gateway.config import GatewayConfig
 from gateway.lifecycle import _engine_command
 from load.llamacpp_bench import defaults_engine_command, llama_command
-from load.standard import ENGINE_ENV
-from portico.cli import openmp_defaults
 
 
 def _engine_config(argv: list[str]) -> EngineConfig:
@@ -46,10 +44,3 @@ def test_llama_server_default_slots_pass_no_threads_slots_or_context() -> None:
     assert not {"-t", "-np", "-c"} & set(default) and default[1:3] == ["-m", str(model)]
     tuned = llama_command("llama-server", model, 9000, "16", 2, 1024)
     assert tuned[-6:] == ["-t", "2", "-np", "16", "-c", str(16 * 1024)]
-
-
-def test_the_defaults_engine_gets_the_openmp_waiting_the_tuned_engine_pins() -> None:
-    """The benchmark's tuned environment is no tuning any more: the CLI gives an engine
-    started with none of the caller's OpenMP settings exactly what the tuned rows pin."""
-    _, env = defaults_engine_command(8123)
-    assert env | openmp_defaults(env) == env | ENGINE_ENV
