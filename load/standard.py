@@ -154,8 +154,8 @@ def run_section(name: str, command: str, body: Callable[[], dict[str, Any]]) -> 
 
 # Engines measured here have the machine's cores to themselves, as in a deployment that gives
 # them their own: OpenMP threads spin briefly between ops (bounded, ~1 ms) instead of sleeping.
-# `portico` waits passively by default (portico.cli.OPENMP_DEFAULTS), which measured the same
-# speed for one and 16 streams and does not collapse when other work holds a core.
+# `portico` waits passively by default (portico.cli.OPENMP_DEFAULTS): up to ~15% slower for one
+# and 16 streams on a quiet machine, but no collapse when other work holds a core.
 ENGINE_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 

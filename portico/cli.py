@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 # OpenMP's waiting for everything `portico` starts (engines inherit it from `portico serve`):
 # passive, so a thread that finished its share sleeps instead of spinning. Measured one variable
 # at a time against a bounded spin (GOMP_SPINCOUNT=30000, the tuned benchmarks' setting;
-# docs/engine-benchmark.md, "OpenMP waiting"): served one stream and 16 streams decode at the
-# same speed (the fused step sleeps on its own barrier), while 64-row steps ran 4-10x slower
-# with the spin whenever other work held a core. Engines with cores to themselves may set
-# GOMP_SPINCOUNT=30000 (up to ~1.3x at 64 rows on a quiet machine).
+# docs/engine-benchmark.md, "OpenMP waiting"): served one and 16 streams decoded alike at load
+# 3 and 10-14% slower than with the spin when quieter (the fused step sleeps on its own
+# barrier either way), while 64-row steps ran 4-10x slower with the spin whenever other work
+# held a core. Engines with cores to themselves may set GOMP_SPINCOUNT=30000.
 OPENMP_DEFAULTS: Mapping[str, str] = MappingProxyType({"OMP_WAIT_POLICY": "PASSIVE"})
 OPENMP_USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
