@@ -7,7 +7,8 @@ synthetic workload (token-id prompts, forced output lengths, greedy) to each at 
 concurrency: the numbers a client sees, from the HTTP request to the last SSE chunk.
 
 * Portico tuned: ``portico engine`` with ``make bench``'s flags (``--dtype bfloat16``, so
-  ``--gguf-activations int8``, or what ``--portico-flags`` adds) and ``GOMP_SPINCOUNT=30000``;
+  ``--gguf-activations int8``, or what ``--portico-flags`` adds) and ``GOMP_SPINCOUNT=30000``
+  (a bounded spin for engines with cores of their own; the CLI's default is passive waiting);
 * Portico defaults (``--portico-defaults``): ``portico engine --model smollm2-135m`` with no
   other flag and the environment ``portico serve`` gives its engines (``make run``'s numbers);
 * llama.cpp: ``llama-server -m FILE -t THREADS -np SLOTS -c CONTEXT*SLOTS``, once per slot
@@ -58,8 +59,8 @@ def llama_command(binary: str, model: Path, port: int, slots: str, threads: int,
 
 def defaults_engine_command(port: int) -> tuple[list[str], dict[str, str]]:
     """``portico engine`` as ``make run`` starts it: the model and its served name, no other
-    flag, and the environment ``portico serve`` passes on (no OpenMP tuning of ours: the CLI
-    then waits passively, its default for engines beside a gateway)."""
+    flag, and none of the caller's OpenMP settings, so the CLI's own default applies
+    (``portico.cli.openmp_defaults``), as it does for the engines of ``portico serve``."""
     cmd = [sys.executable, "-m", "portico.cli", "engine", "--model", DEFAULT_MODEL,
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
            "--port", str(port)]  # fmt: skip
@@ -140,13 +141,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return workload[: max(count, concurrency)]
 
     rows: list[dict[str, Any]] = []
+    info = vars(args) | {"model": str(model)}
+
+    def add(row: dict[str, Any]) -> None:
+        # Each row is kept as it comes: a run stopped midway (a starving server) keeps the
+        # systems it measured.
+        rows.append(row)
+        write_report(args.out, {"rows": rows, "workload": info, "partial": True})
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
     if args.portico_defaults:
         with defaults_engine(args.timeout) as base_url:
             numerics = _numerics(base_url)
             warm_up(base_url)
             for c in concurrencies:
                 summary, _ = serve(base_url, requests_for(c), c)
-                rows.append(_row("portico defaults", c, summary, flags="", numerics=numerics))
+                add(_row("portico defaults", c, summary, flags="", numerics=numerics))
     for flags in args.portico_flags.split(";"):
         extra = flags.split()
         system = "portico" if not extra else f"portico {' '.join(extra)}"
@@ -156,8 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm_up(base_url)
             for c in concurrencies:
                 summary, _ = serve(base_url, requests_for(c), c)
-                rows.append(_row(system, c, summary, flags=tuned, env=ENGINE_ENV,
-                                 numerics=numerics))  # fmt: skip
+                add(_row(system, c, summary, flags=tuned, env=ENGINE_ENV, numerics=numerics))
     if args.llama_server:
         for slots in args.llama_slots.split(","):
             with llama_server(
@@ -170,8 +179,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # llama-server dropped reused keep-alive connections mid-run (requests
                     # failed at once): a new connection per request for it.
                     summary, _ = serve(base_url, requests_for(c), c, keepalive=False)
-                    rows.append(_row("llama.cpp", c, summary, slots=slots))
-    return {"rows": rows, "workload": vars(args) | {"model": str(model)}}
+                    add(_row("llama.cpp", c, summary, slots=slots))
+    return {"rows": rows, "workload": info}
+
+
+def write_report(out: str, report: dict[str, Any]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
 
 
 def _numerics(base_url: str) -> Any:
@@ -224,8 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = run(args)
     report["best"] = best_rows(report["rows"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     for row in report["best"]:
         print(json.dumps(row))
     return 0

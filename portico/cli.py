@@ -11,7 +11,8 @@ import argparse
 import importlib
 import os
 import sys
-from types import ModuleType
+from collections.abc import Mapping
+from types import MappingProxyType, ModuleType
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -56,14 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# OpenMP's waiting for everything `portico` starts (engines inherit it from `portico serve`):
+# passive, so a thread that finished its share sleeps instead of spinning. Measured one variable
+# at a time against a bounded spin (GOMP_SPINCOUNT=30000, the tuned benchmarks' setting;
+# docs/engine-benchmark.md, "OpenMP waiting"): served one and 16 streams decoded alike at load
+# 3 and 10-14% slower than with the spin when quieter (the fused step sleeps on its own
+# barrier either way), while 64-row steps ran 4-10x slower with the spin whenever other work
+# held a core. Engines with cores to themselves may set GOMP_SPINCOUNT=30000.
+OPENMP_DEFAULTS: Mapping[str, str] = MappingProxyType({"OMP_WAIT_POLICY": "PASSIVE"})
+OPENMP_USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What ``portico`` adds to ``environ``: :data:`OPENMP_DEFAULTS`, or nothing when the user
+    chose OpenMP's waiting (either of :data:`OPENMP_USER_SETTINGS` set, to any value)."""
+    if any(name in environ for name in OPENMP_USER_SETTINGS):
+        return {}
+    return dict(OPENMP_DEFAULTS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Before anything imports torch: OpenMP's default spin-waiting makes every op of a small
-    # model up to 15x slower when the cores are shared (engines beside a gateway, tests,
-    # benchmarks), so the default here is passive waiting. An engine with cores of its own
-    # decodes small batches up to ~1.8x faster with a bounded spin (GOMP_SPINCOUNT=30000,
-    # docs/engine-benchmark.md). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    # Before anything imports torch (OpenMP reads its settings once, when it loads).
+    os.environ.update(openmp_defaults(os.environ))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

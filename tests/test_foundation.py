@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,33 @@ def test_redis_fixture_is_a_real_server_with_lua(redis_url: str) -> None:
 
     r = redis.Redis.from_url(redis_url)
     assert r.eval("return redis.call('TIME')[1] + 0", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("user_env", "spin_count"),
+    [
+        ({}, "0"),  # nothing chosen: portico's passive waiting (no spin)
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),  # the user's choice wins
+        ({"GOMP_SPINCOUNT": "5"}, "5"),
+    ],
+)
+def test_the_openmp_runtime_an_engine_loads_waits_as_portico_defaults_unless_the_user_chose(
+    user_env: dict[str, str], spin_count: str
+) -> None:
+    """What libgomp itself read at load (OMP_DISPLAY_ENV) under ``portico engine``: the
+    default reaches the runtime, and a user's own setting is not overridden."""
+    env = {k: v for k, v in os.environ.items() if k not in cli.OPENMP_USER_SETTINGS}
+    result = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "engine", "--help"],
+        env=env | user_env | {"OMP_DISPLAY_ENV": "VERBOSE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert f"GOMP_SPINCOUNT = '{spin_count}'" in result.stderr
+
+
+def test_openmp_defaults_add_nothing_to_an_environment_that_chose_its_waiting() -> None:
+    assert cli.openmp_defaults({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for name in cli.OPENMP_USER_SETTINGS:
+        assert cli.openmp_defaults({name: "anything"}) == {}
