@@ -168,6 +168,138 @@ static void scores_i16(const Attn *a, const Item *it, const float *qbuf, float *
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Pass 1 with positions as lanes (VNNI, head_dim a multiple of 64). 16 positions' K rows are
+ * read as 16 x 16 dwords (4 int8 values each) per 64 head dims and transposed (64 shuffles), so
+ * dword j of every lane holds head dims 4j..4j+3 of that lane's position; one vpdpbusd with
+ * query dword j broadcast then adds 4 products to all 16 positions' scores at once, and no
+ * horizontal sum is left at the end. vpdpbusd multiplies unsigned by signed bytes: K is read
+ * as k + 128 (its sign bit flipped) and each query, rounded to int16 (scale max|q| / 32639)
+ * as in scores_i16, is split into two signed bytes, q = 256 hi + lo, so
+ * q.k = 256 (sum (k+128) hi - 128 sum hi) + (sum (k+128) lo - 128 sum lo), exact in int32
+ * (|each part| <= 255 * 128 * head_dim). */
+#define Q_SPLIT_MAX 32639.f /* 127 * 257: hi and lo both fit a signed byte */
+
+typedef struct {
+    int8_t hi[MAX_QUERIES * 256], lo[MAX_QUERIES * 256];
+    int32_t corr_hi[MAX_QUERIES], corr_lo[MAX_QUERIES]; /* 128 * sum of each part */
+    float scale[MAX_QUERIES];
+} SplitQueries;
+
+static void queries_split(const Attn *a, const Item *it, const float *qbuf, SplitQueries *sq) {
+    const int d = a->head_dim;
+    for (int q = 0; q < it->nq; q++) {
+        const float *x = qbuf + (int64_t)q * d;
+        float amax = 0.f;
+        for (int i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float s = amax / Q_SPLIT_MAX;
+        int32_t sum_hi = 0, sum_lo = 0;
+        for (int i = 0; i < d; i++) {
+            const int v = s > 0.f ? (int)nearbyintf(x[i] / s) : 0; /* |v| <= 32639 */
+            const int lo = (int)(int8_t)(uint8_t)(v & 0xff);
+            const int hi = (v - lo) / 256;
+            sq->hi[q * d + i] = (int8_t)hi;
+            sq->lo[q * d + i] = (int8_t)lo;
+            sum_hi += hi;
+            sum_lo += lo;
+        }
+        sq->corr_hi[q] = 128 * sum_hi;
+        sq->corr_lo[q] = 128 * sum_lo;
+        sq->scale[q] = s;
+    }
+}
+
+/* r[0..15]: 16 rows of 16 dwords; t[j]: dword j of each row, lane i from row i. */
+static inline void transpose16x16(const __m512i r[16], __m512i t[16]) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int m = 0; m < 4; m++) { /* b[4m + c], 128-bit lane L: rows 4m..4m+3, dword 4L + c */
+        b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+        b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+        b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+        b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i v1 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i v2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i v3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        t[c] = _mm512_shuffle_i32x4(v0, v2, _MM_SHUFFLE(2, 0, 2, 0));
+        t[8 + c] = _mm512_shuffle_i32x4(v0, v2, _MM_SHUFFLE(3, 1, 3, 1));
+        t[4 + c] = _mm512_shuffle_i32x4(v1, v3, _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+static inline __m512i bcast_dword(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+static void scores_lanes(const Attn *a, const Item *it, const float *qbuf, float *scores) {
+    const int d = a->head_dim;
+    SplitQueries sq;
+    queries_split(a, it, qbuf, &sq);
+    const int8_t *cache = (const int8_t *)a->cache;
+    const int64_t span = it->nkv * int8_row_bytes(d);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc_hi[MAX_QUERIES], acc_lo[MAX_QUERIES];
+    for (int p0 = 0; p0 < it->ctx_end; p0 += 16) {
+        const int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+        int64_t at[16];
+        for (int i = 0, blk = p0 / a->block_size, off = p0 % a->block_size; i < 16; i++) {
+            at[i] = row_at(a, it, blk, off, it->kvh); /* past the end: repeat the last valid row */
+            if (i + 1 < valid && ++off == a->block_size) {
+                off = 0;
+                blk++;
+            }
+        }
+        const int ahead = p0 + 32; /* two groups ahead */
+        if (ahead < it->ctx_end) {
+            const int n = it->ctx_end - ahead < 16 ? it->ctx_end - ahead : 16;
+            const int blk = ahead / a->block_size, off = ahead % a->block_size;
+            prefetch_rows(a, it, 0, blk, off, n, it->kvh, span);
+            if (off + n > a->block_size) prefetch_rows(a, it, 0, blk + 1, 0, off + n - a->block_size, it->kvh, span);
+        }
+        for (int kvl = 0; kvl < it->nkv; kvl++) {
+            const int q0 = kvl * it->per_kv, q1 = q0 + it->per_kv;
+            const int64_t shift = (int64_t)kvl * int8_row_bytes(d);
+            float row_scale[16];
+            for (int i = 0; i < 16; i++) row_scale[i] = int8_row_scale(cache + at[i] + shift, d);
+            for (int c = 0; c < d; c += 64) {
+                __m512i r[16], t[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_xor_si512(_mm512_loadu_si512(cache + at[i] + shift + c), flip);
+                transpose16x16(r, t);
+                for (int q = q0; q < q1; q++) {
+                    const int8_t *hi = sq.hi + q * d + c, *lo = sq.lo + q * d + c;
+                    __m512i h = c ? acc_hi[q] : _mm512_setzero_si512(), l = c ? acc_lo[q] : _mm512_setzero_si512();
+                    for (int j = 0; j < 16; j++) {
+                        h = _mm512_dpbusd_epi32(h, t[j], bcast_dword(hi + 4 * j));
+                        l = _mm512_dpbusd_epi32(l, t[j], bcast_dword(lo + 4 * j));
+                    }
+                    acc_hi[q] = h;
+                    acc_lo[q] = l;
+                }
+            }
+            const __m512 vs = _mm512_mul_ps(_mm512_loadu_ps(row_scale), _mm512_set1_ps(a->scale));
+            for (int q = q0; q < q1; q++) {
+                const __m512i h = _mm512_sub_epi32(acc_hi[q], _mm512_set1_epi32(sq.corr_hi[q]));
+                const __m512i l = _mm512_sub_epi32(acc_lo[q], _mm512_set1_epi32(sq.corr_lo[q]));
+                const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
+                _mm512_mask_storeu_ps(scores + (int64_t)q * a->max_seq + p0, mask,
+                                      _mm512_mul_ps(dots, _mm512_mul_ps(vs, _mm512_set1_ps(sq.scale[q]))));
+            }
+        }
+    }
+}
+#endif
+
 #ifdef __AVX512F__
 /* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+16*DN-1 of KV head kvh (NQ, DN literals at
  * every call: the accumulators stay in registers). */
@@ -384,6 +516,12 @@ void scores_int8(const Attn *a, const Item *it, const float *qbuf, float *scores
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     /* bf16 queries only: their own 8-bit mantissas are coarser than the int16 rounding; float32
      * queries keep float32 products */
+#ifdef __AVX512VNNI__
+    if (a->dt == DT_BF16 && a->head_dim % 64 == 0 && a->head_dim <= 256) {
+        scores_lanes(a, it, qbuf, scores);
+        return;
+    }
+#endif
     if (a->dt == DT_BF16 && a->head_dim % 32 == 0 && a->head_dim <= 256) {
         scores_i16(a, it, qbuf, scores);
         return;
