@@ -9,6 +9,7 @@ robust on a shared, noisy machine where wall times are not.
 
     python -m load.profile_served --concurrency 1 --num-requests 8
     python -m load.profile_served --concurrency 64 --num-requests 128 --raw prof64.txt
+    python -m load.profile_served --concurrency 64 --engine-args="--kv-cache-dtype int8"
 
 Needs py-spy (``pip install py-spy``; the dev extra has it) and the right to attach to a
 child process (ptrace).
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +81,17 @@ def shares(raw_lines: Iterable[str]) -> tuple[dict[str, int], int]:
     return dict(counts.most_common()), sum(counts.values())
 
 
-def profile(concurrency: int, num_requests: int, rate: int, raw_out: Path | None) -> dict[str, Any]:
-    """Serve the workload at ``concurrency`` under py-spy; the shares and the serve summary."""
+def profile(
+    concurrency: int, num_requests: int, rate: int, raw_out: Path | None,
+    engine_args: Sequence[str] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """Serve the workload at ``concurrency`` under py-spy; the shares and the serve summary.
+    ``engine_args``: flags added to the engine's (``--kv-cache-dtype int8``...)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     workload = datasets.synthetic(num_requests, (22, 618), (16, 255), seed=0)
     with (
         tempfile.TemporaryDirectory() as tmp,
-        standard.engine_process(["--enable-prefix-caching"], 600) as (proc, base_url),
+        standard.engine_process(["--enable-prefix-caching", *engine_args], 600) as (proc, base_url),
     ):
         standard.warm_up(base_url)
         raw = Path(tmp) / "raw.txt"
@@ -114,6 +119,7 @@ def profile(concurrency: int, num_requests: int, rate: int, raw_out: Path | None
     return {
         "concurrency": concurrency,
         "num_requests": num_requests,
+        "engine_args": list(engine_args),
         "seconds": round(seconds, 1),
         "cores_busy": round(total / rate / seconds, 2),
         "shares_pct": {k: round(100 * v / total, 1) for k, v in counts.items()},
@@ -129,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--raw", type=Path, help="also keep py-spy's raw stacks here")
+    parser.add_argument("--engine-args", default="", help="flags added to the engine's")
     args = parser.parse_args(argv)
-    print(json.dumps(profile(args.concurrency, args.num_requests, args.rate, args.raw), indent=2))
+    report = profile(
+        args.concurrency, args.num_requests, args.rate, args.raw, args.engine_args.split()
+    )
+    print(json.dumps(report, indent=2))
     return 0
 
 

@@ -88,6 +88,39 @@ def test_paged_attention_reads_an_int8_cache(
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("q_mul", [1.0, 8.0])  # 8: peaked softmax rows
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "shape"),
+    [
+        # contexts past 512 (the weight scale's sum bound), odd lengths, one position
+        (9, 3, 64, 16, [(1, 1100), (1, 901), (1, 2), (1, 1), (1, 555)]),
+        (4, 2, 128, 16, [(1, 300), (3, 77), (1, 1), (1, 33), (1, 64)]),  # two 64-wide chunks
+        (4, 1, 32, 8, [(1, 65), (2, 9), (1, 3), (1, 16)]),  # 32 wide: int16 score pass
+        (9, 3, 64, 1, [(1, 37), (1, 8), (5, 20), (1, 4)]),  # one-token blocks
+    ],
+)
+def test_int8_cache_attention_on_integers_adds_less_than_bf16_rounding(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, shape: list[tuple[int, int]],
+    q_mul: float,
+) -> None:  # fmt: skip
+    """bf16 queries on an int8 cache run both passes on integers (csrc/kv_int8.c: int16
+    queries, int16 softmax weights with the V scales folded in); against the float64 oracle on
+    what the cache holds, each output is off by no more than its own bf16 rounding plus 1e-3."""
+    q, cache, meta, ks, vs, q_lens = paged_case(
+        heads, kv_heads, head_dim, block_size, shape, torch.bfloat16, seed=head_dim + block_size,
+        cache_dtype=torch.int8,
+    )  # fmt: skip
+    q = (q.float() * q_mul).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None and out.dtype == torch.bfloat16
+    expected = attention_oracle(q, ks, vs, q_lens, scale)
+    excess = (out.double() - expected).abs() - expected.abs() * 2.0**-8
+    assert excess.max().item() <= 1e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_of_a_request_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
     """With four or more requests, each decode row takes all its KV heads in one work item

@@ -140,3 +140,30 @@ def test_int8_cache_write_of_a_build_stores_the_reference_bytes(lib) -> None:
     expected = torch.zeros_like(cache)
     write_kv_cache_ref(keys, values, expected, slots)
     assert torch.equal(cache, expected)
+
+
+def test_int8_cache_attention_of_an_avx512_build_without_vnni_matches_the_oracle(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AVX-512 without VNNI: the int8 cache's score pass takes the int16 row path (vpmaddwd)
+    instead of the lanes path (vpdpbusd), and P V sums with vpmaddwd; both still add no more
+    than the bf16 rounding of the output."""
+    if not {"avx512f", "avx512bw"} <= cpu.cpu_features():
+        pytest.skip("this CPU cannot run an AVX-512 build")
+    out_path = tmp_path / "novnni.so"
+    cpu.compile_library(cpu._compiler() or "cc", out_path, extra_flags=["-mno-avx512vnni"])
+    library = cpu.open_library(out_path)
+    monkeypatch.setattr(cpu, "load", lambda: library)
+    assert "avx512_vnni" not in cpu.compiled_features()
+    shape = [(1, 700), (1, 41), (7, 7), (1, 2), (1, 1)]
+    q, cache, meta, ks, vs, q_lens = paged_case(
+        9, 3, 64, 16, shape, torch.bfloat16, seed=5, cache_dtype=torch.int8
+    )
+    scale = 64**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None
+    expected = attention_oracle(q, ks, vs, q_lens, scale)
+    excess = (out.double() - expected).abs() - expected.abs() * 2.0**-8
+    assert excess.max().item() <= 1e-3

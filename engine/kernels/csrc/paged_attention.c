@@ -533,7 +533,7 @@ void attend_item(const Attn *a, const Item *it, Scratch *s) {
         int limit = it->seq_len - it->q_len + it->row0 + q_row(a, it, q) + 1;
         softmax_row(s->scores + (int64_t)q * a->max_seq, limit, it->ctx_end);
     }
-    if (a->kv_int8) pv_int8(a, it, s->scores, s->obuf, s->kv);
+    if (a->kv_int8) pv_int8(a, it, s->scores, s->obuf, s);
     else if (fast) pv_fast(a, it, s->scores, s->obuf);
     else pv_portable(a, it, s->scores, s->obuf, s->kv);
     store_outputs(a, it, s->obuf);
@@ -575,7 +575,8 @@ int scratch_alloc(Scratch *s, int max_seq, int head_dim) {
     s->qbuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)head_dim);
     s->obuf = (float *)malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)head_dim);
     s->kv = (float *)malloc(sizeof(float) * (size_t)head_dim);
-    return s->scores && s->qbuf && s->obuf && s->kv ? 0 : -1;
+    s->vscale = (float *)malloc(sizeof(float) * (size_t)max_seq + sizeof(float));
+    return s->scores && s->qbuf && s->obuf && s->kv && s->vscale ? 0 : -1;
 }
 
 void scratch_free(Scratch *s) {
@@ -583,6 +584,7 @@ void scratch_free(Scratch *s) {
     free(s->qbuf);
     free(s->obuf);
     free(s->kv);
+    free(s->vscale);
 }
 
 static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int64_t work,

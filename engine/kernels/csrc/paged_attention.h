@@ -80,9 +80,9 @@ typedef struct {
     const int32_t *table;
 } Item;
 
-/* Per-thread scratch. */
+/* Per-thread scratch (vscale: one float per context position, kv_int8.c's pass 2). */
 typedef struct {
-    float *scores, *qbuf, *obuf, *kv;
+    float *scores, *qbuf, *obuf, *kv, *vscale;
 } Scratch;
 
 /* Offsets of each request's first work item into item_start[0..num_reqs]; returns the
@@ -95,10 +95,10 @@ int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_
 Item resolve_item(const Attn *a, int r, int64_t local);
 /* Attend one work item: its queries' rows of the output. */
 void attend_item(const Attn *a, const Item *it, Scratch *s);
-/* The two passes over an int8 cache (kv_int8.c): scores of the item's queries, then P V; kv is
- * head_dim floats of scratch. */
+/* The two passes over an int8 cache (kv_int8.c): scores of the item's queries, then P V (which
+ * may overwrite the scores); kv is head_dim floats of scratch. */
 void scores_int8(const Attn *a, const Item *it, const float *qbuf, float *scores, float *kv);
-void pv_int8(const Attn *a, const Item *it, const float *scores, float *obuf, float *kv);
+void pv_int8(const Attn *a, const Item *it, float *scores, float *obuf, Scratch *s);
 /* Per-thread scratch for contexts up to max_seq; 0, or -1 out of memory (free it either way). */
 int scratch_alloc(Scratch *s, int max_seq, int head_dim);
 void scratch_free(Scratch *s);
