@@ -30,6 +30,27 @@ static inline void prefetch_rows(const Attn *a, const Item *it, int64_t half, in
     }
 }
 
+/* The K rows of positions p0..p0+15 (``at``: their offsets; past the end the last valid row
+   repeats) and a prefetch of the group two ahead. Returns how many positions are valid. */
+static inline int key_group(const Attn *a, const Item *it, int p0, int64_t span, int64_t at[16]) {
+    const int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
+    for (int i = 0, blk = p0 / a->block_size, off = p0 % a->block_size; i < 16; i++) {
+        at[i] = row_at(a, it, blk, off, it->kvh);
+        if (i + 1 < valid && ++off == a->block_size) {
+            off = 0;
+            blk++;
+        }
+    }
+    const int ahead = p0 + 32;
+    if (ahead < it->ctx_end) {
+        const int n = it->ctx_end - ahead < 16 ? it->ctx_end - ahead : 16;
+        const int blk = ahead / a->block_size, off = ahead % a->block_size;
+        prefetch_rows(a, it, 0, blk, off, n, it->kvh, span);
+        if (off + n > a->block_size) prefetch_rows(a, it, 0, blk + 1, 0, off + n - a->block_size, it->kvh, span);
+    }
+    return valid;
+}
+
 static void scores_generic(const Attn *a, const Item *it, const float *qbuf, float *scores, float *kv) {
     const int d = a->head_dim;
     const int8_t *cache = (const int8_t *)a->cache;
@@ -124,23 +145,9 @@ static void scores_i16(const Attn *a, const Item *it, const float *qbuf, float *
     const int8_t *cache = (const int8_t *)a->cache;
     const int64_t span = it->nkv * int8_row_bytes(d); /* the item's heads' rows are adjacent */
     for (int p0 = 0; p0 < it->ctx_end; p0 += 16) {
-        const int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
-        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
         int64_t at[16];
-        for (int i = 0, blk = p0 / a->block_size, off = p0 % a->block_size; i < 16; i++) {
-            at[i] = row_at(a, it, blk, off, it->kvh); /* past the end: repeat the last valid row */
-            if (i + 1 < valid && ++off == a->block_size) {
-                off = 0;
-                blk++;
-            }
-        }
-        const int ahead = p0 + 32; /* two groups ahead */
-        if (ahead < it->ctx_end) {
-            const int n = it->ctx_end - ahead < 16 ? it->ctx_end - ahead : 16;
-            const int blk = ahead / a->block_size, off = ahead % a->block_size;
-            prefetch_rows(a, it, 0, blk, off, n, it->kvh, span);
-            if (off + n > a->block_size) prefetch_rows(a, it, 0, blk + 1, 0, off + n - a->block_size, it->kvh, span);
-        }
+        const int valid = key_group(a, it, p0, span, at);
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
         for (int kvl = 0; kvl < it->nkv; kvl++) {
             float row_scale[16];
             for (int i = 0; i < 16; i++) {
@@ -249,23 +256,9 @@ static void scores_lanes(const Attn *a, const Item *it, const float *qbuf, float
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i acc_hi[MAX_QUERIES], acc_lo[MAX_QUERIES];
     for (int p0 = 0; p0 < it->ctx_end; p0 += 16) {
-        const int valid = it->ctx_end - p0 < 16 ? it->ctx_end - p0 : 16;
-        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
         int64_t at[16];
-        for (int i = 0, blk = p0 / a->block_size, off = p0 % a->block_size; i < 16; i++) {
-            at[i] = row_at(a, it, blk, off, it->kvh); /* past the end: repeat the last valid row */
-            if (i + 1 < valid && ++off == a->block_size) {
-                off = 0;
-                blk++;
-            }
-        }
-        const int ahead = p0 + 32; /* two groups ahead */
-        if (ahead < it->ctx_end) {
-            const int n = it->ctx_end - ahead < 16 ? it->ctx_end - ahead : 16;
-            const int blk = ahead / a->block_size, off = ahead % a->block_size;
-            prefetch_rows(a, it, 0, blk, off, n, it->kvh, span);
-            if (off + n > a->block_size) prefetch_rows(a, it, 0, blk + 1, 0, off + n - a->block_size, it->kvh, span);
-        }
+        const int valid = key_group(a, it, p0, span, at);
+        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
         for (int kvl = 0; kvl < it->nkv; kvl++) {
             const int q0 = kvl * it->per_kv, q1 = q0 + it->per_kv;
             const int64_t shift = (int64_t)kvl * int8_row_bytes(d);
