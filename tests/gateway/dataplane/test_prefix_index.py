@@ -573,19 +573,12 @@ async def test_feeder_retries_a_closed_connection_and_marks_only_failing_replica
     assert index.cached_tokens("down", RouteTokens(PROMPT)) is None
 
 
-async def test_a_request_through_the_proxy_holds_its_prefill_until_its_first_token(
-    tiny_llama_dir: Path,
-) -> None:
-    """LocalUpstream with a real engine: a stream is charged its uncached prompt (per tenant)
-    from the send until its first token, then counts as one decode row until closed; a
-    non-streamed answer and a refused one leave nothing behind either."""
-    import asyncio
-    import json
-
+def proxied_tiny_engine(tiny_llama_dir: Path) -> tuple[Any, ...]:
+    """A tiny in-process engine behind a one-replica prefix_aware pool and a LocalUpstream,
+    with a principal of tenant "acme": (engine, client, index, replica, pool, upstream,
+    principal). The caller starts the engine and closes the engine and the client."""
     from gateway.admission.prompt_tokens import load_tokenizer
-    from gateway.dataplane.fields import parse_fields
     from gateway.dataplane.proxy import LocalUpstream
-    from gateway.dataplane.replica_load import ReplicaLoad
     from gateway.dataplane.retry import RetryPolicy
     from gateway.identity.principal import Limits, Principal
     from gateway.metrics import GatewayMetrics
@@ -605,6 +598,22 @@ async def test_a_request_through_the_proxy_holds_its_prefill_until_its_first_tok
     upstream = LocalUpstream(pool, RetryPolicy(max_attempts=1), GatewayMetrics())
     upstream.route_tokenizer = load_tokenizer(str(tiny_llama_dir))
     principal = Principal(tenant_id="acme", plan="p", limits=Limits(), cache_salt="tenant-acme")
+    return engine, client, index, replica, pool, upstream, principal
+
+
+async def test_a_request_through_the_proxy_holds_its_prefill_until_its_first_token(
+    tiny_llama_dir: Path,
+) -> None:
+    """LocalUpstream with a real engine: a stream is charged its uncached prompt (per tenant)
+    from the send until its first token, then counts as one decode row until closed; a
+    non-streamed answer and a refused one leave nothing behind either."""
+    import asyncio
+    import json
+
+    from gateway.dataplane.fields import parse_fields
+    from gateway.dataplane.replica_load import ReplicaLoad
+
+    engine, client, index, replica, pool, upstream, principal = proxied_tiny_engine(tiny_llama_dir)
     text = "the quick brown fox jumps over the lazy dog " * 8
 
     def request(**extra: Any) -> tuple[bytes, Any]:
@@ -666,29 +675,10 @@ async def test_a_request_sent_while_its_prefix_is_computed_waits_and_hits_the_ca
     import asyncio
     import json
 
-    from gateway.admission.prompt_tokens import load_tokenizer
     from gateway.dataplane.fields import parse_fields
-    from gateway.dataplane.proxy import LocalUpstream
     from gateway.dataplane.replica_load import Lease
-    from gateway.dataplane.retry import RetryPolicy
-    from gateway.identity.principal import Limits, Principal
-    from gateway.metrics import GatewayMetrics
 
-    engine = AsyncLLMEngine.from_config(
-        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
-    )
-    client = httpx.AsyncClient(
-        transport=httpx.ASGITransport(
-            app=create_app(engine, ServerSettings(served_model_name="t"))
-        ),
-        base_url="http://engine",
-    )
-    index = PrefixIndex()
-    replica = Replica("r0", client, up=True)
-    pool = Pool("t", [replica], replica_policy="prefix_aware", index=index)
-    upstream = LocalUpstream(pool, RetryPolicy(max_attempts=1), GatewayMetrics())
-    upstream.route_tokenizer = load_tokenizer(str(tiny_llama_dir))
-    principal = Principal(tenant_id="acme", plan="p", limits=Limits(), cache_salt="tenant-acme")
+    engine, client, index, replica, pool, upstream, principal = proxied_tiny_engine(tiny_llama_dir)
     shared = "the quick brown fox jumps over the lazy dog " * 10
 
     async def cached_tokens(question: str) -> int:
