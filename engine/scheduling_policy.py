@@ -374,8 +374,7 @@ class FairPolicy(PriorityPolicy):
         each later running prefill and, if one can be admitted, each waiting flow's head.
         Without it an older tenant's long running prefill takes the whole budget step after
         step and a newly arrived tenant gets the leftovers (a 16-token prompt spread over
-        several steps). One tenant: always 0, so fair plans what fcfs plans.
-        """
+        several steps). One tenant: always 0, so fair plans what fcfs plans."""
         tenant = request.tenant.name
         rank = self._rank(request.tenant.class_rank, tenant)
         need = 0
