@@ -466,6 +466,20 @@ async def test_feeder_leaves_a_replica_without_events_unindexed(answer: int | st
     assert index.entries == {}
 
 
+def tiny_engine_client(tiny_llama_dir: Path) -> tuple[Any, httpx.AsyncClient]:
+    """A tiny in-process engine (not started) and an httpx client on its app, served as "t"."""
+    engine = AsyncLLMEngine.from_config(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
+    )
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(
+            app=create_app(engine, ServerSettings(served_model_name="t"))
+        ),
+        base_url="http://engine",
+    )
+    return engine, client
+
+
 async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
     tiny_llama_dir: Path,
 ) -> None:
@@ -483,15 +497,7 @@ async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
     from gateway.identity.principal import Limits, Principal
     from gateway.metrics import GatewayMetrics
 
-    engine = AsyncLLMEngine.from_config(
-        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
-    )
-    client = httpx.AsyncClient(
-        transport=httpx.ASGITransport(
-            app=create_app(engine, ServerSettings(served_model_name="t"))
-        ),
-        base_url="http://engine",
-    )
+    engine, client = tiny_engine_client(tiny_llama_dir)
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     assert tokenizer is not None
     index = PrefixIndex()
@@ -583,15 +589,7 @@ def proxied_tiny_engine(tiny_llama_dir: Path) -> tuple[Any, ...]:
     from gateway.identity.principal import Limits, Principal
     from gateway.metrics import GatewayMetrics
 
-    engine = AsyncLLMEngine.from_config(
-        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory="8MiB", max_model_len=256)
-    )
-    client = httpx.AsyncClient(
-        transport=httpx.ASGITransport(
-            app=create_app(engine, ServerSettings(served_model_name="t"))
-        ),
-        base_url="http://engine",
-    )
+    engine, client = tiny_engine_client(tiny_llama_dir)
     index = PrefixIndex()
     replica = Replica("r0", client, up=True)
     pool = Pool("t", [replica], replica_policy="prefix_aware", index=index)
