@@ -190,17 +190,22 @@ def test_a_new_tenants_short_prompt_runs_without_the_others_prefill() -> None:
     assert first_step_with("fcfs", short_prefill_tokens=8) == {"noisy": 32}
 
 
+def make_short_steps(budget: int) -> tuple[Scheduler, PagedTokenModel]:
+    """fair with short steps of up to 16 tokens, no contended cap, 8 slots."""
+    return make(
+        "fair",
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        fair_contended_prefill_tokens=0,
+        fair_short_prefill_tokens=16,
+    )
+
+
 def test_a_short_step_admits_none_of_the_waiting_requests_of_the_flow_served_more() -> None:
     """N has requests running and waiting (the budget admits them slowly); Q's 8 tokens
     arrive, lifted to tie with N. Q's step carries Q's prompt, one token of each of N's running
     prefills and none of N's waiting requests: the tie goes to the smaller need."""
-    sched, model = make(
-        "fair",
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        fair_contended_prefill_tokens=0,
-        fair_short_prefill_tokens=16,
-    )
+    sched, model = make_short_steps(budget=32)
     noisy = [submit(sched, TenantTag("noisy"), prompt_len=60, max_tokens=2) for _ in range(6)]
     step(sched, model)
     step(sched, model)
@@ -222,13 +227,7 @@ def test_a_tenants_favoured_class_runs_while_its_other_class_sits_out() -> None:
     """One tenant has a long batch prompt waiting and a short interactive one; another tenant's
     long prefill runs. The short step is the interactive flow's: the same tenant's batch
     request is held, not admitted beside it."""
-    sched, model = make(
-        "fair",
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        fair_contended_prefill_tokens=0,
-        fair_short_prefill_tokens=16,
-    )
+    sched, model = make_short_steps(budget=64)
     other = submit(sched, TenantTag("other"), prompt_len=300, max_tokens=2)
     step(sched, model)
     bulk = submit(sched, TenantTag("t", priority_class="batch"), prompt_len=40, max_tokens=2)
@@ -247,13 +246,7 @@ def quiet_chunk_after_noisy_newcomer(quiet_weight: float) -> int:
     """N's short request runs beside Q's 400-token prompt and ends; then N sends an 8-token
     prompt, lifted (no credit for idling) to Q's counter if that is higher. The tokens Q's
     prefill gets in the next step."""
-    sched, model = make(
-        "fair",
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        fair_contended_prefill_tokens=0,
-        fair_short_prefill_tokens=16,
-    )
+    sched, model = make_short_steps(budget=32)
     noisy, quiet = TenantTag("noisy"), TenantTag("quiet", weight=quiet_weight)
     submit(sched, noisy, prompt_len=8, max_tokens=2)
     long_quiet = submit(sched, quiet, prompt_len=400, max_tokens=2)
