@@ -362,6 +362,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[2].set_ylabel("output tokens / s")
     for ax in axes:
         ax.tick_params(axis="x", rotation=20)
+    sizing = summary.get("kv_sizing")
+    if sizing:
+        fig.suptitle(
+            f"KV cache: {sizing['replica_bytes'] / 2**20:.0f} MiB a replica "
+            f"({summary['args']['cache_fit']} of the tenants' prompts), "
+            f"{sizing['single_bytes'] / 2**20:.0f} MiB the single engine"
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
