@@ -153,7 +153,10 @@ def write_config(workdir: Path, port: int, redis_url: str, policy: str, replicas
     policies.mkdir(parents=True, exist_ok=True)
     (policies / "retry.yaml").write_text("{}\n")
     replica_policy, extra = BASELINES.get(policy, (policy, {}))
-    routing = {"tiers": [{"name": "only", "model": SERVED}], "replica_policy": replica_policy}
+    routing: dict[str, Any] = {
+        "tiers": [{"name": "only", "model": SERVED}],
+        "replica_policy": replica_policy,
+    }
     routing.update(extra)
     (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
     plans = workdir / "plans.yaml"
