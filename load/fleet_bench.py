@@ -17,6 +17,15 @@ round_robin's). ``load_only`` is least_loaded with no prefix affinity at all (``
 0``), the baseline a router without any prefix knowledge gives. JSON (``--out``) and a plot
 (``--plot PATH``). A benchmark, never a test:
 numbers depend on the machine and on what else runs on it.
+
+KV cache sizing. By default every engine, the single one included, gets ``--engine-args`` as
+given (``--kv-cache-memory 256MiB``: every replica holds every tenant's prompt, so routing
+decides little). ``--cache-fit F`` sizes the caches to the workload instead, the case prefix
+routing is for: each replica's KV cache holds F times the tenants' prompts (the full KV blocks
+of each tenant's first prompt, summed over the tenants, at the engine's own bytes per block,
+``engine.memory_plan``), so with F < 1 one replica cannot hold every tenant but the fleet
+(``--replicas`` x F) can; and the single engine gets the fleet's total KV memory, so its hit
+rate is what the fleet's memory allows when nothing is split.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import secrets
@@ -36,6 +46,8 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.admission.prompt_tokens import load_tokenizer
+from gateway.config import DEFAULT_MODEL_SPEC
 from load.gateway_stack import BENCH_PLAN, free_port, process, redis_server, wait_for
 from load.serve_bench import percentiles
 
@@ -60,12 +72,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--engine-args", default="--kv-cache-memory 256MiB --max-model-len 4096")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache-fit",
+        type=float,
+        default=None,
+        help="size each replica's KV cache to hold this share of all tenants' prompts (the "
+        "single engine gets the replicas' total); default: --engine-args as given",
+    )
     p.add_argument("--quick", action="store_true", help="4 tenants, 3 questions, short prompts")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
     if args.quick:
         args.tenants, args.questions, args.system_words, args.concurrency = 4, 3, 200, 4
+    if args.cache_fit is not None and args.cache_fit <= 0:
+        p.error("--cache-fit must be positive")
     return args
 
 
@@ -86,13 +107,56 @@ def workload(args: argparse.Namespace) -> list[tuple[int, list[dict[str, str]]]]
     return reqs
 
 
+def kv_sizing(args: argparse.Namespace) -> dict[str, Any]:
+    """``--cache-fit``'s KV cache per replica and for the single engine, from the workload's
+    prompts as the served model's tokenizer counts them and the engine's bytes per block."""
+    from engine.config import EngineConfig
+    from engine.memory_plan import plan
+
+    model = args.model or DEFAULT_MODEL_SPEC
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    engine = plan(EngineConfig.from_cli_args(parser.parse_args(
+        ["--model", model, *args.engine_args.split()])))  # fmt: skip
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise SystemExit(f"--cache-fit needs the tokenizer of {model}")
+    first: dict[int, list[dict[str, str]]] = {}
+    for tenant, messages in workload(args):
+        first.setdefault(tenant, messages)
+    block_size = engine.engine_config.block_size
+    prompt_blocks = 0
+    for messages in first.values():
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_blocks += len(tokenizer.encode(text, add_special_tokens=False)) // block_size
+    replica_blocks = math.ceil(args.cache_fit * prompt_blocks)
+    return {
+        "prompt_blocks": prompt_blocks,  # all tenants' prompts, in full KV blocks
+        "block_size": block_size,
+        "block_bytes": engine.kv_block_bytes,
+        "replica_blocks": replica_blocks,
+        "replica_bytes": replica_blocks * engine.kv_block_bytes,
+        "single_bytes": args.replicas * replica_blocks * engine.kv_block_bytes,
+    }
+
+
+def engine_args(args: argparse.Namespace, kv_bytes: int | None) -> list[str]:
+    """``--engine-args``, with ``--kv-cache-memory`` set to ``kv_bytes`` when given (the
+    engine's parser takes the last of a repeated flag)."""
+    extra = [] if kv_bytes is None else ["--kv-cache-memory", str(kv_bytes)]
+    return [*args.engine_args.split(), *extra]
+
+
 def write_config(workdir: Path, port: int, redis_url: str, policy: str, replicas: int,
-                 args: argparse.Namespace) -> Path:  # fmt: skip
+                 args: argparse.Namespace, kv_bytes: int | None = None) -> Path:  # fmt: skip
     policies = workdir / "policies"
     policies.mkdir(parents=True, exist_ok=True)
     (policies / "retry.yaml").write_text("{}\n")
     replica_policy, extra = BASELINES.get(policy, (policy, {}))
-    routing = {"tiers": [{"name": "only", "model": SERVED}], "replica_policy": replica_policy}
+    routing: dict[str, Any] = {
+        "tiers": [{"name": "only", "model": SERVED}],
+        "replica_policy": replica_policy,
+    }
     routing.update(extra)
     (policies / "routing.yaml").write_text(yaml.safe_dump(routing))
     plans = workdir / "plans.yaml"
@@ -101,7 +165,7 @@ def write_config(workdir: Path, port: int, redis_url: str, policy: str, replicas
     engine: dict[str, Any] = {
         "name": SERVED,
         "replicas": replicas,
-        "args": args.engine_args.split(),
+        "args": engine_args(args, kv_bytes),
         "startup_timeout_s": 900,
     }
     if args.model:
@@ -174,6 +238,8 @@ async def drive(base_url: str, keys: list[str], args: argparse.Namespace) -> dic
     return {
         "requests": len(results),
         "hit_rate": sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0,
+        # requests that found less than half their prompt cached (a cold system prompt)
+        "cold": sum(1 for r in results if r["cached_tokens"] < r["prompt_tokens"] / 2),
         "ttft_ms": percentiles(ttfts),  # mean, median, p90, p99
         "output_tok_s": sum(r["completion_tokens"] for r in results) / wall,
         "wall_s": wall,
@@ -206,11 +272,11 @@ def create_keys(base_url: str, admin_key: str, n: int) -> list[str]:
 
 
 def run_policy(root: Path, redis_url: str, policy: str, replicas: int,
-               args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+               args: argparse.Namespace, kv_bytes: int | None) -> dict[str, Any]:  # fmt: skip
     workdir = root / f"{policy}-{replicas}"
     workdir.mkdir()
     port = free_port()
-    config = write_config(workdir, port, redis_url, policy, replicas, args)
+    config = write_config(workdir, port, redis_url, policy, replicas, args, kv_bytes)
     admin_key = "sk-admin-" + secrets.token_urlsafe(24)
     env = {**os.environ, "PORTICO_ADMIN_KEY": admin_key,
            "PORTICO_KEY_HASH_SECRET": secrets.token_hex(32)}  # fmt: skip
@@ -229,7 +295,7 @@ def run_policy(root: Path, redis_url: str, policy: str, replicas: int,
         wait_for(ready, 900, "the gateway", proc, log)
         keys = create_keys(base_url, admin_key, args.tenants)
         result = asyncio.run(drive(base_url, keys, args))
-    return {"policy": policy, "replicas": replicas, **result}
+    return {"policy": policy, "replicas": replicas, "kv_cache_bytes": kv_bytes, **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,13 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown policies {unknown}", file=sys.stderr)
         return 2
+    sizing = kv_sizing(args) if args.cache_fit is not None else None
+    if sizing is not None:
+        print(json.dumps({"kv_sizing": sizing}), flush=True)
+    single_kv, replica_kv = (sizing["single_bytes"], sizing["replica_bytes"]) if sizing else (
+        None, None)  # fmt: skip
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="portico-fleet-") as tmp:
         root = Path(tmp)
         with redis_server(root, None) as redis_url:
-            runs.append(run_policy(root, redis_url, "least_loaded", 1, args))  # the single engine
+            # the single engine: with --cache-fit, the fleet's total KV memory
+            runs.append(run_policy(root, redis_url, "least_loaded", 1, args, single_kv))
+            print(json.dumps(_brief(runs[-1])), flush=True)
             for policy in policies:
-                runs.append(run_policy(root, redis_url, policy, args.replicas, args))
+                runs.append(run_policy(root, redis_url, policy, args.replicas, args, replica_kv))
                 print(json.dumps(_brief(runs[-1])), flush=True)
     by = {r["policy"]: r for r in runs[1:]}
     single = runs[0]
@@ -256,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         if "round_robin" in by:
             rr = by["round_robin"]["ttft_ms"]["median"]
             targets["ttft_p50_2x_better_than_round_robin"] = rr >= 2 * pa["ttft_ms"]["median"]
-    summary = {"args": vars(args) | {"out": None, "plot": None}, "single": single,
-               "runs": runs[1:], "targets": targets}  # fmt: skip
+    summary = {"args": vars(args) | {"out": None, "plot": None}, "kv_sizing": sizing,
+               "single": single, "runs": runs[1:], "targets": targets}  # fmt: skip
     brief = summary | {"single": _brief(single), "runs": [_brief(r) for r in runs[1:]]}
     print(json.dumps(brief, indent=2, default=str))
     if args.out:
@@ -292,6 +365,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[2].set_ylabel("output tokens / s")
     for ax in axes:
         ax.tick_params(axis="x", rotation=20)
+    sizing = summary.get("kv_sizing")
+    if sizing:
+        fig.suptitle(
+            f"KV cache: {sizing['replica_bytes'] / 2**20:.0f} MiB a replica "
+            f"({summary['args']['cache_fit']} of the tenants' prompts), "
+            f"{sizing['single_bytes'] / 2**20:.0f} MiB the single engine"
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -3,10 +3,15 @@ with real engines: it is run by hand, `portico bench fleet`, never in the suite)
 
 from __future__ import annotations
 
+import argparse
+import math
 from pathlib import Path
 
+import yaml
+
+from engine.config import EngineConfig
 from gateway.dataplane.routing import load_routing_policy
-from load.fleet_bench import main, parse_args, workload, write_config
+from load.fleet_bench import kv_sizing, main, parse_args, workload, write_config
 
 
 def test_workload_is_seeded_interleaved_and_one_system_prompt_per_tenant() -> None:
@@ -32,3 +37,34 @@ def test_load_only_is_least_loaded_without_prefix_affinity(tmp_path: Path) -> No
     write_config(tmp_path, 1, "redis://127.0.0.1:1", "load_only", 2, args)
     routing = load_routing_policy(tmp_path / "policies" / "routing.yaml")
     assert (routing.replica_policy, routing.prefix_chars) == ("least_loaded", 0)
+
+
+def test_cache_fit_sizes_each_replica_to_a_share_of_the_prompts_and_the_single_to_the_fleet(
+    tmp_path: Path,
+) -> None:
+    """--cache-fit 0.5: each replica's KV cache holds half the tenants' prompts (in the engine's
+    own blocks of SmolLM2-135M: 30 layers x K and V x 3 heads x 64 x 2 bytes x 16 tokens), the
+    single engine both replicas' memory; the engine reads that from its --kv-cache-memory."""
+    args = parse_args(
+        ["--tenants", "3", "--system-words", "100", "--cache-fit", "0.5", "--replicas", "2"]
+    )
+    sizing = kv_sizing(args)
+    assert sizing["block_bytes"] == 30 * 2 * 3 * 64 * 2 * 16
+    assert 3 * 100 // 16 <= sizing["prompt_blocks"] <= 3 * 400 // 16  # ~1-4 tokens a word
+    assert sizing["replica_blocks"] == math.ceil(0.5 * sizing["prompt_blocks"])
+    assert sizing["replica_bytes"] == sizing["replica_blocks"] * sizing["block_bytes"]
+    assert sizing["single_bytes"] == 2 * sizing["replica_bytes"]
+    write_config(tmp_path, 1, "redis://127.0.0.1:1", "round_robin", 2, args,
+                 sizing["replica_bytes"])  # fmt: skip
+    engine = yaml.safe_load((tmp_path / "portico.yaml").read_text())["engines"][0]
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(engine["args"]))
+    assert config.kv_cache_memory_bytes == sizing["replica_bytes"]
+
+
+def test_without_cache_fit_every_engine_gets_the_engine_args_as_given(tmp_path: Path) -> None:
+    args = parse_args([])
+    write_config(tmp_path, 1, "redis://127.0.0.1:1", "prefix_aware", 2, args)
+    engine = yaml.safe_load((tmp_path / "portico.yaml").read_text())["engines"][0]
+    assert engine["args"] == ["--kv-cache-memory", "256MiB", "--max-model-len", "4096"]
