@@ -243,6 +243,40 @@ def test_a_tenant_spills_when_its_own_requests_pile_up_on_the_holder() -> None:
     assert pool.pick(None, tokens=tokens) is r1
 
 
+def burst_prompt(tenant: str, question: int) -> RouteTokens:
+    """A tenant's system prompt (812 tokens, its own per tenant) and a 20-token question."""
+    base = 10_000 * (1 + ord(tenant[0]))
+    system = list(range(base, base + 812))
+    return RouteTokens([*system, *range(question, question + 20)], cache_salt=tenant, tenant=tenant)
+
+
+def test_in_the_opening_burst_a_tenants_next_question_stays_on_its_holder() -> None:
+    """Tenant A's first question is prefilling on r0 beside B's and C's cold prompts; its
+    second (20 tokens past the system prompt, counted cached on r0 since the first was routed
+    there) weighs r0's 2,616 against r1's D and E, each sharing the steps with an 832-token
+    cold prompt there: 2,596 + 812 recomputed. The rule before charged r1 one chunk of D's and
+    E's (1,138 + 812) and spilled it, to compute the system prompt a second time."""
+    pool, (r0, r1), _, _ = two_replicas()
+    for tenant in "ABC":
+        pool.acquire(r0, burst_prompt(tenant, 1))
+    for tenant in "DE":
+        pool.acquire(r1, burst_prompt(tenant, 1))
+    second = burst_prompt("A", 2)
+    assert pool.index is not None and pool.index.cached_tokens("r0", second) == 812
+    assert {pool.pick(None, tokens=second).name for _ in range(4)} == {"r0"}  # type: ignore[union-attr]
+
+
+def test_a_new_tenants_cold_prompt_goes_where_fewer_tenants_prefill() -> None:
+    """Two tenants' cold prompts pending on r0, one on r1: a new tenant shares each step with
+    every one of them, so r1 (the rule before saw one chunk of prefill on each, a tie, and
+    sent every other new tenant to r0, where its later questions then queued behind three)."""
+    pool, (r0, r1), _, _ = two_replicas()
+    for tenant in "AB":
+        pool.acquire(r0, burst_prompt(tenant, 1))
+    pool.acquire(r1, burst_prompt("D", 1))
+    assert {pool.pick(None, tokens=burst_prompt("C", 1)).name for _ in range(4)} == {"r1"}  # type: ignore[union-attr]
+
+
 def test_a_request_sharing_blocks_another_is_computing_follows_it() -> None:
     """A tenant's second question sent while its first still prefills the system prompt on
     that replica follows the first (the engine would compute the blocks again side by side);

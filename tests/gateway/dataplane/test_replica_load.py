@@ -96,6 +96,19 @@ def test_a_tenant_with_prefill_pending_waits_for_at_most_its_need_of_each_other_
     assert estimate_wait(load, None, 20) == need + 2 * need + 2 * STEP_OVERHEAD_TOKENS
 
 
+def test_own_and_another_tenants_equal_pending_weigh_the_same_for_a_long_prompt() -> None:
+    """Symmetric: 600 tokens of the tenant's own pending ahead of its 700, or another tenant's
+    600 sharing the steps with its 700, both leave the first token after 1,300 tokens."""
+    own = ReplicaLoad()
+    own.lease(600, "t")
+    another = ReplicaLoad()
+    another.lease(600, "u")
+    assert estimate_wait(own, "t", 700) == estimate_wait(another, "t", 700)
+    assert estimate_wait(own, "t", 700) == 1300 + 6 * STEP_OVERHEAD_TOKENS
+    # and the other tenant, asking the same of each, sees the mirror image
+    assert estimate_wait(own, "u", 700) == estimate_wait(another, "u", 700)
+
+
 def test_the_opening_burst_worked_through() -> None:
     """The fleet bench's opening burst (~830-token prompts, no decodes yet): tenant A's second
     question (20 tokens past its system prompt, which its first, still prefilling on R1,
