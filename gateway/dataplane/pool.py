@@ -20,7 +20,8 @@ reports beyond it: other gateways' waiting requests, its running batch, its LoRA
 recomputation is counted once more because a spill costs the fleet that prefill, not only this
 request: so a tenant stays on the holder of its prompt while other tenants' work runs there,
 and spills to a second replica (which then caches it too) when its own requests pile up on the
-holder behind long prefills, or the holder's queue outweighs about two prompts. Equal scores
+holder, or the holder has more tenants' long prefills sharing its steps than the other replica
+by more than the recomputation, or the holder's queue outweighs about two prompts. Equal scores
 prefer the longer cached prefix, then rotate. It falls back to ``least_loaded`` when the request
 brings no tokens or no replica's index entry is fresh. (Earlier versions: the longest prefix
 within ``slack`` of the least load sent a tenant to a cold replica one request past the slack,

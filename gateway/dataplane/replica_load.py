@@ -9,16 +9,27 @@ the prefill still pending is kept too: that is where the engine's fair scheduler
 
 :func:`estimate_wait` turns a replica's load into the work, in token-equivalents, that runs on
 it before a new request's first token, following what the engine's default ``fair`` policy
-does with it:
+does with it (processor sharing between tenants, least served first):
 
-- a tenant with nothing waiting there is lifted to the least virtual counter and shares the
-  next steps with at most one chunk (``PREFILL_CHUNK_TOKENS``, the engine's
-  ``--fair-contended-prefill-tokens``) of other tenants' prefill;
-- a tenant whose own prefill is still pending there waits for it (FCFS within a tenant) and,
-  its counter being the higher, for the other tenants' pending prefill too;
+- the request needs ``need`` prefill tokens of its tenant there before its first token: the
+  tenant's own prefill pending there (FCFS within a tenant) plus its uncached prompt;
+- each other tenant with prefill pending there shares those steps with it, so ahead of its
+  first token come at most ``need`` tokens of each: ``sum(min(pending_t, need))`` (requests
+  without a tenant are one flow, like a tenant);
+- except the short step: a tenant with nothing pending there whose uncached prompt is at most
+  ``SHORT_PREFILL_TOKENS`` (the engine's ``--fair-short-prefill-tokens``) runs in a step of its
+  own, beside the decodes only: no other tenant's prefill is ahead of it;
 - requests queued there by others (other gateways) count as ahead: their tenants are unknown;
 - every step while it waits carries the replica's decode rows and a fixed cost
-  (``STEP_OVERHEAD_TOKENS``), and a step holds at most one chunk of prefill.
+  (``STEP_OVERHEAD_TOKENS``), and a step holds at most one chunk of prefill
+  (``PREFILL_CHUNK_TOKENS``, the engine's ``--fair-contended-prefill-tokens``).
+
+The rule is the same for the holder of a tenant's prompt and for a replica it would spill to.
+(The rule before charged a tenant with its own prefill pending all the other tenants' pending
+prefill, and one without at most one chunk of it however long its own prompt: a new tenant's
+cold prompt saw two tenants pending as one, and a tenant's next question on its holder was
+weighed against a spill that looked ~600 tokens cheaper than it is. The fleet bench's opening
+burst worked through: tests/gateway/dataplane/test_replica_load.py.)
 
 A request whose uncached prompt blocks another request sent to the same replica is computing
 now (a tenant's second question, sent while its first is still prefilling its system prompt)
@@ -26,10 +37,11 @@ now (a tenant's second question, sent while its first is still prefilling its sy
 the blocks cached instead of computing them a second time side by side (it does not wait for
 blocks another request is computing; each computes its own).
 
-So the holder of a tenant's prompt keeps it while other tenants' cold prefills run there (one
-step of theirs is cheaper than the whole prompt elsewhere), and loses it when the tenant's own
-requests pile up there behind long prefills; the pool adds the recomputation itself once more
-as the cost a spill puts on the fleet (gateway/dataplane/pool.py). Event loop thread only.
+So the holder of a tenant's prompt keeps it while other tenants' short work runs there, and
+loses it when the tenant's own requests pile up there or it has more tenants' long prefills
+than the other replica by more than the recomputation; the pool adds the recomputation itself
+once more as the cost a spill puts on the fleet (gateway/dataplane/pool.py). Event loop thread
+only.
 """
 
 from __future__ import annotations
@@ -42,6 +54,10 @@ from dataclasses import dataclass, field
 # The engine's default --fair-contended-prefill-tokens: the most prefill one step carries while
 # two or more tenants have work (engine/config.py).
 PREFILL_CHUNK_TOKENS = 256
+# The engine's default --fair-short-prefill-tokens: a tenant with nothing waiting whose prompt
+# needs at most this many tokens gets a step of its own, the others' prefill sitting it out
+# (engine/scheduling_policy.py, FairPolicy.short_step).
+SHORT_PREFILL_TOKENS = 256
 # A step's fixed cost (Python, kernel launches, sampling) in prompt-token equivalents: ~8 ms
 # against ~0.8 ms per token on a 2-core CPU with a 135M model (docs/benchmarks.md, issue 29).
 STEP_OVERHEAD_TOKENS = 10
@@ -156,9 +172,12 @@ def estimate_wait(
     gateways, as the engine reports them); ``num_decoding``: the replica's decode rows when
     the engine reports more than ours. Whose they are is unknown, so they count as ahead."""
     own = load.tenant_prefill.get(tenant, 0)
-    others = load.pending_prefill - own
-    ahead = own + others if own else min(others, PREFILL_CHUNK_TOKENS)
-    prefill = ahead + foreign_prefill + uncached_tokens
+    need = own + uncached_tokens
+    if not own and uncached_tokens <= SHORT_PREFILL_TOKENS:
+        ahead = 0  # a short step of its own
+    else:
+        ahead = sum(min(p, need) for t, p in load.tenant_prefill.items() if t != tenant)
+    prefill = ahead + need + foreign_prefill
     steps = max(1, math.ceil(prefill / PREFILL_CHUNK_TOKENS))
     rows = load.num_decoding if num_decoding is None else max(num_decoding, load.num_decoding)
     return prefill + steps * (STEP_OVERHEAD_TOKENS + rows)

@@ -199,8 +199,9 @@ def sync(index: PrefixIndex, engines: dict[str, Engine]) -> None:
 
 
 def test_the_holder_keeps_a_tenant_while_other_tenants_prefill_there() -> None:
-    """Other tenants' cold prompts and decode rows on the holder cost this tenant one chunk of
-    their prefill (the engine's fair policy lifts it), less than its 400 cached tokens."""
+    """Other tenants' cold prompts on the holder sit out this tenant's short step (its one
+    uncached token; FairPolicy.short_step) and their decode rows share it: less than its 400
+    cached tokens recomputed elsewhere."""
     pool, (r0, r1), _, _ = two_replicas(("r0", LONG, "t"))
     tokens = RouteTokens(LONG, cache_salt="t", tenant="t")
     r0.load.lease(401, "u")
@@ -216,15 +217,16 @@ def test_the_holder_keeps_a_tenant_while_other_tenants_prefill_there() -> None:
 
 
 def test_a_tenant_spills_when_its_own_requests_pile_up_on_the_holder() -> None:
-    """Its own pending prefill is ahead of it there (FCFS within a tenant, and its counter puts
-    the other tenants first): past the cost of recomputing the prompt elsewhere, it spills to
-    the second replica, which then caches it too and shares the tenant."""
+    """Its own pending prefill is ahead of it there (FCFS within a tenant, each other tenant's
+    sharing the steps until its need is met): past the cost of recomputing the prompt
+    elsewhere, it spills to the second replica, which then caches it too and shares the
+    tenant."""
     pool, (r0, r1), _, index = two_replicas(("r0", LONG, "t"))
     tokens = RouteTokens(LONG, cache_salt="t", tenant="t")
     own = pool.acquire(r0, RouteTokens(list(range(5000, 5401)), cache_salt="t", tenant="t"))
     assert own.prefill_tokens == 401  # a cold prompt of the tenant's, still prefilling on r0
     assert pool.pick(None, tokens=tokens) is r0  # waiting for one's own 401 beats recomputing
-    r0.load.lease(401, "u")  # and another tenant's cold prompt: 802 ahead of it there
+    r0.load.lease(401, "u")  # and another tenant's cold prompt beside it: 803 there
     first = pool.pick(None, tokens=tokens)
     assert first is r1
     spilled = pool.acquire(r1, tokens)
@@ -234,10 +236,45 @@ def test_a_tenant_spills_when_its_own_requests_pile_up_on_the_holder() -> None:
     assert pool.pick(None, tokens=tokens) is r1
     spilled.first_token()
     own.release()
-    # both hold it; r0's pile is another tenant's now (one chunk) against r1's decode row
-    assert pool.pick(None, tokens=tokens) is r1
-    r1.load.lease(300, "t")
+    # both hold it; r0's pile is another tenant's now, which sits out the short step of this
+    # one's last token (FairPolicy.short_step), against a decode row in every step on r1
     assert pool.pick(None, tokens=tokens) is r0
+    r0.load.lease(300, "t")  # the tenant's own prompt pending on r0: the other's shares it
+    assert pool.pick(None, tokens=tokens) is r1
+
+
+def burst_prompt(tenant: str, question: int) -> RouteTokens:
+    """A tenant's system prompt (812 tokens, its own per tenant) and a 20-token question."""
+    base = 10_000 * (1 + ord(tenant[0]))
+    system = list(range(base, base + 812))
+    return RouteTokens([*system, *range(question, question + 20)], cache_salt=tenant, tenant=tenant)
+
+
+def test_in_the_opening_burst_a_tenants_next_question_stays_on_its_holder() -> None:
+    """Tenant A's first question is prefilling on r0 beside B's and C's cold prompts; its
+    second (20 tokens past the system prompt, counted cached on r0 since the first was routed
+    there) weighs r0's 2,616 against r1's D and E, each sharing the steps with an 832-token
+    cold prompt there: 2,596 + 812 recomputed. The rule before charged r1 one chunk of D's and
+    E's (1,138 + 812) and spilled it, to compute the system prompt a second time."""
+    pool, (r0, r1), _, _ = two_replicas()
+    for tenant in "ABC":
+        pool.acquire(r0, burst_prompt(tenant, 1))
+    for tenant in "DE":
+        pool.acquire(r1, burst_prompt(tenant, 1))
+    second = burst_prompt("A", 2)
+    assert pool.index is not None and pool.index.cached_tokens("r0", second) == 812
+    assert {pool.pick(None, tokens=second).name for _ in range(4)} == {"r0"}  # type: ignore[union-attr]
+
+
+def test_a_new_tenants_cold_prompt_goes_where_fewer_tenants_prefill() -> None:
+    """Two tenants' cold prompts pending on r0, one on r1: a new tenant shares each step with
+    every one of them, so r1 (the rule before saw one chunk of prefill on each, a tie, and
+    sent every other new tenant to r0, where its later questions then queued behind three)."""
+    pool, (r0, r1), _, _ = two_replicas()
+    for tenant in "AB":
+        pool.acquire(r0, burst_prompt(tenant, 1))
+    pool.acquire(r1, burst_prompt("D", 1))
+    assert {pool.pick(None, tokens=burst_prompt("C", 1)).name for _ in range(4)} == {"r1"}  # type: ignore[union-attr]
 
 
 def test_a_request_sharing_blocks_another_is_computing_follows_it() -> None:
@@ -281,9 +318,9 @@ def test_the_running_batch_and_the_engines_queue_weigh_between_two_holders() -> 
 
 
 def test_the_tenants_fair_share_decides_between_two_holders() -> None:
-    """Equal pending prefill on both: where it is another tenant's, this tenant is lifted past
-    most of it; where it is its own, it waits for all of it. (Queue x average cost, the
-    previous scorer, saw the two as equal.)"""
+    """Equal pending prefill on both: where it is another tenant's, this tenant's one uncached
+    token runs in a short step past all of it; where it is its own, it waits for all of it.
+    (Queue x average cost, an earlier scorer, saw the two as equal.)"""
     pool, (r0, r1), _, _ = two_replicas(("r0", LONG, "t"), ("r1", LONG, "t"))
     tokens = RouteTokens(LONG, cache_salt="t", tenant="t")
     r0.load.lease(600, "t")

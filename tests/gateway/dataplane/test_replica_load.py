@@ -7,7 +7,7 @@ import asyncio
 import random
 
 from gateway.dataplane.replica_load import (
-    PREFILL_CHUNK_TOKENS,
+    SHORT_PREFILL_TOKENS,
     STEP_OVERHEAD_TOKENS,
     ReplicaLoad,
     estimate_wait,
@@ -55,19 +55,92 @@ def test_random_lease_lifetimes_always_return_to_an_empty_load() -> None:
         assert load == ReplicaLoad()
 
 
-def test_an_idle_tenant_waits_one_chunk_of_other_tenants_prefill_not_all_of_it() -> None:
-    """The fair policy lifts a tenant with nothing waiting to the least counter: it shares the
-    next step with one chunk of the others' prefill."""
+def test_a_newcomers_short_prompt_runs_in_a_step_of_its_own() -> None:
+    """A tenant with nothing pending whose prompt fits the engine's short-prefill budget gets a
+    step beside the decodes only (FairPolicy.short_step): no other tenant's prefill is ahead
+    of it, however much there is; the decodes still weigh on that step."""
     load = ReplicaLoad()
     load.lease(2000, "other")
-    idle = estimate_wait(load, "t", 20)
-    assert idle == PREFILL_CHUNK_TOKENS + 20 + 2 * STEP_OVERHEAD_TOKENS
-    load.lease(600, "t")  # the tenant's own prefill pending there: behind it and the others
-    busy = estimate_wait(load, "t", 20)
-    assert busy == 2620 + 11 * STEP_OVERHEAD_TOKENS
-    # with no tenant (no principal) every such request is one flow: all ahead
+    assert estimate_wait(load, "t", 20) == 20 + STEP_OVERHEAD_TOKENS
+    assert estimate_wait(load, "t", SHORT_PREFILL_TOKENS) == 256 + STEP_OVERHEAD_TOKENS
+    load.lease(0, "x").first_token()
+    load.lease(0, "x").first_token()
+    assert estimate_wait(load, "t", 20) == 20 + (STEP_OVERHEAD_TOKENS + 2)
+
+
+def test_a_newcomers_long_prompt_shares_each_step_with_every_other_tenant() -> None:
+    """Past the short-prefill budget it shares the steps (processor sharing): each other
+    tenant's pending prefill runs beside it up to its own need, requests without a tenant
+    as one flow."""
+    load = ReplicaLoad()
+    load.lease(2000, "u")
+    load.lease(300, "v")
+    load.lease(60, None)
+    load.lease(40, None)
+    need = 830
+    ahead = need + 300 + 100  # min(2000, 830) + min(300, 830) + min(100, 830)
+    assert estimate_wait(load, "t", need) == ahead + need + 9 * STEP_OVERHEAD_TOKENS  # 2,060
+
+
+def test_a_tenant_with_prefill_pending_waits_for_at_most_its_need_of_each_other_tenant() -> None:
+    """Its own pending prefill is ahead of it (FCFS within a tenant), and each other tenant
+    shares the steps until its need is met: a long queue of another tenant's is not all
+    ahead. Requests without a tenant are a flow like any other."""
+    load = ReplicaLoad()
+    load.lease(2000, "other")
+    load.lease(600, "t")
+    need = 600 + 20
+    assert estimate_wait(load, "t", 20) == need + need + 5 * STEP_OVERHEAD_TOKENS  # 1,240
     load.lease(100, None)
-    assert estimate_wait(load, None, 20) == 2720 + 11 * STEP_OVERHEAD_TOKENS
+    need = 100 + 20  # None's own, then min(2000, 120) + min(600, 120) of the others
+    assert estimate_wait(load, None, 20) == need + 2 * need + 2 * STEP_OVERHEAD_TOKENS
+
+
+def test_own_and_another_tenants_equal_pending_weigh_the_same_for_a_long_prompt() -> None:
+    """Symmetric: 600 tokens of the tenant's own pending ahead of its 700, or another tenant's
+    600 sharing the steps with its 700, both leave the first token after 1,300 tokens."""
+    own = ReplicaLoad()
+    own.lease(600, "t")
+    another = ReplicaLoad()
+    another.lease(600, "u")
+    assert estimate_wait(own, "t", 700) == estimate_wait(another, "t", 700)
+    assert estimate_wait(own, "t", 700) == 1300 + 6 * STEP_OVERHEAD_TOKENS
+    # and the other tenant, asking the same of each, sees the mirror image
+    assert estimate_wait(own, "u", 700) == estimate_wait(another, "u", 700)
+
+
+def test_the_opening_burst_worked_through() -> None:
+    """The fleet bench's opening burst (~830-token prompts, no decodes yet): tenant A's second
+    question (20 tokens past its system prompt, which its first, still prefilling on R1,
+    is computing) on R1, against a spill to R2, which recomputes 810 more tokens (the pool
+    adds them to R2's score, gateway/dataplane/pool.py)."""
+    r1 = ReplicaLoad()
+    for tenant in ("A", "B", "C"):
+        r1.lease(830, tenant)
+    # need = 830 + 20; B's and C's 830 each run beside it: 2,510 tokens in 10 steps
+    assert estimate_wait(r1, "A", 20) == 2510 + 10 * STEP_OVERHEAD_TOKENS  # 2,610
+    spill = 830 - 20
+    r2 = ReplicaLoad()
+    r2.lease(830, "D")
+    r2.lease(830, "E")
+    # two other tenants pending on R2 too: 830 + 1,660 in 10 steps, 2,590 + 810: stays on R1
+    # (one chunk of them, before: 1,086 in 5 steps, 1,136 + 810 = 1,946, and it spilled)
+    assert estimate_wait(r2, "A", 830) + spill == 2490 + 10 * STEP_OVERHEAD_TOKENS + spill
+    assert estimate_wait(r2, "A", 830) + spill > estimate_wait(r1, "A", 20)
+    # one other tenant on R2: 1,660 in 7 steps, 1,730 + 810 = 2,540 against 2,610: a spill, by
+    # the step overheads. Processor sharing: R2's first token after 1,660 tokens, R1's after
+    # 2,510, the difference about the recomputation; a tie, not the estimate's fault.
+    r2 = ReplicaLoad()
+    r2.lease(830, "D")
+    assert estimate_wait(r2, "A", 830) + spill == 1660 + 7 * STEP_OVERHEAD_TOKENS + spill
+    assert estimate_wait(r2, "A", 830) + spill < estimate_wait(r1, "A", 20)
+    # What keeps R1 from collecting three tenants against R2's one: C's cold first prompt saw
+    # A's and B's on R1 as one chunk, as it saw D's on R2 (a tie); now twice D's.
+    two = ReplicaLoad()
+    two.lease(830, "A")
+    two.lease(830, "B")
+    assert estimate_wait(two, "C", 830) == 2490 + 10 * STEP_OVERHEAD_TOKENS
+    assert estimate_wait(r2, "C", 830) == 1660 + 7 * STEP_OVERHEAD_TOKENS
 
 
 def test_decode_rows_weigh_on_every_step_and_others_queued_count_as_ahead() -> None:
