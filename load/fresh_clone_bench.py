@@ -300,32 +300,34 @@ class MakeRun:
         return list(found.values())
 
     def stop(self, timeout_s: float) -> dict[str, Any]:
-        """SIGINT to make's process group; then SIGTERM and SIGKILL if it does not exit in
-        ``timeout_s``. Reports the exit and every process seen before that is still alive."""
+        """SIGINT to make's process group; SIGTERM, then SIGKILL, to the group if make has not
+        exited in ``timeout_s``. Then every process seen before the signal has ``timeout_s``
+        to exit; those still alive are reported, then killed."""
         seen = self.processes()
+        described = {p.pid: _describe(p) for p in seen}  # while their command lines are there
         report: dict[str, Any] = {"signal": "SIGINT to the process group", "escalated": None}
         started = time.monotonic()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            report["escalated"] = "SIGTERM"
+        for sig, wait_s in (
+            (signal.SIGINT, timeout_s),
+            (signal.SIGTERM, 30.0),
+            (signal.SIGKILL, 10.0),
+        ):
+            if sig != signal.SIGINT:
+                report["escalated"] = sig.name
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                report["escalated"] = "SIGKILL"
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait_s)
+                break
         report["exit_code"] = self.proc.returncode
-        report["exit_s"] = round(time.monotonic() - started, 1)
-        time.sleep(2.0)  # a daemonized child (redis-server) exits after its parent
+        report["make_exit_s"] = round(time.monotonic() - started, 1)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the gateway drains and stops its engines and its Redis
+        report["all_exited_s"] = round(time.monotonic() - started, 1)
         left = [p for p in {p.pid: p for p in [*seen, *self.processes()]}.values() if _alive(p)]
-        report["processes_seen"] = [_describe(p) for p in seen]
-        report["left_running"] = [_describe(p) for p in left]
+        report["processes_seen"] = list(described.values())
+        report["left_running"] = [described.get(p.pid) or _describe(p) for p in left]
         for p in left:  # reported above; not left behind on the machine
             with contextlib.suppress(Exception):
                 p.kill()
@@ -486,8 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(report["comparison"]))
     shutdown = report["shutdown"]
     print(
-        f"make run stopped: exit code {shutdown['exit_code']} in {shutdown['exit_s']} s "
-        f"after {shutdown['signal']}, escalated: {shutdown['escalated']}; "
+        f"make run stopped: exit code {shutdown['exit_code']} in {shutdown['make_exit_s']} s "
+        f"after {shutdown['signal']} (all its processes gone in {shutdown['all_exited_s']} s), "
+        f"escalated: {shutdown['escalated']}; "
         f"{len(shutdown['processes_seen'])} processes seen, left running: "
         f"{shutdown['left_running'] or 'none'}"
     )
