@@ -17,9 +17,10 @@ workload of docs/benchmarks.md's defaults rows (``load/llamacpp_bench.py``'s: to
 22-618, forced outputs 16-255, greedy; 6 requests one at a time, then 16 at concurrency 16)
 through the gateway. The baseline is that section's "Portico, no flags" row, ``portico engine
 --model smollm2-135m`` with no other flag, started by this bench and up for the whole run; the
-two take turns phase by phase (the order alternating), so both see the same load. Each
-system's rounds are pooled, and the report gives the ratio make run / baseline, the ratio in
-each round (the noise) and the documented figures.
+two take turns phase by phase (the order alternating), so both see the same load. Round ``r``
+draws its prompts with seed ``--seed + r`` (a prompt sent again would hit the prefix cache;
+round 0 is the docs' workload). Each system's rounds are pooled, and the report gives the
+ratio make run / baseline, that ratio in each round (the noise) and the documented figures.
 
 Then make run is stopped as Ctrl-C in a terminal stops it (SIGINT to its process group), and
 every process it started (make's descendants, and whatever runs from inside the clone, such as
@@ -383,11 +384,13 @@ def measure(
     (per system and concurrency) and the rows of each round."""
     from load.serve_bench import summarize
 
-    workload = workload_of(args)
     results: dict[tuple[str, int], list[Any]] = {}
     durations: dict[tuple[str, int], float] = {}
     rounds = []
     for r in range(args.rounds):
+        # Each round its own prompts (seed + round): a prompt sent again would be served from
+        # the prefix cache. Within a round, the docs' workload: its head at every concurrency.
+        workload = workload_of(args, seed=args.seed + r)
         for i, c in enumerate(concurrencies_of(args)):
             for system in phase_order(r, i):
                 base_url, key = targets[system]

@@ -135,13 +135,14 @@ def concurrencies_of(args: argparse.Namespace) -> list[int]:
     return [int(c) for c in args.concurrency.split(",")]
 
 
-def workload_of(args: argparse.Namespace) -> list[datasets.BenchRequest]:
-    """The synthetic workload every system gets (one list; each concurrency takes its head)."""
+def workload_of(args: argparse.Namespace, seed: int | None = None) -> list[datasets.BenchRequest]:
+    """The synthetic workload every system gets (one list; each concurrency takes its head),
+    drawn with ``seed`` (default ``--seed``)."""
     return datasets.synthetic(
         max(args.num_requests, max(concurrencies_of(args))),
         (args.min_prompt, args.max_prompt),
         (args.min_output, args.max_output),
-        seed=args.seed,
+        seed=args.seed if seed is None else seed,
     )
 
 

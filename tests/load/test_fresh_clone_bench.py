@@ -36,6 +36,8 @@ def test_defaults_send_the_documented_defaults_rows_workload() -> None:
     assert len(requests_for(workload, 16, args)) == 16
     assert all(22 <= r.prompt_len <= 618 and 16 <= r.output_len <= 255 for r in workload)
     assert set(DOCUMENTED_DEFAULTS) == {1, 16}
+    # later rounds draw other prompts (a repeated one would be served from the prefix cache)
+    assert workload_of(args, seed=1)[0].prompt != workload[0].prompt
 
 
 def test_a_venv_without_python_and_zero_rounds_are_refused() -> None:
