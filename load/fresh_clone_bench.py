@@ -41,10 +41,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -70,6 +72,7 @@ DOCUMENTED_DEFAULTS: Mapping[int, Mapping[str, float]] = {
     16: {"output_tok_s": 148.0, "ttft_p50_ms": 1840.0, "ttft_p99_ms": 3034.0, "tpot_p50_ms": 73.6},
 }
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")
+RATIOS = (*METRICS, "cpu_cores")
 TENANT = "fresh-clone"
 TENANT_PLAN = "enterprise"
 # What this shell has and a new user's would not: the bench's own PYTHONPATH and virtual
@@ -163,7 +166,7 @@ def compare(
                 MAKE_RUN: make_run,
                 BASELINE: baseline,
                 "ratio": {
-                    m: _ratio((make_run or {}).get(m), (baseline or {}).get(m)) for m in METRICS
+                    m: _ratio((make_run or {}).get(m), (baseline or {}).get(m)) for m in RATIOS
                 },
                 "round_ratios_output_tok_s": per_round,
                 "documented": dict(DOCUMENTED_DEFAULTS.get(c, {})),
@@ -175,8 +178,9 @@ def compare(
 def table(comparison: Sequence[dict[str, Any]]) -> str:
     """The comparison as docs/benchmarks.md's tables are written (markdown)."""
     lines = [
-        "| system | concurrency | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | completed |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | concurrency | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | completed "
+        "| CPU (cores) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for entry in comparison:
         c = entry["concurrency"]
@@ -185,25 +189,25 @@ def table(comparison: Sequence[dict[str, Any]]) -> str:
             if row is None:
                 continue
             done = f"{row['completed']}/{row['completed'] + row['failed']}"
+            cores = row.get("cpu_cores")
             lines.append(
                 f"| {system} | {c} | {row['output_tok_s']:.1f} | "
                 f"{row['ttft_p50_ms']:.0f} ms | {row['ttft_p99_ms']:.0f} ms | "
-                f"{row['tpot_p50_ms']:.1f} ms | {done} |"
+                f"{row['tpot_p50_ms']:.1f} ms | {done} | {'-' if cores is None else cores} |"
             )
         ratio = entry["ratio"]
-        cells = [f"{ratio[m]:.2f}" if ratio[m] is not None else "-" for m in METRICS]
+        cells = [f"{ratio[m]:.2f}" if ratio[m] is not None else "-" for m in RATIOS]
+        cells.insert(len(METRICS), "")  # no ratio of completed requests
         rounds = ", ".join(f"{r:.2f}" for r in entry["round_ratios_output_tok_s"] if r)
         lines.append(
-            f"| make run / baseline (tok/s by round: {rounds}) | {c} | "
-            + " | ".join(cells)
-            + " | |"
+            f"| make run / baseline (tok/s by round: {rounds}) | {c} | " + " | ".join(cells) + " |"
         )
         doc = entry["documented"]
         if doc:
             lines.append(
                 f"| documented, no flags (quiet) | {c} | {doc['output_tok_s']:.1f} | "
                 f"{doc['ttft_p50_ms']:.0f} ms | {doc['ttft_p99_ms']:.0f} ms | "
-                f"{doc['tpot_p50_ms']:.1f} ms | |"
+                f"{doc['tpot_p50_ms']:.1f} ms | | |"
             )
     return "\n".join(lines)
 
@@ -377,15 +381,39 @@ def served_from(python: Path, cwd: Path, env: Mapping[str, str]) -> str:
     return (done.stdout or done.stderr).strip()
 
 
+@dataclass(frozen=True)
+class Target:
+    """A system under test: where it serves, the key it wants, and the processes that serve it
+    (their CPU seconds are read around every phase)."""
+
+    base_url: str
+    api_key: str | None
+    processes: Callable[[], Sequence[Any]]
+
+
+def cpu_seconds(processes: Sequence[Any]) -> float:
+    """User and system CPU seconds of ``processes`` (psutil), those gone counting nothing."""
+    import psutil
+
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def measure(
-    targets: Mapping[str, tuple[str, str | None]], args: argparse.Namespace
+    targets: Mapping[str, Target], args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The workload on each system, phase by phase and round by round; returns the pooled rows
-    (per system and concurrency) and the rows of each round."""
+    (per system and concurrency) and the rows of each round. ``cpu_cores``: the CPU the
+    system's processes used over the phase, in cores (on a shared machine, a system slower
+    than the other at the same CPU time was waiting for a core)."""
     from load.serve_bench import summarize
 
     results: dict[tuple[str, int], list[Any]] = {}
-    durations: dict[tuple[str, int], float] = {}
+    seconds: dict[tuple[str, int], list[float]] = {}  # [wall, cpu]
     rounds = []
     for r in range(args.rounds):
         # Each round its own prompts (seed + round): a prompt sent again would be served from
@@ -393,17 +421,40 @@ def measure(
         workload = workload_of(args, seed=args.seed + r)
         for i, c in enumerate(concurrencies_of(args)):
             for system in phase_order(r, i):
-                base_url, key = targets[system]
-                summary, done = serve(base_url, requests_for(workload, c, args), c, api_key=key)
-                rounds.append(summary_row(system, c, summary, round=r))
+                target = targets[system]
+                processes = target.processes()
+                cpu, wall = cpu_seconds(processes), time.perf_counter()
+                reqs = requests_for(workload, c, args)
+                summary, done = serve(target.base_url, reqs, c, api_key=target.api_key)
+                wall, cpu = time.perf_counter() - wall, cpu_seconds(processes) - cpu
+                rounds.append(
+                    summary_row(system, c, summary, round=r, cpu_cores=round(cpu / wall, 2),
+                                load_1m=round(os.getloadavg()[0], 2))
+                )  # fmt: skip
                 print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
                 results.setdefault((system, c), []).extend(done)
-                durations[system, c] = durations.get((system, c), 0.0) + summary["duration_s"]
-    pooled = [
-        summary_row(system, c, summarize(done, durations[system, c]))
-        for (system, c), done in results.items()
-    ]
+                totals = seconds.setdefault((system, c), [0.0, 0.0])
+                totals[0] += wall
+                totals[1] += cpu
+    pooled = []
+    for (system, c), done in results.items():
+        wall, cpu = seconds[system, c]
+        pooled.append(summary_row(system, c, summarize(done, wall), cpu_cores=round(cpu / wall, 2)))
     return pooled, rounds
+
+
+def engine_processes(base_url: str) -> list[Any]:
+    """The process of the ``portico engine`` serving ``base_url`` (found by its ``--port``)."""
+    import psutil
+
+    port = str(urlsplit(base_url).port)
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        if "engine" in cmdline and "--port" in cmdline[:-1]:
+            if cmdline[cmdline.index("--port") + 1] == port:
+                found.append(p)
+    return found
 
 
 def _machine_now() -> dict[str, Any]:
@@ -456,7 +507,11 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 report["baseline_numerics"] = served_numerics(engine_url)
                 warm_up(gateway_url + "/v1", api_key=key)
                 warm_up(engine_url)
-                targets = {MAKE_RUN: (gateway_url + "/v1", key), BASELINE: (engine_url, None)}
+                baseline = engine_processes(engine_url)
+                targets = {
+                    MAKE_RUN: Target(gateway_url + "/v1", key, make.processes),
+                    BASELINE: Target(engine_url, None, lambda: baseline),
+                }
                 report["rows"], report["rounds"] = measure(targets, args)
         finally:
             report["make_run_numerics"] = numerics_line(make.log_text())

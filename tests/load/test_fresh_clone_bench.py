@@ -5,9 +5,11 @@ and how its report is composed (the bench clones, installs and serves: it is run
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from load.fresh_clone_bench import (
@@ -15,6 +17,8 @@ from load.fresh_clone_bench import (
     DOCUMENTED_DEFAULTS,
     MAKE_RUN,
     compare,
+    cpu_seconds,
+    engine_processes,
     make_command,
     numerics_line,
     parse_args,
@@ -103,6 +107,7 @@ def _row(system: str, c: int, tok_s: float, round_index: int | None = None) -> d
         "tpot_p50_ms": 8.0,
         "completed": 6,
         "failed": 0,
+        "cpu_cores": 1.5,
     }
     return row if round_index is None else row | {"round": round_index}
 
@@ -121,16 +126,19 @@ def test_comparison_gives_make_run_over_baseline_per_metric_and_per_round() -> N
         "ttft_p50_ms": 1.0,
         "ttft_p99_ms": 1.0,
         "tpot_p50_ms": 1.0,
+        "cpu_cores": 1.0,
     }
     assert one["round_ratios_output_tok_s"] == [0.8, 1.0]
     assert one["documented"] == dict(DOCUMENTED_DEFAULTS[1])
     assert sixteen[BASELINE] is None and sixteen["ratio"]["output_tok_s"] is None
 
     lines = table([one]).splitlines()
-    assert lines[2].startswith(f"| {MAKE_RUN} | 1 | 90.0 | 400 ms | 700 ms | 8.0 ms | 6/6 |")
+    assert lines[2] == f"| {MAKE_RUN} | 1 | 90.0 | 400 ms | 700 ms | 8.0 ms | 6/6 | 1.5 |"
     assert lines[3].startswith(f"| {BASELINE} | 1 | 100.0 |")
-    assert "by round: 0.80, 1.00" in lines[4] and "| 0.90 | 1.00 | 1.00 | 1.00 |" in lines[4]
+    assert "by round: 0.80, 1.00" in lines[4]
+    assert lines[4].endswith("| 1 | 0.90 | 1.00 | 1.00 | 1.00 |  | 1.00 |")
     assert lines[5].startswith("| documented, no flags (quiet) | 1 | 89.5 | 384 ms | 676 ms |")
+    assert {line.count("|") for line in lines} == {9}  # every row has the header's columns
 
 
 def test_the_engines_numerics_line_is_found_in_make_runs_log() -> None:
@@ -146,3 +154,16 @@ def test_the_cli_lists_the_bench() -> None:
     from load.cli import _delegated
 
     assert ("fresh-clone", "load.fresh_clone_bench") in [(n, m) for n, m, _ in _delegated()]
+
+
+def test_the_baseline_engine_is_found_by_its_port_and_its_cpu_time_read() -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "engine", "--port", "59999"]
+    proc = subprocess.Popen(sleeper)
+    try:
+        found = engine_processes("http://127.0.0.1:59999/v1")
+        assert [p.pid for p in found] == [proc.pid]
+        assert engine_processes("http://127.0.0.1:59998/v1") == []
+        assert cpu_seconds(found) >= 0.0 and cpu_seconds([psutil.Process()]) > 0.0
+    finally:
+        proc.kill()
+        proc.wait()
