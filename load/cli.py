@@ -59,6 +59,11 @@ def _delegated() -> list[tuple[str, str, str]]:
         ("fairness-steps", "load.fairness_steps", "the fairness workload in scheduler steps"),
         ("fleet", "load.fleet_bench", "replica choice: prefix_aware, least_loaded, round_robin"),
         ("batch", "load.batch_bench", "interactive TTFT with a batch running vs without"),
+        (
+            "fresh-clone",
+            "load.fresh_clone_bench",
+            "a fresh clone's make run vs the no-flags engine",
+        ),
     ]
     return [c for c in candidates if importlib.util.find_spec(c[1]) is not None]
 

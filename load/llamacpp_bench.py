@@ -57,6 +57,10 @@ def llama_command(binary: str, model: Path, port: int, slots: str, threads: int,
     return cmd
 
 
+# The benchmarks' OpenMP tuning, left out of what the defaults rows run.
+OPENMP_TUNING = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+
+
 def defaults_engine_command(port: int) -> tuple[list[str], dict[str, str]]:
     """``portico engine`` as ``make run`` starts it: the model and its served name, no other
     flag, and none of the caller's OpenMP settings, so the CLI's own default applies
@@ -64,8 +68,7 @@ def defaults_engine_command(port: int) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "portico.cli", "engine", "--model", DEFAULT_MODEL,
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
            "--port", str(port)]  # fmt: skip
-    tuned = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
-    return cmd, {k: v for k, v in os.environ.items() if k not in tuned}
+    return cmd, {k: v for k, v in os.environ.items() if k not in OPENMP_TUNING}
 
 
 @contextlib.contextmanager
@@ -110,7 +113,10 @@ def defaults_engine(timeout_s: float) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/v1"
 
 
-def _row(system: str, concurrency: int, summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def summary_row(
+    system: str, concurrency: int, summary: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """One row of the report: what the serve bench measured for ``system`` at ``concurrency``."""
     return {
         "system": system,
         "concurrency": concurrency,
@@ -125,21 +131,48 @@ def _row(system: str, concurrency: int, summary: dict[str, Any], **extra: Any) -
     }
 
 
+def concurrencies_of(args: argparse.Namespace) -> list[int]:
+    return [int(c) for c in args.concurrency.split(",")]
+
+
+def workload_of(args: argparse.Namespace, seed: int | None = None) -> list[datasets.BenchRequest]:
+    """The synthetic workload every system gets (one list; each concurrency takes its head),
+    drawn with ``seed`` (default ``--seed``)."""
+    return datasets.synthetic(
+        max(args.num_requests, max(concurrencies_of(args))),
+        (args.min_prompt, args.max_prompt),
+        (args.min_output, args.max_output),
+        seed=args.seed if seed is None else seed,
+    )
+
+
+def requests_for(
+    workload: Sequence[datasets.BenchRequest], concurrency: int, args: argparse.Namespace
+) -> list[datasets.BenchRequest]:
+    """The head of ``workload`` sent at ``concurrency``: ``--single-stream-requests`` one at a
+    time, ``--num-requests`` otherwise, and never fewer than ``concurrency``."""
+    count = args.num_requests if concurrency > 1 else args.single_stream_requests
+    return list(workload[: max(count, concurrency)])
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, concurrency: str,
+                           num_requests: int, single_stream_requests: int) -> None:  # fmt: skip
+    """The workload's options, with the given defaults for its size."""
+    parser.add_argument("--concurrency", default=concurrency)
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--single-stream-requests", type=int, default=single_stream_requests)
+    parser.add_argument("--min-prompt", type=int, default=22)
+    parser.add_argument("--max-prompt", type=int, default=618)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=255)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system at every concurrency; rows of the report."""
     model = resolve(DEFAULT_MODEL).path
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    workload = datasets.synthetic(
-        max(args.num_requests, max(concurrencies)),
-        (args.min_prompt, args.max_prompt),
-        (args.min_output, args.max_output),
-        seed=args.seed,
-    )
-
-    def requests_for(concurrency: int) -> list[datasets.BenchRequest]:
-        count = args.num_requests if concurrency > 1 else args.single_stream_requests
-        return workload[: max(count, concurrency)]
-
+    concurrencies = concurrencies_of(args)
+    workload = workload_of(args)
     rows: list[dict[str, Any]] = []
     info = vars(args) | {"model": str(model)}
 
@@ -152,21 +185,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.portico_defaults:
         with defaults_engine(args.timeout) as base_url:
-            numerics = _numerics(base_url)
+            numerics = served_numerics(base_url)
             warm_up(base_url)
             for c in concurrencies:
-                summary, _ = serve(base_url, requests_for(c), c)
-                add(_row("portico defaults", c, summary, flags="", numerics=numerics))
+                summary, _ = serve(base_url, requests_for(workload, c, args), c)
+                add(summary_row("portico defaults", c, summary, flags="", numerics=numerics))
     for flags in args.portico_flags.split(";"):
         extra = flags.split()
         system = "portico" if not extra else f"portico {' '.join(extra)}"
         tuned = " ".join([*ENGINE_FLAGS, *extra])
         with engine_process(extra, args.timeout) as (_, base_url):
-            numerics = _numerics(base_url)
+            numerics = served_numerics(base_url)
             warm_up(base_url)
             for c in concurrencies:
-                summary, _ = serve(base_url, requests_for(c), c)
-                add(_row(system, c, summary, flags=tuned, env=ENGINE_ENV, numerics=numerics))
+                summary, _ = serve(base_url, requests_for(workload, c, args), c)
+                add(summary_row(system, c, summary, flags=tuned, env=ENGINE_ENV, numerics=numerics))
     if args.llama_server:
         for slots in args.llama_slots.split(","):
             with llama_server(
@@ -178,8 +211,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         continue  # one slot serves one stream; its c=1 row is the baseline
                     # llama-server dropped reused keep-alive connections mid-run (requests
                     # failed at once): a new connection per request for it.
-                    summary, _ = serve(base_url, requests_for(c), c, keepalive=False)
-                    add(_row("llama.cpp", c, summary, slots=slots))
+                    summary, _ = serve(
+                        base_url, requests_for(workload, c, args), c, keepalive=False
+                    )
+                    add(summary_row("llama.cpp", c, summary, slots=slots))
     return {"rows": rows, "workload": info}
 
 
@@ -188,11 +223,13 @@ def write_report(out: str, report: dict[str, Any]) -> None:
     Path(out).write_text(json.dumps(report, indent=2))
 
 
-def _numerics(base_url: str) -> Any:
+def served_numerics(base_url: str, api_key: str | None = None) -> Any:
     """The path the engine computes on, from its ``/v1/models`` card."""
     import httpx
 
-    return httpx.get(base_url + "/models", timeout=10).json()["data"][0].get("numerics")
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    cards = httpx.get(base_url + "/models", headers=headers, timeout=10).json()["data"]
+    return cards[0].get("numerics")
 
 
 def best_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -225,14 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="flags beyond make bench's engine flags; several runs separated by ';' "
         "(e.g. ';--gguf-activations exact')",
     )
-    parser.add_argument("--concurrency", default="1,16,64")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--single-stream-requests", type=int, default=16)
-    parser.add_argument("--min-prompt", type=int, default=22)
-    parser.add_argument("--max-prompt", type=int, default=618)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=255)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser, "1,16,64", num_requests=256, single_stream_requests=16)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", default=".portico/bench/llamacpp_bench.json")
     args = parser.parse_args(argv)

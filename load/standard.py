@@ -303,7 +303,11 @@ def wait_ready(
 
 
 def serve(
-    base_url: str, requests: Sequence[Any], concurrency: int, keepalive: bool = True
+    base_url: str,
+    requests: Sequence[Any],
+    concurrency: int,
+    keepalive: bool = True,
+    api_key: str | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     from load import serve_bench
 
@@ -313,6 +317,7 @@ def serve(
             SERVED_NAME,
             requests,
             max_concurrency=concurrency,
+            api_key=api_key,
             extra_body={"ignore_eos": True},
             progress=False,
             keepalive=keepalive,
@@ -320,11 +325,11 @@ def serve(
     )
 
 
-def warm_up(base_url: str) -> None:
+def warm_up(base_url: str, api_key: str | None = None) -> None:
     """Two short requests, so first-call costs stay out of the numbers."""
     from load import datasets
 
-    serve(base_url, datasets.synthetic(2, (16, 32), (4, 4), seed=99), 2)
+    serve(base_url, datasets.synthetic(2, (16, 32), (4, 4), seed=99), 2, api_key=api_key)
 
 
 # ---------------------------------------------------------------- the sections
