@@ -175,8 +175,8 @@ SUBJECTS = [
 ]  # fmt: skip
 STYLES = ["Invent", "Describe", "Make up", "Write the profile of", "Give me"]
 # The grammar admits up to 16 whitespace characters between two JSON tokens, and at
-# temperature 0.8 the model spends many tokens on newlines: 300 such answers took 123-127
-# tokens on average and up to 184, and one in CI ran past 220. A cut answer is the length
+# temperature 0.8 the model spends many tokens on newlines: 150 such answers took 128 tokens
+# on average and up to 184, and one in CI ran past 220. A cut answer is the length
 # limit, not the grammar, so the limit sits well above that tail (the context holds it).
 MAX_PERSON_TOKENS = 600
 
