@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from load.gateway_stack import gateway, redis_server
+from load.gateway_stack import admin_client, gateway, new_tenant_key, redis_server
 from load.serve_bench import percentiles
 
 SERVED_NAME = "batch-bench"
@@ -182,15 +182,12 @@ async def measure(base_url: str, keys: tuple[str, str], args: argparse.Namespace
 
 
 def tenant_keys(base_url: str, admin_key: str) -> tuple[str, str]:
-    headers = {"authorization": f"Bearer {admin_key}"}
-    keys = []
-    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as admin:
-        for name in ("interactive", "batch-owner"):
-            admin.post("/admin/v1/tenants", json={"id": name, "name": name}).raise_for_status()
-            made = admin.post(f"/admin/v1/tenants/{name}/keys", json={})
-            made.raise_for_status()
-            keys.append(made.json()["key"])
-    return keys[0], keys[1]
+    with admin_client(base_url, admin_key) as admin:
+        interactive, batch = (
+            new_tenant_key(admin, {"id": name, "name": name})
+            for name in ("interactive", "batch-owner")
+        )
+    return interactive, batch
 
 
 def main(argv: list[str] | None = None) -> int:

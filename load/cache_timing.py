@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from load.gateway_stack import gateway, redis_server
+from load.gateway_stack import admin_client, gateway, new_tenant_key, redis_server
 
 
 def ttft(base: str, key: str, model: str, prompt: str) -> tuple[float, int]:
@@ -84,13 +84,9 @@ def prompt(words: int) -> str:
 
 
 def tenant(base: str, admin_key: str) -> str:
-    admin = {"authorization": f"Bearer {admin_key}"}
     tid = "t" + uuid.uuid4().hex[:10]
-    httpx.post(base + "/admin/v1/tenants", headers=admin, timeout=10,
-               json={"id": tid, "name": tid, "plan": "open"}).raise_for_status()  # fmt: skip
-    r = httpx.post(base + f"/admin/v1/tenants/{tid}/keys", headers=admin, json={}, timeout=10)
-    r.raise_for_status()
-    return str(r.json()["key"])
+    with admin_client(base, admin_key, timeout_s=10) as admin:
+        return new_tenant_key(admin, {"id": tid, "name": tid, "plan": "open"})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

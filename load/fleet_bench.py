@@ -48,7 +48,15 @@ import yaml
 
 from gateway.admission.prompt_tokens import load_tokenizer
 from gateway.config import DEFAULT_MODEL_SPEC
-from load.gateway_stack import BENCH_PLAN, free_port, process, redis_server, wait_for
+from load.gateway_stack import (
+    BENCH_PLAN,
+    admin_client,
+    free_port,
+    new_tenant_key,
+    process,
+    redis_server,
+    wait_for,
+)
 from load.serve_bench import percentiles
 
 POLICIES = ("prefix_aware", "least_loaded", "round_robin", "load_only")
@@ -258,17 +266,9 @@ async def drive(base_url: str, keys: list[str], args: argparse.Namespace) -> dic
 
 
 def create_keys(base_url: str, admin_key: str, n: int) -> list[str]:
-    keys = []
-    with httpx.Client(
-        base_url=base_url, headers={"authorization": f"Bearer {admin_key}"}, timeout=30
-    ) as admin:
-        for t in range(n):
-            tid = f"fleet{t}-{secrets.token_hex(3)}"
-            admin.post("/admin/v1/tenants", json={"id": tid, "name": tid}).raise_for_status()
-            r = admin.post(f"/admin/v1/tenants/{tid}/keys", json={})
-            r.raise_for_status()
-            keys.append(r.json()["key"])
-    return keys
+    with admin_client(base_url, admin_key) as admin:
+        tids = [f"fleet{t}-{secrets.token_hex(3)}" for t in range(n)]
+        return [new_tenant_key(admin, {"id": tid, "name": tid}) for tid in tids]
 
 
 def run_policy(root: Path, redis_url: str, policy: str, replicas: int,

@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from load.gateway_stack import admin_client, new_tenant_key
 from load.llamacpp_bench import (
     OPENMP_TUNING,
     add_workload_arguments,
@@ -358,13 +359,10 @@ def _describe(process: Any) -> str:
 
 def tenant_key(base_url: str, admin_key: str) -> str:
     """A tenant on :data:`TENANT_PLAN` and its API key, through the admin API."""
-    headers = {"authorization": f"Bearer {admin_key}"}
-    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as admin:
-        tenant = {"id": TENANT, "name": "fresh clone bench", "plan": TENANT_PLAN}
-        admin.post("/admin/v1/tenants", json=tenant).raise_for_status()
-        made = admin.post(f"/admin/v1/tenants/{TENANT}/keys", json={})
-        made.raise_for_status()
-        return str(made.json()["key"])
+    with admin_client(base_url, admin_key) as admin:
+        return new_tenant_key(
+            admin, {"id": TENANT, "name": "fresh clone bench", "plan": TENANT_PLAN}
+        )
 
 
 def served_from(python: Path, cwd: Path, env: Mapping[str, str]) -> str:

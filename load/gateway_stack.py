@@ -231,6 +231,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def admin_client(base_url: str, admin_key: str, timeout_s: float = 30.0) -> httpx.Client:
+    """A client of the gateway's admin REST API at ``base_url``."""
+    headers = {"authorization": f"Bearer {admin_key}"}
+    return httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+
+
+def new_tenant_key(admin: httpx.Client, tenant: dict[str, Any]) -> str:
+    """Create ``tenant`` (the admin API's tenant body: ``id``, ``name``, optional ``plan`` and
+    ``overrides``) and one API key for it; returns the key."""
+    admin.post("/admin/v1/tenants", json=tenant).raise_for_status()
+    made = admin.post(f"/admin/v1/tenants/{tenant['id']}/keys", json={})
+    made.raise_for_status()
+    return str(made.json()["key"])
+
+
 @dataclass(frozen=True)
 class GatewayHandle:
     """A running bench gateway: where it listens, its admin key, its process id."""

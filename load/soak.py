@@ -41,6 +41,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from load.gateway_stack import admin_client, new_tenant_key
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ADMIN_KEY = "soak-admin-key-0123456789abcdef"
 
@@ -202,26 +204,16 @@ def own_gateway(workdir: Path, port: int) -> Iterator[tuple[str, str, int]]:
                 if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
             time.sleep(0.25)
-        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
         unlimited = {
             "requests_per_minute": 10**9,
             "tokens_per_minute": 10**12,
             "max_concurrency": 10**6,
             "monthly_token_budget": 10**15,
         }
-        httpx.post(
-            url + "/admin/v1/tenants",
-            headers=admin,
-            json={
-                "id": "soak",
-                "name": "soak",
-                "plan": "enterprise",
-                "overrides": unlimited,
-            },
-        ).raise_for_status()
-        r = httpx.post(url + "/admin/v1/tenants/soak/keys", headers=admin, json={})
-        r.raise_for_status()
-        yield url, r.json()["key"], gw.pid
+        soak = {"id": "soak", "name": "soak", "plan": "enterprise", "overrides": unlimited}
+        with admin_client(url, ADMIN_KEY) as admin:
+            key = new_tenant_key(admin, soak)
+        yield url, key, gw.pid
     finally:
         gw.send_signal(signal.SIGTERM)
         gw.wait(60)

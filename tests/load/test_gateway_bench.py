@@ -116,6 +116,24 @@ def test_tenants_and_keys_are_made_through_the_admin_api(
         gb.create_tenants(base, "sk-admin-wrong-key-0123456789", 1, 1)
 
 
+def test_new_tenant_key_makes_the_tenant_on_its_plan_and_a_key_it_serves(
+    stack: tuple[gs.GatewayHandle, int],
+) -> None:
+    """The benches' one way to get a tenant's key (batch, fleet, fresh-clone, cache-timing,
+    soak): the tenant exists with the plan asked for, and its key is served."""
+    gw, _ = stack
+    base = f"http://127.0.0.1:{gw.port}"
+    with gs.admin_client(base, gw.admin_key) as admin:
+        key = gs.new_tenant_key(admin, {"id": "helper-t", "name": "helper-t", "plan": "open"})
+        tenant = admin.get("/admin/v1/tenants/helper-t").json()
+    assert tenant["plan"] == "open"
+    models = httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {key}"})
+    assert models.status_code == 200
+    with gs.admin_client(base, "sk-admin-wrong-key-0123456789") as wrong:
+        with pytest.raises(httpx.HTTPStatusError):
+            gs.new_tenant_key(wrong, {"id": "helper-u", "name": "helper-u"})
+
+
 def test_every_shot_is_served_through_the_gateway_and_directly(
     stack: tuple[gs.GatewayHandle, int],
 ) -> None:
