@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +103,28 @@ def cuda_memory(device: object) -> tuple[int, int, int]:
     allocated = torch.cuda.memory_allocated(device)  # type: ignore[arg-type]
     cached = torch.cuda.memory_reserved(device) - allocated  # type: ignore[arg-type]
     return int(free + cached), int(total), int(allocated + CUDA_CONTEXT_BYTES)
+
+
+def gpu_share_flags(
+    engine_args: Sequence[str], num_engines: int, cuda_available: bool, utilization: float = 0.9
+) -> list[str]:
+    """``engine_args`` for one of ``num_engines`` engines sharing one CUDA card: with
+    ``--gpu-memory-utilization`` set to an even split of ``utilization`` (floored to 0.01),
+    where the engines run on CUDA (``--device cuda``, or ``auto``/absent and
+    ``cuda_available``) and the flag is not given already. Unchanged otherwise."""
+    args = list(engine_args)
+    device = "auto"
+    for i, word in enumerate(args):
+        if word == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif word.startswith("--device="):
+            device = word.split("=", 1)[1]
+    on_cuda = device == "cuda" or (device == "auto" and cuda_available)
+    given = any(w.split("=")[0] == "--gpu-memory-utilization" for w in args)
+    if not on_cuda or given or num_engines < 1:
+        return args
+    share = math.floor(utilization / num_engines * 100) / 100
+    return [*args, "--gpu-memory-utilization", f"{share:g}"]
 
 
 def num_blocks_in(budget_bytes: int, per_block_bytes: int) -> int:

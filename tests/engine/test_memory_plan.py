@@ -20,7 +20,12 @@ from torch import nn
 
 from engine.config import EngineConfig, parse_memory
 from engine.llm_engine import LLMEngine
-from engine.memory_plan import ACTIVATION_RESERVE_PER_TOKEN, kv_cache_budget, plan
+from engine.memory_plan import (
+    ACTIVATION_RESERVE_PER_TOKEN,
+    gpu_share_flags,
+    kv_cache_budget,
+    plan,
+)
 from engine.models.block_linear import GGUFBlocks
 from portico.cli import main
 
@@ -138,6 +143,24 @@ def test_two_engines_at_0_4_share_a_card_and_a_third_is_refused() -> None:
     greedy = EngineConfig(gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
     with pytest.raises(ValueError, match="other processes hold"):
         kv_cache_budget(greedy, "cuda", total - first_uses - held, total, held)
+
+
+def test_engines_sharing_a_card_split_the_utilization_and_fit_together() -> None:
+    """The fairness and fleet benches' flags: N engines on one CUDA card, 0.9 split evenly."""
+    assert gpu_share_flags(["--device", "cuda"], 2, False) == [
+        "--device", "cuda", "--gpu-memory-utilization", "0.45",
+    ]  # fmt: skip
+    assert gpu_share_flags([], 3, True)[-1] == "0.3"
+    assert gpu_share_flags(["--max-num-seqs", "8"], 2, False) == ["--max-num-seqs", "8"]  # CPU
+    assert gpu_share_flags(["--device=cpu"], 2, True) == ["--device=cpu"]
+    mine = ["--device", "cuda", "--gpu-memory-utilization=0.3"]
+    assert gpu_share_flags(mine, 2, True) == mine  # the user's own split is kept
+    share = float(gpu_share_flags([], 2, True)[-1])
+    config = EngineConfig(gpu_memory_utilization=share, max_num_batched_tokens=2048)
+    total, held = 141 * GIB, 2 * GIB
+    first = kv_cache_budget(config, "cuda", total - held, total, held)
+    first_uses = held + first + 2048 * ACTIVATION_RESERVE_PER_TOKEN
+    assert kv_cache_budget(config, "cuda", total - first_uses - held, total, held) == first
 
 
 def test_cuda_plan_for_a_device_this_machine_lacks(tiny_llama_dir: Path) -> None:
