@@ -66,7 +66,8 @@ def _free_cuda() -> None:
     import torch
 
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sync_time(fn: Callable[[], object], repeats: int) -> float:
@@ -89,7 +90,17 @@ def _sync_time(fn: Callable[[], object], repeats: int) -> float:
 # --------------------------------------------------------------------------- (a) kernels
 
 
-def _kernel_case(shape: Shape, dtype: Any, kv: str, seed: int) -> dict[str, Any]:
+def kernel_case(
+    shape: Shape,
+    dtype: Any,
+    kv: str,
+    seed: int,
+    device: str = "cuda",
+    step: list[tuple[int, int]] = KERNEL_STEP,
+) -> dict[str, Any]:
+    """One step of ``step``'s (query_len, seq_len) at ``shape``: the Triton writer's cache
+    against the reference writer's, the Triton attention against the reference's on the same
+    cache (``device`` cpu: under TRITON_INTERPRET=1, the tests' way)."""
     import torch
 
     from engine.attention import AttentionMetadata
@@ -99,9 +110,9 @@ def _kernel_case(shape: Shape, dtype: Any, kv: str, seed: int) -> dict[str, Any]
     from engine.kv_cache_dtype import cache_shape
 
     torch.manual_seed(seed)
-    rng, block, dev = random.Random(seed), 16, torch.device("cuda")
+    rng, block, dev = random.Random(seed), 16, torch.device(device)
     heads, kv_heads, d = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
-    q_lens, s_lens = [q for q, _ in KERNEL_STEP], [s for _, s in KERNEL_STEP]
+    q_lens, s_lens = [q for q, _ in step], [s for _, s in step]
     needed = [-(-s // block) for s in s_lens]
     pool = list(range(1, sum(needed) + 1))
     rng.shuffle(pool)  # scattered blocks; block 0 unused
@@ -127,7 +138,8 @@ def _kernel_case(shape: Shape, dtype: Any, kv: str, seed: int) -> dict[str, Any]
             meta.query_lens_cpu, meta.seq_lens_cpu)  # fmt: skip
     out_ref = paged_attention_ref(q, ref_cache, *args)
     out_tri = paged_attention_triton(q, ref_cache, *args)
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     diff = float((out_ref.float() - out_tri.float()).abs().max())
     equal = bool(torch.equal(ref_cache, tri_cache))
     name = str(dtype).removeprefix("torch.")
@@ -142,7 +154,7 @@ def kernels_section(budget: Budget) -> dict[str, Any]:
     for i, shape in enumerate(SHAPES.values()):
         for dtype in (torch.float32, torch.bfloat16):
             for kv in ("auto", "int8"):
-                cases.append(_kernel_case(shape, dtype, kv, seed=i))
+                cases.append(kernel_case(shape, dtype, kv, seed=i))
     _free_cuda()
     return {"step": KERNEL_STEP, "cases": cases}
 
@@ -168,7 +180,16 @@ def _random_checkpoint(folder: Path, shape: Shape, seed: int = 0) -> Path:
     return folder
 
 
-def greedy_section(budget: Budget, workdir: Path, new_tokens: int = 32) -> dict[str, Any]:
+def greedy_section(
+    workdir: Path,
+    new_tokens: int = 32,
+    device: str = "cuda",
+    shape: Shape = SHAPES["smollm2-135m"],
+    real_model: bool = True,
+) -> dict[str, Any]:
+    """16 prompts (8 sharing a 48-token prefix, so the cache hits), greedy, float32: the
+    engine's tokens and transformers' on ``device``, from the default model's file where
+    ``real_model`` and present, else from :func:`_random_checkpoint` of ``shape``."""
     import torch
 
     from engine.config import EngineConfig
@@ -179,29 +200,33 @@ def greedy_section(budget: Budget, workdir: Path, new_tokens: int = 32) -> dict[
     from portico.registry import DEFAULT_MODEL, ModelNotFound, resolve
 
     try:
+        if not real_model:
+            raise ModelNotFound(DEFAULT_MODEL)
         source, label = resolve(DEFAULT_MODEL), f"{DEFAULT_MODEL} (its GGUF)"
     except ModelNotFound:
-        folder = _random_checkpoint(workdir / "greedy-checkpoint", SHAPES["smollm2-135m"])
-        source, label = resolve(str(folder)), "smollm2-135m shape, random weights"
-    rng = random.Random(0)
-    shared = [rng.randrange(100, 40000) for _ in range(48)]  # three full blocks
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(8, 90))] for _ in range(8)]
-    prompts += [shared + [rng.randrange(100, 40000) for _ in range(5 + i)] for i in range(8)]
-    config = EngineConfig(model=str(source.path), device="cuda", dtype="float32",
+        folder = _random_checkpoint(workdir / "greedy-checkpoint", shape)
+        source, label = resolve(str(folder)), f"{shape.name} shape, random weights"
+    rng, top = random.Random(0), min(40000, shape.vocab_size)
+    shared = [rng.randrange(100, top) for _ in range(48)]  # three full blocks
+    prompts = [[rng.randrange(100, top) for _ in range(rng.randint(8, 90))] for _ in range(8)]
+    prompts += [shared + [rng.randrange(100, top) for _ in range(5 + i)] for i in range(8)]
+    config = EngineConfig(model=str(source.path), device=device, dtype="float32",
                           gpu_memory_utilization=0.3)  # fmt: skip
     engine = LLMEngine.from_config(config)
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    outs = LLM.from_engine(engine).generate(prompts, greedy)
+    llm = LLM.from_engine(engine)
+    outs = llm.generate(prompts[:9], greedy)  # the shared prefix cached by the 9th
+    outs += llm.generate(prompts[9:], greedy)  # and hit by the 7 after it
     ours = [list(o.outputs[0].token_ids) for o in outs]
     cached = sum(o.num_cached_tokens for o in outs)
     engine.close()
-    del engine, outs
+    del engine, llm, outs
     _free_cuda()
-    model = load_hf(source, torch.float32, torch.device("cuda"))
+    model = load_hf(source, torch.float32, torch.device(device))
     theirs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p], device="cuda")
+            ids = torch.tensor([p], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)  # fmt: skip
             theirs.append(out[0, len(p) :].tolist())
@@ -405,7 +430,11 @@ def _run_section(sections: dict[str, Any], name: str, need_s: float, budget: Bud
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="portico bench gpu", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="portico bench gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=Path("load/results/gpu.json"))
     parser.add_argument("--plot", type=Path, default=Path("load/results/gpu.png"))
     parser.add_argument("--budget-s", type=float, default=BUDGET_S)
@@ -424,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         folder = write_shape_folder(workdir / "smollm2-135m-shape", SHAPES["smollm2-135m"])
         _run_section(sections, "kernels", 20, budget, lambda: kernels_section(budget))
-        _run_section(sections, "greedy", 60, budget, lambda: greedy_section(budget, workdir))
+        _run_section(sections, "greedy", 60, budget, lambda: greedy_section(workdir))
         _run_section(sections, "offline", 60, budget,
                      lambda: offline_section(budget, folder, not args.no_compile))  # fmt: skip
         _run_section(sections, "served", 60, budget,

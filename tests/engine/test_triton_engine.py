@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import kernels
 from tests.engine.triton_engine_check import run_scenario
@@ -66,5 +67,8 @@ def test_engine_on_the_cuda_kernel_choice_matches_the_cpu_path(tiny_llama_dir: P
     assert all(n >= 32 for rid, n in triton["cached"].items() if rid != "first"), triton
     assert triton["cached"] == cpu["cached"]
     assert len(triton["tokens"]) == 5
-    assert all(len(t) == 10 for t in triton["tokens"].values())
+    assert all(len(t) == 6 for t in triton["tokens"].values())
     assert triton["tokens"] == cpu["tokens"]
+    for rid, steps in cpu["logprobs"].items():
+        assert len(steps) == 6 and all(len(top) == 2 for top in steps)
+        torch.testing.assert_close(triton["logprobs"][rid], steps, atol=1e-4, rtol=0)

@@ -29,16 +29,16 @@ def _tokens(n: int, start: int) -> list[int]:
     return [(start + 7 * i) % 4000 + 10 for i in range(n)]
 
 
-def run_scenario(model_dir: Path) -> dict[str, Any]:
+def run_scenario(model_dir: Path, device: str = "cpu") -> dict[str, Any]:
     """A shared 32-token prefix (two full blocks), then four requests at once in a cache too
     small for them all (12 blocks of 16): prefill, decode, a prefix hit and a preemption."""
-    loaded = load_model(ModelSource("tiny", model_dir, "hf"), torch.float32, "cpu")
+    loaded = load_model(ModelSource("tiny", model_dir, "hf"), torch.float32, device)
     config = EngineConfig(
-        model="tiny", device="cpu", num_gpu_blocks_override=12, max_num_batched_tokens=96,
+        model="tiny", device=device, num_gpu_blocks_override=12, max_num_batched_tokens=96,
         preemption_mode="recompute",
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
-    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     prefix = _tokens(32, start=3)
     engine.add_request("first", prefix + _tokens(5, start=900), greedy)
     finals = _run_all(engine)
@@ -50,9 +50,14 @@ def run_scenario(model_dir: Path) -> dict[str, Any]:
     return {
         "tokens": {rid: list(out.outputs[0].token_ids) for rid, out in sorted(finals.items())},
         "cached": {rid: out.num_cached_tokens for rid, out in sorted(finals.items())},
+        # the best two log-probabilities of every step: attention's numbers, not only argmaxes
+        "logprobs": {
+            rid: [[lp for _, lp in step.top_logprobs] for step in out.outputs[0].logprobs or []]
+            for rid, out in sorted(finals.items())
+        },
         "num_preemptions": stats.num_preemptions,
-        "paged_attention": kernels.choose("cpu").paged_attention,
-        "write_kv_cache": kernels.choose("cpu").write_kv_cache,
+        "paged_attention": kernels.choose(device).paged_attention,
+        "write_kv_cache": kernels.choose(device).write_kv_cache,
         "triton_modules": sorted(m for m in sys.modules if m.startswith("engine.kernels.triton")),
     }
 
