@@ -171,7 +171,8 @@ def _random_checkpoint(folder: Path, shape: Shape, seed: int = 0) -> Path:
 
     write_shape_folder(folder, shape)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape.hf_config())).to(torch.float32)
+    model: Any = LlamaForCausalLM(LlamaConfig(**shape.hf_config()))
+    model = model.to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
