@@ -70,13 +70,20 @@ def _free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def _sync_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` on the device (CUDA events), after two warm-up calls."""
+def _sync_time(fn: Callable[[], object], repeats: int, device: str = "cuda") -> float:
+    """Median seconds of ``fn`` on the device (CUDA events; on a CPU the wall clock), after
+    two warm-up calls."""
     import torch
 
     for _ in range(2):
         fn()
     times = []
+    if device == "cpu":
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+        return sorted(times)[len(times) // 2]
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -243,7 +250,15 @@ def greedy_section(
 # --------------------------------------------------------------------------- (c) offline
 
 
-def offline_section(budget: Budget, folder: Path, compile_hf: bool) -> dict[str, Any]:
+def offline_section(
+    budget: Budget,
+    folder: Path,
+    compile_hf: bool,
+    device: str = "cuda",
+    shape: str = "smollm2-135m",
+) -> dict[str, Any]:
+    """The engine (``--load-format dummy`` on ``folder``, ``shape``'s config) against
+    transformers' static batches of the same shape and random weights, bf16 on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -255,17 +270,18 @@ def offline_section(budget: Budget, folder: Path, compile_hf: bool) -> dict[str,
     prompts = [[rng.randrange(1000, 30000) for _ in range(rng.randint(64, 512))]
                for _ in range(OFFLINE_REQUESTS)]  # fmt: skip
     work = Workload(prompts, [OFFLINE_OUTPUT] * OFFLINE_REQUESTS)
-    config = EngineConfig(model=str(folder), device="cuda", load_format="dummy",
+    config = EngineConfig(model=str(folder), device=device, load_format="dummy", dtype="bfloat16",
                           max_num_seqs=256, gpu_memory_utilization=0.4)  # fmt: skip
     engine = LLMEngine.from_config(config)
-    run_portico(engine, Workload(work.prompts[:8], [8] * 8))  # warm-up: Triton compiles
+    warm = [[999 - i] * 64 for i in range(8)]  # prompts the workload never shares a block with
+    run_portico(engine, Workload(warm, [8] * 8))  # warm-up: Triton compiles
     runs: dict[str, Any] = {"portico": run_portico(engine, work)}
     runs["portico_single_stream"] = single_stream(engine, work.prompts[0], 128)
     engine.close()
     del engine
     _free_cuda()
-    hf_config = LlamaConfig(**SHAPES["smollm2-135m"].hf_config())
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).cuda().eval()
+    hf_config = LlamaConfig(**SHAPES[shape].hf_config())
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).to(device).eval()
     run_hf(model, Workload(work.prompts[:2], [4, 4]), 2, 0)  # warm-up
     runs["transformers_static_batch_64"] = run_hf(model, work, 64, 0)
     if compile_hf and budget.left() > 150:
@@ -275,7 +291,7 @@ def offline_section(budget: Budget, folder: Path, compile_hf: bool) -> dict[str,
     speedup = runs["portico"]["output_tokens_per_s"] / max(
         runs["transformers_static_batch_64"]["output_tokens_per_s"], 1e-9
     )
-    return {"shape": "smollm2-135m", "dtype": "bfloat16", "requests": OFFLINE_REQUESTS,
+    return {"shape": shape, "dtype": "bfloat16", "requests": OFFLINE_REQUESTS,
             "output_tokens": OFFLINE_OUTPUT, "runs": runs,
             "speedup_vs_static_batch": round(speedup, 2)}  # fmt: skip
 
@@ -301,18 +317,20 @@ def _compiled_hf(model: Any, work: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- (d) served
 
 
-def served_section(budget: Budget, folder: Path, workdir: Path) -> dict[str, Any]:
+def served_section(
+    budget: Budget, folder: Path, workdir: Path, device: str = "cuda"
+) -> dict[str, Any]:
     """``portico engine`` (dummy weights, bf16) at each concurrency of :data:`SERVED_LEVELS`,
     prompts of 64-512 token ids and 128 output tokens, through load/serve_bench.py."""
     from load.datasets import synthetic
     from load.fairness_bench import SERVED_NAME, engine_process
     from load.serve_bench import run_benchmark
 
-    flags = ["--device", "cuda", "--load-format", "dummy", "--max-num-seqs", "256",
-             "--gpu-memory-utilization", "0.5"]  # fmt: skip
+    flags = ["--device", device, "--load-format", "dummy", "--dtype", "bfloat16",
+             "--max-num-seqs", "256", "--gpu-memory-utilization", "0.5"]  # fmt: skip
     levels: dict[str, Any] = {}
     with engine_process(str(folder), "fcfs", flags, workdir) as url:
-        warm = synthetic(4, (64, 64), (8, 8), seed=1)
+        warm = synthetic(4, (64, 64), (8, 8), seed=99)  # no level uses seed 99
         asyncio.run(run_benchmark(url + "/v1", SERVED_NAME, warm, max_concurrency=4,
                                   extra_body={"ignore_eos": True}, progress=False))  # fmt: skip
         for concurrency, count in SERVED_LEVELS.items():
@@ -343,8 +361,9 @@ def copy_bandwidth_gbs(megabytes: int = 2048) -> float:
     return round(2 * megabytes * 2**20 / seconds / 1e9, 1)
 
 
-def _attention_seconds(shape: Shape, batch: int, context: int) -> float:
-    """One layer's decode attention (Triton, bf16 cache) for ``batch`` sequences."""
+def attention_seconds(shape: Shape, batch: int, context: int, device: str = "cuda") -> float:
+    """One layer's decode attention (Triton, bf16 cache) for ``batch`` sequences (``device``
+    cpu: under TRITON_INTERPRET=1, for the tests)."""
     import torch
 
     from engine.attention import AttentionMetadata
@@ -354,13 +373,13 @@ def _attention_seconds(shape: Shape, batch: int, context: int) -> float:
     per_seq = -(-context // block)
     order = torch.randperm(batch * per_seq).add(1).tolist()  # scattered blocks
     tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
-    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, block, "cuda")
+    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, block, device)
     kv, d = shape.num_key_value_heads, shape.head_dim
-    cache = torch.randn(2, batch * per_seq + 1, block, kv, d, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(batch, shape.num_attention_heads, d, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, batch * per_seq + 1, block, kv, d, device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, shape.num_attention_heads, d, device=device, dtype=torch.bfloat16)
     args = (q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, d**-0.5,
             meta.query_lens_cpu, meta.seq_lens_cpu)  # fmt: skip
-    return _sync_time(lambda: paged_attention_triton(*args), 20)
+    return _sync_time(lambda: paged_attention_triton(*args), 20, device)
 
 
 def bandwidth_section(budget: Budget, served: dict[str, Any]) -> dict[str, Any]:
@@ -369,7 +388,7 @@ def bandwidth_section(budget: Budget, served: dict[str, Any]) -> dict[str, Any]:
     rows = []
     for name in ("smollm2-135m", "llama-1b"):
         for batch, context in ((1, 2048), (64, 1024), (256, 512)):
-            seconds = _attention_seconds(SHAPES[name], batch, context)
+            seconds = attention_seconds(SHAPES[name], batch, context)
             measured = tpot if (name, batch) == ("smollm2-135m", 64) else None
             rows.append(bandwidth_row(SHAPES[name], batch, context, seconds, copy, measured))
     _free_cuda()

@@ -226,11 +226,19 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         g = s["greedy"]
         lines.append(f"(b) greedy vs transformers ({g['model']}): {g['equal']}/{g['prompts']}")
     for name, run in s["offline"].get("runs", {}).items():
-        lines.append(f"(c) offline {name}: {run['output_tokens_per_s']} output tok/s")
+        if "error" in run:
+            lines.append(f"(c) offline {name}: {run['error']}")
+        elif "decode_tokens_per_s" in run:
+            lines.append(f"(c) offline {name}: {run['decode_tokens_per_s']} tok/s decode")
+        else:
+            lines.append(f"(c) offline {name}: {run['output_tokens_per_s']} output tok/s")
     for level, run in sorted(s["served"].get("levels", {}).items(), key=lambda kv: int(kv[0])):
+        if "output_throughput" not in run:
+            lines.append(f"(d) served c={level}: {run.get('skipped', 'not run')}")
+            continue
         lines.append(
-            f"(d) served c={level}: {run['output_throughput']} tok/s, TTFT p50 "
-            f"{run['ttft_ms']['median']} ms, TPOT p50 {run['tpot_ms']['median']} ms"
+            f"(d) served c={level}: {run['output_throughput']:.1f} tok/s, TTFT p50 "
+            f"{run['ttft_ms']['median']:.1f} ms, TPOT p50 {run['tpot_ms']['median']:.2f} ms"
         )
     band = s["bandwidth"]
     if "copy_gbs" in band:

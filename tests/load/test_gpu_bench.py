@@ -87,19 +87,22 @@ def test_a_shape_folder_is_served_with_dummy_weights_and_every_token_decodes(
 def test_a_kernel_case_under_the_interpreter_builds_a_passing_report(tmp_path: Path) -> None:
     script = (
         "import json, torch\n"
-        "from load.gpu_bench import kernel_case\n"
+        "from load.gpu_bench import attention_seconds, kernel_case\n"
         "from load.gpu_shapes import Shape\n"
         "shape = Shape('tiny', 64, 128, 2, 4, 2, 500, True)\n"
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "    for kv in ('auto', 'int8'):\n"
         "        print(json.dumps(kernel_case(shape, dtype, kv, 0, 'cpu', "
         "[(1, 40), (9, 9), (3, 20)])))\n"
+        "print(attention_seconds(shape, 2, 40, 'cpu'))\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = [json.loads(line) for line in proc.stdout.splitlines()]
+    *lines, seconds = proc.stdout.splitlines()
+    assert float(seconds) > 0  # section (e)'s kernel timing runs the Triton decode
+    cases = [json.loads(line) for line in lines]
     assert len(cases) == 4 and all(c["ok"] and c["cache_equal"] for c in cases), cases
     sections = {"kernels": {"cases": cases}, "greedy": {"prompts": 16, "equal": 16,
                                                         "model": "tiny"}}  # fmt: skip
