@@ -196,14 +196,11 @@ def greedy_section(
     real_model: bool = True,
 ) -> dict[str, Any]:
     """16 prompts (8 sharing a 48-token prefix, so the cache hits), greedy, float32: the
-    engine's tokens and transformers' on ``device``, from the default model's file where
-    ``real_model`` and present, else from :func:`_random_checkpoint` of ``shape``."""
+    engine's tokens (prefix caching on, and off) and transformers' on ``device``, from the
+    default model's file where ``real_model`` and present, else from
+    :func:`_random_checkpoint` of ``shape``."""
     import torch
 
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
     from load.engine_bench import load_hf
     from portico.registry import DEFAULT_MODEL, ModelNotFound, resolve
 
@@ -218,18 +215,8 @@ def greedy_section(
     shared = [rng.randrange(100, top) for _ in range(48)]  # three full blocks
     prompts = [[rng.randrange(100, top) for _ in range(rng.randint(8, 90))] for _ in range(8)]
     prompts += [shared + [rng.randrange(100, top) for _ in range(5 + i)] for i in range(8)]
-    config = EngineConfig(model=str(source.path), device=device, dtype="float32",
-                          gpu_memory_utilization=0.3)  # fmt: skip
-    engine = LLMEngine.from_config(config)
-    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm = LLM.from_engine(engine)
-    outs = llm.generate(prompts[:9], greedy)  # the shared prefix cached by the 9th
-    outs += llm.generate(prompts[9:], greedy)  # and hit by the 7 after it
-    ours = [list(o.outputs[0].token_ids) for o in outs]
-    cached = sum(o.num_cached_tokens for o in outs)
-    engine.close()
-    del engine, llm, outs
-    _free_cuda()
+    ours, cached = _engine_greedy(str(source.path), device, prompts, new_tokens, True)
+    ours_uncached, _ = _engine_greedy(str(source.path), device, prompts, new_tokens, False)
     model = load_hf(source, torch.float32, torch.device(device))
     theirs = []
     with torch.inference_mode():
@@ -241,10 +228,38 @@ def greedy_section(
     del model
     _free_cuda()
     equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    equal_off = sum(a == b for a, b in zip(ours_uncached, theirs, strict=True))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                   for a, b in zip(ours, theirs, strict=True)]  # fmt: skip
     return {"model": label, "prompts": len(prompts), "equal": equal, "new_tokens": new_tokens,
+            "equal_prefix_caching_off": equal_off,
             "prefix_cached_tokens": cached, "first_difference": first_diff}  # fmt: skip
+
+
+def _engine_greedy(
+    model: str, device: str, prompts: list[list[int]], new_tokens: int, prefix_caching: bool
+) -> tuple[list[list[int]], int]:
+    """The engine's greedy tokens for ``prompts`` in float32, and the prompt tokens its
+    prefix cache served: the first nine prompts, then the rest (the 9th caches the prefix
+    the 7 after it share)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=model, device=device, dtype="float32",
+                          enable_prefix_caching=prefix_caching,
+                          gpu_memory_utilization=0.3)  # fmt: skip
+    engine = LLMEngine.from_config(config)
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm = LLM.from_engine(engine)
+    outs = llm.generate(prompts[:9], greedy) + llm.generate(prompts[9:], greedy)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    cached = sum(o.num_cached_tokens for o in outs)
+    engine.close()
+    del engine, llm, outs
+    _free_cuda()
+    return tokens, cached
 
 
 # --------------------------------------------------------------------------- (c) offline

@@ -202,8 +202,9 @@ def build_report(
     greedy = merged["greedy"]
     verdicts = {
         "kernels_match": bool(kernels) and all(c["ok"] for c in kernels),
-        "greedy_equal": greedy.get("equal") == greedy.get("prompts")
-        and bool(greedy.get("prompts")),
+        "greedy_equal": bool(greedy.get("prompts"))
+        and greedy.get("equal") == greedy["prompts"]
+        and greedy.get("equal_prefix_caching_off", greedy["prompts"]) == greedy["prompts"],
     }
     return {
         "command": command,
@@ -224,7 +225,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"(a) kernels vs references: {passed}/{len(kernels)} cases match")
     if "prompts" in s["greedy"]:
         g = s["greedy"]
-        lines.append(f"(b) greedy vs transformers ({g['model']}): {g['equal']}/{g['prompts']}")
+        off = g.get("equal_prefix_caching_off", "?")
+        lines.append(
+            f"(b) greedy vs transformers ({g['model']}): {g['equal']}/{g['prompts']} "
+            f"(prefix caching off: {off}/{g['prompts']})"
+        )
     for name, run in s["offline"].get("runs", {}).items():
         if "error" in run:
             lines.append(f"(c) offline {name}: {run['error']}")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # A meta-path hook that makes the gateway's dependencies absent, then the real entry point;
@@ -65,6 +66,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # an engine process started and served (~30 s on 2 busy cores)
 def test_engine_serves_without_the_gateways_packages(tiny_llama_dir: Path) -> None:
     port = _free_port()
     proc = _portico_without_gateway(
