@@ -21,9 +21,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from portico.registry import ModelSource
 
 # The engine keeps this much free per token of one step's budget (max_num_batched_tokens)
 # on CUDA for activations: hidden states, q/k/v, the MLP's intermediate, logits.
@@ -359,7 +363,7 @@ def plan(
     when ``memory_bytes`` is None, else 0); the engine's own sizing meets the same numbers."""
     import torch
 
-    from engine.model_loader import check_load_format, resolve_quantization
+    from engine.model_loader import resolve_quantization
     from engine.numerics import resolve_numerics
     from portico.registry import resolve
 
@@ -374,18 +378,7 @@ def plan(
     )
     dtype = numerics.dtype
     dtype_bytes = DTYPE_BYTES[dtype]
-    if check_load_format(engine_config.load_format, source) == "dummy":
-        cfg, tensors = config_tensors(Path(source.path))
-    elif source.format == "gguf":
-        cfg, tensors = gguf_tensors(Path(source.path))
-    else:
-        cfg, tensors = hf_tensors(Path(source.path))
-    world = engine_config.tensor_parallel_size
-    if world > 1:  # one rank: its heads, its MLP slice, its share of the split weights
-        from engine.distributed.sharding import shard_config
-
-        cfg = shard_config(cfg, world)
-        tensors = [rank_share(t, world) for t in tensors]
+    cfg, tensors = _rank_tensors(engine_config, source)
     max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(
@@ -401,11 +394,7 @@ def plan(
         prepacked_bytes=_prepacked_bytes_per_weight() if on_cpu and dtype == "bfloat16" else 0,
         int8_packed=numerics.gguf_activations == "int8" and _has_int8_kernels(),
     )
-    if memory_bytes is None:
-        memory, in_use = _machine_memory(device_type)
-    else:
-        memory, in_use = memory_bytes, 0
-    used = 0 if on_cpu else (used_bytes if used_bytes is not None else in_use)
+    memory, used = _device_memory(device_type, memory_bytes, used_bytes)
     per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
     context = 0 if on_cpu else CUDA_CONTEXT_BYTES
     free_after_weights = memory - used - context - weights.total
@@ -442,6 +431,42 @@ def plan(
         used_bytes=used,
         swap_bytes=engine_config.swap_space_bytes // per_block * per_block if swapping else 0,
     )
+
+
+def _rank_tensors(
+    engine_config: EngineConfig, source: ModelSource
+) -> tuple[ModelConfig, list[WeightTensor]]:
+    """The model's config and tensors as one rank holds them: read from the config.json alone
+    for ``--load-format dummy``, else from the GGUF or safetensors headers; with tensor
+    parallelism, the rank's heads, MLP slice and share of the split weights."""
+    from engine.model_loader import check_load_format
+
+    if check_load_format(engine_config.load_format, source) == "dummy":
+        cfg, tensors = config_tensors(Path(source.path))
+    elif source.format == "gguf":
+        cfg, tensors = gguf_tensors(Path(source.path))
+    else:
+        cfg, tensors = hf_tensors(Path(source.path))
+    world = engine_config.tensor_parallel_size
+    if world > 1:
+        from engine.distributed.sharding import shard_config
+
+        cfg = shard_config(cfg, world)
+        tensors = [rank_share(t, world) for t in tensors]
+    return cfg, tensors
+
+
+def _device_memory(
+    device_type: str, memory_bytes: int | None, used_bytes: int | None
+) -> tuple[int, int]:
+    """The plan's device size and what others hold there (see :func:`plan`)."""
+    if memory_bytes is None:
+        memory, in_use = _machine_memory(device_type)
+    else:
+        memory, in_use = memory_bytes, 0
+    if device_type == "cpu":
+        return memory, 0
+    return memory, used_bytes if used_bytes is not None else in_use
 
 
 def _has_int8_kernels() -> bool:
