@@ -7,7 +7,7 @@ PORTICO := $(VENV)/bin/portico
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run install dev test test-slow lint typecheck bench clean
+.PHONY: run install dev test test-slow test-gpu lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ test: dev
 test-slow: dev
 	$(PORTICO) models pull smollm2-135m
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+## make test-gpu: only the tests marked `gpu` (the CUDA path: kernels, engine steps, two engines
+## on one card); each is skipped where torch sees no CUDA device. Then `portico bench gpu`.
+test-gpu: dev
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .

@@ -34,6 +34,10 @@ def _device_type(device: str) -> str:
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fair", "fcfs", "priority")  # engine/scheduling_policy.py
 QUANTIZATIONS = ("auto", "none", "gguf")
+# vLLM's --load-format: auto (by the model's files), safetensors (a Hugging Face folder), gguf
+# (a .gguf file), dummy (random weights of a folder's config.json shape: benchmarks without
+# weights; engine/model_loader.py)
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 GGUF_ACTIVATIONS = ("int8", "exact")
 
 _MEMORY_UNITS = {
@@ -87,6 +91,7 @@ class EngineConfig:
     # int8: GGUF block linears round bf16 inputs to int8 per 32 values (llama.cpp's way) and
     # small steps run the whole model in one native call; exact: exact products
     gguf_activations: str = "int8"
+    load_format: str = "auto"  # LOAD_FORMATS; dummy: random weights, any config.json's shape
     block_size: int = 16
     max_num_seqs: int = 64
     # 0: by device, DEFAULT_BATCHED_TOKENS (a CPU step's time grows with its tokens; 512 is no
@@ -118,7 +123,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out KV blocks (mode "swap")
     kv_cache_memory: str | int = "2GiB"  # KV budget on CPU
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
+    # vLLM's meaning: the fraction of the card's total memory this engine may use, weights,
+    # CUDA context, activations and KV cache included (two engines at 0.4 share one card)
+    gpu_memory_utilization: float = 0.9
     seed: int = 0
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
     # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
@@ -159,6 +166,7 @@ class EngineConfig:
         _check_choice("--device", self.device, DEVICES)
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--gguf-activations", self.gguf_activations, GGUF_ACTIVATIONS)
+        _check_choice("--load-format", self.load_format, LOAD_FORMATS)
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_number("--fair-max-wait-s", self.fair_max_wait_s, 0.0, math.inf)
@@ -284,6 +292,13 @@ class EngineConfig:
             "values, as llama.cpp does, and run steps of a few tokens in one native call "
             "(faster single-stream decode; not bit-exact); exact: exact products",
         )
+        g.add_argument(
+            "--load-format",
+            default=d.load_format,
+            choices=LOAD_FORMATS,
+            help="auto: by the model's files; dummy: random weights in the shape of a folder's "
+            "config.json (its tokenizer too), to benchmark a shape without its weights",
+        )
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most requests running at once")  # fmt: skip
@@ -336,7 +351,13 @@ class EngineConfig:
         )
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=d.gpu_memory_utilization,
+            help="fraction of the GPU's total memory this engine may use, weights and KV cache "
+            "included (vLLM's meaning: two engines at 0.4 share one card)",
+        )
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="fix the number of KV blocks")  # fmt: skip

@@ -195,7 +195,10 @@ class LLMEngine:
         path = resolve_numerics(
             config.dtype, config.gguf_activations, device, quantization == "gguf"
         )
-        loaded = load_model(source, path.torch_dtype, device, quantization, path.gguf_activations)
+        loaded = load_model(
+            source, path.torch_dtype, device, quantization, path.gguf_activations,
+            config.load_format,
+        )  # fmt: skip
         return cls(config, dataclasses.replace(loaded, numerics=path))
 
     def _make_proposer(

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from portico.registry import ModelSource
 
 # The engine keeps this much free per token of one step's budget (max_num_batched_tokens)
 # on CUDA for activations: hidden states, q/k/v, the MLP's intermediate, logits.
@@ -61,18 +65,70 @@ def activation_reserve_bytes(engine_config: EngineConfig) -> int:
 
 
 def kv_cache_budget(
-    engine_config: EngineConfig, device_type: str, free_bytes: int = 0, total_bytes: int = 0
+    engine_config: EngineConfig,
+    device_type: str,
+    free_bytes: int = 0,
+    total_bytes: int = 0,
+    engine_bytes: int = 0,
 ) -> int:
     """Bytes the engine gives its KV cache.
 
-    CPU: ``--kv-cache-memory``. CUDA: the memory still free once the weights are loaded
-    (``free_bytes``), less the share ``--gpu-memory-utilization`` keeps back of the device's
-    ``total_bytes`` (fragmentation, other processes), less one step's activation reserve.
+    CPU: ``--kv-cache-memory``. CUDA, vLLM's rule: the engine may use
+    ``--gpu-memory-utilization`` of the device's ``total_bytes`` in all; its KV cache gets that
+    share less what the engine already holds (``engine_bytes``: CUDA context and weights) and
+    one step's activation reserve. ``free_bytes`` is what the device has free now (the
+    engine's own bytes already taken out): when other processes leave less free than the
+    cache and the reserve need, ValueError says so, naming the flag.
     """
     if device_type != "cuda":
         return engine_config.kv_cache_memory_bytes
-    reserved = total_bytes * (1 - engine_config.gpu_memory_utilization)
-    return int(free_bytes - reserved - activation_reserve_bytes(engine_config))
+    share = int(total_bytes * engine_config.gpu_memory_utilization)
+    reserve = activation_reserve_bytes(engine_config)
+    budget = share - engine_bytes - reserve
+    if budget > 0 and budget + reserve > free_bytes:
+        others = total_bytes - free_bytes - engine_bytes
+        raise ValueError(
+            f"--gpu-memory-utilization {engine_config.gpu_memory_utilization:g} gives this "
+            f"engine {share / 2**30:.2f} GiB of the GPU's {total_bytes / 2**30:.2f} GiB, but "
+            f"other processes hold {others / 2**30:.2f} GiB and only {free_bytes / 2**30:.2f} "
+            "GiB are free: lower --gpu-memory-utilization (engines sharing a card split it, "
+            "e.g. 0.4 each) or free the device"
+        )
+    return budget
+
+
+def cuda_memory(device: object) -> tuple[int, int, int]:
+    """``(free, total, engine)`` bytes of a CUDA ``device`` now, for :func:`kv_cache_budget`:
+    free counts the caching allocator's reserved but unused bytes (the cache reuses them);
+    engine is what this process's tensors hold plus :data:`CUDA_CONTEXT_BYTES`."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)  # type: ignore[arg-type]
+    allocated = torch.cuda.memory_allocated(device)  # type: ignore[arg-type]
+    cached = torch.cuda.memory_reserved(device) - allocated  # type: ignore[arg-type]
+    return int(free + cached), int(total), int(allocated + CUDA_CONTEXT_BYTES)
+
+
+def gpu_share_flags(
+    engine_args: Sequence[str], num_engines: int, cuda_available: bool, utilization: float = 0.9
+) -> list[str]:
+    """``engine_args`` for one of ``num_engines`` engines sharing one CUDA card: with
+    ``--gpu-memory-utilization`` set to an even split of ``utilization`` (floored to 0.01),
+    where the engines run on CUDA (``--device cuda``, or ``auto``/absent and
+    ``cuda_available``) and the flag is not given already. Unchanged otherwise."""
+    args = list(engine_args)
+    device = "auto"
+    for i, word in enumerate(args):
+        if word == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif word.startswith("--device="):
+            device = word.split("=", 1)[1]
+    on_cuda = device == "cuda" or (device == "auto" and cuda_available)
+    given = any(w.split("=")[0] == "--gpu-memory-utilization" for w in args)
+    if not on_cuda or given or num_engines < 1:
+        return args
+    share = math.floor(utilization / num_engines * 100) / 100
+    return [*args, "--gpu-memory-utilization", f"{share:g}"]
 
 
 def num_blocks_in(budget_bytes: int, per_block_bytes: int) -> int:
@@ -136,6 +192,19 @@ def hf_tensors(folder: Path) -> tuple[ModelConfig, list[WeightTensor]]:
     if not tensors:
         raise ValueError(f"Model folder '{folder}' has no .safetensors weights.")
     return cfg, tensors
+
+
+def config_tensors(folder: Path) -> tuple[ModelConfig, list[WeightTensor]]:
+    """A folder's config and the tensors ``--load-format dummy`` makes for it (no weights
+    read: the model's parameters, built on the meta device)."""
+    import torch
+
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return cfg, [WeightTensor(name, p.numel()) for name, p in model.named_parameters()]
 
 
 def gguf_tensors(path: Path) -> tuple[ModelConfig, list[WeightTensor]]:
@@ -246,7 +315,8 @@ class MemoryPlan:
     activation_reserve_bytes: int  # kept free by the engine (CUDA)
     activation_peak_bytes: int  # estimated from the model's shapes
     cuda_context_bytes: int
-    fragmentation_reserve_bytes: int  # (1 - gpu_memory_utilization) of the device
+    outside_share_bytes: int  # (1 - gpu_memory_utilization) of the device: not this engine's
+    used_bytes: int  # held on the device by other processes when the plan was made
     swap_bytes: int  # host memory for swapped-out blocks (--preemption-mode swap)
 
     @property
@@ -277,12 +347,20 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
+        if self.device_type == "cuda":
+            share = self.memory_bytes - self.outside_share_bytes
+            room = self.memory_bytes - self.used_bytes
+            return self.num_blocks >= 1 and self.total_bytes <= min(share, room)
         return self.num_blocks >= 1 and self.total_bytes <= self.memory_bytes
 
 
-def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> MemoryPlan:
+def plan(
+    engine_config: EngineConfig, memory_bytes: int | None = None, used_bytes: int | None = None
+) -> MemoryPlan:
     """Plan ``engine_config`` without loading a weight (``memory_bytes`` None: what this
-    machine has: CUDA's device memory, or the host's available memory)."""
+    machine has: CUDA's total device memory, or the host's available memory). ``used_bytes``:
+    what other processes hold on the CUDA device (None: what this machine's device has in use
+    when ``memory_bytes`` is None, else 0); the engine's own sizing meets the same numbers."""
     import torch
 
     from engine.model_loader import resolve_quantization
@@ -300,16 +378,7 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
     )
     dtype = numerics.dtype
     dtype_bytes = DTYPE_BYTES[dtype]
-    if source.format == "gguf":
-        cfg, tensors = gguf_tensors(Path(source.path))
-    else:
-        cfg, tensors = hf_tensors(Path(source.path))
-    world = engine_config.tensor_parallel_size
-    if world > 1:  # one rank: its heads, its MLP slice, its share of the split weights
-        from engine.distributed.sharding import shard_config
-
-        cfg = shard_config(cfg, world)
-        tensors = [rank_share(t, world) for t in tensors]
+    cfg, tensors = _rank_tensors(engine_config, source)
     max_model_len = engine_config.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(
@@ -325,11 +394,13 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
         prepacked_bytes=_prepacked_bytes_per_weight() if on_cpu and dtype == "bfloat16" else 0,
         int8_packed=numerics.gguf_activations == "int8" and _has_int8_kernels(),
     )
-    memory = memory_bytes if memory_bytes is not None else _machine_memory(device_type)
+    memory, used = _device_memory(device_type, memory_bytes, used_bytes)
     per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
     context = 0 if on_cpu else CUDA_CONTEXT_BYTES
-    free_after_weights = memory - context - weights.total
-    budget = kv_cache_budget(engine_config, device_type, free_after_weights, memory)
+    free_after_weights = memory - used - context - weights.total
+    budget = kv_cache_budget(
+        engine_config, device_type, free_after_weights, memory, context + weights.total
+    )
     if engine_config.num_gpu_blocks_override is not None:
         blocks = engine_config.num_gpu_blocks_override
     else:
@@ -354,11 +425,48 @@ def plan(engine_config: EngineConfig, memory_bytes: int | None = None) -> Memory
             cfg, engine_config.max_num_batched_tokens, engine_config.max_num_seqs, dtype_bytes
         ),
         cuda_context_bytes=context,
-        fragmentation_reserve_bytes=0
+        outside_share_bytes=0
         if on_cpu
-        else int(memory * (1 - engine_config.gpu_memory_utilization)),
+        else memory - int(memory * engine_config.gpu_memory_utilization),
+        used_bytes=used,
         swap_bytes=engine_config.swap_space_bytes // per_block * per_block if swapping else 0,
     )
+
+
+def _rank_tensors(
+    engine_config: EngineConfig, source: ModelSource
+) -> tuple[ModelConfig, list[WeightTensor]]:
+    """The model's config and tensors as one rank holds them: read from the config.json alone
+    for ``--load-format dummy``, else from the GGUF or safetensors headers; with tensor
+    parallelism, the rank's heads, MLP slice and share of the split weights."""
+    from engine.model_loader import check_load_format
+
+    if check_load_format(engine_config.load_format, source) == "dummy":
+        cfg, tensors = config_tensors(Path(source.path))
+    elif source.format == "gguf":
+        cfg, tensors = gguf_tensors(Path(source.path))
+    else:
+        cfg, tensors = hf_tensors(Path(source.path))
+    world = engine_config.tensor_parallel_size
+    if world > 1:
+        from engine.distributed.sharding import shard_config
+
+        cfg = shard_config(cfg, world)
+        tensors = [rank_share(t, world) for t in tensors]
+    return cfg, tensors
+
+
+def _device_memory(
+    device_type: str, memory_bytes: int | None, used_bytes: int | None
+) -> tuple[int, int]:
+    """The plan's device size and what others hold there (see :func:`plan`)."""
+    if memory_bytes is None:
+        memory, in_use = _machine_memory(device_type)
+    else:
+        memory, in_use = memory_bytes, 0
+    if device_type == "cpu":
+        return memory, 0
+    return memory, used_bytes if used_bytes is not None else in_use
 
 
 def _has_int8_kernels() -> bool:
@@ -381,13 +489,16 @@ def _prepacked_bytes_per_weight() -> int:
     return 2 if mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported() else 0
 
 
-def _machine_memory(device_type: str) -> int:
+def _machine_memory(device_type: str) -> tuple[int, int]:
+    """This machine's memory for ``device_type`` and what is in use there: CUDA's total and
+    used (total - free) device bytes; the host's available memory (in use: 0) for a CPU."""
     if device_type == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError("no CUDA device here: give the device's size with --memory")
-        return int(torch.cuda.mem_get_info()[1])
+        free, total = torch.cuda.mem_get_info()
+        return int(total), int(total - free)
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    return int(psutil.virtual_memory().available), 0

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine import kernels
-from engine.config import GGUF_ACTIVATIONS, QUANTIZATIONS
+from engine.config import GGUF_ACTIVATIONS, LOAD_FORMATS, QUANTIZATIONS
 from engine.gguf_file import GGUFFile
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
@@ -133,6 +133,68 @@ def _load_hf(folder: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedToken
     state = _merge_hf(cfg, _hf_tensors(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return cfg, state, tokenizer
+
+
+# --------------------------------------------------------------------------- dummy weights
+
+# Dummy weights' spread (transformers' initializer_range for Llama): hidden states of the
+# magnitudes real checkpoints have, so timings are a real model's. Not a model that answers.
+DUMMY_STD = 0.02
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_load_format(load_format: str, source: ModelSource) -> str:
+    """The weights' format for ``--load-format`` on ``source``: ``auto`` follows the files;
+    ``dummy`` needs a folder with a config.json and a tokenizer (a GGUF file carries its own
+    weights: refused); ``safetensors`` and ``gguf`` must match the files. ValueError naming
+    the flag otherwise."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got '{load_format}'"
+        )
+    path = Path(source.path)
+    if load_format == "dummy":
+        if source.format == "gguf":
+            raise ValueError(
+                f"--load-format dummy makes random weights for a Hugging Face folder's "
+                f"config.json; '{source.name}' is a GGUF file, which holds its own weights "
+                "(use --load-format auto, or a folder with config.json and a tokenizer)"
+            )
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"Model '{source.name}': '{path}' has no config.json.")
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise ModelNotFound(
+                f"Model '{source.name}': --load-format dummy needs a tokenizer in '{path}' "
+                f"(one of {', '.join(_TOKENIZER_FILES)})"
+            )
+        return "dummy"
+    actual = "gguf" if source.format == "gguf" else "safetensors"
+    if load_format not in ("auto", actual):
+        raise ValueError(
+            f"--load-format {load_format} does not match model '{source.name}', which is "
+            f"{actual} (use --load-format auto)"
+        )
+    return actual
+
+
+def _dummy_state(
+    model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of ``model`` (on the meta device), made on
+    ``device`` directly: matrices normal(0, DUMMY_STD), norm weights 1, biases 0 (what a
+    freshly initialised transformers Llama holds). The same ``seed`` gives the same weights on
+    the same device."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            state[name] = tensor.normal_(0.0, DUMMY_STD, generator=generator)
+        elif name.endswith("norm.weight"):
+            state[name] = torch.ones(param.shape, dtype=dtype, device=device)
+        else:
+            state[name] = torch.zeros(param.shape, dtype=dtype, device=device)
+    return state
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -291,8 +353,12 @@ def load_model(
     device: torch.device | str = "cpu",
     quantization: str = "none",
     gguf_activations: str = "exact",
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load ``source`` (``format`` "hf" or "gguf") as ``dtype`` weights on ``device``.
+
+    ``load_format`` (:func:`check_load_format`): ``dummy`` reads only the folder's config.json
+    and tokenizer and fills the weights at random on ``device`` (:func:`_dummy_state`).
 
     ``quantization`` (:func:`resolve_quantization`): with ``gguf`` the linear layers also keep
     the file's Q4_1/Q8_0 blocks and small batches run on them (:mod:`engine.models.block_linear`).
@@ -303,6 +369,7 @@ def load_model(
     files are missing, and ``ValueError`` for an unsupported architecture.
     """
     path = Path(source.path)
+    load_format = check_load_format(load_format, source)
     quantization = resolve_quantization(quantization, source, device)
     if gguf_activations not in GGUF_ACTIVATIONS:
         choices = ", ".join(GGUF_ACTIVATIONS)
@@ -313,6 +380,9 @@ def load_model(
         if not path.is_file():
             raise ModelNotFound(f"Model '{source.name}': GGUF file '{path}' does not exist.")
         cfg, state, tokenizer, found = _load_gguf(path, with_blocks=quantization == "gguf")
+    elif load_format == "dummy":
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        state, tokenizer = {}, AutoTokenizer.from_pretrained(str(path))
     elif source.format == "hf":
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"Model '{source.name}': '{path}' has no config.json.")
@@ -322,6 +392,8 @@ def load_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    if load_format == "dummy":
+        state = _dummy_state(model, dtype, device)
     state = {name: tensor.to(dtype) for name, tensor in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:

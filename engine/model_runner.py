@@ -38,16 +38,17 @@ def cache_dtype_of(loaded: LoadedModel, engine_config: EngineConfig) -> torch.dt
 
 def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:
     """How many KV blocks fit the budget: the override, else the CPU budget
-    (``kv_cache_memory``), else on CUDA the free memory left under ``gpu_memory_utilization``.
+    (``kv_cache_memory``), else on CUDA the engine's share of the device
+    (``gpu_memory_utilization`` of its total) less what the engine already holds.
     """
     if engine_config.num_gpu_blocks_override is not None:
         return engine_config.num_gpu_blocks_override
     cache_dtype = cache_dtype_of(loaded, engine_config)
     per_block = kv_cache_bytes_per_block(loaded.config, engine_config.block_size, cache_dtype)
-    free, total = (0, 0)
+    free, total, held = (0, 0, 0)
     if loaded.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(loaded.device)
-    budget = memory_plan.kv_cache_budget(engine_config, loaded.device.type, free, total)
+        free, total, held = memory_plan.cuda_memory(loaded.device)
+    budget = memory_plan.kv_cache_budget(engine_config, loaded.device.type, free, total, held)
     return memory_plan.num_blocks_in(budget, per_block)
 
 

@@ -58,6 +58,7 @@ def _delegated() -> list[tuple[str, str, str]]:
         ("fairness", "load.fairness_bench", "a quiet tenant next to a noisy one, fcfs vs fair"),
         ("fairness-steps", "load.fairness_steps", "the fairness workload in scheduler steps"),
         ("fleet", "load.fleet_bench", "replica choice: prefix_aware, least_loaded, round_robin"),
+        ("gpu", "load.gpu_bench", "the engine on CUDA: kernels, greedy, throughput, bandwidth"),
         ("batch", "load.batch_bench", "interactive TTFT with a batch running vs without"),
         (
             "fresh-clone",

@@ -543,8 +543,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             rounds=args.rounds,
         )
-    engine_args = shlex.split(args.engine_args)
+    import torch
+
+    from engine.memory_plan import gpu_share_flags
+
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    # The policies' engines run side by side: on CUDA each takes its share of the card.
+    engine_args = gpu_share_flags(
+        shlex.split(args.engine_args), len(policies), torch.cuda.is_available()
+    )
     progress = not args.no_progress
     with tempfile.TemporaryDirectory(prefix="fairness-bench-") as tmp:
         with contextlib.ExitStack() as engines:

@@ -155,6 +155,16 @@ def engine_args(args: argparse.Namespace, kv_bytes: int | None) -> list[str]:
     return [*args.engine_args.split(), *extra]
 
 
+def replica_args(args: argparse.Namespace, kv_bytes: int | None, replicas: int) -> list[str]:
+    """:func:`engine_args` for one of ``replicas`` engines run at once: on CUDA each takes
+    its share of the card (``--gpu-memory-utilization``, engine.memory_plan.gpu_share_flags)."""
+    import torch
+
+    from engine.memory_plan import gpu_share_flags
+
+    return gpu_share_flags(engine_args(args, kv_bytes), replicas, torch.cuda.is_available())
+
+
 def write_config(workdir: Path, port: int, redis_url: str, policy: str, replicas: int,
                  args: argparse.Namespace, kv_bytes: int | None = None) -> Path:  # fmt: skip
     policies = workdir / "policies"
@@ -173,7 +183,7 @@ def write_config(workdir: Path, port: int, redis_url: str, policy: str, replicas
     engine: dict[str, Any] = {
         "name": SERVED,
         "replicas": replicas,
-        "args": engine_args(args, kv_bytes),
+        "args": replica_args(args, kv_bytes, replicas),
         "startup_timeout_s": 900,
     }
     if args.model:

@@ -2,13 +2,15 @@
 
 Each subcommand lives in the module that owns it and exposes two functions:
 ``add_arguments(parser)`` (cheap: argparse only, no heavy imports) and ``run(args) -> int``.
-``portico --help`` lists exactly the subcommands whose module is present.
+``portico --help`` lists exactly the subcommands whose module is present; only the module of
+the subcommand that runs is imported (``portico engine`` needs only the engine's packages).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping
@@ -28,6 +30,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _present(module_name: str) -> bool:
+    """Whether ``module_name`` can be found, without running it (its parent packages run)."""
+    try:
+        return importlib.util.find_spec(module_name) is not None
+    except ImportError:  # a parent package missing, or failing to import
+        return False
+
+
 def _load(module_name: str) -> ModuleType | None:
     try:
         return importlib.import_module(module_name)
@@ -37,9 +47,21 @@ def _load(module_name: str) -> ModuleType | None:
         raise
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level
+    has only ``--help`` and ``--version``, which take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``portico`` parser for ``argv`` (None: ``sys.argv[1:]``). Only the subcommand
+    ``argv`` names has its module imported and its flags added: ``portico engine`` never
+    imports the gateway (its Redis store), so it starts where only the engine's
+    dependencies are installed; ``portico --help`` (or an unknown word) lists the subcommands
+    whose module is present without importing them."""
     from portico import __version__
 
+    chosen = _chosen(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="portico",
         description="Portico: an edge gateway for OpenAI-compatible LLM traffic "
@@ -47,12 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"portico {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = _load(module_name)
-        if module is None:
+    names = [chosen] if chosen in SUBCOMMANDS else list(SUBCOMMANDS)
+    for name in names:
+        module_name, help_text = SUBCOMMANDS[name]
+        if name != chosen:  # listed in the help only: found, never imported
+            if _present(module_name):
+                sub.add_parser(name, help=help_text, description=help_text)
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
+        try:
+            module = _load(module_name)
+            if module is None:
+                continue
+            p = sub.add_parser(name, help=help_text, description=help_text)
+            module.add_arguments(p)
+        except ModuleNotFoundError as exc:  # a package the subcommand needs is not installed
+            parser.error(f"'{name}' cannot run here: {exc}")
         p.set_defaults(_run=module.run)
     return parser
 
@@ -79,7 +110,7 @@ def openmp_defaults(environ: Mapping[str, str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     # Before anything imports torch (OpenMP reads its settings once, when it loads).
     os.environ.update(openmp_defaults(os.environ))
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

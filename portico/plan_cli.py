@@ -32,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory of the device to plan for, e.g. 80GiB (default: this machine's GPU, "
         "or the host's available memory for --device cpu)",
     )
+    g.add_argument(
+        "--memory-used",
+        default=None,
+        metavar="BYTES",
+        help="CUDA: memory other processes hold on the device, e.g. 30GiB (default: what this "
+        "machine's GPU has in use, or 0 with --memory)",
+    )
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -61,6 +68,8 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
     flags = ["--max-model-len", str(p.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.load_format != "auto":
+        flags += ["--load-format", cfg.load_format]
     if cfg.kv_cache_dtype != "auto":  # the blocks were counted in it
         flags += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     notes: list[str] = []
@@ -146,9 +155,16 @@ def _rows(p: MemoryPlan) -> list[tuple[str, str]]:
             ("CUDA context", _size(p.cuda_context_bytes)),
             ("CUDA graphs", "none captured (the engine runs eagerly)"),
             (
-                "fragmentation reserve",
-                f"{_size(p.fragmentation_reserve_bytes)} (1 - --gpu-memory-utilization)",
-            ),  # fmt: skip
+                "engine's share",
+                f"{_size(p.memory_bytes - p.outside_share_bytes)} (--gpu-memory-utilization "
+                f"{cfg.gpu_memory_utilization:g} of the device, weights included)",
+            ),
+            ("in use by others", _size(p.used_bytes)),
+            (
+                "outside the share",
+                f"{_size(p.outside_share_bytes)} (1 - --gpu-memory-utilization: other "
+                "processes, other engines)",
+            ),
         ]
     if p.swap_bytes:
         rows.append(("swap space", f"{_size(p.swap_bytes)} of host memory"))
@@ -181,7 +197,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_cli_args(args)
         memory = parse_memory(args.memory, "--memory") if args.memory is not None else None
-        p = plan(config, memory)
+        used = None
+        if args.memory_used is not None:
+            used = 0 if args.memory_used == "0" else parse_memory(args.memory_used, "--memory-used")
+        p = plan(config, memory, used)
     except (ValueError, ModelNotFound) as exc:
         print(f"portico plan: {exc}", file=sys.stderr)
         return 2

@@ -73,7 +73,9 @@ def load_shard(config: EngineConfig, group: TensorParallelGroup) -> LoadedModel:
     device = group.device
     quantization = resolve_quantization(config.quantization, source, device)
     path = resolve_numerics(config.dtype, config.gguf_activations, device, quantization == "gguf")
-    loaded = load_model(source, path.torch_dtype, "cpu", quantization, path.gguf_activations)
+    loaded = load_model(
+        source, path.torch_dtype, "cpu", quantization, path.gguf_activations, config.load_format
+    )
     check_divisible(loaded.config, group.world_size)
     local = shard_model(loaded.model, group)
     loaded.model.to(device)

@@ -10,12 +10,19 @@ native kernel may still decline inputs it does not handle (a dtype, a shape limi
 runs the reference, with the same meaning.
 
 Triton is imported only when a CUDA tensor arrives, so a CPU process never pays for it (and
-tests can set ``TRITON_INTERPRET=1`` before the first import).
+tests can set ``TRITON_INTERPRET=1`` before the first import). Tests and benches may make every
+device take CUDA's choice (``PORTICO_KERNEL_DEVICE=cuda``, read by :func:`choose`): the whole
+engine then runs the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``.
+
+No submodule here may share a name with an op the package exports: importing
+``engine.kernels.<name>`` binds the module to the package's attribute ``<name>``, replacing
+the function (the CUDA path's crash of issue 40). The Triton kernels live in ``triton_*.py``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +45,10 @@ if TYPE_CHECKING:
 # for the matrix units on every call): 25-35% faster at 16-256 rows on AMX, a little slower
 # at 2048 (docs/engine-benchmark.md).
 PACKED_MAX_ROWS = 512
+
+# Set to "cuda" before the first op runs, every tensor takes CUDA's kernel choice: the tests'
+# and benches' way to run the CUDA path on CPU tensors. Never set in production; read by choose().
+KERNEL_DEVICE_ENV = "PORTICO_KERNEL_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,15 @@ class KernelChoice:
 
 @functools.cache
 def choose(device_type: str) -> KernelChoice:
-    """The implementation of every op on ``device_type`` ("cpu", "cuda", ...), decided once."""
+    """The implementation of every op on ``device_type`` ("cpu", "cuda", ...), decided once.
+
+    ``PORTICO_KERNEL_DEVICE`` (:data:`KERNEL_DEVICE_ENV`), where set, replaces ``device_type``.
+    """
+    forced = os.environ.get(KERNEL_DEVICE_ENV, "")
+    if forced:
+        if forced != "cuda":
+            raise ValueError(f"{KERNEL_DEVICE_ENV} may only be 'cuda', not {forced!r}")
+        device_type = forced
     if device_type == "cuda":
         return KernelChoice("cuda", "triton", "triton", "reference", "reference", "none", "none")
     native = "cpu" if device_type == "cpu" and cpu.available() else "reference"
@@ -100,7 +119,7 @@ def write_kv_cache(
 ) -> None:
     """Scatter new K/V rows into the paged cache (see :func:`write_kv_cache_ref`)."""
     if _choice(key).write_kv_cache == "triton" and not _fp8(kv_cache):
-        from engine.kernels.kv_cache_write import write_kv_cache_triton
+        from engine.kernels.triton_kv_cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, kv_cache, slot_mapping)
     else:
@@ -121,7 +140,7 @@ def paged_attention(
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     impl = "reference" if _fp8(kv_cache) else _choice(query).paged_attention
     if impl == "triton":
-        from engine.kernels.paged_attention import paged_attention_triton
+        from engine.kernels.triton_paged_attention import paged_attention_triton
 
         return paged_attention_triton(*args, query_lens_cpu, seq_lens_cpu)
     if impl == "cpu":
@@ -241,6 +260,7 @@ def prepacked_linear(
 
 
 __all__ = [
+    "KERNEL_DEVICE_ENV",
     "PACKED_MAX_ROWS",
     "KernelChoice",
     "add_rms_norm",

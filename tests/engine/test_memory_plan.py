@@ -20,7 +20,12 @@ from torch import nn
 
 from engine.config import EngineConfig, parse_memory
 from engine.llm_engine import LLMEngine
-from engine.memory_plan import ACTIVATION_RESERVE_PER_TOKEN, kv_cache_budget, plan
+from engine.memory_plan import (
+    ACTIVATION_RESERVE_PER_TOKEN,
+    gpu_share_flags,
+    kv_cache_budget,
+    plan,
+)
 from engine.models.block_linear import GGUFBlocks
 from portico.cli import main
 
@@ -107,22 +112,103 @@ def test_plan_matches_the_engine_on_the_default_gguf(
     check_against_engine(config)
 
 
-def test_cuda_budget_is_free_memory_less_the_reserves() -> None:
+GIB = 2**30
+
+
+def test_cuda_budget_is_the_share_of_the_total_less_what_the_engine_holds() -> None:
+    """vLLM's --gpu-memory-utilization: a fraction of the card's total, weights included."""
     config = EngineConfig(gpu_memory_utilization=0.9, max_num_batched_tokens=1024)
-    free, total = 60 * 2**30, 80 * 2**30
-    expected = int(free - total * (1 - 0.9) - 1024 * ACTIVATION_RESERVE_PER_TOKEN)
-    assert kv_cache_budget(config, "cuda", free, total) == expected
-    assert kv_cache_budget(EngineConfig(kv_cache_memory="1GiB"), "cpu") == 2**30
+    reserve = 1024 * ACTIVATION_RESERVE_PER_TOKEN
+    held, total = 3 * GIB, 80 * GIB  # context + weights of this engine
+    expected = int(total * 0.9) - held - reserve
+    assert kv_cache_budget(config, "cuda", total - held, total, held) == expected
+    # what others hold does not shrink the share while it leaves the share free
+    assert kv_cache_budget(config, "cuda", total - held - 4 * GIB, total, held) == expected
+    assert kv_cache_budget(EngineConfig(kv_cache_memory="1GiB"), "cpu") == GIB
+
+
+def test_two_engines_at_0_4_share_a_card_and_a_third_is_refused() -> None:
+    config = EngineConfig(gpu_memory_utilization=0.4, max_num_batched_tokens=2048)
+    total, held = 141 * GIB, 2 * GIB
+    reserve = 2048 * ACTIVATION_RESERVE_PER_TOKEN
+    first = kv_cache_budget(config, "cuda", total - held, total, held)
+    first_uses = held + first + reserve
+    assert first_uses == int(total * 0.4)
+    second = kv_cache_budget(config, "cuda", total - first_uses - held, total, held)
+    assert second == first  # the second engine's cache is as large as the first's
+    free = total - 2 * first_uses - held
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 0.4 gives this engine"):
+        kv_cache_budget(config, "cuda", free, total, held)  # a third: 0.2 of the card is free
+    # 0.9 beside an engine at 0.4 (the old default, issue 40) is refused, naming the flag
+    greedy = EngineConfig(gpu_memory_utilization=0.9, max_num_batched_tokens=2048)
+    with pytest.raises(ValueError, match="other processes hold"):
+        kv_cache_budget(greedy, "cuda", total - first_uses - held, total, held)
+
+
+def test_engines_sharing_a_card_split_the_utilization_and_fit_together() -> None:
+    """The fairness and fleet benches' flags: N engines on one CUDA card, 0.9 split evenly."""
+    assert gpu_share_flags(["--device", "cuda"], 2, False) == [
+        "--device", "cuda", "--gpu-memory-utilization", "0.45",
+    ]  # fmt: skip
+    assert gpu_share_flags([], 3, True)[-1] == "0.3"
+    assert gpu_share_flags(["--max-num-seqs", "8"], 2, False) == ["--max-num-seqs", "8"]  # CPU
+    assert gpu_share_flags(["--device=cpu"], 2, True) == ["--device=cpu"]
+    mine = ["--device", "cuda", "--gpu-memory-utilization=0.3"]
+    assert gpu_share_flags(mine, 2, True) == mine  # the user's own split is kept
+    share = float(gpu_share_flags([], 2, True)[-1])
+    config = EngineConfig(gpu_memory_utilization=share, max_num_batched_tokens=2048)
+    total, held = 141 * GIB, 2 * GIB
+    first = kv_cache_budget(config, "cuda", total - held, total, held)
+    first_uses = held + first + 2048 * ACTIVATION_RESERVE_PER_TOKEN
+    assert kv_cache_budget(config, "cuda", total - first_uses - held, total, held) == first
 
 
 def test_cuda_plan_for_a_device_this_machine_lacks(tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), device="cuda", max_model_len=256)
-    p = plan(config, memory_bytes=4 * 2**30)
-    assert p.dtype == "bfloat16" and p.quantization == "none"
+    p = plan(config, memory_bytes=4 * GIB)
+    assert p.dtype == "bfloat16" and p.quantization == "none" and p.used_bytes == 0
     used = p.cuda_context_bytes + p.weights.total + p.activation_reserve_bytes
-    budget = 4 * 2**30 - used - p.fragmentation_reserve_bytes
+    budget = 4 * GIB - used - p.outside_share_bytes
     assert p.num_blocks == budget // p.kv_block_bytes
-    assert p.fits and p.total_bytes <= 4 * 2**30
+    assert p.fits and p.total_bytes <= 4 * GIB * 0.9
+
+
+def test_cuda_plan_beside_another_engine_matches_the_engines_rule(tiny_llama_dir: Path) -> None:
+    """``portico plan --device cuda`` and the engine size with one function: given the card's
+    total and what others hold, the same blocks; the plan's total is the engine's share."""
+    config = EngineConfig(model=str(tiny_llama_dir), device="cuda", gpu_memory_utilization=0.4)
+    total, other = 8 * GIB, int(8 * GIB * 0.4)
+    p = plan(config, memory_bytes=total, used_bytes=other)
+    engine_holds = p.cuda_context_bytes + p.weights.total
+    budget = kv_cache_budget(config, "cuda", total - other - engine_holds, total, engine_holds)
+    assert p.num_blocks == budget // p.kv_block_bytes and p.used_bytes == other
+    assert p.fits and p.total_bytes <= int(total * 0.4)
+    result = portico(
+        "plan", "--model", str(tiny_llama_dir), "--device", "cuda", "--memory", "8GiB",
+        "--memory-used", "6GiB", "--gpu-memory-utilization", "0.4",
+    )  # fmt: skip
+    assert result.returncode == 2 and "other processes hold" in result.stderr
+    shown = portico(
+        "plan", "--model", str(tiny_llama_dir), "--device", "cuda", "--memory", "8GiB",
+        "--memory-used", f"{other}", "--gpu-memory-utilization", "0.4",
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert f"({p.num_blocks} blocks" in shown.stdout and "engine's share" in shown.stdout
+    assert "--gpu-memory-utilization 0.4" in shown.stdout.splitlines()[-1]
+
+
+def test_plan_of_dummy_weights_needs_no_safetensors(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """--load-format dummy plans a folder holding only config.json and a tokenizer."""
+    import shutil
+
+    folder = tmp_path / "shape-only"
+    shutil.copytree(tiny_llama_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", load_format="dummy")
+    dummy = plan(config, memory_bytes=GIB)
+    real = plan(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"), GIB)
+    assert dummy.weights == real.weights and dummy.num_blocks == real.num_blocks
+    result = portico("plan", "--model", str(folder), "--device", "cpu", "--memory", "1GiB")
+    assert result.returncode == 2 and "no .safetensors" in result.stderr
 
 
 # --------------------------------------------------------------------------- the command

@@ -43,8 +43,8 @@ def run_case(
     """One shape: the Triton writer's cache against the reference writer's, and the Triton
     attention's output against the reference's on the same cache (of ``cache_dtype``, default
     ``dtype``; int8: rows with their scales, engine.kv_cache_dtype)."""
-    from engine.kernels.kv_cache_write import write_kv_cache_triton
-    from engine.kernels.paged_attention import paged_attention_triton
+    from engine.kernels.triton_kv_cache_write import write_kv_cache_triton
+    from engine.kernels.triton_paged_attention import paged_attention_triton
 
     heads, kv_heads, head_dim, block_size, shape = case
     rng = random.Random(seed)

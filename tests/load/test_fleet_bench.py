@@ -68,3 +68,17 @@ def test_without_cache_fit_every_engine_gets_the_engine_args_as_given(tmp_path: 
     write_config(tmp_path, 1, "redis://127.0.0.1:1", "prefix_aware", 2, args)
     engine = yaml.safe_load((tmp_path / "portico.yaml").read_text())["engines"][0]
     assert engine["args"] == ["--kv-cache-memory", "256MiB", "--max-model-len", "4096"]
+
+
+def test_replicas_on_cuda_split_the_card(tmp_path: Path) -> None:
+    """Two replicas on one GPU: each engine gets --gpu-memory-utilization 0.45 (0.9 split),
+    which its own config reads; on a CPU the arguments stay as given."""
+    args = parse_args(["--engine-args", "--device cuda --max-model-len 4096"])
+    write_config(tmp_path, 1, "redis://127.0.0.1:1", "prefix_aware", 2, args)
+    engine = yaml.safe_load((tmp_path / "portico.yaml").read_text())["engines"][0]
+    assert engine["args"][-2:] == ["--gpu-memory-utilization", "0.45"]
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert (
+        EngineConfig.from_cli_args(parser.parse_args(engine["args"])).gpu_memory_utilization == 0.45
+    )
