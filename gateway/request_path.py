@@ -72,6 +72,9 @@ from portico.errors import (
 log = logging.getLogger("portico.gateway")
 
 FAILED_AUTH_MEMORY_S = 300.0
+# An upstream answer that refused the request's input: nothing ran, so admission gives back
+# all it reserved (the request and its tokens), as if the gateway had refused it itself.
+REFUSED_INPUT_STATUSES = frozenset({400, 404, 413, 422})
 MAX_FAILED_AUTH_ADDRESSES = 10_000
 
 
@@ -247,6 +250,8 @@ class Gateway:
         truncated = None
         if fit is not None:  # over the context: the model's policy may cut the prompt
             prompt_tokens, truncated = fit.apply(fields, prompt_tokens, self.counter, base)
+            if not fields.num_tools and self.counter.tokenizers.get(base) is not None:
+                fit.check_room(fields, prompt_tokens)  # exact count: a 400 before admission
         trace.routed(routing_began, decision, fields, principal)
         with trace.phase("admit"):
             while True:
@@ -472,6 +477,8 @@ class Gateway:
                 if spend:
                     self.metrics.spend.labels(principal.tenant_id, model).inc(spend / 1e6)
                 await admission.settle(ticket, prompt, completion, spend)
+            elif exchange.status in REFUSED_INPUT_STATUSES:  # the engine's 400: costs nothing
+                await admission.refund(ticket)
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
         finally:

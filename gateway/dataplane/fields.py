@@ -58,6 +58,13 @@ class RequestFields:
     shared_prefix: tuple[str, int] | None = None
 
     @property
+    def max_tokens_name(self) -> str:
+        """The field the client capped the output with (for a 400 naming it)."""
+        if self.kind == "responses":
+            return "max_output_tokens"
+        return "max_completion_tokens" if "max_completion_tokens" in self.body else "max_tokens"
+
+    @property
     def max_tokens_field(self) -> str:
         """The body field that caps the output (the Responses API names it differently)."""
         return "max_output_tokens" if self.kind == "responses" else "max_tokens"
