@@ -51,7 +51,7 @@ from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
 from gateway.dataplane.request_context import CTX_KEY, InFlight, RequestContext
 from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
-from gateway.dataplane.routing import RouteDecision, Router
+from gateway.dataplane.routing import RouteDecision, Router, model_card
 from gateway.dataplane.supervisor import Supervisor
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity
@@ -64,6 +64,7 @@ from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import (
     AuthenticationError,
     InvalidRequestError,
+    NotFoundError,
     PermissionDeniedError,
     ServiceUnavailableError,
     UpstreamError,
@@ -500,17 +501,18 @@ class Gateway:
     async def models(self, request: Request) -> JSONResponse:
         principal = await self.authenticate(request)
         request.scope[CTX_KEY].tenant = principal.tenant_id
-        names = self.router.visible_models(principal)
-        data: list[dict[str, Any]] = [
-            {"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names
-        ]
+        data = self.router.model_cards(principal)
         for a in self.adapters.visible(principal):
             owner = "portico" if a.tenant_id is None else a.tenant_id
-            data.append(
-                {"id": a.name, "object": "model", "created": 0, "owned_by": owner,
-                 "parent": a.base_model}
-            )  # fmt: skip
-        return JSONResponse({"object": "list", "data": data})
+            data.append(model_card(a.name, owner, parent=a.base_model))
+        name = request.path_params.get("model")
+        if name is None:
+            return JSONResponse({"object": "list", "data": data})
+        card = next((c for c in data if c["id"] == name), None)
+        card = card or self.router.find_card(name, principal)
+        if card is None:
+            raise NotFoundError(f"The model '{name}' does not exist.", param="model")
+        return JSONResponse(card)
 
 
 def _tier_failed(status: int) -> bool:
