@@ -343,7 +343,9 @@ def input_items(value: Any) -> list[dict[str, Any]]:
         raise _missing("input")
     if isinstance(value, str) and value:
         return [{"role": "user", "content": value}]
-    if not isinstance(value, (str, list)):
+    if not isinstance(value, list):
+        if isinstance(value, str):  # the empty string
+            raise _bad("Invalid value for 'input': must not be empty.", "input")
         raise type_error("input", value, "a string or an array of input items")
     if not value:
         raise _bad("Invalid value for 'input': must not be empty.", "input")
