@@ -157,17 +157,6 @@ class Router:
         self._keywords = [k.lower() for k in policy.keywords]
         self._tiers = {t.name: t for t in policy.tiers}
 
-    def visible_models(self, principal: Principal) -> list[str]:
-        names = [m for m in sorted(self.models) if principal.may_use(m)]
-        names += [
-            a
-            for a, m in sorted(self.policy.aliases.items())
-            if principal.may_use(m) or principal.may_use(a)
-        ]
-        if self.policy.tiers and any(principal.may_use(t.model) for t in self.policy.tiers):
-            names.append(AUTO_MODEL)
-        return names
-
     def model_cards(self, principal: Principal) -> list[dict[str, Any]]:
         """``GET /v1/models``: one card per served model the caller may use, listing the
         aliases that name it (``aliases``), so a model picker shows each model once; then
