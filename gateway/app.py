@@ -88,6 +88,7 @@ def create_app(config: GatewayConfig, *, env: Mapping[str, str] | None = None) -
     app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", list_models, methods=["GET"])  # retrieve
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])

@@ -51,7 +51,7 @@ from gateway.dataplane.pool import Pool, Replica
 from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
 from gateway.dataplane.request_context import CTX_KEY, InFlight, RequestContext
 from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
-from gateway.dataplane.routing import RouteDecision, Router
+from gateway.dataplane.routing import RouteDecision, Router, model_card
 from gateway.dataplane.supervisor import Supervisor
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity
@@ -64,6 +64,7 @@ from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import (
     AuthenticationError,
     InvalidRequestError,
+    NotFoundError,
     PermissionDeniedError,
     ServiceUnavailableError,
     UpstreamError,
@@ -72,6 +73,9 @@ from portico.errors import (
 log = logging.getLogger("portico.gateway")
 
 FAILED_AUTH_MEMORY_S = 300.0
+# An upstream answer that refused the request's input: nothing ran, so admission gives back
+# all it reserved (the request and its tokens), as if the gateway had refused it itself.
+REFUSED_INPUT_STATUSES = frozenset({400, 404, 413, 422})
 MAX_FAILED_AUTH_ADDRESSES = 10_000
 
 
@@ -247,6 +251,8 @@ class Gateway:
         truncated = None
         if fit is not None:  # over the context: the model's policy may cut the prompt
             prompt_tokens, truncated = fit.apply(fields, prompt_tokens, self.counter, base)
+            if not fields.num_tools and self.counter.tokenizers.get(base) is not None:
+                fit.check_room(fields, prompt_tokens)  # exact count: a 400 before admission
         trace.routed(routing_began, decision, fields, principal)
         with trace.phase("admit"):
             while True:
@@ -472,6 +478,8 @@ class Gateway:
                 if spend:
                     self.metrics.spend.labels(principal.tenant_id, model).inc(spend / 1e6)
                 await admission.settle(ticket, prompt, completion, spend)
+            elif exchange.status in REFUSED_INPUT_STATUSES:  # the engine's 400: costs nothing
+                await admission.refund(ticket)
         except Exception as exc:  # accounting must never break a finished response
             log.warning("settling request usage failed: %s", exc)
         finally:
@@ -493,17 +501,18 @@ class Gateway:
     async def models(self, request: Request) -> JSONResponse:
         principal = await self.authenticate(request)
         request.scope[CTX_KEY].tenant = principal.tenant_id
-        names = self.router.visible_models(principal)
-        data: list[dict[str, Any]] = [
-            {"id": n, "object": "model", "created": 0, "owned_by": "portico"} for n in names
-        ]
+        data = self.router.model_cards(principal)
         for a in self.adapters.visible(principal):
             owner = "portico" if a.tenant_id is None else a.tenant_id
-            data.append(
-                {"id": a.name, "object": "model", "created": 0, "owned_by": owner,
-                 "parent": a.base_model}
-            )  # fmt: skip
-        return JSONResponse({"object": "list", "data": data})
+            data.append(model_card(a.name, owner, parent=a.base_model))
+        name = request.path_params.get("model")
+        if name is None:
+            return JSONResponse({"object": "list", "data": data})
+        card = next((c for c in data if c["id"] == name), None)
+        card = card or self.router.find_card(name, principal)
+        if card is None:
+            raise NotFoundError(f"The model '{name}' does not exist.", param="model")
+        return JSONResponse(card)
 
 
 def _tier_failed(status: int) -> bool:

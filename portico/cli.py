@@ -25,7 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "portico.plan_cli",
         "size weights and KV cache; print the engine flags that fit",
     ),
-    "keys": ("gateway.identity.keys_cli", "manage tenants and API keys through the admin API"),
+    "keys": (
+        "gateway.identity.keys_cli",
+        "manage tenants, API keys, budgets and prices through the admin API",
+    ),
     "bench": ("load.cli", "benchmarks: serving throughput/latency and gateway overhead"),
 }
 

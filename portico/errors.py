@@ -125,3 +125,52 @@ def status_error_type(status: int) -> str:
         429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+
+
+# ---------------------------------------------------------------- bad-input wording
+# One wording for a wrong type and one spelling of a nested parameter, shared by the gateway
+# (which checks the fields it reads) and the engine (pydantic), so a client reads the same
+# sentence whichever answered: ``Invalid type for 'messages': expected an array of message
+# objects, got a string.`` with ``param`` in the OpenAI SDK's style, ``messages[0].content``.
+
+# What a parameter holds, where its type alone would say too little.
+EXPECTED_TYPES: dict[str, str] = {
+    "model": "a string",
+    "messages": "an array of message objects",
+    "prompt": "a string, an array of strings or an array of token ids",
+    "input": "a string, an array of strings or an array of token ids",
+}
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON type of a decoded value, with its article: ``a string``, ``an object``..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def param_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
+    """A parameter's location as the OpenAI SDK writes it: ``messages[0].content[1].text``."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def type_error(param: str, value: Any, expected: str | None = None) -> InvalidRequestError:
+    """A 400 for a parameter that is present with the wrong type (never "missing")."""
+    what = expected or EXPECTED_TYPES.get(param, "another type")
+    return InvalidRequestError(
+        f"Invalid type for '{param}': expected {what}, got {json_type_name(value)}.", param=param
+    )

@@ -19,9 +19,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from portico.errors import APIError, PayloadTooLargeError, error_body, status_error_type
+from portico.errors import (
+    APIError,
+    PayloadTooLargeError,
+    error_body,
+    param_path,
+    status_error_type,
+)
 
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request."
+# FastAPI's first element of an error's location: where the parameter was read from. The
+# parameter is named without it (``format``, not ``query.format``), as the OpenAI SDK does.
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -52,8 +61,10 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if not errors:
         return "Invalid request body.", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in _LOCATIONS:  # where FastAPI found it: not part of the name
+        loc = loc[1:]
+    param = param_path(loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
         return "We could not parse the JSON body of your request.", None

@@ -8,7 +8,11 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="models_command", metavar="ACTION", required=True)
-    pull = sub.add_parser("pull", help="fetch a model by alias (e.g. smollm2-135m)")
+    pull = sub.add_parser(
+        "pull",
+        help="fetch a model by alias (e.g. smollm2-135m) and write its tokenizer beside it "
+        "as Hugging Face files",
+    )
     pull.add_argument("name", help="model alias")
     sub.add_parser("list", help="show the models available on this machine")
 
@@ -23,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         print(f"{args.name}: {path}")
+        folder = registry.models_dir() / args.name
+        if registry.tokenizer_folder(registry.resolve(args.name)) is not None:
+            print(f"tokenizer (Hugging Face files, for AutoTokenizer.from_pretrained): {folder}")
         return 0
     models = registry.list_local()
     if not models:

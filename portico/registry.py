@@ -14,6 +14,7 @@ that fetches it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -95,10 +96,11 @@ def resolve(spec: str | os.PathLike[str]) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name=path.stem, path=path, format="gguf")
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return ModelSource(name=path.name, path=path, format="hf")
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
+        weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+        if (path / "config.json").is_file() and (weights or len(ggufs) != 1):
+            return ModelSource(name=path.name, path=path, format="hf")
+        if len(ggufs) == 1:  # a GGUF file, perhaps with its tokenizer beside it
             return ModelSource(name=path.name, path=ggufs[0], format="gguf")
         raise ModelNotFound(
             f"Model folder '{text}' has no config.json (Hugging Face) and no single .gguf file."
@@ -130,7 +132,63 @@ def pull(name: str) -> Path:
     link = link_dir / alias.filename
     if not link.exists():
         link.symlink_to(found)
+    write_tokenizer_folder(found, link_dir)
     return found
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
+
+
+def write_tokenizer_folder(gguf_path: Path, folder: Path) -> bool:
+    """Write the GGUF file's tokenizer (tokenizer.json, tokenizer_config.json with its chat
+    template, special_tokens_map.json) and its config.json into ``folder``, as Hugging Face
+    files, so ``AutoTokenizer.from_pretrained(folder)`` works in any tool without the ``gguf``
+    package and in a second instead of converting the GGUF's vocabulary each time. Built
+    once, by transformers from the file's own metadata; False when the files were there."""
+    if all((folder / name).is_file() for name in TOKENIZER_FILES):
+        return False
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = str(gguf_path.parent)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_path.name)
+    config = AutoConfig.from_pretrained(source, gguf_file=gguf_path.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(folder), save_jinja_files=False)  # template in the config
+    config.save_pretrained(str(folder))
+    _portable(folder)
+    return True
+
+
+def _portable(folder: Path) -> None:
+    """Make the saved files readable by older transformers releases too (tools such as
+    benchmarks pin their own): the fast tokenizer's class name every release knows, no
+    load-time keys in tokenizer_config.json, and ``rope_theta`` at the top of config.json."""
+    path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(path.read_text())
+    for key in ("backend", "is_local", "local_files_only"):
+        tokenizer_config.pop(key, None)
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("max_position_embeddings"):  # what tools truncate prompts to
+        tokenizer_config["model_max_length"] = config["max_position_embeddings"]
+    path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    path = folder / "config.json"
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        config.setdefault("rope_theta", theta)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def tokenizer_folder(source: ModelSource) -> Path | None:
+    """The folder beside a GGUF model that holds its tokenizer as Hugging Face files
+    (:func:`write_tokenizer_folder`), None when there is none."""
+    if source.format != "gguf":
+        return None
+    for folder in (models_dir() / source.name, source.path.parent):
+        holds_it = (folder / source.path.name).exists()  # the file itself, or its link
+        if holds_it and all((folder / name).is_file() for name in TOKENIZER_FILES):
+            return folder
+    return None
 
 
 def list_local() -> list[ModelSource]:

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from engine.server.structured_fields import ResponseFormat, StructuredOutputsField
-from portico.errors import InvalidRequestError
+from portico.errors import EXPECTED_TYPES, InvalidRequestError, type_error
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 32
@@ -197,9 +198,29 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+# pydantic's type errors -> what the parameter should have been, in JSON's words
+_EXPECTED_BY_ERROR = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+MISSING_FIELD = "missing_field"  # a validator's own "missing": ctx["field"] names the field
+
+
+def missing_field(name: str) -> PydanticCustomError:
+    """Raise from a model validator when ``name`` is required in this case (a user message's
+    ``content``): reported as ``Missing required parameter: '<path>.<name>'``."""
+    return PydanticCustomError(MISSING_FIELD, "{field} is required", {"field": name})
+
+
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     """One short sentence for the most useful error of pydantic's list, and the parameter."""
-    errors = exc.errors(include_url=False, include_input=False)
+    errors = exc.errors(include_url=False)
     # A union reports one error per branch; the one deepest in the input is the most telling.
     first = max(errors, key=lambda e: len(e["loc"])) if errors else None
     if first is None:
@@ -208,10 +229,22 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     kind = first["type"]
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
+    if kind == MISSING_FIELD:
+        field = str((first.get("ctx") or {}).get("field", ""))
+        param = f"{param}.{field}" if param else field
+        kind = "missing"
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param
-    if kind.endswith("_type") and sum(_param_path(tuple(e["loc"])) == param for e in errors) > 1:
-        return f"Invalid type for '{param}'.", param  # every branch of a union refused it
+    if kind in _EXPECTED_BY_ERROR and param:
+        # every branch of a union that refused the value's type says what it takes
+        kinds = [
+            e["type"] for e in errors if e["type"] in _EXPECTED_BY_ERROR
+            and _param_path(tuple(e["loc"])) == param
+        ]  # fmt: skip
+        expected = EXPECTED_TYPES.get(param) or " or ".join(
+            dict.fromkeys(_EXPECTED_BY_ERROR[k] for k in kinds)
+        )
+        return type_error(param, first.get("input"), expected).message, param
     msg = str(first["msg"]).removeprefix("Value error, ")
     return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
 

@@ -15,8 +15,12 @@ from engine.server.protocol import (
     VLLM_UNSUPPORTED,
     SamplingFields,
     StrictModel,
+    missing_field,
     none_or,
 )
+
+# roles whose turn must carry content (an assistant turn may carry tool_calls instead)
+CONTENT_ROLES = frozenset({"system", "developer", "user", "tool"})
 
 
 class TextPart(StrictModel):
@@ -97,6 +101,8 @@ class ChatMessage(StrictModel):
             raise ValueError("only assistant messages may carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.content is None and self.role in CONTENT_ROLES:
+            raise missing_field("content")
         return self
 
     @field_validator("content", mode="before")

@@ -31,9 +31,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admission.abuse import AbuseSettings
 from gateway.admission.failover import FailoverLimiter, RedisDownPolicy
-from gateway.admission.limiter import BucketSet, Decision, Limiter, LocalLimiter, RedisLimiter
-from gateway.admission.spend import BudgetGauges, MoneyLeft, money_cap
-from gateway.identity.prices import MICRO as MICRO_USD
+from gateway.admission.limiter import (
+    BucketSet,
+    Decision,
+    Limiter,
+    LocalLimiter,
+    RedisLimiter,
+    format_duration,
+)
+from gateway.admission.spend import (
+    BudgetGauges,
+    MoneyLeft,
+    money_cap,
+    money_needs,
+    money_refusal,
+)
 from gateway.identity.prices import PriceBook, usd_to_micro
 from gateway.identity.principal import Limits, Principal
 from gateway.store import RedisClient
@@ -44,6 +56,9 @@ PLAN_CACHE_SIZE = 4096
 # only up to this (any model generates that much; a larger cap could exceed its context).
 UNASKED_BUDGET_CAP = 4096
 CONCURRENCY_RETRY_MS = 1000
+# A reply whose max_tokens a budget lowered: the cap, and the budget that set it (docs/api.md)
+BUDGET_MAX_TOKENS_HEADER = "x-portico-budget-max-tokens"
+BUDGET_STOP_HEADER = "x-portico-budget-stop"
 
 
 class AdmissionSettings(BaseModel):
@@ -147,21 +162,6 @@ class Ticket:
         return self._done
 
 
-def format_duration(ms: int) -> str:
-    """A duration as OpenAI (Go's time.Duration) writes it: 20ms, 1s, 1.5s, 6m0s, 1h0m0s."""
-    if ms < 1000:
-        return f"{max(0, ms)}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    seconds = f"{rest / 1000:.3f}".rstrip("0") if rest % 1000 else str(rest // 1000)
-    text = f"{seconds}s"
-    if hours or minutes:
-        text = f"{minutes}m{text}"
-    if hours:
-        text = f"{hours}h{text}"
-    return text
-
-
 def _cap_at_token_budget(
     ticket: Ticket,
     plan: _Plan,
@@ -194,7 +194,7 @@ def _cap_at_token_budget(
         return  # a cap that large could pass the model's own limit: let the engine decide
     ticket.max_tokens = cap
     ticket.budget_stop = f"{tightest[1].limit_name} of {tightest[1].who}"
-    ticket.headers["x-portico-budget-max-tokens"] = str(cap)
+    ticket.headers[BUDGET_MAX_TOKENS_HEADER] = str(cap)
 
 
 def _money_left(plan: _Plan, decision: Decision) -> tuple[MoneyLeft, ...]:
@@ -300,7 +300,8 @@ class Admission:
             )
         reserved, cap = self._reservation(plan, prompt_tokens, max_tokens, num_outputs)
         costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
-        outcome = await self._limiter.acquire(plan.buckets, costs, slot_id, self._lease_us)
+        needs = self._money_needs(plan, model, prompt_tokens, num_outputs)
+        outcome = await self._limiter.acquire(plan.buckets, costs, slot_id, self._lease_us, needs)
         if outcome is None:  # Redis down, policy "open": admitted without limits
             return Ticket({}, 0, None, None, slot_id)
         decision, limiter = outcome
@@ -308,7 +309,7 @@ class Admission:
         self._gauges.show(principal.tenant_id, money)
         headers = self._headers(plan, decision)
         if not decision.allowed:
-            self._refuse(plan, decision, costs, headers)
+            self._refuse(plan, decision, costs, headers, needs)
         ticket = Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
         _cap_at_token_budget(ticket, plan, decision, prompt_tokens, max_tokens, num_outputs)
         if money and self._prices is not None:  # the completion the money left pays for
@@ -317,8 +318,17 @@ class Admission:
             if capped is not None and (current is None or capped[0] < current):
                 ticket.max_tokens = capped[0]
                 ticket.budget_stop = capped[1].label
-                ticket.headers["x-portico-budget-max-tokens"] = str(capped[0])
+                ticket.headers[BUDGET_MAX_TOKENS_HEADER] = str(capped[0])
+        if ticket.budget_stop is not None:
+            ticket.headers[BUDGET_STOP_HEADER] = ticket.budget_stop
         return ticket
+
+    def _money_needs(
+        self, plan: _Plan, model: str, prompt_tokens: int, num_outputs: int
+    ) -> tuple[int, ...]:
+        if not plan.has_money or self._prices is None:
+            return ()
+        return money_needs(plan.money, self._prices.get(model), prompt_tokens, num_outputs)
 
     async def settle(
         self,
@@ -336,6 +346,11 @@ class Admission:
         """
         used = max(0, prompt_tokens) + max(0, completion_tokens)
         await self._finish(ticket, used, max(0, spend_micro_usd))
+
+    async def refund(self, ticket: Ticket) -> None:
+        """Give back everything the ticket took (its request, its token reservation, its
+        slot): the upstream refused the request's input, so it cost nothing. Idempotent."""
+        await self._finish(ticket, None, refund=True)
 
     async def release(self, ticket: Ticket) -> None:
         """Free the ticket's concurrency slot. Idempotent; a no-op after :meth:`settle`.
@@ -356,14 +371,19 @@ class Admission:
 
     # ----------------------------------------------------------------- internals
 
-    async def _finish(self, ticket: Ticket, used: int | None, spend: int = 0) -> None:
+    async def _finish(
+        self, ticket: Ticket, used: int | None, spend: int = 0, refund: bool = False
+    ) -> None:
         if ticket._done:
             return
         ticket._done = True
         plan, limiter = ticket._plan, ticket._limiter
         if plan is None or limiter is None:
             return
-        if used is None:
+        if refund:  # the request and its token reservation given back
+            deltas = [-ticket.reserved_tokens if tokens else -1 for tokens in plan.counts_tokens]
+            charges = [0] * len(plan.buckets.budget_keys)
+        elif used is None:
             deltas = [0] * len(plan.counts_tokens)
             charges = [0] * len(plan.buckets.budget_keys)
         else:
@@ -403,7 +423,12 @@ class Admission:
         return reserved, cap
 
     def _refuse(
-        self, plan: _Plan, decision: Decision, costs: list[int], headers: dict[str, str]
+        self,
+        plan: _Plan,
+        decision: Decision,
+        costs: list[int],
+        headers: dict[str, str],
+        needs: tuple[int, ...] = (),
     ) -> None:
         index = decision.failed if decision.failed is not None else 0
         bucket = plan.described[index]
@@ -413,12 +438,9 @@ class Admission:
         n_slot = len(plan.buckets.slot_keys)
         if index >= n_rate + n_slot and plan.money[index - n_rate - n_slot]:
             used = decision.budget_used[index - n_rate - n_slot]
-            period = "today" if bucket.limit_name.startswith("daily") else "this month"
-            renews = "at 00:00 UTC" if period == "today" else "at the start of next month (UTC)"
+            need = needs[index - n_rate - n_slot] if needs else 0
             raise BudgetExceededError(
-                f"You exceeded the {bucket.limit_name} of {bucket.who}: "
-                f"${used / MICRO_USD:.6f} of ${limit / MICRO_USD:.2f} spent {period} (UTC). "
-                f"It renews {renews}.",
+                money_refusal(bucket.limit_name, bucket.who, used, limit, need),
                 limit=bucket.limit_name,
                 scope=bucket.scope,
                 headers={**headers, "x-should-retry": "false"},

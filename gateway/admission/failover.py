@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import redis.exceptions
@@ -122,7 +123,12 @@ class FailoverLimiter:
         return self._redis_up
 
     async def acquire(
-        self, buckets: BucketSet, costs: list[int], slot_id: str, lease_us: int
+        self,
+        buckets: BucketSet,
+        costs: list[int],
+        slot_id: str,
+        lease_us: int,
+        needs: Sequence[int] = (),
     ) -> tuple[Decision, Limiter] | None:
         """The decision and the limiter that made it; None: admit unlimited (policy ``open``).
 
@@ -133,7 +139,7 @@ class FailoverLimiter:
         if limiter is None:
             return None
         try:
-            decision = await limiter.acquire(buckets, costs, slot_id, lease_us)
+            decision = await limiter.acquire(buckets, costs, slot_id, lease_us, needs)
         except REDIS_ERRORS as exc:
             if failure_kind(exc) != "down":
                 self._note_busy(exc)
@@ -146,7 +152,7 @@ class FailoverLimiter:
             limiter = self._limiter_now()
             if limiter is None:
                 return None
-            decision = await limiter.acquire(buckets, costs, slot_id, lease_us)
+            decision = await limiter.acquire(buckets, costs, slot_id, lease_us, needs)
         if decision.budget_used and limiter is self.shared:
             self._remember_budgets(buckets.budget_keys, decision.budget_used)
         return decision, limiter

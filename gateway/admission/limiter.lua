@@ -23,8 +23,9 @@
 -- runs ahead of real time, a key never vanishes before the script's time says it is full.
 --
 -- admit ARGV: op, now, n_rate, n_slot, n_budget,
---             then per rate bucket: limit, cost; per slot set: max; per budget: limit;
---             then slot_id, lease_us.
+--             then per rate bucket: limit, cost; per slot set: max; per budget: limit, need
+--             (refused once used >= limit, or used + need > limit: what the request surely
+--             costs, e.g. its prompt's price, must fit in what is left); then slot_id, lease_us.
 --   KEYS: rate keys, slot keys, budget keys (in that order).
 --   returns {allowed, failed (1-based index over all buckets, 0 = none), retry_ms,
 --            per rate bucket: remaining, reset_ms; per slot set: in use; per budget: used}
@@ -108,10 +109,10 @@ if op == 'admit' then
   local used = {}
   local budget_failed = 0
   for b = 1, n_budget do
-    local limit = tonumber(ARGV[arg])
-    arg = arg + 1
+    local limit, need = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1])
+    arg = arg + 2
     used[b] = tonumber(redis.call('GET', KEYS[n_rate + n_slot + b]) or '0')
-    if used[b] >= limit and budget_failed == 0 then
+    if (used[b] >= limit or used[b] + need > limit) and budget_failed == 0 then
       budget_failed = n_rate + n_slot + b
     end
   end

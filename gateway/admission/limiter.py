@@ -35,6 +35,21 @@ def monotonic_us() -> int:
     return time.monotonic_ns() // 1000
 
 
+def format_duration(ms: int) -> str:
+    """A duration as OpenAI (Go's time.Duration) writes it: 20ms, 1s, 1.5s, 6m0s, 1h0m0s."""
+    if ms < 1000:
+        return f"{max(0, ms)}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0") if rest % 1000 else str(rest // 1000)
+    text = f"{seconds}s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    if hours:
+        text = f"{hours}h{text}"
+    return text
+
+
 @dataclass(frozen=True, slots=True)
 class BucketSet:
     """The buckets one request touches, in script order: rate buckets, slot sets, budgets.
@@ -92,12 +107,18 @@ class Limiter(Protocol):
     """
 
     async def acquire(
-        self, buckets: BucketSet, costs: Sequence[int], slot_id: str, lease_us: int
+        self,
+        buckets: BucketSet,
+        costs: Sequence[int],
+        slot_id: str,
+        lease_us: int,
+        needs: Sequence[int] = (),
     ) -> Decision:
         """Charge ``costs[i]`` to rate bucket i and take a slot in every slot set, atomically.
 
-        Budgets are checked (refused once used >= limit), not charged. A refused request
-        changes no bucket.
+        Budgets are checked (refused once used >= limit, or once used + ``needs[b]`` > limit:
+        what the request surely costs must fit; no ``needs``: 0 each), not charged. A refused
+        request changes no bucket.
         """
         ...
 
@@ -146,7 +167,12 @@ class RedisLimiter:
         return "" if self._clock is None else self._clock()
 
     async def acquire(
-        self, buckets: BucketSet, costs: Sequence[int], slot_id: str, lease_us: int
+        self,
+        buckets: BucketSet,
+        costs: Sequence[int],
+        slot_id: str,
+        lease_us: int,
+        needs: Sequence[int] = (),
     ) -> Decision:
         args: list[str | int] = [
             "admit",
@@ -158,7 +184,8 @@ class RedisLimiter:
         for limit, cost in zip(buckets.rate_limits, costs, strict=True):
             args += (limit, cost)
         args += buckets.slot_limits
-        args += buckets.budget_limits
+        for b, limit in enumerate(buckets.budget_limits):
+            args += (limit, needs[b] if needs else 0)
         args += (slot_id, lease_us)
         reply = await self._run(buckets.keys, args)
         n_rate, n_slot = len(buckets.rate_keys), len(buckets.slot_keys)
@@ -237,7 +264,12 @@ class LocalLimiter:
         return slots
 
     async def acquire(
-        self, buckets: BucketSet, costs: Sequence[int], slot_id: str, lease_us: int
+        self,
+        buckets: BucketSet,
+        costs: Sequence[int],
+        slot_id: str,
+        lease_us: int,
+        needs: Sequence[int] = (),
     ) -> Decision:
         now = self._clock()
         self._maybe_sweep(now)
@@ -266,7 +298,9 @@ class LocalLimiter:
             zip(buckets.budget_keys, buckets.budget_limits, strict=True)
         ):
             used.append(self._budgets.get(key, 0))
-            if used[b] >= self._scaled(limit) and budget_failed is None:
+            scaled = self._scaled(limit)
+            need = needs[b] if needs else 0
+            if (used[b] >= scaled or used[b] + need > scaled) and budget_failed is None:
                 budget_failed = first_budget + b
         if budget_failed is not None:
             failed = budget_failed

@@ -29,6 +29,9 @@ def load_tokenizer(model: str) -> Any | None:
         from portico import registry
 
         source = registry.resolve(model)
+        folder = registry.tokenizer_folder(source)  # written by `portico models pull`
+        if folder is not None:
+            return AutoTokenizer.from_pretrained(str(folder))
         if source.format == "gguf":
             return AutoTokenizer.from_pretrained(
                 str(source.path.parent), gguf_file=source.path.name

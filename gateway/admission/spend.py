@@ -76,3 +76,32 @@ def money_cap(
         if tightest is None or cap < tightest[0]:
             tightest = (cap, budget)
     return tightest
+
+
+def money_needs(
+    money: tuple[bool, ...], price: ModelPrice | None, prompt_tokens: int, num_outputs: int
+) -> tuple[int, ...]:
+    """Per budget (``money``: which are money budgets), the micro-dollars a request surely
+    costs: its prompt at the input price and one output token per completion, rounded up.
+    Admission refuses when that does not fit in what a money budget has left, so no budget
+    pays for more than it holds. 0 for token budgets; empty for an unpriced model."""
+    if price is None:
+        return ()
+    input_units, _, output_units = price.units
+    least = -(-(prompt_tokens * input_units + num_outputs * output_units) // MICRO)
+    return tuple(least if is_money else 0 for is_money in money)
+
+
+def money_refusal(limit_name: str, who: str, used: int, limit: int, need: int) -> str:
+    """The 429 ``budget_exceeded`` message: the budget is spent, or (``used`` below ``limit``)
+    what is left cannot pay for the request's prompt."""
+    period = "today" if limit_name.startswith("daily") else "this month"
+    renews = "at 00:00 UTC" if period == "today" else "at the start of next month (UTC)"
+    spent = f"${used / MICRO:.6f} of ${limit / MICRO:.2f} spent {period} (UTC)"
+    if used >= limit:
+        return f"You exceeded the {limit_name} of {who}: {spent}. It renews {renews}."
+    return (
+        f"This request costs at least ${need / MICRO:.6f} (its prompt and one output token) "
+        f"and the {limit_name} of {who} has only ${(limit - used) / MICRO:.6f} left: {spent}. "
+        f"Shorten the prompt, or wait: it renews {renews}."
+    )

@@ -11,7 +11,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from portico.errors import InvalidRequestError
+from gateway.dataplane.body_checks import (
+    check_messages,
+    check_parts,
+    check_prompt_items,
+    check_sampling,
+)
+from portico.errors import InvalidRequestError, type_error
 
 try:  # orjson parses 2-3x faster; optional
     import orjson
@@ -52,6 +58,13 @@ class RequestFields:
     shared_prefix: tuple[str, int] | None = None
 
     @property
+    def max_tokens_name(self) -> str:
+        """The field the client capped the output with (for a 400 naming it)."""
+        if self.kind == "responses":
+            return "max_output_tokens"
+        return "max_completion_tokens" if "max_completion_tokens" in self.body else "max_tokens"
+
+    @property
     def max_tokens_field(self) -> str:
         """The body field that caps the output (the Responses API names it differently)."""
         return "max_output_tokens" if self.kind == "responses" else "max_tokens"
@@ -67,7 +80,8 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = (p.get("text") for p in content if isinstance(p, dict))
+        return "".join(t for t in texts if isinstance(t, str))
     return ""
 
 
@@ -138,13 +152,32 @@ def client_cache_salt(body: dict[str, Any]) -> str | None:
     return salt
 
 
+def _missing(param: str) -> InvalidRequestError:
+    return _bad(f"Missing required parameter: '{param}'.", param)
+
+
+def _required(body: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    """``body[name]``: absent or null is "missing", another type is "invalid type", an empty
+    string or array is "invalid value"; each a 400 naming the field."""
+    value = body.get(name)
+    if value is None:
+        raise _missing(name)
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise type_error(name, value)
+    if not value:
+        raise _bad(f"Invalid value for '{name}': must not be empty.", name)
+    return value
+
+
 def parse_fields(raw: bytes, kind: str) -> RequestFields:
-    """Parse the body and check the fields the gateway uses; 400 in OpenAI's shape otherwise."""
+    """Parse the body and check the fields the gateway uses, and the sampling fields' types
+    and ranges (so a malformed request is a 400 before any quota is looked at); 400 in
+    OpenAI's shape otherwise."""
     body = parse_body(raw)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("Missing required parameter: 'model'.", "model")
+    model = _required(body, "model", str)
     fields = _parse_kind(kind, model, body)
+    if kind in GENERATING_KINDS:
+        check_sampling(body)
     if "cache_salt" in body:
         fields.cache_salt = client_cache_salt(body)
     return fields
@@ -160,26 +193,14 @@ def _parse_kind(kind: str, model: str, body: dict[str, Any]) -> RequestFields:
         stream = False
     if not isinstance(stream, bool):
         raise _bad("Invalid value for 'stream': must be a boolean.", "stream")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (
-        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-    ):
-        raise _bad("Invalid value for 'max_tokens': must be a positive integer.", "max_tokens")
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _positive_int(body, name)
     messages = prompt = None
     if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("Missing required parameter: 'messages'.", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad(
-                    f"Invalid value for 'messages[{i}]': must be an object with a role.",
-                    f"messages.{i}",
-                )
+        messages = check_messages(_required(body, "messages", list))
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise _bad("Missing required parameter: 'prompt'.", "prompt")
+        prompt = _required(body, "prompt", (str, list))
+        check_prompt_items(prompt, "prompt")
     tools = body.get("tools")
     if tools is None:
         tools = body.get("functions") or []
@@ -206,14 +227,22 @@ def _parse_kind(kind: str, model: str, body: dict[str, Any]) -> RequestFields:
     )
 
 
-def _count(body: dict[str, Any], name: str) -> int:
-    """A positive integer output multiplier (``n``, ``best_of``); absent or null: 1."""
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    """An optional positive integer field (absent or null: None), else a 400 naming it."""
     value = body.get(name)
     if value is None:
-        return 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise type_error(name, value, "an integer")
+    if value < 1:
         raise _bad(f"Invalid value for '{name}': must be a positive integer.", name)
     return value
+
+
+def _count(body: dict[str, Any], name: str) -> int:
+    """A positive integer output multiplier (``n``, ``best_of``); absent or null: 1."""
+    value = _positive_int(body, name)
+    return 1 if value is None else value
 
 
 def _non_generating_fields(kind: str, model: str, body: dict[str, Any]) -> RequestFields:
@@ -222,9 +251,8 @@ def _non_generating_fields(kind: str, model: str, body: dict[str, Any]) -> Reque
     prompt: str | list[Any] | None = None
     messages = None
     if kind == "embedding":
-        prompt = body.get("input")
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise _bad("Missing required parameter: 'input'.", "input")
+        prompt = _required(body, "input", (str, list))
+        check_prompt_items(prompt, "input")
     elif kind == "score":
         prompt = _score_prompt(body)
     elif kind == "rerank":
@@ -236,7 +264,7 @@ def _texts(body: dict[str, Any], name: str) -> list[str]:
     """A score side (``text_1``, ``text_2``): a non-empty string or list of them."""
     value = body.get(name)
     if value is None:
-        raise _bad(f"Missing required parameter: '{name}'.", name)
+        raise _missing(name)
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts:
         raise _bad(f"Invalid value for '{name}': must be a string or a non-empty array.", name)
@@ -264,12 +292,8 @@ def _score_prompt(body: dict[str, Any]) -> list[str]:
 def _rerank_prompt(body: dict[str, Any]) -> list[str]:
     """The texts of a rerank request (the query beside each document), checked as far as
     admission depends on them: ``query``, ``documents`` and ``top_n``."""
-    query = body.get("query")
-    if not isinstance(query, str) or not query:
-        raise _bad("Missing required parameter: 'query' (a non-empty string).", "query")
-    documents = body.get("documents")
-    if not isinstance(documents, list) or not documents:
-        raise _bad("Missing required parameter: 'documents' (a non-empty array).", "documents")
+    query = _required(body, "query", str)
+    documents = _required(body, "documents", list)
     texts = []
     for i, doc in enumerate(documents):
         text = doc.get("text") if isinstance(doc, dict) else doc
@@ -300,14 +324,7 @@ def responses_fields(model: str, body: dict[str, Any]) -> RequestFields:
         stream = False
     if not isinstance(stream, bool):
         raise _bad("Invalid value for 'stream': must be a boolean.", "stream")
-    max_tokens = body.get("max_output_tokens")
-    if max_tokens is not None and (
-        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-    ):
-        raise _bad(
-            "Invalid value for 'max_output_tokens': must be a positive integer.",
-            "max_output_tokens",
-        )
+    max_tokens = _positive_int(body, "max_output_tokens")
     items = input_items(body.get("input"))
     messages = turns_of(items)
     instructions = body.get("instructions")
@@ -322,13 +339,24 @@ def responses_fields(model: str, body: dict[str, Any]) -> RequestFields:
 
 def input_items(value: Any) -> list[dict[str, Any]]:
     """A Responses ``input`` as a list of items (a string is one user message)."""
+    if value is None:
+        raise _missing("input")
     if isinstance(value, str) and value:
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise _bad("Missing required parameter: 'input'.", "input")
+    if not isinstance(value, list):
+        if isinstance(value, str):  # the empty string
+            raise _bad("Invalid value for 'input': must not be empty.", "input")
+        raise type_error("input", value, "a string or an array of input items")
+    if not value:
+        raise _bad("Invalid value for 'input': must not be empty.", "input")
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise _bad(f"Invalid value for 'input[{i}]': must be an object.", f"input[{i}]")
+            raise type_error(f"input[{i}]", item, "an input item object")
+        content = item.get("content")
+        if isinstance(content, list):
+            check_parts(content, f"input[{i}].content")
+        elif content is not None and not isinstance(content, str):
+            raise type_error(f"input[{i}].content", content, "a string or an array of parts")
     return value
 
 

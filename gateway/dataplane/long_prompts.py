@@ -7,7 +7,8 @@ input keeps its last tokens: vLLM's ``truncate_prompt_tokens``); ``truncate_midd
 system prompt, the first turn and the latest turns, dropping from the middle (a text prompt
 keeps its head and tail tokens). A request that was cut carries the response header
 ``x-portico-prompt-truncated`` saying how. The policy needs the model's context length
-(``--max-model-len`` in the engine's args, else the model folder's config.json).
+(``--max-model-len`` in the engine's args, else the model folder's config.json or the GGUF
+file's ``context_length``).
 
 The same context length makes an omitted ``max_tokens`` mean "as much as fits" (vLLM's
 meaning) even when the plan's default cap is larger: :meth:`PromptFit.cap_max_tokens`.
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 from gateway.admission.prompt_tokens import PromptCounter
 from gateway.dataplane.fields import RequestFields
+from portico.errors import InvalidRequestError
 
 Policy = Literal["refuse", "truncate_left", "truncate_middle"]
 HEADER = "x-portico-prompt-truncated"
@@ -33,7 +35,7 @@ COUNT_SLACK_TOKENS = 16
 
 def context_length(model: str, args: list[str]) -> int | None:
     """``--max-model-len`` of the engine args, else ``max_position_embeddings`` of the model
-    folder's config.json; None when neither is known (a GGUF file without the flag)."""
+    folder's config.json or the GGUF file's ``<arch>.context_length``; None when unknown."""
     for i, arg in enumerate(args):
         if arg == "--max-model-len" and i + 1 < len(args):
             return int(args[i + 1])
@@ -48,9 +50,13 @@ def context_length(model: str, args: list[str]) -> int | None:
                 "max_position_embeddings"
             )
             return int(value) if value else None
+        from engine.gguf_file import GGUFFile  # the engine's own default for a GGUF file
+
+        meta = GGUFFile(source.path).metadata
+        value = meta.get(f"{meta.get('general.architecture')}.context_length")
+        return int(value) if value else None
     except (ValueError, OSError):
         return None
-    return None
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,25 @@ class PromptFit:
         """
         slack = prompt_tokens // 2 + COUNT_SLACK_TOKENS  # room for what the count may miss
         return max_tokens if prompt_tokens + max_tokens + slack <= self.max_model_len else None
+
+    def check_room(self, fields: RequestFields, prompt_tokens: int) -> None:
+        """A 400 ``context_length_exceeded`` (the engine's own words) when the client's
+        ``max_tokens`` cannot fit beside the prompt: refused here, before admission, so a
+        request that cannot run is never refused for quota nor charged. Called only with an
+        exact count (the model's tokenizer, no tools): the engine would refuse it the same."""
+        if fields.kind not in ("chat", "completion") or fields.max_tokens is None:
+            return
+        limit, asked = self.max_model_len, fields.max_tokens
+        if prompt_tokens + asked <= limit:
+            return
+        what = "messages" if fields.kind == "chat" else "prompt"
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + asked} tokens ({prompt_tokens} in the {what}, {asked} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            param=fields.max_tokens_name if prompt_tokens < limit else what,
+            code="context_length_exceeded",
+        )
 
     def apply(
         self, fields: RequestFields, prompt_tokens: int, counter: PromptCounter, model: str

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -157,16 +157,35 @@ class Router:
         self._keywords = [k.lower() for k in policy.keywords]
         self._tiers = {t.name: t for t in policy.tiers}
 
-    def visible_models(self, principal: Principal) -> list[str]:
-        names = [m for m in sorted(self.models) if principal.may_use(m)]
-        names += [
-            a
-            for a, m in sorted(self.policy.aliases.items())
-            if principal.may_use(m) or principal.may_use(a)
-        ]
-        if self.policy.tiers and any(principal.may_use(t.model) for t in self.policy.tiers):
-            names.append(AUTO_MODEL)
-        return names
+    def model_cards(self, principal: Principal) -> list[dict[str, Any]]:
+        """``GET /v1/models``: one card per served model the caller may use, listing the
+        aliases that name it (``aliases``), so a model picker shows each model once; then
+        ``auto`` (when a tier's model is allowed) with the models it routes to
+        (``routes_to``). An alias gets a card of its own (``alias_of``) only when the plan
+        allows the alias and not its model."""
+        cards = []
+        for model in sorted(self.models):
+            aliases = sorted(a for a, m in self.policy.aliases.items() if m == model)
+            if principal.may_use(model):
+                cards.append(model_card(model, aliases=aliases))
+            else:
+                cards += [model_card(a, alias_of=model) for a in aliases if principal.may_use(a)]
+        tiers = [t.model for t in self.policy.tiers if principal.may_use(t.model)]
+        if tiers:
+            cards.append(model_card(AUTO_MODEL, routes_to=sorted(set(tiers))))
+        return cards
+
+    def find_card(self, name: str, principal: Principal) -> dict[str, Any] | None:
+        """``GET /v1/models/{name}``: a served model's card as listed, an alias's with
+        ``alias_of``, ``auto``'s; None when the caller may not use it or it does not exist."""
+        if name == AUTO_MODEL:
+            return next((c for c in self.model_cards(principal) if c["id"] == name), None)
+        target = self.policy.aliases.get(name)
+        if target is not None and (principal.may_use(target) or principal.may_use(name)):
+            return model_card(name, alias_of=target)
+        if name in self.models and principal.may_use(name):
+            return next(c for c in self.model_cards(principal) if c["id"] == name)
+        return None
 
     def route(self, fields: RequestFields, principal: Principal) -> RouteDecision:
         name = fields.model
@@ -247,3 +266,9 @@ class Router:
             return None
         text = prefix_text(fields, self.policy.prefix_chars)
         return text.encode() if text else None
+
+
+def model_card(name: str, owned_by: str = "portico", **extra: Any) -> dict[str, Any]:
+    """One entry of ``/v1/models`` in OpenAI's shape, with Portico's extra fields
+    (``aliases``, ``alias_of``, ``routes_to``, ``parent``: the OpenAI SDK keeps them)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": owned_by, **extra}

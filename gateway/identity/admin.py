@@ -63,7 +63,7 @@ FIRST_USAGE_DATE = date(1970, 1, 1)  # before any usage the gateway can have rec
 
 def _usage_date(value: str | None, param: str) -> date | None:
     """A ``YYYY-MM-DD`` query value as a date from 1970 on, else a 400 naming ``param`` as
-    FastAPI's own validation errors name query parameters (``query.start``)."""
+    every error names a parameter (``start``: portico/http_errors.py)."""
     if value is None:
         return None
     try:
@@ -73,12 +73,12 @@ def _usage_date(value: str | None, param: str) -> date | None:
     except ValueError:
         raise InvalidRequestError(
             f"Invalid value for '{param}': {value!r} is not a calendar date (YYYY-MM-DD).",
-            param=f"query.{param}",
+            param=param,
         ) from None
     if day < FIRST_USAGE_DATE:
         raise InvalidRequestError(
             f"Invalid value for '{param}': dates before {FIRST_USAGE_DATE} are out of range.",
-            param=f"query.{param}",
+            param=param,
         )
     return day
 
@@ -336,7 +336,7 @@ class AdminAPI:
         """One row per tenant, key, model and UTC day in ``[start, end]`` (usage_export.py)."""
         first, last = _usage_date(start, "start"), _usage_date(end, "end")
         if first is None or last is None:  # both are required: FastAPI refused their absence
-            raise InvalidRequestError("'start' and 'end' are required.", param="query.start")
+            raise InvalidRequestError("'start' and 'end' are required.", param="start")
         rows = await export_rows(self.store, first, last, tenant_id)
         name = f"usage-{first.isoformat()}-{last.isoformat()}.{fmt}"
         return PlainTextResponse(

@@ -1,4 +1,5 @@
-"""``portico keys``: manage tenants and API keys through the gateway's admin API.
+"""``portico keys``: manage tenants, API keys, their limits and money budgets, and the
+models' prices through the gateway's admin API.
 
 A thin httpx client of ``/admin/v1``; it never touches Redis itself. The admin credential
 comes from ``--admin-key-file``, ``--admin-key`` or ``$PORTICO_ADMIN_KEY`` (prefer the file or
@@ -37,6 +38,46 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             flag, dest=field, type=int, metavar="N", help=f"override {field.replace('_', ' ')}"
         )
+    p.add_argument(
+        "--budget-usd",
+        dest="budget_usd",
+        type=float,
+        metavar="USD",
+        help="money budget in US dollars per --budget-period, at the models' prices "
+        "(0 admits nothing)",
+    )
+    p.add_argument(
+        "--budget-period",
+        dest="budget_period",
+        choices=("daily", "monthly"),
+        help="the money budget's period, UTC (default monthly)",
+    )
+
+
+def _add_price_commands(sub: Any) -> None:
+    prices = sub.add_parser("prices", help="list, show, set, delete per-model prices")
+    psub = prices.add_subparsers(dest="prices_command", metavar="ACTION", required=True)
+    psub.add_parser("list", help="every priced model and where its price comes from")
+    p = psub.add_parser("show", help="one model's price")
+    p.add_argument("model")
+    p = psub.add_parser(
+        "set", help="set a model's price (US dollars per 1M tokens); overrides the config's"
+    )
+    p.add_argument("model")
+    p.add_argument("--input", type=float, required=True, metavar="USD", help="per 1M prompt tokens")
+    p.add_argument(
+        "--cached-input",
+        dest="cached_input",
+        type=float,
+        default=None,
+        metavar="USD",
+        help="per 1M prompt tokens read from the prefix cache (default: --input)",
+    )
+    p.add_argument(
+        "--output", type=float, required=True, metavar="USD", help="per 1M output tokens"
+    )
+    p = psub.add_parser("delete", help="delete the admin price (the config's applies again)")
+    p.add_argument("model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--expires-in", dest="expires_in_seconds", type=int, default=None, metavar="SECONDS"
     )
     p.add_argument("--scope", dest="scopes", action="append", default=None)
+    _add_limit_flags(p)  # the key's own limits, beside its tenant's
     p = sub.add_parser("list", help="list a tenant's keys")
     p.add_argument("tenant_id")
     p = sub.add_parser("revoke", help="revoke a key now")
@@ -133,10 +175,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--start", default=None, help="YYYY-MM-DD (default: 29 days before end)")
     p.add_argument("--end", default=None, help="YYYY-MM-DD (default: today, UTC)")
     sub.add_parser("plans", help="list the plans")
+    _add_price_commands(sub)
 
 
-def _limits(args: argparse.Namespace) -> dict[str, int]:
-    return {f: getattr(args, f) for f in _LIMIT_FLAGS if getattr(args, f, None) is not None}
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    names = [*_LIMIT_FLAGS, "budget_usd", "budget_period"]
+    return {f: getattr(args, f) for f in names if getattr(args, f, None) is not None}
+
+
+def _price_request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    action = args.prices_command
+    if action == "list":
+        return "GET", "/admin/v1/prices", None
+    path = f"/admin/v1/prices/{_seg(args.model)}"
+    if action == "set":
+        body = {"input": args.input, "output": args.output}
+        if args.cached_input is not None:
+            body["cached_input"] = args.cached_input
+        return "PUT", path, body
+    return ("DELETE" if action == "delete" else "GET"), path, None
 
 
 def _seg(value: str) -> str:
@@ -167,6 +224,8 @@ def _request(
             body = {"id": args.tenant_id, "name": args.name or args.tenant_id, **body}
             return "POST", "/admin/v1/tenants", body, None
         return "PATCH", f"/admin/v1/tenants/{_seg(args.tenant_id)}", body, None
+    if cmd == "prices":
+        return (*_price_request(args), None)
     base = f"/admin/v1/tenants/{_seg(getattr(args, 'tenant_id', ''))}"
     if cmd == "create":
         body = {
@@ -174,6 +233,8 @@ def _request(
             for k in ("name", "expires_in_seconds", "scopes")
             if getattr(args, k) is not None
         }
+        if _limits(args):
+            body["limits"] = _limits(args)
         return "POST", f"{base}/keys", body, None
     if cmd == "list":
         return "GET", f"{base}/keys", None, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,7 +12,11 @@ from engine.server import sse
 from engine.server.metrics import ServerMetrics, token_buckets
 from engine.server.protocol import parse_body
 from engine.server.protocol_chat import CHAT_UNSUPPORTED, ChatCompletionRequest
-from engine.server.protocol_completions import COMPLETION_UNSUPPORTED, CompletionRequest
+from engine.server.protocol_completions import (
+    COMPLETION_UNSUPPORTED,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from engine.stats import EngineStats
 from portico.errors import InvalidRequestError, ServiceUnavailableError
 
@@ -80,7 +85,10 @@ def test_union_type_errors_name_the_parameter_once() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_body(CompletionRequest, b'{"model": "m", "prompt": 5}')
     assert info.value.param == "prompt"
-    assert info.value.message == "Invalid type for 'prompt'."
+    assert info.value.message == (
+        "Invalid type for 'prompt': expected a string, an array of strings or an array of "
+        "token ids, got a number."
+    )
 
 
 def test_huge_invalid_input_gives_a_bounded_message() -> None:
@@ -151,3 +159,34 @@ def test_metrics_have_vllm_names_types_and_a_private_registry() -> None:
     assert value(first, "vllm:request_success_total", finished_reason="abort") == 1
     assert value(first, "vllm:num_requests_waiting") == 2  # swapped requests wait too
     assert value(first, "vllm:prefix_cache_hits_total") == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"model": "m", "messages": "hello"}, "messages",
+         "Invalid type for 'messages': expected an array of message objects, got a string."),
+        ({"model": 123, "messages": [{"role": "user", "content": "x"}]}, "model",
+         "Invalid type for 'model': expected a string, got a number."),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages[0].content[0].text",
+         "Invalid type for 'messages[0].content[0].text': expected a string, got a number."),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content",
+         "Missing required parameter: 'messages[0].content'."),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+         "temperature", "Invalid type for 'temperature': expected a number, got a string."),
+    ],
+)  # fmt: skip
+def test_the_engine_names_a_wrong_type_as_the_gateway_does(
+    body: dict[str, Any], param: str, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_body(ChatCompletionRequest, json.dumps(body).encode())
+    assert (info.value.param, info.value.message) == (param, message)
+
+
+def test_the_engine_names_a_wrong_embedding_input_type() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_body(EmbeddingRequest, b'{"model": "m", "input": 5.5}')
+    assert info.value.param == "input"
+    assert info.value.message.endswith("got a number.")

@@ -152,6 +152,17 @@ async def test_budget_refuses_once_spent_and_is_charged_at_settle(limiter: Limit
     assert spent.budget_used == (105,)
 
 
+async def test_a_budget_refuses_a_need_larger_than_what_is_left(limiter: Limiter) -> None:
+    bs = buckets(rpm=10, budget=100)
+    await limiter.acquire(bs, [1], "a", LEASE_US)
+    await limiter.settle(bs, [0], [60], "a")  # 40 left
+    refused = await limiter.acquire(bs, [1], "b", LEASE_US, needs=[41])
+    assert not refused.allowed and refused.failed == 1  # the budget, after the rate bucket
+    assert refused.remaining == (9,)  # nothing charged
+    exact = await limiter.acquire(bs, [1], "c", LEASE_US, needs=[40])
+    assert exact.allowed and exact.remaining == (8,)
+
+
 async def test_unused_tokens_are_refunded(limiter: Limiter) -> None:
     bs = buckets(tpm=1000)
     assert (await limiter.acquire(bs, [600], "a", LEASE_US)).remaining == (400,)

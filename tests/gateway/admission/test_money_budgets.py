@@ -240,6 +240,34 @@ async def test_a_completion_is_capped_at_what_the_money_left_pays_for(
     await adm.aclose()
 
 
+async def test_a_budget_that_cannot_pay_for_the_prompt_refuses_and_is_never_overrun(
+    store: RedisClient, make_principal: MakePrincipal
+) -> None:
+    """What a request surely costs (its prompt and one output token per completion) must fit
+    in what is left: else 429 budget_exceeded, charged nothing, and the budget ends exactly
+    spent, never past it."""
+    prices = PriceBook(store, {"m": ModelPrice(input=1000, output=2000)})  # 1000 / 2000 µ$
+    adm = Admission(store, AdmissionSettings(), registry=CollectorRegistry(), prices=prices)
+    who = make_principal(requests_per_minute=100, budget_usd=0.01)  # 10,000 micro-dollars
+    ticket = await adm.admit(who, "m", 4, 1)
+    await adm.settle(ticket, 4, 1, spend_micro_usd=6_000)  # 4,000 left
+    before = await snapshot(store)
+    with pytest.raises(BudgetExceededError) as info:
+        await adm.admit(who, "m", 3, 100)  # 3,000 + 2,000 for one token: more than 4,000
+    assert await snapshot(store) == before  # no bucket, slot or budget moved
+    err = info.value
+    assert (err.status_code, err.code, err.limit) == (429, "budget_exceeded", "monthly_budget_usd")
+    assert "costs at least $0.005000" in err.message and "only $0.004000 left" in err.message
+    ticket = await adm.admit(who, "m", 2, 100)  # 2,000 + 2,000: exactly what is left
+    assert ticket.max_tokens == 1
+    assert ticket.headers["x-portico-budget-max-tokens"] == "1"
+    assert ticket.headers["x-portico-budget-stop"] == "monthly_budget_usd of tenant 'acme'"
+    await adm.settle(ticket, 2, 1, spend_micro_usd=prices.spend_micro_usd("m", 2, 0, 1))
+    month = utc_month(time.time())
+    assert await store.get(f"portico:spend:{{acme}}:t:m:{month}") == b"10000"  # not past it
+    await adm.aclose()
+
+
 def test_a_stream_cut_by_a_money_budget_ends_with_budget_exceeded() -> None:
     from gateway.dataplane.budget_stop import BudgetStop
 

@@ -11,6 +11,8 @@ from gateway.dataplane.fields import parse_fields
 from gateway.dataplane.usage_relay import Usage, _take_usage, upstream_body
 from portico.errors import InvalidRequestError
 
+ONE_TURN = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+
 
 @pytest.mark.parametrize(
     ("raw", "param"),
@@ -19,12 +21,12 @@ from portico.errors import InvalidRequestError
         (b"[1, 2]", None),
         (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
         (b'{"model": "m", "messages": []}', "messages"),
-        (b'{"model": "m", "messages": ["x"]}', "messages.0"),
-        (b'{"model": "m", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
-        (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}', "max_tokens"),
-        (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "9"}', "max_tokens"),
-        (b'{"model": "m", "messages": [{"role": "user"}], "tools": {}}', "tools"),
-        (b'{"model": "m", "messages": [{"role": "user"}], "stream_options": 3}', "stream_options"),
+        (b'{"model": "m", "messages": ["x"]}', "messages[0]"),
+        (ONE_TURN + b'"stream": "yes"}', "stream"),
+        (ONE_TURN + b'"max_tokens": -1}', "max_tokens"),
+        (ONE_TURN + b'"max_tokens": "9"}', "max_tokens"),
+        (ONE_TURN + b'"tools": {}}', "tools"),
+        (ONE_TURN + b'"stream_options": 3}', "stream_options"),
     ],
 )
 def test_bad_chat_bodies_are_400_naming_the_parameter(raw: bytes, param: str | None) -> None:
@@ -155,3 +157,61 @@ def test_rerank_usage_of_total_tokens_alone_is_read_as_prompt_tokens() -> None:
     usage = Usage()
     usage.take({"total_tokens": 42})
     assert (usage.prompt_tokens, usage.completion_tokens, usage.reported) == (42, 0, True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param", "message"),
+    [
+        ("chat", {"model": "m", "messages": "hello"}, "messages",
+         "Invalid type for 'messages': expected an array of message objects, got a string."),
+        ("chat", {"model": 123, "messages": [{"role": "user", "content": "x"}]}, "model",
+         "Invalid type for 'model': expected a string, got a number."),
+        ("completion", {"model": "m", "prompt": {}}, "prompt",
+         "Invalid type for 'prompt': expected a string, an array of strings or an array of "
+         "token ids, got an object."),
+        ("embedding", {"model": "m", "input": 5.5}, "input",
+         "Invalid type for 'input': expected a string, an array of strings or an array of "
+         "token ids, got a number."),
+        ("chat", {"model": "m"}, "messages", "Missing required parameter: 'messages'."),
+        ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text",
+         "text": 5}]}]}, "messages[0].content[0].text",
+         "Invalid type for 'messages[0].content[0].text': expected a string, got a number."),
+        ("chat", {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content",
+         "Missing required parameter: 'messages[0].content'."),
+        ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+         "temperature": "hot"}, "temperature",
+         "Invalid type for 'temperature': expected a number, got a string."),
+        ("completion", {"model": "m", "prompt": ["a", {}]}, "prompt[1]",
+         "Invalid type for 'prompt[1]': expected a string, a token id or an array of token ids, "
+         "got an object."),
+        ("responses", {"model": "m", "input": [{"role": "user", "content": [{"type":
+         "input_text", "text": None}]}]}, "input[0].content[0].text",
+         "Missing required parameter: 'input[0].content[0].text'."),
+    ],
+)  # fmt: skip
+def test_a_wrong_type_is_named_as_a_wrong_type_not_as_missing(
+    kind: str, body: dict[str, Any], param: str, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as exc:
+        parse_fields(json.dumps(body).encode(), kind)
+    assert (exc.value.param, exc.value.message) == (param, message)
+
+
+@pytest.mark.parametrize(
+    ("edit", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": [1]}, "stop[0]"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)
+def test_sampling_fields_out_of_range_are_400_naming_them(edit: dict[str, Any], param: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **edit}
+    with pytest.raises(InvalidRequestError) as exc:
+        parse_fields(json.dumps(body).encode(), "chat")
+    assert exc.value.param == param
+    ok = {"model": "m", "messages": [{"role": "assistant", "tool_calls": []}], "temperature": 0}
+    assert parse_fields(json.dumps(ok).encode(), "chat").messages == ok["messages"]

@@ -184,6 +184,29 @@ def test_models_lists_what_the_plan_allows(gateway: GatewayProcess) -> None:
         )
 
 
+def test_models_lists_each_model_once_with_its_aliases(
+    gateway: GatewayProcess, tenant: tuple[str, str]
+) -> None:
+    oa = client(gateway, tenant[1])
+    cards = {m.id: m.model_dump() for m in oa.models.list()}
+    assert list(cards) == ["fake", "remote", "auto"]  # "quick" is no card of its own
+    assert cards["fake"]["aliases"] == ["quick"] and cards["remote"]["aliases"] == []
+    assert cards["auto"]["routes_to"] == ["fake", "remote"]
+    alias = oa.models.retrieve("quick").model_dump()
+    assert (alias["id"], alias["alias_of"]) == ("quick", "fake")
+    assert oa.models.retrieve("fake").model_dump()["aliases"] == ["quick"]
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("nothing")
+    reply = oa.chat.completions.create(
+        model="quick", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.choices  # an alias still serves requests
+    # a plan that names only the alias sees the alias, marked, not the model behind it
+    _, key = gateway.create_tenant("standard", allowed_models=["quick"])
+    only = [m.model_dump() for m in client(gateway, key).models.list()]
+    assert [(m["id"], m.get("alias_of")) for m in only] == [("quick", "fake")]
+
+
 def test_errors_have_openai_shape_and_overhead_header(
     gateway: GatewayProcess, tenant: tuple[str, str]
 ) -> None:
@@ -193,7 +216,11 @@ def test_errors_have_openai_shape_and_overhead_header(
         (httpx.post(url, json={"model": "fake", "messages": []}), 401),
         (httpx.post(url, content=b"{oops", headers=auth), 400),
         (
-            httpx.post(url, json={"model": "nope", "messages": [{"role": "user"}]}, headers=auth),
+            httpx.post(
+                url,
+                json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+                headers=auth,
+            ),
             404,
         ),
         (httpx.post(url, content=b"x" * (5 * 1024 * 1024), headers=auth), 413),

@@ -161,8 +161,10 @@ def test_remote_tier_is_priced_and_a_spent_key_budget_refuses_only_that_key(
     gateway: GatewayProcess, store: RedisServer
 ) -> None:
     tenant_id, _ = gateway.create_tenant("standard")
-    # one request of the fake's (~10 prompt tokens, 3 completion tokens) costs ~0.01 USD
-    capped_id, capped = new_key(gateway, tenant_id, budget_usd=0.001, budget_period="daily")
+    # one request of the fake's (~10 prompt tokens, 3 completion tokens) costs ~0.01 USD; the
+    # gateway's estimate of the prompt (a remote model: characters / 4) fits in 0.004 USD, so
+    # the first request is admitted and spends the budget
+    capped_id, capped = new_key(gateway, tenant_id, budget_usd=0.004, budget_period="daily")
     free_id, free = new_key(gateway, tenant_id)
     messages = [{"role": "user", "content": "hi"}]
     first = oa(gateway, capped).chat.completions.create(

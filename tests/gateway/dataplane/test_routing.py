@@ -103,10 +103,19 @@ def test_unknown_model_is_404_and_forbidden_model_is_403() -> None:
     assert denied.value.status_code == 403
 
 
-def test_visible_models_follow_the_plan() -> None:
+def test_model_cards_list_each_allowed_model_once_with_its_aliases() -> None:
     router = Router(POLICY, MODELS)
-    assert router.visible_models(principal({"small-model"})) == ["small-model", "fast", "auto"]
-    assert router.visible_models(principal({"x"})) == []
+    cards = router.model_cards(principal({"small-model"}))
+    assert [(c["id"], c.get("aliases"), c.get("routes_to")) for c in cards] == [
+        ("small-model", ["fast"], None),
+        ("auto", None, ["small-model"]),
+    ]
+    assert router.model_cards(principal({"x"})) == []
+    # a plan naming only the alias sees the alias, marked with the model it names
+    only_alias = router.model_cards(principal({"fast"}))
+    assert [(c["id"], c.get("alias_of")) for c in only_alias] == [("fast", "small-model")]
+    assert router.find_card("fast", principal({"small-model"}))["alias_of"] == "small-model"  # type: ignore[index]
+    assert router.find_card("medium-model", principal({"small-model"})) is None
 
 
 def test_prefix_key_is_the_system_prompt_start() -> None:

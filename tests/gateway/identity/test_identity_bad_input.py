@@ -88,7 +88,7 @@ async def test_invalid_tenant_fields_are_400_naming_the_field(
 ) -> None:
     body = {"id": "acme", "name": "Acme", field: value}
     err = assert_openai_error(await client.post("/admin/v1/tenants", headers=A, json=body), 400)
-    assert err["param"].split(".")[0] == field
+    assert err["param"].split(".")[0].split("[")[0] == field
 
 
 @pytest.mark.parametrize(
@@ -163,4 +163,4 @@ async def test_malformed_path_ids_are_refused(client: httpx.AsyncClient, acme_ke
     resp = await client.get("/admin/v1/tenants/ACME", headers=A)
     assert_openai_error(resp, resp.status_code)
     resp = await client.get("/admin/v1/tenants/acme/usage?start=yesterday", headers=A)
-    assert assert_openai_error(resp, 400)["param"] == "query.start"
+    assert assert_openai_error(resp, 400)["param"] == "start"

@@ -225,3 +225,52 @@ def test_cli_over_tls_with_a_client_certificate(
         assert code == 1 and "cannot reach" in err
     finally:
         gw.stop()
+
+
+def test_cli_sets_money_budgets_on_tenants_and_keys_and_manages_prices(
+    gateway: Gateway, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PORTICO_ADMIN_KEY", ADMIN_KEY)
+    code, out, err = keys(gateway, capsys, "tenants", "create", "acme", "--budget-usd", "12.5")
+    assert code == 0, err
+    limits = json.loads(out)["effective"]["limits"]
+    assert (limits["budget_usd"], limits["budget_period"]) == (12.5, None)  # None: monthly
+    code, out, err = keys(
+        gateway, capsys, "tenants", "update", "acme", "--budget-usd", "3", "--budget-period",
+        "daily",
+    )  # fmt: skip
+    assert code == 0, err
+    limits = json.loads(out)["effective"]["limits"]
+    assert (limits["budget_usd"], limits["budget_period"]) == (3.0, "daily")
+    code, out, err = keys(gateway, capsys, "create", "acme", "--budget-usd", "0.25", "--rpm", "7")
+    assert code == 0, err
+    key_id = json.loads(out)["id"]
+    # what the key got, as the admin API stores it
+    shown = httpx.get(
+        f"{gateway.url}/admin/v1/tenants/acme/keys/{key_id}",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    ).json()
+    assert shown["limits"]["budget_usd"] == 0.25 and shown["limits"]["requests_per_minute"] == 7
+    code, _, err = keys(gateway, capsys, "tenants", "update", "acme", "--budget-usd", "-1")
+    assert code == 1 and "400" in err and "budget_usd" in err
+    with pytest.raises(SystemExit) as exited:  # argparse refuses a period it does not know
+        keys(gateway, capsys, "tenants", "update", "acme", "--budget-period", "weekly")
+    assert exited.value.code == 2 and "invalid choice: 'weekly'" in capsys.readouterr().err
+
+    code, out, err = keys(
+        gateway, capsys, "prices", "set", "openai/gpt-4o", "--input", "2.5", "--output", "10"
+    )
+    assert code == 0, err
+    price = json.loads(out)
+    assert (price["model"], price["input"], price["output"]) == ("openai/gpt-4o", 2.5, 10.0)
+    assert price["source"] == "admin"
+    code, out, _ = keys(gateway, capsys, "prices", "list")
+    assert [p["model"] for p in json.loads(out)["data"]] == ["openai/gpt-4o"]
+    code, out, _ = keys(gateway, capsys, "prices", "show", "openai/gpt-4o")
+    assert code == 0 and json.loads(out)["cached_input"] == 2.5  # defaults to the input price
+    code, out, _ = keys(gateway, capsys, "prices", "delete", "openai/gpt-4o")
+    assert code == 0 and out == ""
+    code, _, err = keys(gateway, capsys, "prices", "show", "openai/gpt-4o")
+    assert code == 1 and "404" in err
+    code, _, err = keys(gateway, capsys, "prices", "set", "m", "--input", "-1", "--output", "1")
+    assert code == 1 and "400" in err and "input" in err
