@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 from urllib.parse import unquote
 
 import redis
@@ -349,7 +349,9 @@ def connect(topology: RedisTopology, tuning: StoreSettings) -> RedisClient:
             node.connection_class = PeerCloseAwareConnection
         return cluster
     if topology.kind == "sentinel":
-        connection = {
+        # Typed as Any: redis-py 8's stubs give Sentinel's positional arguments types that a
+        # keyword dict of mixed values cannot match, although redis-py passes them by name.
+        connection: dict[str, Any] = {
             "username": topology.username,
             "password": topology.password,
             "socket_connect_timeout": timeout_s,
