@@ -120,6 +120,7 @@ class EngineConfig:
     kv_cache_memory: str | int = "2GiB"  # KV budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
     seed: int = 0
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs for decode steps (engine.cuda_graphs)
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
     # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
     enable_lora: bool = False
@@ -338,6 +339,8 @@ class EngineConfig:
                        help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="fix the number of KV blocks")  # fmt: skip
         g.add_argument(
