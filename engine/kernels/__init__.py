@@ -121,9 +121,10 @@ def paged_attention(
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     impl = _choice(query).paged_attention
     if impl == "triton" and max(query_lens_cpu, default=0) == 1:  # pure decode: split-K
-        from engine.kernels.triton_decode_attention import decode_attention_triton
+        from engine.kernels import triton_decode_attention as decode
 
-        return decode_attention_triton(query, kv_cache, block_tables, seq_lens, scale)
+        if decode.serves(kv_cache):
+            return decode.decode_attention_triton(query, kv_cache, block_tables, seq_lens, scale)
     impl = "reference" if _fp8(kv_cache) else impl
     if impl == "triton":
         from engine.kernels.paged_attention import paged_attention_triton

@@ -27,6 +27,7 @@ read each byte of it once and to keep the whole card busy:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -197,9 +198,26 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return max(1, min(_MAX_SPLITS, wanted))
 
 
+def serves(kv_cache: torch.Tensor) -> bool:
+    """Whether this kernel reads ``kv_cache``: every dtype, but an fp8 cache only where
+    Triton converts float8_e4m3 (compute capability 8.9 and later; the interpreter)."""
+    if not _fp8(kv_cache) or kv_cache.device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(kv_cache.device) >= (8, 9)
+
+
+def _fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype.itemsize == 1 and kv_cache.dtype != torch.int8
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+        return _num_sms_of(device.index if device.index is not None else 0)
     return 1
 
 
