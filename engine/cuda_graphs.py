@@ -162,9 +162,14 @@ class DecodeBuffers:
         self._host_i64[:, :bucket] = staged
         self.seq_lens_cpu = [*step.seq_lens, *[1] * pad]
         self._host_lens[:bucket] = torch.tensor(self.seq_lens_cpu, dtype=torch.int32)
-        # Only the columns this step reads: entries past a row's context are never read.
-        width = max(len(t) for t in step.block_tables)
-        rows = [[*t, *[self.scratch_block] * (width - len(t))] for t in step.block_tables]
+        # Only the blocks this step reads (a table may hold more, e.g. for lookahead slots):
+        # entries past a row's context are never read.
+        needed = [-(-s // bs) for s in step.seq_lens]
+        width = max(needed)
+        rows = [
+            [*t[:k], *[self.scratch_block] * (width - k)]
+            for t, k in zip(step.block_tables, needed, strict=True)
+        ]
         rows += [[self.scratch_block] * width] * pad
         self._host_tables[:bucket, :width] = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":

@@ -103,11 +103,12 @@ def test_buffers_pad_rows_to_the_scratch_block_and_keep_real_rows() -> None:
     assert meta.seq_lens_cpu == [5, 10, 1, 1] and meta.max_seq_len == 10
     # A smaller step reuses the same tensors: its rows and padding overwrite what it reads.
     ids = buffers.input_ids
-    buffers.load(DecodeStep([21], [2], [3], [[9]]), 2)
+    buffers.load(DecodeStep([21], [2], [3], [[9, 4, 1]]), 2)  # blocks past the context: unread
     assert buffers.input_ids is ids
     assert buffers.input_ids[:2].tolist() == [21, 0]
     assert buffers.slot_mapping[:2].tolist() == [9 * 4 + 2, 40 * 4]
     assert buffers.block_tables[:2, :1].tolist() == [[9], [40]]
+    assert buffers.block_tables[0, 1:3].tolist() == [3, 40]  # stale, past the context: unread
 
 
 def test_buffers_refuse_a_step_larger_than_its_bucket() -> None:
