@@ -53,32 +53,21 @@ def _dot(a, b, WIDE: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr,
-    cache_ptr,
+    q_ptr, cache_ptr,
     scale_ptr,  # int8 cache: the cache's memory as float32, for each row's scale; else unused
     out_ptr,  # one split: the output [T, heads, d]; several: the pieces [T, heads, S, d] fp32
     lse_ptr,  # several splits: [T, heads, S] float32; else unused
-    block_tables_ptr,
-    seq_lens_ptr,
-    scale,
-    q_stride_t,
-    q_stride_h,
-    o_stride_t,
-    o_stride_h,
+    block_tables_ptr, seq_lens_ptr, scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     v_offset,  # elements from the K half of the cache to its V half (bytes for int8)
     bt_stride,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_INT8: tl.constexpr,
     EXACT_F32: tl.constexpr,  # float32 query: float32 products
     WIDE_DOT: tl.constexpr,  # Triton's interpreter: 16-bit operands widened before tl.dot
-):
+):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,21 +124,31 @@ def _decode_split_kernel(
         pv = _dot(p.to(q.dtype), v.to(q.dtype), EXACT_F32 or WIDE_DOT)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    # A piece with no position (a sequence shorter than the splits) has l = 0: output 0,
-    # lse = -inf, so the merge gives it no weight.
+    _store_piece(
+        acc, m_i, l_i, out_ptr, lse_ptr, req, heads, split, offs_d, qd_mask, h_mask,
+        o_stride_t, o_stride_h, NUM_KV_HEADS * GROUP, HEAD_DIM, NUM_SPLITS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_piece(
+    acc, m_i, l_i, out_ptr, lse_ptr, req, heads, split, offs_d, qd_mask, h_mask,
+    o_stride_t, o_stride_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Write a piece's normalized output (the output itself with one split) and its
+    log-sum-exp. A piece with no position (a sequence shorter than the splits) has l = 0:
+    output 0, lse = -inf, so the merge gives it no weight."""
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = req.to(tl.int64) * o_stride_t + heads * o_stride_h
     if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + o_rows[:, None] + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=qd_mask,
-        )
+        out_offsets = o_rows[:, None] + offs_d[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
     else:
         piece = (o_rows * NUM_SPLITS + split * HEAD_DIM)[:, None] + offs_d[None, :]
         tl.store(out_ptr + piece, out, mask=qd_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.maximum(l_i, 1e-30)))
-        lse_rows = (req.to(tl.int64) * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split
+        lse_rows = (req.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
         tl.store(lse_ptr + lse_rows, lse, mask=h_mask)
 
 
