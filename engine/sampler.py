@@ -119,14 +119,15 @@ def _mix64(x: int) -> int:
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def _mix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 tensors (wrapping products, as two's complement)."""
-    x = (x ^ _shr(x, 30)) * _signed64(_MIX1)
-    x = (x ^ _shr(x, 27)) * _signed64(_MIX2)
-    return x ^ _shr(x, 31)
+    """splitmix64's finalizer on int64 tensors, in place (wrapping products, as two's
+    complement)."""
+    x.bitwise_xor_(_shr(x, 30)).mul_(_signed64(_MIX1))
+    x.bitwise_xor_(_shr(x, 27)).mul_(_signed64(_MIX2))
+    return x.bitwise_xor_(_shr(x, 31))
 
 
 def row_key(seed: int, position: int) -> int:
@@ -140,8 +141,8 @@ def seeded_exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     in (0, 1), then ``-log``), computed in one batch on the keys' device."""
     cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     bits = _mix64_tensor(keys.unsqueeze(1) + cols * _signed64(_GAMMA))
-    uniform = (_shr(bits, 11).double() + 0.5) * 2.0**-53
-    return uniform.log().neg_().float()
+    uniform = _shr(bits, 11).double().add_(0.5).mul_(2.0**-53)
+    return uniform.log_().neg_().float()
 
 
 class Sampler:
@@ -329,18 +330,21 @@ class _ProcessBatch:
         if self.ban_rows:
             minus_inf = torch.tensor(float("-inf"), device=device)
             logits.index_put_(at(self.ban_rows, self.ban_tokens), minus_inf)
+        # The penalties touch only the (row, token) entries they name: gathered, changed and
+        # written back (a token named twice writes the same value twice).
         if self.seen_rows:
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen.index_put_(at(self.seen_rows, self.seen_tokens), torch.tensor(True, device=device))
-            rp = per_row(self.repetition)
-            penalized = torch.where(logits > 0, logits / rp, logits * rp)
-            torch.where(seen, penalized, logits, out=logits)
+            where = at(self.seen_rows, self.seen_tokens)
+            values = logits[where]
+            rp = per_row(self.repetition).squeeze(1)[where[0]]
+            logits.index_put_(where, torch.where(values > 0, values / rp, values * rp))
         if self.out_rows:
+            where = at(self.out_rows, self.out_tokens)
             ones = torch.ones(len(self.out_rows), device=device)
-            counts = torch.zeros_like(logits)
-            counts.index_put_(at(self.out_rows, self.out_tokens), ones, accumulate=True)
-            logits -= per_row(self.frequency) * counts
-            logits -= per_row(self.presence) * (counts > 0).float()
+            counts = torch.zeros_like(logits).index_put_(where, ones, accumulate=True)[where]
+            frequency = per_row(self.frequency).squeeze(1)[where[0]]
+            presence = per_row(self.presence).squeeze(1)[where[0]]
+            penalized = logits[where] - frequency * counts - presence * (counts > 0).float()
+            logits.index_put_(where, penalized)
 
 
 def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
