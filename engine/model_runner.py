@@ -64,7 +64,9 @@ class ModelRunner:
     ``kv_caches`` holds one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``
     (0 = K, 1 = V), on the model's device, in ``--kv-cache-dtype`` (an int8 row carries its scale
     in 4 more bytes: :mod:`engine.kv_cache_dtype`). ``cpu_kv_caches`` is the swap pool (same
-    layout, ``num_cpu_blocks`` blocks) used when preemption mode is ``swap``. Not thread-safe:
+    layout, ``num_cpu_blocks`` blocks) used when preemption mode is ``swap``. With CUDA graphs
+    (``graphs``, engine.cuda_graphs) the device cache has one more block, the padding rows'
+    scratch block, which the scheduler never hands out. Not thread-safe:
     one step at a time.
     """
 
@@ -90,7 +92,7 @@ class ModelRunner:
         self.enforce_eager = engine_config.enforce_eager or engine_config.tensor_parallel_size > 1
         with_graphs = self.device.type == "cuda" and not self.enforce_eager
         shape = kv_cache_dtype.cache_shape(
-            self.cache_dtype, num_gpu_blocks + with_graphs, self.block_size,
+            self.cache_dtype, num_gpu_blocks + (1 if with_graphs else 0), self.block_size,
             cfg.num_key_value_heads, cfg.head_dim,
         )  # fmt: skip
         self.kv_caches = [
