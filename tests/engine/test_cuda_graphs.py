@@ -33,6 +33,9 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
+# The two cores are shared: one intra-op thread (see conftest.one_torch_thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40  # the scheduler's pool: blocks 0..39; block 40 is the graphs' scratch block
 
@@ -248,3 +251,60 @@ def test_captured_graphs_give_eager_greedy_tokens_at_every_bucket(
         steps = [*STEPS, [("a", 1), ("b", 1)], [("a", 1), ("b", 1), ("c", 1), ("d", 1)]]
         results.append(_run(runner, steps, vocab)[1])
     assert results[0] == results[1]
+
+
+def _with_graph_buffers(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Give ``engine``'s runner decode graphs over buffers (no capture, CPU), a cache with one
+    scratch block past the pool, and the CUDA decision; returns the list of buckets run."""
+    runner = engine.runner
+    num_blocks = runner.kv_caches[0].shape[1]
+    shape = (2, num_blocks + 1, *runner.kv_caches[0].shape[2:])
+    runner.kv_caches[:] = [torch.zeros(shape, dtype=c.dtype) for c in runner.kv_caches]
+    max_seqs = engine.config.max_num_seqs
+    width = -(-runner.config.max_position_embeddings // runner.block_size)
+    buffers = DecodeBuffers(max_seqs, width, runner.block_size, num_blocks, runner.device)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, buffers, plan_buckets(max_seqs))
+    real_reason = model_runner_module.fallback_reason
+    monkeypatch.setattr(
+        model_runner_module, "fallback_reason",
+        lambda **kw: real_reason(**(kw | {"device_type": "cuda"})),
+    )  # fmt: skip
+    buckets: list[int] = []
+    load = buffers.load
+    monkeypatch.setattr(buffers, "load", lambda s, b: (buckets.append(b), load(s, b))[1])
+    return buckets
+
+
+def test_engine_on_graph_buffers_equals_eager_with_preemption_and_a_cached_prefix(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiny_engine import make_engine, run_all
+
+    gen = torch.Generator().manual_seed(9)
+    prefix = torch.randint(0, 1000, (24,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, 1000, (3 + i,), generator=gen).tolist() for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.8,
+            seed=7,
+            max_tokens=24,
+            ignore_eos=True,
+            repetition_penalty=1.2,
+        ),  # fmt: skip
+    ]
+    outputs = []
+    for graphs in (False, True):
+        engine = make_engine(tiny, num_gpu_blocks_override=18, max_num_seqs=8, block_size=4)
+        buckets = _with_graph_buffers(engine, monkeypatch) if graphs else []
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params[i % 2])
+        finals = run_all(engine)
+        outputs.append({rid: out.outputs[0].token_ids for rid, out in finals.items()})
+        stats = engine.stats()
+        assert stats.num_preemptions > 0  # 18 blocks of 4 cannot hold all six
+        assert stats.prefix_cache_hits > 0  # the shared 24-token prefix
+        if graphs:
+            assert len(buckets) > 10 and set(buckets) <= {1, 2, 4, 8}
+    assert outputs[0] == outputs[1]

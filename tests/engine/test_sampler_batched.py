@@ -14,6 +14,9 @@ from engine.request import Request
 from engine.sampler import Sampler, row_key, seeded_exponentials
 from engine.sampling_params import SamplingParams
 
+# The two cores are shared: one intra-op thread (see conftest.one_torch_thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 EOS = 2
 VOCAB = 12
 
