@@ -127,6 +127,7 @@ class EngineConfig:
     # CUDA context, activations and KV cache included (two engines at 0.4 share one card)
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    enforce_eager: bool = False  # vLLM's flag: no CUDA graphs for decode steps (engine.cuda_graphs)
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
     # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
     enable_lora: bool = False
@@ -359,6 +360,8 @@ class EngineConfig:
             "included (vLLM's meaning: two engines at 0.4 share one card)",
         )
         g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="fix the number of KV blocks")  # fmt: skip
         g.add_argument(

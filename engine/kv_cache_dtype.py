@@ -11,8 +11,9 @@ blocks (swap, prefix sharing, a tensor-parallel rank's head shard) carries the s
 knowing they exist. The price is 4 bytes per row: ~6% of the int8 row at head_dim 64.
 
 ``fp8_e4m3`` stores ``float8_e4m3fn`` values with scale 1 (vLLM's default without calibrated
-scales), values beyond +-448 saturated; the PyTorch reference reads and writes it on every
-device (the native CPU kernels and the Triton kernels do not: docs/configuration.md).
+scales), values beyond +-448 saturated; the PyTorch reference writes it and reads it on every
+device, except CUDA decode steps on sm 8.9+, which read it in the split-K Triton kernel
+(``triton_decode_attention.py``); the native CPU kernels do not (docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -13,6 +13,13 @@ import torch
 
 from engine import kv_cache_dtype, memory_plan
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    DecodeStep,
+    fallback_reason,
+    plan_buckets,
+)
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
 
@@ -58,7 +65,9 @@ class ModelRunner:
     ``kv_caches`` holds one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``
     (0 = K, 1 = V), on the model's device, in ``--kv-cache-dtype`` (an int8 row carries its scale
     in 4 more bytes: :mod:`engine.kv_cache_dtype`). ``cpu_kv_caches`` is the swap pool (same
-    layout, ``num_cpu_blocks`` blocks) used when preemption mode is ``swap``. Not thread-safe:
+    layout, ``num_cpu_blocks`` blocks) used when preemption mode is ``swap``. With CUDA graphs
+    (``graphs``, engine.cuda_graphs) the device cache has one more block, the padding rows'
+    scratch block, which the scheduler never hands out. Not thread-safe:
     one step at a time.
     """
 
@@ -79,9 +88,13 @@ class ModelRunner:
         self.prompt_tap: PromptTap | None = None  # set by the engine: embeddings, prompt logprobs
         cfg = loaded.config
         self.cache_dtype = cache_dtype_of(loaded, engine_config)
+        # Decode steps replay CUDA graphs (engine.cuda_graphs) on one CUDA device unless
+        # --enforce-eager; their padding rows write to one more block than the pool's.
+        self.enforce_eager = engine_config.enforce_eager or engine_config.tensor_parallel_size > 1
+        with_graphs = self.device.type == "cuda" and not self.enforce_eager
         shape = kv_cache_dtype.cache_shape(
-            self.cache_dtype, num_gpu_blocks, self.block_size, cfg.num_key_value_heads,
-            cfg.head_dim,
+            self.cache_dtype, num_gpu_blocks + (1 if with_graphs else 0), self.block_size,
+            cfg.num_key_value_heads, cfg.head_dim,
         )  # fmt: skip
         self.kv_caches = [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
@@ -103,6 +116,16 @@ class ModelRunner:
             if num_cpu_blocks
             else []
         )
+        self.graphs: DecodeGraphs | None = None
+        if with_graphs:
+            max_len = engine_config.max_model_len or cfg.max_position_embeddings
+            buffers = DecodeBuffers(
+                engine_config.max_num_seqs, -(-max_len // self.block_size), self.block_size,
+                scratch_block=num_gpu_blocks, device=self.device,
+            )  # fmt: skip
+            buckets = plan_buckets(engine_config.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, buffers, buckets)
+            self.graphs.capture()
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
         """Run the scheduled tokens; return the requests that need a sampled token this step
@@ -139,11 +162,16 @@ class ModelRunner:
                 f"a sequence of {max(seq_lens)} tokens exceeds the model's context of "
                 f"{self.config.max_position_embeddings} positions"
             )
+        if self.lora is not None:
+            self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
+        if self.graphs is not None and self._graph_serves(out, query_lens, len(to_sample)):
+            hidden, logits = self.graphs.run(DecodeStep(token_ids, positions, seq_lens, tables))
+            if self.prompt_tap:
+                self.prompt_tap.read(scheduled, hidden)
+            return to_sample, logits
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        if self.lora is not None:
-            self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
         with torch.inference_mode():
             if not to_sample:
                 hidden = self.model(input_ids, pos, self.kv_caches, meta)
@@ -158,6 +186,23 @@ class ModelRunner:
             if self.prompt_tap:
                 self.prompt_tap.read(scheduled, hidden)
         return to_sample, logits
+
+    def _graph_serves(self, out: SchedulerOutput, query_lens: list[int], num_sampled: int) -> bool:
+        """Whether a captured decode graph runs this step (:func:`fallback_reason`)."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and fallback_reason(
+                device_type=self.device.type,
+                enforce_eager=self.enforce_eager,
+                query_lens=query_lens,
+                num_sampled=num_sampled,
+                has_guesses=bool(out.spec_token_ids),
+                has_lora_rows=any(req.lora_request is not None for req, _ in out.scheduled),
+                max_bucket=graphs.max_bucket,
+            )
+            is None
+        )
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy blocks device -> CPU (``(gpu_block, cpu_block)`` pairs), then CPU -> device

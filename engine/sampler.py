@@ -15,9 +15,14 @@ The order of processing for each row (the same as vLLM's):
 
 Greedy rows take the argmax of the processed logits. Random rows use the exponential race
 (``argmax(p / q)`` with ``q ~ Exp(1)``, equivalent to sampling from ``p``). A row with a
-``seed`` draws its ``q`` from its own generator seeded with ``(seed, output position)``, so its
-text does not depend on what else is in the batch, nor on preemption and recompute. When every
-row is greedy with nothing to process, the whole step is one ``argmax``.
+``seed`` draws its ``q`` from a counter-based generator (:func:`seeded_exponentials`): a
+hash of ``(seed, output position, token id)``, so its text does not depend on what else is in
+the batch, nor on preemption and recompute, nor on the device (CPU and CUDA draw the same
+bits). When every row is greedy with nothing to process, the whole step is one ``argmax``.
+
+Every step runs as batched tensor ops, whatever the number of rows: the host only gathers
+each row's parameters and token ids into one tensor per kind (penalties, biases, seeds,
+logprobs), and reads the sampled ids (and any logprobs) back once at the end.
 
 Speculative decoding (:meth:`Sampler.verify`): a request that fed ``k`` guesses has ``k + 1``
 logits rows; row ``j`` is sampled exactly as the plain path would sample output position
@@ -93,11 +98,51 @@ def _needs_processing(params: Any, num_output_tokens: int) -> bool:
     )
 
 
-def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
-    """A generator whose draws depend only on the request's seed and the output position."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(hash((int(seed), int(position))) & 0x7FFF_FFFF_FFFF_FFFF)
-    return gen
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / golden ratio
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer on a Python int (the host twin of :func:`_mix64_tensor`)."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _mix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors, in place (wrapping products, as two's
+    complement)."""
+    x.bitwise_xor_(_shr(x, 30)).mul_(_signed64(_MIX1))
+    x.bitwise_xor_(_shr(x, 27)).mul_(_signed64(_MIX2))
+    return x.bitwise_xor_(_shr(x, 31))
+
+
+def row_key(seed: int, position: int) -> int:
+    """The draw key of a seeded row at output ``position`` (signed 64-bit)."""
+    return _signed64(_mix64(_mix64(int(seed)) ^ int(position)))
+
+
+def seeded_exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[len(keys), vocab]`` Exp(1) draws, float32: element ``(i, t)`` is a function of
+    ``keys[i]`` and ``t`` only (splitmix64 of ``key + (t + 1) * gamma``, 53 bits to a uniform
+    in (0, 1), then ``-log``), computed in one batch on the keys' device."""
+    cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
+    bits = _mix64_tensor(keys.unsqueeze(1) + cols * _signed64(_GAMMA))
+    uniform = _shr(bits, 11).double().add_(0.5).mul_(2.0**-53)
+    return uniform.log_().neg_().float()
 
 
 class Sampler:
@@ -144,9 +189,8 @@ class Sampler:
             return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
 
         logits = logits.float()
-        for i, row in enumerate(rows):
-            if process[i]:
-                self._process_row(logits[i], row)
+        if any(process):
+            self._process(logits, rows, process)
         temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params, strict=True)]
         if any(t != 1.0 for t in temps):
             logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
@@ -162,11 +206,8 @@ class Sampler:
             chosen = self._race(sub.softmax(dim=-1), [rows[i] for i in random_idx])
             token_ids.index_copy_(0, idx, chosen)
         tokens = token_ids.tolist()
-
         if logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    logprobs_out[i] = _token_logprob(logprobs[i], tokens[i], int(p.logprobs))
+            logprobs_out = _batch_logprobs(logprobs, token_ids, tokens, params)
         return SamplerOutput(tokens, logprobs_out)
 
     def verify(
@@ -202,49 +243,108 @@ class Sampler:
             start += len(guess) + 1
         return out
 
-    def _process_row(self, row_logits: torch.Tensor, row: SamplingRow) -> None:
-        p = row.sampling_params
-        device = row_logits.device
-        if p.logit_bias:
-            ids = torch.tensor([int(k) for k in p.logit_bias], device=device)
-            vals = torch.tensor([float(v) for v in p.logit_bias.values()], device=device)
-            row_logits.index_add_(0, ids, vals)
-        if len(row.output_token_ids) < p.min_tokens:
-            banned = set(self.eos_token_ids) | set(p.stop_token_ids)
-            if banned:
-                row_logits[torch.tensor(sorted(banned), device=device)] = float("-inf")
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                list(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                dtype=torch.long,
-                device=device,
-            )
-            vals = row_logits[seen]
-            rp = float(p.repetition_penalty)
-            row_logits[seen] = torch.where(vals > 0, vals / rp, vals * rp)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
-            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
-            counts = torch.zeros_like(row_logits).index_add_(
-                0, out, torch.ones(len(out), device=device)
-            )
-            row_logits -= float(p.frequency_penalty) * counts
-            row_logits -= float(p.presence_penalty) * (counts > 0).float()
+    def _process(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], process: list[bool]
+    ) -> None:
+        """Bias, min_tokens, then the penalties, on every row at once (in place)."""
+        batch = _ProcessBatch(len(rows))
+        for i, row in enumerate(rows):
+            if process[i]:
+                batch.add(i, row, self.eos_token_ids)
+        batch.apply(logits)
 
     def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Exponential race per row: seeded rows draw from their own generator."""
+        """Exponential race, all rows at once: seeded rows draw from their own keys
+        (:func:`seeded_exponentials`), the others from the shared generator."""
+        device = probs.device
+        seeds = [r.sampling_params.seed for r in rows]
+        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
+        if len(unseeded) == len(rows):
+            q = torch.empty_like(probs).exponential_(generator=self._shared_generator(device))
+            return (probs / q).argmax(dim=-1)
         q = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.sampling_params.seed is None]
         if unseeded:
-            shared = self._shared_generator(probs.device)
-            draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            shared = self._shared_generator(device)
+            draws = torch.empty(len(unseeded), probs.shape[1], device=device)
             draws.exponential_(generator=shared)
-            q[torch.tensor(unseeded, device=probs.device)] = draws
-        for i, r in enumerate(rows):
-            seed = r.sampling_params.seed
-            if seed is not None:
-                gen = seeded_generator(seed, len(r.output_token_ids), probs.device)
-                q[i].exponential_(generator=gen)
+            q[torch.tensor(unseeded, device=device)] = draws
+        seeded = [i for i, seed in enumerate(seeds) if seed is not None]
+        keys = [row_key(seeds[i], len(rows[i].output_token_ids)) for i in seeded]
+        q_seeded = seeded_exponentials(torch.tensor(keys, device=device), probs.shape[1])
+        q[torch.tensor(seeded, device=device)] = q_seeded
         return (probs / q).argmax(dim=-1)
+
+
+class _ProcessBatch:
+    """(row, token) pairs of each processing kind, gathered on the host for the whole step,
+    then applied on the device in one op per kind (vLLM's order: bias, min_tokens, then the
+    repetition, frequency and presence penalties)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.bias_rows: list[int] = []
+        self.bias_tokens: list[int] = []
+        self.bias_values: list[float] = []
+        self.ban_rows: list[int] = []
+        self.ban_tokens: list[int] = []
+        self.seen_rows: list[int] = []  # repetition penalty: prompt and output tokens
+        self.seen_tokens: list[int] = []
+        self.out_rows: list[int] = []  # frequency and presence penalties: output tokens
+        self.out_tokens: list[int] = []
+        self.repetition = [1.0] * num_rows
+        self.frequency = [0.0] * num_rows
+        self.presence = [0.0] * num_rows
+
+    def add(self, i: int, row: SamplingRow, eos_token_ids: Sequence[int]) -> None:
+        p = row.sampling_params
+        for token, value in (p.logit_bias or {}).items():
+            self.bias_rows.append(i)
+            self.bias_tokens.append(int(token))
+            self.bias_values.append(float(value))
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = sorted(set(eos_token_ids) | set(p.stop_token_ids))
+            self.ban_rows += [i] * len(banned)
+            self.ban_tokens += banned
+        if p.repetition_penalty != 1.0:
+            self.repetition[i] = float(p.repetition_penalty)
+            self.seen_rows += [i] * (len(row.prompt_token_ids) + len(row.output_token_ids))
+            self.seen_tokens += row.prompt_token_ids
+            self.seen_tokens += row.output_token_ids
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
+            self.frequency[i] = float(p.frequency_penalty)
+            self.presence[i] = float(p.presence_penalty)
+            self.out_rows += [i] * len(row.output_token_ids)
+            self.out_tokens += row.output_token_ids
+
+    def apply(self, logits: torch.Tensor) -> None:
+        device = logits.device
+
+        def at(rows: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device).unsqueeze(1)
+
+        if self.bias_rows:
+            values = torch.tensor(self.bias_values, device=device)
+            logits.index_put_(at(self.bias_rows, self.bias_tokens), values, accumulate=True)
+        if self.ban_rows:
+            minus_inf = torch.tensor(float("-inf"), device=device)
+            logits.index_put_(at(self.ban_rows, self.ban_tokens), minus_inf)
+        # The penalties touch only the (row, token) entries they name: gathered, changed and
+        # written back (a token named twice writes the same value twice).
+        if self.seen_rows:
+            where = at(self.seen_rows, self.seen_tokens)
+            values = logits[where]
+            rp = per_row(self.repetition).squeeze(1)[where[0]]
+            logits.index_put_(where, torch.where(values > 0, values / rp, values * rp))
+        if self.out_rows:
+            where = at(self.out_rows, self.out_tokens)
+            ones = torch.ones(len(self.out_rows), device=device)
+            counts = torch.zeros_like(logits).index_put_(where, ones, accumulate=True)[where]
+            frequency = per_row(self.frequency).squeeze(1)[where[0]]
+            presence = per_row(self.presence).squeeze(1)[where[0]]
+            penalized = logits[where] - frequency * counts - presence * (counts > 0).float()
+            logits.index_put_(where, penalized)
 
 
 def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -284,9 +384,25 @@ def apply_truncation(logits: torch.Tensor, params: Sequence[Any]) -> torch.Tenso
     return logits
 
 
-def _token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    top: list[tuple[int, float]] = []
+def _batch_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, tokens: list[int], params: Sequence[Any]
+) -> list[TokenLogprob | None]:
+    """Each asking row's sampled-token logprob and its top ``logprobs`` alternatives: one
+    gather and one top-k for all of them, one read back."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    idx = torch.tensor(want, device=logprobs.device)
+    rows = logprobs.index_select(0, idx)
+    chosen_ids = token_ids.index_select(0, idx)
+    chosen = rows.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(int(params[i].logprobs) for i in want)
+    top_vals: list[list[float]] = [[] for _ in want]
+    top_ids: list[list[int]] = [[] for _ in want]
     if num_top > 0:
-        vals, ids = row_logprobs.topk(num_top)
-        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-    return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
+        vals, ids = rows.topk(num_top, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    for j, i in enumerate(want):
+        k = int(params[i].logprobs)
+        top = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
+        out[i] = TokenLogprob(tokens[i], chosen[j], top)
+    return out

@@ -174,6 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV budget on CPU")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size")
     parser.add_argument("--single-stream-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="only measure Portico")
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
     )
     engine = LLMEngine(
         config,

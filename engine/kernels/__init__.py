@@ -138,7 +138,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention over the paged cache (see :func:`paged_attention_ref`)."""
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
-    impl = "reference" if _fp8(kv_cache) else _choice(query).paged_attention
+    impl = _choice(query).paged_attention
+    if impl == "triton" and max(query_lens_cpu, default=0) == 1:  # pure decode: split-K
+        from engine.kernels import triton_decode_attention as decode
+
+        if decode.serves(kv_cache):
+            return decode.decode_attention_triton(query, kv_cache, block_tables, seq_lens, scale)
+    impl = "reference" if _fp8(kv_cache) else impl
     if impl == "triton":
         from engine.kernels.triton_paged_attention import paged_attention_triton
 
