@@ -55,8 +55,8 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 
 def _case(num_seqs: int, context: int, kv: str) -> dict[str, float | int | str]:
     from engine.attention import AttentionMetadata
-    from engine.kernels.triton_paged_attention import paged_attention_triton
     from engine.kernels.triton_decode_attention import decode_attention_triton
+    from engine.kernels.triton_paged_attention import paged_attention_triton
 
     cache_dtype = storage_dtype(kv, torch.bfloat16)
     blocks_per_seq = context // BLOCK_SIZE
