@@ -182,14 +182,16 @@ def quantized_linear(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed_q8: torch.Tensor | None = None,
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (:func:`cpu.quantized_linear`), or ``None``
     where no block kernel serves these inputs (the caller then uses the dense weight).
     ``packed_q8`` (:func:`pack_blocks_q8`): bfloat16 ``x`` is rounded to int8 per block of 32
-    and runs the integer kernel (not exact)."""
+    and runs the integer kernel (not exact). ``panels`` (GGUFBlocks.pack_panels): the batch
+    invariant kernel (:func:`cpu.panel_linear`)."""
     if _choice(x).quantized_linear != "cpu":
         return None
-    return cpu.quantized_linear(x, kind, qs, scales, mins, bias, packed_q8)
+    return cpu.quantized_linear(x, kind, qs, scales, mins, bias, packed_q8, panels)
 
 
 def pack_blocks_q8(

@@ -205,6 +205,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q8_packed_bytes.argtypes = [_I, _I, _I]
     lib.q8_pack.restype = _I
     lib.q8_pack.argtypes = [_I, _I, _I, _P, _P, _P, _P]
+    lib.panel_linear.restype = _I
+    lib.panel_linear.argtypes = [_I, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I]
     lib.q8_supported.restype = _I
     lib.q8_supported.argtypes = [_I]
     lib.decode_step_supported.restype = _I
@@ -327,14 +329,20 @@ def quantized_linear(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed_q8: torch.Tensor | None = None,
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (``kind`` "q4_1" or "q8_0"), or ``None`` when
     the kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16.
+
+    With ``panels`` (the same blocks repacked, :meth:`GGUFBlocks.pack_panels`): the batch
+    invariant kernel, :func:`panel_linear`.
 
     With ``packed_q8`` (:func:`pack_blocks_q8` of the same blocks) and bfloat16 ``x``: each block
     of 32 values of ``x`` is rounded to int8 (scale = max |x| / 127) and the products run on
     integer dot products (VNNI's, or AVX2's; csrc/quantized_int8.c). Not exact; float32 ``x``
     never does."""
+    if panels is not None:
+        return panel_linear(x, kind, panels, scales.shape[0], bias)
     lib = load()
     if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2:
         return None
@@ -364,6 +372,34 @@ def quantized_linear(
             x.data_ptr(), rows, k, qs.data_ptr(), scales.data_ptr(), bias_ptr, n, code,
             out.data_ptr(), threads,
         )  # fmt: skip
+    return out if status == 0 else None
+
+
+def panel_linear(
+    x: torch.Tensor,
+    kind: str,
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    n: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` for W [n, K] in GGUF blocks repacked in panels of 16 output rows
+    (``panels``: quants, scales, minimums; :meth:`GGUFBlocks.pack_panels`), or ``None`` when the
+    kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16; the output has
+    its dtype. Batch invariant: each output element is one fixed chain of float32 FMAs, whatever
+    ``M``, the thread count or the other rows (csrc/panel_linear.c)."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2 or x.shape[0] == 0:
+        return None
+    x = x.contiguous()
+    rows, k = x.shape
+    q, d, mins = panels
+    out = torch.empty((rows, n), dtype=x.dtype)
+    status = lib.panel_linear(
+        _Q8_KINDS[kind], x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(),
+        mins.data_ptr() if mins is not None else None,
+        bias.data_ptr() if bias is not None else None, n, _DTYPE_CODES[x.dtype],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return out if status == 0 else None
 
 
