@@ -151,6 +151,19 @@ def add_rms_norm(
     return add_rms_norm_ref(x, delta, weight, eps)
 
 
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up`` ([T, 2 * intermediate], gate first). float32
+    runs the native kernel where chosen: each element by the same code wherever it sits, so a
+    row's values do not depend on the step's size or threads (batch invariance)."""
+    if gate_up.dtype == torch.float32 and _choice(gate_up).add_rms_norm == "cpu":
+        out = cpu.silu_mul_cpu(gate_up, intermediate)
+        if out is not None:
+            return out
+    gate, up = gate_up.split(intermediate, dim=-1)
+    # In place on the fresh matmul output: two fewer [T, intermediate] allocations.
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     num_heads: int,
@@ -255,6 +268,7 @@ __all__ = [
     "quantized_linear",
     "rms_norm",
     "rope_write_kv",
+    "silu_mul",
     "write_kv_cache",
     "write_kv_cache_ref",
 ]

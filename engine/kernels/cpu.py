@@ -218,6 +218,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [_P, _I, _I, _I, _P, _I]
     lib.rope_write_kv.restype = None
     lib.rope_write_kv.argtypes = [
         _P,
@@ -448,6 +450,27 @@ def add_rms_norm_cpu(
         x.data_ptr(), delta.data_ptr() if delta is not None else None,
         weight.contiguous().data_ptr(), float(eps), out.data_ptr(), x.numel() // hidden, hidden,
         _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_cpu(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``gate_up`` ([T, 2 * intermediate], gate first), each element
+    computed alone by the same code wherever it sits (csrc/norm_rope.c), or ``None`` when the
+    kernels cannot take these inputs."""
+    lib = load()
+    if (
+        lib is None
+        or gate_up.dtype not in _DTYPE_CODES
+        or gate_up.dim() != 2
+        or gate_up.shape[1] != 2 * intermediate
+    ):
+        return None
+    gate_up = gate_up.contiguous()
+    out = torch.empty((gate_up.shape[0], intermediate), dtype=gate_up.dtype)
+    lib.silu_mul(
+        gate_up.data_ptr(), gate_up.shape[0], intermediate, _DTYPE_CODES[gate_up.dtype],
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
