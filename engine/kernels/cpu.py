@@ -395,6 +395,8 @@ def panel_linear(
     x = x.contiguous()
     rows, k = x.shape
     q, d, mins = panels
+    if d.shape[1] * 32 != k or d.shape[0] * d.shape[2] < n:  # not these panels' shape
+        return None
     out = torch.empty((rows, n), dtype=x.dtype)
     status = lib.panel_linear(
         _Q8_KINDS[kind], x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(),
