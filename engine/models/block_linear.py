@@ -96,7 +96,8 @@ class GGUFBlocks:
 
         per_block = 16 if self.kind == "q4_1" else 32
         mins = panel_major(self.mins.float(), None) if self.mins is not None else None
-        self.panels = (panel_major(self.qs, per_block), panel_major(self.scales.float(), None), mins)
+        scales = panel_major(self.scales.float(), None)
+        self.panels = (panel_major(self.qs, per_block), scales, mins)
 
     @classmethod
     def from_raw(cls, kind: str, raw: np.ndarray) -> GGUFBlocks:

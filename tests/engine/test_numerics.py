@@ -77,6 +77,28 @@ def test_named_dtypes_are_kept_whatever_the_cpu() -> None:
         == "bfloat16"
     )
     assert resolve_numerics("auto", "int8", cpu_device, True, lambda: ZEN2).dtype == "float32"
+    cuda = resolve_numerics("auto", "int8", torch.device("cuda"), False, every_flag)
+    assert not cuda.batch_invariant
+
+
+@pytest.mark.parametrize("flags", [{"dtype": "bfloat16"}, {"quantization": "none"}])
+def test_batch_invariant_flag_refuses_to_start_on_a_path_that_is_not(
+    smollm2_gguf: Path, flags: dict[str, str]
+) -> None:
+    """``--batch-invariant`` with a bf16 opt-in or dense matmuls: a ValueError naming the flag
+    and the path, before any weight is loaded."""
+    config = EngineConfig(model=str(smollm2_gguf), device="cpu", batch_invariant=True, **flags)
+    with pytest.raises(ValueError, match="--batch-invariant: .* is not batch invariant"):
+        LLMEngine.from_config(config)
+
+
+def test_batch_invariant_flag_is_a_cli_flag() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args(["--batch-invariant"])).batch_invariant
+    assert not EngineConfig.from_cli_args(parser.parse_args([])).batch_invariant
 
 
 def test_the_probe_reads_this_cpus_flags() -> None:
@@ -93,13 +115,16 @@ def test_an_engine_built_from_auto_flags_reports_the_path_the_rule_picks(
     """The default model through ``LLMEngine.from_config`` with no dtype flag: the engine's
     numerics are the rule's for this CPU, and its weights are in that dtype."""
     engine = LLMEngine.from_config(
-        EngineConfig(model=str(smollm2_gguf), device="cpu", num_gpu_blocks_override=16)
-    )
+        EngineConfig(
+            model=str(smollm2_gguf), device="cpu", num_gpu_blocks_override=16,
+            batch_invariant=True,
+        )
+    )  # fmt: skip
     try:
         source = resolve(str(smollm2_gguf))
         gguf_blocks = resolve_quantization("auto", source, "cpu") == "gguf"
         expected = auto_cpu_numerics(cpu.cpu_flags(), gguf_blocks, "int8")
-        assert engine.numerics == expected
+        assert engine.numerics == expected and expected.batch_invariant  # the flag is met
         assert engine.runner.model.model.embed_tokens.weight.dtype == expected.torch_dtype
     finally:
         engine.close()
