@@ -27,6 +27,7 @@ from engine.llm import LLM
 from engine.model_loader import LoadedModel, load_model
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.llama import LlamaForCausalLM
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from portico.registry import ModelSource
 
@@ -74,13 +75,21 @@ def tiny_blocks(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    """Greedy, with each chosen token's logprob: a float read from the row's logits, so a
+    difference in their last bit shows even where the choice does not flip."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
 
-def _solo(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[int]:
+def _tokens(output: RequestOutput) -> list[tuple[int, float]]:
+    completion = output.outputs[0]
+    assert completion.logprobs is not None
+    return [(t.token_id, t.logprob) for t in completion.logprobs]
+
+
+def _solo(loaded: LoadedModel, prompt: list[int], max_tokens: int) -> list[tuple[int, float]]:
     engine = make_engine(loaded, enable_prefix_caching=False)
     engine.add_request("solo", prompt, _greedy(max_tokens))
-    return list(run_all(engine)["solo"].outputs[0].token_ids)
+    return _tokens(run_all(engine)["solo"])
 
 
 # Small vocabulary slices repeat n-grams, so n-gram speculation finds guesses.
@@ -107,7 +116,8 @@ def test_random_batch_compositions_give_each_request_its_solo_tokens(
 ) -> None:
     """Requests (some sharing the first request's prompt as a prefix, so the cache hits),
     any token budget (chunk size), prefix caching on or off, 1 or 2 threads, n-gram
-    speculation or none: each request's tokens equal those it gets alone on a fresh engine
+    speculation or none: each request's tokens and their logprobs, to the bit, equal those it
+    gets alone on a fresh engine
     (more threads than this machine's cores only make OpenMP barriers slow; the kernel tests
     take 3)."""
     first = batch[0][0]
@@ -128,7 +138,7 @@ def test_random_batch_compositions_give_each_request_its_solo_tokens(
         done = run_all(engine)
     finally:
         torch.set_num_threads(before)
-    assert [list(done[str(i)].outputs[0].token_ids) for i in range(len(requests))] == expected
+    assert [_tokens(done[str(i)]) for i in range(len(requests))] == expected
 
 
 # ------------------------------------------------------------------ the real default model
