@@ -82,9 +82,12 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     served_model_name: str | None = None  # None: the model spec as given
-    # auto: bfloat16 on CUDA; on CPU by its features (engine/numerics.py): bf16 with int8
-    # GGUF activations with VNNI, bf16 with native bf16, else float32
+    # auto: bfloat16 on CUDA; on CPU float32 on the GGUF blocks, batch invariant
+    # (engine/numerics.py, docs/numerics.md)
     dtype: str = "auto"
+    # Refuse to start unless the resolved numerics are batch invariant (docs/numerics.md): on
+    # CPU the default is; bf16 opt-ins, dense models and CUDA are not (no such path there yet).
+    batch_invariant: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     # auto: a GGUF model on CPU keeps its Q4_1/Q8_0 blocks for small batches ("gguf")
     quantization: str = "auto"
@@ -273,9 +276,15 @@ class EngineConfig:
             "--dtype",
             default=d.dtype,
             choices=DTYPES,
-            help="auto: bfloat16 on CUDA; on CPU the fastest measured path for its features "
-            "(bf16 + int8 GGUF activations with VNNI, bf16 with native bf16, else float32; "
-            "logged at start, shown in /v1/models); float32: bit-exact with transformers",
+            help="auto: bfloat16 on CUDA; on CPU float32 on a GGUF model's blocks, batch "
+            "invariant: a request's tokens do not depend on the load (logged at start, shown "
+            "in /v1/models); bfloat16: faster on CPUs with VNNI/bf16 units, not invariant",
+        )
+        g.add_argument(
+            "--batch-invariant",
+            action="store_true",
+            help="refuse to start unless the numerics are batch invariant (the CPU default "
+            "on a GGUF model is; CUDA has no such path yet: docs/numerics.md)",
         )
         g.add_argument("--device", default=d.device, choices=DEVICES)
         g.add_argument(

@@ -195,6 +195,11 @@ class LLMEngine:
         path = resolve_numerics(
             config.dtype, config.gguf_activations, device, quantization == "gguf"
         )
+        if config.batch_invariant and not path.batch_invariant:
+            raise ValueError(
+                f"--batch-invariant: {path.name} on {device.type} ({path.reason}) is not batch "
+                "invariant; on CPU use a GGUF model with --dtype auto or float32 (docs/numerics.md)"
+            )
         loaded = load_model(
             source, path.torch_dtype, device, quantization, path.gguf_activations,
             config.load_format,

@@ -262,11 +262,13 @@ def weight_bytes(
     gguf_blocks: bool,
     prepacked_bytes: int,
     int8_packed: bool = False,
+    panels: bool = False,
 ) -> WeightBytes:
     """What the loaded model keeps resident (see the module doc). ``prepacked_bytes``: bytes
     per weight of the projections' and head's second copy (0: none). ``int8_packed``: the
     blocks are kept a second time, repacked for the int8-activation kernels (float16 scales;
-    counted in ``gguf_blocks``)."""
+    counted in ``gguf_blocks``). ``panels``: a second time as the batch invariant kernel's
+    panels (float32 on CPU: the same bytes as the blocks; counted in ``gguf_blocks``)."""
     tensors = list(tensors)
     dense = sum(t.numel for t in tensors) * dtype_bytes
     blocks = 0
@@ -274,7 +276,7 @@ def weight_bytes(
         for t in tensors:
             if t.block_kind is not None:
                 numel = t.numel or cfg.vocab_size * cfg.hidden_size
-                blocks += int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind])
+                blocks += int(numel * GGUF_BLOCK_BYTES_PER_WEIGHT[t.block_kind]) * (1 + panels)
                 if int8_packed and (numel // cfg.hidden_size) % 64 == 0:
                     blocks += int(numel * INT8_PACKED_BYTES_PER_WEIGHT[t.block_kind])
     packed = 0
@@ -393,6 +395,7 @@ def plan(
         gguf_blocks=quantization == "gguf",
         prepacked_bytes=_prepacked_bytes_per_weight() if on_cpu and dtype == "bfloat16" else 0,
         int8_packed=numerics.gguf_activations == "int8" and _has_int8_kernels(),
+        panels=on_cpu and dtype == "float32" and quantization == "gguf",
     )
     memory, used = _device_memory(device_type, memory_bytes, used_bytes)
     per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)

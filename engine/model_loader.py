@@ -361,7 +361,8 @@ def load_model(
     and tokenizer and fills the weights at random on ``device`` (:func:`_dummy_state`).
 
     ``quantization`` (:func:`resolve_quantization`): with ``gguf`` the linear layers also keep
-    the file's Q4_1/Q8_0 blocks and small batches run on them (:mod:`engine.models.block_linear`).
+    the file's Q4_1/Q8_0 blocks: under float32 every step runs on them, batch invariant; under
+    bfloat16 small batches do (:mod:`engine.models.block_linear`).
     ``gguf_activations`` ``int8`` (bfloat16 only) rounds their inputs to int8 per block of 32,
     as llama.cpp does, and lets steps of a few tokens run the whole model in one native call
     (:mod:`engine.models.fused_step`); ``exact`` keeps the products exact.
@@ -408,6 +409,8 @@ def load_model(
     for name, blocks in found.items():
         if int8:
             blocks.pack_q8()
+        elif dtype == torch.float32:
+            blocks.pack_panels()  # every step on one batch invariant kernel (block_linear.py)
         if name == "lm_head":
             if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
                 model.lm_head_blocks = blocks

@@ -1,19 +1,21 @@
 """What ``--dtype auto`` runs: the weights' dtype and the GGUF block linears' activations.
 
-Users compare defaults (llama.cpp quantizes activations by default, vLLM's CPU backend runs
-bf16), so ``auto`` takes the fastest path whose effect on outputs is measured
-(``load/numerics_check.py``, docs/benchmarks.md) on the CPU at hand:
+On CPU, ``auto`` is float32 on the GGUF file's own Q4_1/Q8_0 blocks, on every kind of CPU:
+every linear of every step, whatever its number of rows, runs the one batch invariant block
+kernel (``csrc/panel_linear.c``: a fixed chain of float32 operations per output element), and
+attention, norms and the LM head compute each row alone in a fixed order. A request's greedy
+tokens then do not depend on the prefix cache, on the other requests in its steps, on the
+chunk size, on speculation or on the thread count (docs/numerics.md). The kernel reads the
+file's 4.5/8.5-bit blocks, so one-stream decode keeps the speed of a quantized engine, and its
+products are the float32 model's.
 
-1. bfloat16 with int8 activations on the GGUF blocks where the CPU has AVX512-VNNI or AVX-VNNI
-   (integer dot products) and the model runs on its GGUF blocks with ``--gguf-activations int8``;
-2. bfloat16 where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16);
-3. float32 elsewhere: without native bf16, PyTorch's bf16 matmuls run several times slower
-   than float32 (docs/engine-benchmark.md).
-
-``--dtype float32`` (and ``--gguf-activations exact`` under bf16) stay for bit-exact work:
-float32 is token for token what transformers produces. :func:`auto_cpu_numerics` is the rule,
-pure, with the CPU's flags as an argument so every machine kind is testable here;
-:func:`resolve_numerics` applies it to one engine's flags and device.
+bfloat16 (``--dtype bfloat16``) and int8 activations (``--gguf-activations int8`` under it) stay
+as opt-ins: faster on CPUs with bf16 or VNNI units for big batches, but their kernels are chosen
+by a step's size, so a reply can change with the load. They are no longer the default: on an
+AVX-512 VNNI machine the default replies changed when their prompt was cached (issue 42).
+:func:`auto_cpu_numerics` is the rule, pure, with the CPU's flags as an argument so every
+machine kind is testable here; :func:`resolve_numerics` applies it to one engine's flags and
+device.
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 class NumericsPath:
     """How one engine computes: ``dtype`` of weights and activations, ``gguf_activations``
     (``int8``: the GGUF block linears round their inputs to int8 per 32 values; ``exact``),
-    and ``reason``, one sentence saying why (the flags given, or the CPU's features)."""
+    ``reason``, one sentence saying why (the flags given, or the CPU's features), and
+    ``batch_invariant``: whether a request's tokens are independent of the rest of its steps
+    (float32 on GGUF blocks on CPU: every step on the panel kernel; dense float32 matmuls are
+    MKL's, whose bits may depend on the number of rows)."""
 
     dtype: str
     gguf_activations: str
     reason: str
+    batch_invariant: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,33 +58,31 @@ class NumericsPath:
     def as_dict(self) -> dict[str, Any]:
         """What ``/v1/models`` shows on the base model's card."""
         return {"path": self.name, "dtype": self.dtype,
-                "gguf_activations": self.gguf_activations, "reason": self.reason}  # fmt: skip
+                "gguf_activations": self.gguf_activations, "reason": self.reason,
+                "batch_invariant": self.batch_invariant}  # fmt: skip
 
 
 def auto_cpu_numerics(flags: frozenset[str], gguf_blocks: bool, activations: str) -> NumericsPath:
     """``--dtype auto`` on a CPU with ``flags`` (``/proc/cpuinfo``'s), for a model that runs
-    on its GGUF blocks or not, under ``--gguf-activations`` ``activations``."""
-    vnni = [f for f in VNNI_FLAGS if f in flags]
-    bf16 = [f for f in BF16_FLAGS if f in flags]
-    if vnni and gguf_blocks and activations == "int8":
+    on its GGUF blocks or not, under ``--gguf-activations`` ``activations``: float32 on every
+    CPU (the reason names the faster opt-ins the CPU has, and why they are not the default)."""
+    fast = [f for f in (*VNNI_FLAGS, *BF16_FLAGS) if f in flags]
+    opt_in = (
+        f"; the CPU has {', '.join(fast)}: --dtype bfloat16 is faster for big batches, "
+        "not batch invariant"
+        if fast
+        else ""
+    )
+    if not gguf_blocks:
         return NumericsPath(
-            "bfloat16", "int8",
-            f"--dtype auto: the CPU has {', '.join(vnni + bf16)}: bf16 with int8 activations "
-            "on the GGUF blocks (--dtype float32 for bit-exact outputs)",
+            "float32", "exact",
+            f"--dtype auto: float32, dense (no GGUF blocks; not batch invariant){opt_in}",
         )  # fmt: skip
-    if bf16:
-        why = "no GGUF blocks to quantize" if not gguf_blocks else (
-            "--gguf-activations exact" if activations != "int8" else "no VNNI for int8"
-        )  # fmt: skip
-        return NumericsPath(
-            "bfloat16", "exact",
-            f"--dtype auto: the CPU has {', '.join(bf16)} (native bf16), {why} "
-            "(--dtype float32 for bit-exact outputs)",
-        )  # fmt: skip
-    missing = "no native bf16 (avx512_bf16, amx_bf16)"
-    if not vnni:
-        missing += " and no VNNI (avx512_vnni, avx_vnni)"
-    return NumericsPath("float32", "exact", f"--dtype auto: the CPU has {missing}")
+    del activations  # int8 activations apply under bfloat16 only, an opt-in
+    return NumericsPath(
+        "float32", "exact",
+        f"--dtype auto: float32 on the GGUF blocks, batch invariant{opt_in}", True,
+    )  # fmt: skip
 
 
 def cpu_flags() -> frozenset[str]:
@@ -104,7 +108,10 @@ def resolve_numerics(
         dtype, reason = "bfloat16", f"--dtype auto on {device.type}"
     else:
         reason = f"--dtype {dtype}"
+    invariant = dtype == "float32" and gguf_blocks and device.type == "cpu"
+    if invariant:
+        reason += " on the GGUF blocks, batch invariant"
     int8 = gguf_activations == "int8" and dtype == "bfloat16" and gguf_blocks
     if dtype == "bfloat16" and gguf_blocks:
         reason += f", --gguf-activations {gguf_activations}"
-    return NumericsPath(dtype, "int8" if int8 else "exact", reason)
+    return NumericsPath(dtype, "int8" if int8 else "exact", reason, invariant)

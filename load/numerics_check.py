@@ -1,28 +1,30 @@
-"""What the engine's speed paths do to outputs: ``python -m load.numerics_check``.
+"""What the engine's numerics paths do to outputs: ``python -m load.numerics_check``.
 
-Greedy continuations of fixed chat prompts on the default model, decoded one request at a time
-(the one-stream path: GGUF block linears, and with int8 activations the fused native step), in
-three configurations of the same weights:
+Greedy continuations of fixed chat prompts on the default model, decoded one request at a time,
+in several configurations of the same weights:
 
-* ``float32``: exact products; token for token what transformers produces (the test suite
-  checks that), so it is the reference here;
-* ``bfloat16``: bf16 activations, exact products on the blocks (``--gguf-activations exact``);
+* ``float32 dense``: float32 with the dense matmuls (``--quantization none``): token for token
+  what transformers produces (the test suite checks that), so it is the reference here;
+* ``float32``: float32 on the GGUF blocks (``--dtype float32``): every step on the batch
+  invariant panel kernel (issue 42);
+* ``auto``: no flags, what ``portico engine`` and ``make run`` serve (``--dtype auto``:
+  float32 on the GGUF blocks on every CPU, engine/numerics.py); the report names its path;
+* ``bfloat16``: the opt-in bf16 activations, exact products on the blocks
+  (``--dtype bfloat16 --gguf-activations exact``);
 * ``bfloat16+int8``: bf16 activations rounded to int8 per 32 values before the block linears
-  (``--gguf-activations int8``, the default), as llama.cpp does;
-* ``auto``: no flags, what ``portico engine`` and ``make run`` serve here (``--dtype auto``
-  resolves per CPU, engine/numerics.py); the report names the path it took and why.
+  (``--dtype bfloat16``, whose ``--gguf-activations`` is int8), as llama.cpp does;
 
-and, for ``--kv-cache-dtype`` (issue 33), the default configuration (bf16 + int8 activations)
-with its KV cache in ``int8`` and in ``fp8_e4m3`` instead of bf16.
+and, for ``--kv-cache-dtype`` (issue 33), bf16 + int8 activations with its KV cache in ``int8``
+and in ``fp8_e4m3`` instead of bf16.
 
 For each configuration it reports how many continuations equal the reference's, and how many
 tokens agree on average before the first difference; each 8-bit cache also against the bf16
-cache with everything else equal (the greedy agreement rate the cache alone costs). And the
-perplexity of every configuration on a fixed text (:data:`PERPLEXITY_TEXT`: the first 1024
-tokens of CPython's LICENSE.txt, shipped with every Python; its sha256 is in the report), read
-through the paged cache in chunks of ``max_num_batched_tokens`` so each chunk attends to K/V
-stored in the cache's dtype. A benchmark-style report, not a test: bf16 is already not
-float32, and the question is whether int8 moves outputs further.
+cache with everything else equal. And the perplexity of every configuration on a fixed text
+(:data:`PERPLEXITY_TEXT`: the first 1024 tokens of CPython's LICENSE.txt, shipped with every
+Python; its sha256 is in the report), read through the paged cache in chunks of
+``max_num_batched_tokens``. ``default_requirements`` checks issue 42's quality bar for ``auto``:
+greedy replies equal the reference's on at least 11 of the 12 :data:`PROOF_PROMPTS`, perplexity
+within 1% of the reference's.
 """
 
 from __future__ import annotations
@@ -57,8 +59,13 @@ PROMPTS = [
     "What are the benefits of regular exercise?",
     "Describe a cat to someone who has never seen one.",
 ]
+# The 12 everyday prompts of issue 42's proof (README's example first): the quality bar and
+# tests/engine/test_batch_invariance.py's prompts.
+PROOF_PROMPTS = PROMPTS[:12]
+REFERENCE = "float32 dense"
 
 CONFIGS = {
+    REFERENCE: {"dtype": "float32", "quantization": "none"},
     "float32": {"dtype": "float32", "gguf_activations": "exact"},
     "bfloat16": {"dtype": "bfloat16", "gguf_activations": "exact"},
     "bfloat16+int8": {"dtype": "bfloat16", "gguf_activations": "int8"},
@@ -125,6 +132,22 @@ def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> dic
     return {"identical": identical / len(reference), "mean_prefix": prefix_total / len(reference)}
 
 
+def requirements(results: dict[str, tuple[list[list[int]], float, Any]]) -> dict[str, Any]:
+    """Issue 42's quality bar for the default (``auto``) against the dense float32 reference:
+    identical greedy replies on at least 11 of the 12 proof prompts, perplexity within 1%."""
+    reference, ref_ppl, _ = results[REFERENCE]
+    default, ppl, _ = results["auto"]
+    proof = len(PROOF_PROMPTS)
+    same = sum(r == d for r, d in zip(reference[:proof], default[:proof], strict=True))
+    ratio = ppl / ref_ppl
+    return {
+        "identical_on_proof_prompts": f"{same}/{proof}",
+        "identical_at_least_11_of_12": same >= proof - 1,
+        "perplexity_ratio": round(ratio, 5),
+        "perplexity_within_1_percent": abs(ratio - 1) <= 0.01,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -138,9 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompts": len(PROMPTS),
         "max_tokens": args.max_tokens,
         "paths": {name: numerics for name, (_, _, numerics) in results.items()},
-        "vs_float32": {name: agreement(runs["float32"], runs[name]) for name in runs}
-        if "float32" in runs
+        "vs_float32_dense": {name: agreement(runs[REFERENCE], runs[name]) for name in runs}
+        if REFERENCE in runs
         else {},
+        "default_requirements": requirements(results) if {REFERENCE, "auto"} <= set(runs) else {},
         "int8_vs_bfloat16": agreement(runs["bfloat16"], runs["bfloat16+int8"])
         if {"bfloat16", "bfloat16+int8"} <= set(runs)
         else {},

@@ -95,6 +95,8 @@ def _input_blocks(blocks: GGUFBlocks | None, columns: slice) -> GGUFBlocks | Non
     )
     if blocks.packed_q8 is not None:
         shard.pack_q8()
+    if blocks.panels is not None:
+        shard.pack_panels()
     return shard
 
 
@@ -105,9 +107,12 @@ def _keep_rows(linear: BlockLinear, rows: torch.Tensor) -> None:
         linear.bias = nn.Parameter(linear.bias[rows].contiguous(), requires_grad=False)
     if linear.blocks is not None:
         int8 = linear.blocks.packed_q8 is not None
+        panels = linear.blocks.panels is not None
         linear.blocks = linear.blocks.rows(rows)
         if int8:
             linear.blocks.pack_q8()
+        if panels:
+            linear.blocks.pack_panels()
     linear.out_features = int(rows.numel())
 
 

@@ -176,6 +176,19 @@ def add_rms_norm(
     return add_rms_norm_ref(x, delta, weight, eps)
 
 
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up`` ([T, 2 * intermediate], gate first). float32
+    runs the native kernel where chosen: each element by the same code wherever it sits, so a
+    row's values do not depend on the step's size or threads (batch invariance)."""
+    if gate_up.dtype == torch.float32 and _choice(gate_up).add_rms_norm == "cpu":
+        out = cpu.silu_mul_cpu(gate_up, intermediate)
+        if out is not None:
+            return out
+    gate, up = gate_up.split(intermediate, dim=-1)
+    # In place on the fresh matmul output: two fewer [T, intermediate] allocations.
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     num_heads: int,
@@ -207,14 +220,16 @@ def quantized_linear(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed_q8: torch.Tensor | None = None,
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (:func:`cpu.quantized_linear`), or ``None``
     where no block kernel serves these inputs (the caller then uses the dense weight).
     ``packed_q8`` (:func:`pack_blocks_q8`): bfloat16 ``x`` is rounded to int8 per block of 32
-    and runs the integer kernel (not exact)."""
+    and runs the integer kernel (not exact). ``panels`` (GGUFBlocks.pack_panels): the batch
+    invariant kernel (:func:`cpu.panel_linear`)."""
     if _choice(x).quantized_linear != "cpu":
         return None
-    return cpu.quantized_linear(x, kind, qs, scales, mins, bias, packed_q8)
+    return cpu.quantized_linear(x, kind, qs, scales, mins, bias, packed_q8, panels)
 
 
 def pack_blocks_q8(
@@ -279,6 +294,7 @@ __all__ = [
     "quantized_linear",
     "rms_norm",
     "rope_write_kv",
+    "silu_mul",
     "write_kv_cache",
     "write_kv_cache_ref",
 ]

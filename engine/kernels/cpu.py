@@ -205,6 +205,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q8_packed_bytes.argtypes = [_I, _I, _I]
     lib.q8_pack.restype = _I
     lib.q8_pack.argtypes = [_I, _I, _I, _P, _P, _P, _P]
+    lib.panel_linear.restype = _I
+    lib.panel_linear.argtypes = [_I, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I]
     lib.q8_supported.restype = _I
     lib.q8_supported.argtypes = [_I]
     lib.decode_step_supported.restype = _I
@@ -216,6 +218,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [_P, _I, _I, _I, _P, _I]
     lib.rope_write_kv.restype = None
     lib.rope_write_kv.argtypes = [
         _P,
@@ -327,14 +331,20 @@ def quantized_linear(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed_q8: torch.Tensor | None = None,
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (``kind`` "q4_1" or "q8_0"), or ``None`` when
     the kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16.
+
+    With ``panels`` (the same blocks repacked, :meth:`GGUFBlocks.pack_panels`): the batch
+    invariant kernel, :func:`panel_linear`.
 
     With ``packed_q8`` (:func:`pack_blocks_q8` of the same blocks) and bfloat16 ``x``: each block
     of 32 values of ``x`` is rounded to int8 (scale = max |x| / 127) and the products run on
     integer dot products (VNNI's, or AVX2's; csrc/quantized_int8.c). Not exact; float32 ``x``
     never does."""
+    if panels is not None:
+        return panel_linear(x, kind, panels, scales.shape[0], bias)
     lib = load()
     if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2:
         return None
@@ -364,6 +374,36 @@ def quantized_linear(
             x.data_ptr(), rows, k, qs.data_ptr(), scales.data_ptr(), bias_ptr, n, code,
             out.data_ptr(), threads,
         )  # fmt: skip
+    return out if status == 0 else None
+
+
+def panel_linear(
+    x: torch.Tensor,
+    kind: str,
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    n: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` for W [n, K] in GGUF blocks repacked in panels of 16 output rows
+    (``panels``: quants, scales, minimums; :meth:`GGUFBlocks.pack_panels`), or ``None`` when the
+    kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16; the output has
+    its dtype. Batch invariant: each output element is one fixed chain of float32 FMAs, whatever
+    ``M``, the thread count or the other rows (csrc/panel_linear.c)."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2 or x.shape[0] == 0:
+        return None
+    x = x.contiguous()
+    rows, k = x.shape
+    q, d, mins = panels
+    if d.shape[1] * 32 != k or d.shape[0] * d.shape[2] < n:  # not these panels' shape
+        return None
+    out = torch.empty((rows, n), dtype=x.dtype)
+    status = lib.panel_linear(
+        _Q8_KINDS[kind], x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(),
+        mins.data_ptr() if mins is not None else None,
+        bias.data_ptr() if bias is not None else None, n, _DTYPE_CODES[x.dtype],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return out if status == 0 else None
 
 
@@ -412,6 +452,27 @@ def add_rms_norm_cpu(
         x.data_ptr(), delta.data_ptr() if delta is not None else None,
         weight.contiguous().data_ptr(), float(eps), out.data_ptr(), x.numel() // hidden, hidden,
         _DTYPE_CODES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_cpu(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``gate_up`` ([T, 2 * intermediate], gate first), each element
+    computed alone by the same code wherever it sits (csrc/norm_rope.c), or ``None`` when the
+    kernels cannot take these inputs."""
+    lib = load()
+    if (
+        lib is None
+        or gate_up.dtype not in _DTYPE_CODES
+        or gate_up.dim() != 2
+        or gate_up.shape[1] != 2 * intermediate
+    ):
+        return None
+    gate_up = gate_up.contiguous()
+    out = torch.empty((gate_up.shape[0], intermediate), dtype=gate_up.dtype)
+    lib.silu_mul(
+        gate_up.data_ptr(), gate_up.shape[0], intermediate, _DTYPE_CODES[gate_up.dtype],
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

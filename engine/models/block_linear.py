@@ -33,6 +33,7 @@ _MAX_ROWS = {"q4_1": 8, "q8_0": 4}
 # 19.9 at 128; the float32 matmul 21.4 and 23.4 (docs/engine-benchmark.md).
 _MAX_ROWS_INT8_NO_BF16 = 64
 _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+_PANEL = 16  # output rows per panel of the batch invariant kernel (csrc/panel_linear.c)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class GGUFBlocks:
     scales: torch.Tensor
     mins: torch.Tensor | None = None
     packed_q8: torch.Tensor | None = None
+    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def max_rows(self) -> int:
@@ -74,6 +76,28 @@ class GGUFBlocks:
         serves these blocks, which then stay exact."""
         self.packed_q8 = kernels.pack_blocks_q8(self.kind, self.qs, self.scales, self.mins)
         return self.packed_q8 is not None
+
+    def pack_panels(self) -> None:
+        """Attach :attr:`panels`: the blocks repacked for the batch invariant kernel
+        (csrc/panel_linear.c): output rows in panels of 16 (the last padded with zero weights),
+        each panel's blocks in input order, a block's 16 rows' quants side by side (Q4_1: one
+        byte per pair of inputs j and j + 16, as in the file; Q8_0: one per input), then their
+        scales and minimums. From then on every step of this linear runs on them."""
+        out, _ = self.shape
+        num_panels = -(-out // _PANEL)
+        pad = num_panels * _PANEL - out
+
+        def panel_major(t: torch.Tensor, dim_per_block: int | None) -> torch.Tensor:
+            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+            if dim_per_block is None:  # [out, blocks] -> [panels, blocks, 16]
+                return t.view(num_panels, _PANEL, -1).permute(0, 2, 1).contiguous()
+            grid = t.view(num_panels, _PANEL, -1, dim_per_block)  # [panels, 16, blocks, per]
+            return grid.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(-1)
+
+        per_block = 16 if self.kind == "q4_1" else 32
+        mins = panel_major(self.mins.float(), None) if self.mins is not None else None
+        scales = panel_major(self.scales.float(), None)
+        self.panels = (panel_major(self.qs, per_block), scales, mins)
 
     @classmethod
     def from_raw(cls, kind: str, raw: np.ndarray) -> GGUFBlocks:
@@ -139,6 +163,14 @@ def block_matmul(
     :data:`engine.kernels.PACKED_MAX_ROWS` rows, a float32 copy at any); else the dense
     matmul."""
     rows = x.shape[0]
+    if blocks is not None and blocks.panels is not None and rows > 0:
+        # every step, whatever its size: the same chain of operations for each output element
+        bias32 = bias.float() if bias is not None else None
+        out = kernels.quantized_linear(
+            x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias32, panels=blocks.panels
+        )
+        if out is not None:
+            return out
     if blocks is not None and 0 < rows <= blocks.max_rows:
         bias32 = bias.float() if bias is not None else None
         out = kernels.quantized_linear(

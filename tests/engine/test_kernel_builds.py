@@ -167,3 +167,23 @@ def test_int8_cache_attention_of_an_avx512_build_without_vnni_matches_the_oracle
     expected = attention_oracle(q, ks, vs, q_lens, scale)
     excess = (out.double() - expected).abs() - expected.abs() * 2.0**-8
     assert excess.max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_panel_linear_of_a_build_gives_the_native_builds_bits(
+    build, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The batch invariant kernel is one chain of float32 FMAs per output element in every
+    build (AVX2 vectors across output rows, or fmaf one element at a time): every build
+    computes the same bits as this machine's own library."""
+    _, library = build
+    blocks = random_blocks(kind, 37, 128, seed=9)
+    blocks.pack_panels()
+    assert blocks.panels is not None
+    x, bias = torch.randn(9, 128) * 2, torch.randn(37)
+    native = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
+    monkeypatch.setattr(cpu, "load", lambda: library)
+    out = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
+    assert native is not None and out is not None
+    assert torch.equal(out, native)
+    torch.testing.assert_close(out, x @ blocks.dequantize().T + bias, atol=1e-4, rtol=1e-5)

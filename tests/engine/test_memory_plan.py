@@ -54,8 +54,9 @@ def resident_weight_bytes(model: nn.Module) -> int:
             yield value
         elif isinstance(value, GGUFBlocks):
             for f in dataclasses.fields(value):
-                if isinstance(getattr(value, f.name), torch.Tensor):
-                    yield getattr(value, f.name)
+                field = getattr(value, f.name)
+                parts = field if isinstance(field, tuple) else (field,)  # the panels: a tuple
+                yield from (t for t in parts if isinstance(t, torch.Tensor))
 
     for module in model.modules():
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):

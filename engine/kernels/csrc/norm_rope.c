@@ -91,3 +91,56 @@ void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_
         }
     }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for 8 floats, x clamped to [-87, 88] (no overflow of the exponent bits): 2^n * p(r),
+ * r = x - n ln2, p the degree-6 Taylor polynomial (relative error below 2e-7). */
+static inline __m256 exp8_clamped(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* silu(g) * u = g / (1 + e^-g) * u for 8 values. */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+#endif
+
+/*
+ * SwiGLU's activation: out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] (gate
+ * first), dtype dt, float32 arithmetic. Every element goes through the same code wherever it
+ * sits (a row's last partial vector is padded through a buffer), and threads split whole rows:
+ * an element's value depends on nothing but its gate and up (PyTorch's silu takes a scalar path
+ * for the elements at the edges of its threads' chunks, which rounds differently).
+ */
+void silu_mul(const void *gate_up, int rows, int inter, int dt, void *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter >= 65536)
+    for (int r = 0; r < rows; r++) {
+        float g[8], u[8], o[8];
+        for (int i0 = 0; i0 < inter; i0 += 8) {
+            const int n = inter - i0 < 8 ? inter - i0 : 8;
+            for (int i = n; i < 8; i++) g[i] = u[i] = 0.f;
+            load_row(gate_up, dt, (int64_t)r * 2 * inter + i0, n, g);
+            load_row(gate_up, dt, (int64_t)r * 2 * inter + inter + i0, n, u);
+#if defined(__AVX2__) && defined(__FMA__)
+            _mm256_storeu_ps(o, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+#else
+            for (int i = 0; i < 8; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+#endif
+            store_row(out, dt, (int64_t)r * inter + i0, n, o);
+        }
+    }
+}

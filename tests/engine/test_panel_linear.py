@@ -1,0 +1,135 @@
+"""The batch invariant kernels (csrc/panel_linear.c, silu_mul in csrc/norm_rope.c) compute
+what their definitions say, and a row's bits do not depend on the rows around it or on the
+number of threads: the property the default numerics rest on (issue 42)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_blocks import random_blocks
+
+from engine import kernels
+from engine.kernels import cpu
+from engine.models.block_linear import GGUFBlocks, block_matmul
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
+
+KINDS = ["q4_1", "q8_0"]
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _panel(x: torch.Tensor, blocks: GGUFBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    assert blocks.panels is not None
+    out = kernels.quantized_linear(
+        x, blocks.kind, blocks.qs, blocks.scales, blocks.mins, bias, panels=blocks.panels
+    )
+    assert out is not None and out.dtype == x.dtype
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_panel_linear_equals_the_product_of_the_dequantized_weight(kind: str) -> None:
+    """70 output rows (a padded last panel), 192 inputs, a bias; 1, 5 and 64 rows."""
+    blocks = random_blocks(kind, 70, 192, seed=3)
+    blocks.pack_panels()
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = blocks.dequantize().double(), torch.randn(70, generator=gen)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 192, generator=gen) * 3
+        expected = x.double() @ weight.T + bias.double()
+        out = _panel(x, blocks, bias)
+        assert out.shape == (rows, 70)
+        # float32 sums of 192 products of size ~10: a few 1e-6 of rounding each
+        torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+        wide = _panel(x.bfloat16(), blocks, bias)  # bf16 in and out, float32 inside
+        expected_bf16 = x.bfloat16().double() @ weight.T + bias.double()
+        torch.testing.assert_close(wide.double(), expected_bf16, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_row_has_the_same_bits_alone_as_inside_a_64_row_step(
+    kind: str, restore_threads: None
+) -> None:
+    """Every row of a 64-row step, computed alone, at 1, 2 and 3 threads: equal bits."""
+    blocks = random_blocks(kind, 96, 256, seed=4)
+    blocks.pack_panels()
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 2
+    torch.set_num_threads(1)
+    step = _panel(x, blocks)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        assert torch.equal(_panel(x, blocks), step)
+        for i in (0, 5, 17, 63):
+            assert torch.equal(_panel(x[i : i + 1], blocks)[0], step[i])
+        assert torch.equal(_panel(x[3:11], blocks), step[3:11])  # tiles start elsewhere
+
+
+@pytest.mark.skipif(not cpu.int8_available(), reason="no int8-activation kernels here")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_int8_path_gives_one_row_the_same_bits_alone_as_inside_a_64_row_step(
+    kind: str, restore_threads: None
+) -> None:
+    """The opt-in int8 activations (--dtype bfloat16 --gguf-activations int8) round each row
+    per block of 32 on its own scale: its kernel is row invariant too (the opt-in is not batch
+    invariant because bigger steps leave it for the dense matmul)."""
+    blocks = random_blocks(kind, 96, 256, seed=6)
+    assert blocks.pack_q8()
+    x = (torch.randn(64, 256) * 2).bfloat16()
+
+    def int8(rows: torch.Tensor) -> torch.Tensor:
+        out = kernels.quantized_linear(
+            rows, kind, blocks.qs, blocks.scales, blocks.mins, None, blocks.packed_q8
+        )
+        assert out is not None
+        return out
+
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        step = int8(x)
+        for i in (0, 9, 63):
+            assert torch.equal(int8(x[i : i + 1])[0], step[i])
+
+
+def test_block_matmul_runs_every_step_on_the_panels_when_attached() -> None:
+    """Past max_rows too: a 200-row step gives each row the bits it gets alone (the dense
+    weight is poisoned, so a step that left the panels would show)."""
+    blocks = random_blocks("q4_1", 40, 64, seed=7)
+    blocks.pack_panels()
+    poisoned = torch.full((40, 64), float("nan"))
+    x = torch.randn(200, 64)
+    out = block_matmul(x, poisoned, blocks, None)
+    assert not out.isnan().any() and 200 > blocks.max_rows
+    assert torch.equal(block_matmul(x[77:78], poisoned, blocks, None)[0], out[77])
+
+
+def test_inputs_of_another_width_are_declined_not_read_past_the_panels() -> None:
+    blocks = random_blocks("q8_0", 16, 64, seed=8)
+    blocks.pack_panels()
+    assert blocks.panels is not None
+    for width in (48, 32, 96):  # not a multiple of 32; narrower and wider than the weight's
+        assert cpu.panel_linear(torch.randn(2, width), "q8_0", blocks.panels, 16, None) is None
+    assert cpu.panel_linear(torch.randn(2, 64), "q8_0", blocks.panels, 17, None) is None
+
+
+@pytest.mark.parametrize("intermediate", [1536, 100])
+def test_silu_mul_matches_pytorch_and_is_position_invariant(
+    intermediate: int, restore_threads: None
+) -> None:
+    """100: a row's last partial vector goes through the padded path."""
+    gate_up = torch.randn(70, 2 * intermediate) * 4
+    gate, up = gate_up.split(intermediate, dim=-1)
+    out = kernels.silu_mul(gate_up, intermediate)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-5, rtol=1e-6)
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        assert torch.equal(kernels.silu_mul(gate_up, intermediate), out)
+        assert torch.equal(kernels.silu_mul(gate_up[41:42], intermediate)[0], out[41])
