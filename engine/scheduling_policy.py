@@ -16,6 +16,10 @@ O(log n + number of flows), never a scan of every waiting request.
   to the least counter of the backlogged tenants when a request arrives, so idling banks no
   credit. A request that has waited ``max_wait_s`` (by the injected clock) goes first,
   whatever its class or counter: no starvation. With one tenant this is fcfs (by priority).
+  Running slots are shared the same way ("slot share", :meth:`FairPolicy.reclaim_victim`):
+  while tenants contend, each active tenant is owed ``max(1, floor(max_num_seqs x weight /
+  active weights))`` slots (at most its plan's ``max_running``); a waiting tenant below that
+  and served no more takes a slot back from the most served tenant above it.
 """
 
 from __future__ import annotations
@@ -250,6 +254,21 @@ class SchedulingPolicy:
         limit. fcfs and priority: none."""
         return None
 
+    def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
+        """May some waiting request take a running slot back (every slot is taken)? fcfs and
+        priority: never; a waiting request waits for a running one to finish."""
+        return False
+
+    def reclaim_victim(
+        self, request: Request, running: Sequence[Request], max_num_seqs: int
+    ) -> Request | None:
+        """The running request to preempt so that waiting ``request`` may start (no free
+        slot, or no free blocks), or None. fcfs and priority: None."""
+        return None
+
+    def on_reclaimed(self, request: Request) -> None:
+        """``request`` was preempted because :meth:`reclaim_victim` named it."""
+
 
 class PriorityPolicy(SchedulingPolicy):
     """``interactive`` before ``batch``, then vLLM's ``priority`` (lower first), then arrival."""
@@ -288,6 +307,8 @@ class FairPolicy(PriorityPolicy):
         self.batch_prefill_tokens = batch_prefill_tokens
         self._contended_until = -math.inf
         self._interactive_until = -math.inf
+        # request id -> its output length when a reclaim preempted it (no thrash: see below)
+        self._reclaimed_at: dict[str, int] = {}
 
     def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
         """While two or more tenants have had work (running or waiting) within the last
@@ -431,6 +452,84 @@ class FairPolicy(PriorityPolicy):
 
     def _rank(self, class_rank: int, tenant: str) -> tuple[int, float]:
         return (class_rank, self.counters.get(tenant, 0.0))
+
+    # -- slot share ----------------------------------------------------------------------------
+
+    def slot_shares(self, running: Sequence[Request], max_num_seqs: int) -> dict[str, int]:
+        """The running slots each active tenant (running or waiting) is owed: ``max(1,
+        floor(max_num_seqs x weight / sum of active weights))``, at most its ``max_running``.
+        The floor keeps the shares' sum within the slots (but for the ``max(1, ...)`` when
+        there are more tenants than slots), so every tenant can hold its share at once."""
+        tags: dict[str, TenantTag] = {r.tenant.name: r.tenant for r in running}
+        for flow in self._flows.values():
+            tags.setdefault(flow.tenant, self._head(flow)[2].tenant)
+        total = sum(tag.weight for tag in tags.values())
+        shares = {}
+        for name, tag in tags.items():
+            share = max(1, math.floor(max_num_seqs * tag.weight / total + 1e-9))
+            shares[name] = min(share, tag.max_running) if tag.max_running else share
+        return shares
+
+    def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
+        """Does a waiting tenant hold fewer slots than its share while another holds more?"""
+        if not self._flows or not running:
+            return False
+        shares = self.slot_shares(running, max_num_seqs)
+        held = _count_by_tenant(running)
+        if not any(held[t] > shares[t] for t in held):
+            return False
+        return any(
+            held.get(flow.tenant, 0) < shares[flow.tenant]
+            for flow in self._flows.values()
+            if flow.tenant not in self._held_tenants
+        )
+
+    def reclaim_victim(
+        self, request: Request, running: Sequence[Request], max_num_seqs: int
+    ) -> Request | None:
+        """Slot share: ``request``'s tenant holds fewer running slots than its share
+        (:meth:`slot_shares`), so it takes one back from the most served tenant (batch
+        before interactive, then the highest counter) among those that hold more than their
+        share and are served no less than it (class, then counter): that tenant's newest
+        running request that has made progress since a reclaim last preempted it, i.e.
+        produced a token since (no thrash: a request is not preempted for a share twice
+        before it advances). None when no tenant qualifies: the request waits for a slot as
+        before. A move goes from a tenant above its share to one below it, so it never moves
+        back (neither side crosses its share), and a batch request never takes an
+        interactive one's slot."""
+        name = request.tenant.name
+        shares = self.slot_shares(running, max_num_seqs)
+        held = _count_by_tenant(running)
+        if held.get(name, 0) >= shares.get(name, 1):
+            return None
+        mine = self._rank(request.tenant.class_rank, name)
+        best: Request | None = None
+        best_key: tuple[float | int, ...] = ()
+        for r in running:
+            tenant = r.tenant.name
+            if tenant == name or held[tenant] <= shares[tenant]:
+                continue
+            rank = self._rank(r.tenant.class_rank, tenant)
+            if rank < mine or self._reclaimed_at.get(r.request_id, -1) >= r.num_output_tokens:
+                continue
+            key = (*rank, *self.key_of(r))
+            if best is None or key > best_key:
+                best, best_key = r, key
+        return best
+
+    def on_reclaimed(self, request: Request) -> None:
+        self._reclaimed_at[request.request_id] = request.num_output_tokens
+
+    def forget(self, request: Request) -> None:
+        super().forget(request)
+        self._reclaimed_at.pop(request.request_id, None)
+
+
+def _count_by_tenant(running: Sequence[Request]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for r in running:
+        held[r.tenant.name] = held.get(r.tenant.name, 0) + 1
+    return held
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
