@@ -551,6 +551,7 @@ class Scheduler:
         running: dict[str, int] = {}
         for r in self.running:
             running[r.tenant.name] = running.get(r.tenant.name, 0) + 1
+        shares = self.policy.slot_shares(self.running, self.config.max_num_seqs)
         names = sorted(self.tenant_tokens.keys() | waiting.keys() | blocks.keys())
         return tuple(
             TenantStats(
@@ -558,6 +559,7 @@ class Scheduler:
                 num_waiting=waiting.get(name, 0),
                 num_running=running.get(name, 0),
                 num_kv_blocks=blocks.get(name, 0),
+                num_slot_share=shares.get(name, 0),
                 num_prompt_tokens=self.tenant_tokens.get(name, (0, 0))[0],
                 num_generation_tokens=self.tenant_tokens.get(name, (0, 0))[1],
             )

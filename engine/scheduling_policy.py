@@ -254,6 +254,10 @@ class SchedulingPolicy:
         limit. fcfs and priority: none."""
         return None
 
+    def slot_shares(self, running: Sequence[Request], max_num_seqs: int) -> dict[str, int]:
+        """The running slots each active tenant is owed now; fcfs and priority: none."""
+        return {}
+
     def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
         """May some waiting request take a running slot back (every slot is taken)? fcfs and
         priority: never; a waiting request waits for a running one to finish."""
