@@ -148,6 +148,8 @@ class EngineStatsCollector(Collector):
                 stats.prefix_cache_hits,
             ),
             ("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
+            # a busy engine's mean step time is elapsed time over steps (load/ benches read it)
+            ("portico_engine_steps", "Engine steps run (schedule + forward).", stats.num_steps),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=LABELS)
