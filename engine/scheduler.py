@@ -72,6 +72,7 @@ class _Step:
     # prefill tokens batch-class requests may still take this step (None: no limit)
     batch_left: int | None = None
     num_reclaimed: int = 0  # preemptions for a slot share (admission goes on after them)
+    admitted: set[str] = field(default_factory=set)  # ids admitted in this step
 
     def sits_out(self, req: Request) -> bool:
         """Is ``req``'s prefill kept out of this step (another flow's short step)?"""
@@ -274,7 +275,7 @@ class Scheduler:
                 if len(loras) >= self.config.max_loras:
                     policy.hold(req)
                     continue
-            if self._at_kv_share(req) or self._at_max_running(req):
+            if self._at_kv_share(req) or self._at_max_running(req) or self._leaves_slot(req):
                 policy.hold_tenant(req.tenant.name)
                 continue
             if step.sits_out(req):  # another flow's short step
@@ -301,9 +302,17 @@ class Scheduler:
             if lora is not None:
                 loras.add(lora.lora_int_id)
             req.status = RequestStatus.RUNNING
+            step.admitted.add(req.request_id)
             bisect.insort(self.running, req, key=policy.key_of)
             self._plan(step, req, num_new, is_decode=num_new == 1)
         policy.release_holds()
+
+    def _leaves_slot(self, req: Request) -> bool:
+        """Must ``req`` leave the free slots to tenants below their slot share?"""
+        max_num_seqs = self.config.max_num_seqs
+        if len(self.running) >= max_num_seqs:
+            return False
+        return self.policy.leaves_free_slot(req, self.running, max_num_seqs)
 
     def _can_admit(self) -> bool:
         """Is there a free running slot, or may a waiting request take one back?"""
@@ -341,12 +350,17 @@ class Scheduler:
     def _reclaim(self, req: Request, out: SchedulerOutput, step: _Step) -> bool:
         """Slot share: preempt the running request the policy names so that ``req`` may
         start (its full computed blocks stay in the prefix cache); False if none."""
-        victim = self.policy.reclaim_victim(req, self.running, self.config.max_num_seqs)
+        # never one admitted in this step: its swap-in would be copied after its swap-out
+        victim = self.policy.reclaim_victim(
+            req, self.running, self.config.max_num_seqs, protected=step.admitted
+        )
         if victim is None:
             return False
         self.running.remove(victim)  # O(running), on the rare preemption path
         self._unplan(step, victim)
-        self._preempt(victim, out)
+        # Recompute, never swap: a swap-out now could take CPU blocks a swap-in admitted
+        # earlier in this step has just freed, and the runner copies swap-outs first.
+        self._preempt(victim, out, swap=False)
         self.policy.on_reclaimed(victim)
         step.num_reclaimed += 1
         self.num_reclaims += 1
@@ -426,14 +440,16 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a running request off the device: swap its KV out, else drop it to recompute."""
+    def _preempt(self, request: Request, out: SchedulerOutput, *, swap: bool = True) -> None:
+        """Take a running request off the device: swap its KV out (mode "swap" and ``swap``),
+        else drop it to recompute (its computed full blocks stay in the prefix cache)."""
         self.num_preemptions += 1
         out.num_preempted += 1
         request.num_preemptions += 1
         request.spec_token_ids = []
         out.spec_token_ids.pop(request.request_id, None)
-        pairs = self.kv.swap_out(request) if self.config.preemption_mode == "swap" else None
+        can_swap = swap and self.config.preemption_mode == "swap"
+        pairs = self.kv.swap_out(request) if can_swap else None
         if pairs is not None:
             out.swap_out.extend(pairs)
             request.status = RequestStatus.SWAPPED
