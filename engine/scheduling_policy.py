@@ -16,10 +16,8 @@ O(log n + number of flows), never a scan of every waiting request.
   to the least counter of the backlogged tenants when a request arrives, so idling banks no
   credit. A request that has waited ``max_wait_s`` (by the injected clock) goes first,
   whatever its class or counter: no starvation. With one tenant this is fcfs (by priority).
-  Running slots are shared the same way ("slot share", :meth:`FairPolicy.reclaim_victim`):
-  while tenants contend, each active tenant is owed ``max(1, floor(max_num_seqs x weight /
-  active weights))`` slots (at most its plan's ``max_running``); a waiting tenant below that
-  and served no more takes a slot back from the most served tenant above it.
+  Running slots are shared too (:mod:`engine.slot_share`): a waiting tenant below its share
+  and served no more takes a slot back from the most served tenant above its own.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.slot_share import count_by_tenant, slot_shares
 from engine.tenancy import TenantTag
 
 OrderKey = tuple[int, int, float, int]  # (class rank, priority, arrival, seq): lower runs first
@@ -259,8 +258,7 @@ class SchedulingPolicy:
         return {}
 
     def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
-        """May some waiting request take a running slot back (every slot is taken)? fcfs and
-        priority: never; a waiting request waits for a running one to finish."""
+        """May a waiting request take a running slot back? fcfs and priority: never."""
         return False
 
     def reclaim_victim(
@@ -270,16 +268,14 @@ class SchedulingPolicy:
         max_num_seqs: int,
         protected: Collection[str] = (),
     ) -> Request | None:
-        """The running request to preempt so that waiting ``request`` may start (no free
-        slot, or no free blocks), never one whose id is in ``protected``; or None. fcfs and
-        priority: None."""
+        """The running request (not in ``protected``) to preempt so that waiting ``request``
+        may start (no free slot, or blocks), or None. fcfs and priority: None."""
         return None
 
     def leaves_free_slot(
         self, request: Request, running: Sequence[Request], max_num_seqs: int
     ) -> bool:
-        """Should ``request`` leave the free slots to other waiting tenants? fcfs and
-        priority: never."""
+        """Should ``request`` leave the free slots to others? fcfs and priority: never."""
         return False
 
     def on_reclaimed(self, request: Request) -> None:
@@ -472,26 +468,19 @@ class FairPolicy(PriorityPolicy):
     # -- slot share ----------------------------------------------------------------------------
 
     def slot_shares(self, running: Sequence[Request], max_num_seqs: int) -> dict[str, int]:
-        """The running slots each active tenant (running or waiting) is owed: ``max(1,
-        floor(max_num_seqs x weight / sum of active weights))``, at most its ``max_running``.
-        The floor keeps the shares' sum within the slots (but for the ``max(1, ...)`` when
-        there are more tenants than slots), so every tenant can hold its share at once."""
+        """The running slots each active tenant (running or waiting) is owed
+        (:func:`engine.slot_share.slot_shares`)."""
         tags: dict[str, TenantTag] = {r.tenant.name: r.tenant for r in running}
         for flow in self._flows.values():
             tags.setdefault(flow.tenant, self._head(flow)[2].tenant)
-        total = sum(tag.weight for tag in tags.values())
-        shares = {}
-        for name, tag in tags.items():
-            share = max(1, math.floor(max_num_seqs * tag.weight / total + 1e-9))
-            shares[name] = min(share, tag.max_running) if tag.max_running else share
-        return shares
+        return slot_shares(tags.values(), max_num_seqs)
 
     def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
         """Does a waiting tenant hold fewer slots than its share while another holds more?"""
         if not self._flows or not running:
             return False
         shares = self.slot_shares(running, max_num_seqs)
-        held = _count_by_tenant(running)
+        held = count_by_tenant(running)
         if not any(held[t] > shares[t] for t in held):
             return False
         return any(
@@ -519,7 +508,7 @@ class FairPolicy(PriorityPolicy):
         interactive one's slot."""
         name = request.tenant.name
         shares = self.slot_shares(running, max_num_seqs)
-        held = _count_by_tenant(running)
+        held = count_by_tenant(running)
         if held.get(name, 0) >= shares.get(name, 1):
             return None
         mine = self._rank(request.tenant.class_rank, name)
@@ -553,7 +542,7 @@ class FairPolicy(PriorityPolicy):
             return False
         free = max_num_seqs - len(running)
         shares = self.slot_shares(running, max_num_seqs)
-        held = _count_by_tenant(running)
+        held = count_by_tenant(running)
         name = request.tenant.name
         if held.get(name, 0) < shares.get(name, 1):
             return False
@@ -571,13 +560,6 @@ class FairPolicy(PriorityPolicy):
     def forget(self, request: Request) -> None:
         super().forget(request)
         self._reclaimed_at.pop(request.request_id, None)
-
-
-def _count_by_tenant(running: Sequence[Request]) -> dict[str, int]:
-    held: dict[str, int] = {}
-    for r in running:
-        held[r.tenant.name] = held.get(r.tenant.name, 0) + 1
-    return held
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
