@@ -275,7 +275,7 @@ class Scheduler:
                 if len(loras) >= self.config.max_loras:
                     policy.hold(req)
                     continue
-            if self._at_kv_share(req) or self._at_max_running(req) or self._leaves_slot(req):
+            if self._at_kv_share(req) or self._at_max_running(req):
                 policy.hold_tenant(req.tenant.name)
                 continue
             if step.sits_out(req):  # another flow's short step
@@ -306,13 +306,6 @@ class Scheduler:
             bisect.insort(self.running, req, key=policy.key_of)
             self._plan(step, req, num_new, is_decode=num_new == 1)
         policy.release_holds()
-
-    def _leaves_slot(self, req: Request) -> bool:
-        """Must ``req`` leave the free slots to tenants below their slot share?"""
-        max_num_seqs = self.config.max_num_seqs
-        if len(self.running) >= max_num_seqs:
-            return False
-        return self.policy.leaves_free_slot(req, self.running, max_num_seqs)
 
     def _can_admit(self) -> bool:
         """Is there a free running slot, or may a waiting request take one back?"""

@@ -272,12 +272,6 @@ class SchedulingPolicy:
         may start (no free slot, or blocks), or None. fcfs and priority: None."""
         return None
 
-    def leaves_free_slot(
-        self, request: Request, running: Sequence[Request], max_num_seqs: int
-    ) -> bool:
-        """Should ``request`` leave the free slots to others? fcfs and priority: never."""
-        return False
-
     def on_reclaimed(self, request: Request) -> None:
         """``request`` was preempted because :meth:`reclaim_victim` named it."""
 
@@ -528,34 +522,6 @@ class FairPolicy(PriorityPolicy):
 
     def on_reclaimed(self, request: Request) -> None:
         self._reclaimed_at[request.request_id] = request.num_output_tokens
-
-    def leaves_free_slot(
-        self, request: Request, running: Sequence[Request], max_num_seqs: int
-    ) -> bool:
-        """The reserve half of the slot share: ``request``'s tenant already holds its share,
-        and the free slots are no more than other waiting tenants below their shares are
-        owed, so it leaves them (it would take the slot, only to give it back a moment later
-        by a preemption). Work-conserving: only tenants with a request waiting, served no
-        more than ``request``'s (class rank, then counter), are owed; an overdue request never
-        leaves a slot (the wait bound first)."""
-        if self._oldest_overdue() is request:
-            return False
-        free = max_num_seqs - len(running)
-        shares = self.slot_shares(running, max_num_seqs)
-        held = count_by_tenant(running)
-        name = request.tenant.name
-        if held.get(name, 0) < shares.get(name, 1):
-            return False
-        mine = self._rank(request.tenant.class_rank, name)
-        owed_to = {
-            tenant
-            for (class_rank, tenant) in self._flows
-            if tenant != name
-            and tenant not in self._held_tenants
-            and self._rank(class_rank, tenant) <= mine  # served no more (as reclaim_victim)
-        }
-        owed = sum(max(0, shares[t] - held.get(t, 0)) for t in owed_to)
-        return 0 < free <= owed
 
     def forget(self, request: Request) -> None:
         super().forget(request)
