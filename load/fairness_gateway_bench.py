@@ -457,14 +457,24 @@ def print_summary(report: dict[str, Any]) -> None:
 
 
 async def _measure(
-    base: str, keys: dict[str, str], policies: Sequence[str], work: Workload, progress: bool
+    base: str, keys: dict[str, str], policies: Sequence[str], work: Workload, args: Any
 ) -> list[PoolRun]:
+    """Each policy's pool in turn; the report so far is written after each (a run cut short
+    by a time limit keeps what it measured)."""
     limits = httpx.Limits(max_connections=work.noisy_concurrency + 8)
     runs = []
     for policy in policies:
         async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
-            runs.append(await run_pool(client, f"fairness-{policy}", keys, work, progress))
+            pool = f"fairness-{policy}"
+            runs.append(await run_pool(client, pool, keys, work, not args.no_progress))
+        write_report(build_report(runs, work, args.model, shlex.split(args.engine_args)), args)
     return runs
+
+
+def write_report(report: dict[str, Any], args: Any) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -494,13 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fairness-gateway-") as tmp:
         with serve(Path(tmp), args.model, policies, engine_args) as (base, keys):
             _say(progress, f"gateway ready at {base}")
-            runs = asyncio.run(_measure(base, keys, policies, work, progress))
+            runs = asyncio.run(_measure(base, keys, policies, work, args))
     report = build_report(runs, work, args.model, engine_args)
     if args.plot:
         report["plots"] = plot_report(report, args.plot)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(report, args)
     print_summary(report)
     failed = sum(r["quiet_failed"] for r in report["policies"].values())
     return 0 if failed == 0 else 1
