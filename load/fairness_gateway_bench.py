@@ -151,7 +151,7 @@ async def stream_chat(
                 if "error" in event:
                     timing.error = str(event["error"].get("message", "stream error"))[:200]
                     return timing
-                if event.get("choices") and timing.ttft == 0.0:
+                if timing.ttft == 0.0 and _has_text(event):
                     timing.ttft = time.perf_counter() - start
                 if event.get("usage"):
                     timing.output_tokens = int(event["usage"].get("completion_tokens") or 0)
@@ -162,6 +162,12 @@ async def stream_chat(
     timing.ok = timing.ttft > 0.0
     timing.error = "" if timing.ok else "no token streamed"
     return timing
+
+
+def _has_text(event: dict[str, Any]) -> bool:
+    """Does a chat chunk carry generated text? A stream's first chunk is the role with empty
+    content, sent before anything is computed: timing it would not be a first token."""
+    return any((choice.get("delta") or {}).get("content") for choice in event.get("choices", ()))
 
 
 async def engine_counters(client: httpx.AsyncClient, pool: str) -> dict[str, float]:
