@@ -71,6 +71,8 @@ class _Step:
     favoured: set[tuple[int, str]] | None = None
     # prefill tokens batch-class requests may still take this step (None: no limit)
     batch_left: int | None = None
+    num_reclaimed: int = 0  # preemptions for a slot share (admission goes on after them)
+    admitted: set[str] = field(default_factory=set)  # ids admitted in this step
 
     def sits_out(self, req: Request) -> bool:
         """Is ``req``'s prefill kept out of this step (another flow's short step)?"""
@@ -146,6 +148,7 @@ class Scheduler:
         # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_reclaims = 0  # preemptions that gave a tenant its slot share back
         # tenant -> [prompt tokens, generation tokens] scheduled (cumulative; metrics)
         self.tenant_tokens: dict[str, list[int]] = {}
 
@@ -204,8 +207,7 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         prefill_index = {r.request_id: i for i, r in enumerate(prefills)}
         step.budget = self.policy.step_budget(step.budget, num_pending_decodes, self.running)
-        can_admit = len(self.running) < self.config.max_num_seqs
-        step.favoured = self.policy.short_step(self.running, can_admit=can_admit)
+        step.favoured = self.policy.short_step(self.running, can_admit=self._can_admit())
         if self.config.enable_chunked_prefill:  # whole prompts could never fit a small cap
             step.batch_left = self.policy.batch_prefill_budget(self.running)
         for req in list(self.running):  # a copy: a preemption takes requests out of running
@@ -225,8 +227,7 @@ class Scheduler:
                     reserve = step.budget  # the step is other flows' (short prefills)
                 else:
                     later = prefills[prefill_index[req.request_id] + 1 :]
-                    can_admit = len(self.running) < self.config.max_num_seqs
-                    reserve = self.policy.prefill_reserve(req, later, can_admit=can_admit)
+                    reserve = self.policy.prefill_reserve(req, later, can_admit=self._can_admit())
                 # at least one token for this prefill: what is reserved may find no blocks
                 reserve = max(0, min(reserve, step.budget - num_pending_decodes - 1))
                 num_new = min(remaining, step.budget - num_pending_decodes - reserve)
@@ -253,19 +254,19 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, step: _Step) -> None:
-        """Admit waiting requests in the policy's order, unless this step preempted.
+        """Admit waiting requests in the policy's order, unless this step preempted for blocks.
 
         A request whose adapter would exceed --max-loras is held (skipped this step); so is
-        every request of a tenant at its KV share. The first request that finds no blocks
-        stops admission (it is not overtaken: no head-of-line starvation of large requests).
+        every request of a tenant at its KV share or its ``max_running``. With no free slot,
+        or no free blocks, a request may take a slot back (the policy names whom: slot share)
+        or its tenant is held. The first request that finds no blocks stops admission (it is
+        not overtaken: no head-of-line starvation of large requests).
         """
         policy = self.policy
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
-        while (
-            not out.num_preempted
-            and step.budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while out.num_preempted == step.num_reclaimed and self._can_admit():
+            if step.budget <= 0 and len(self.running) < self.config.max_num_seqs:
+                break  # (a full running set may still take a slot, and its tokens, back)
             req = policy.peek()
             if req is None:
                 break
@@ -274,7 +275,7 @@ class Scheduler:
                 if len(loras) >= self.config.max_loras:
                     policy.hold(req)
                     continue
-            if self._at_kv_share(req):
+            if self._at_kv_share(req) or self._at_max_running(req):
                 policy.hold_tenant(req.tenant.name)
                 continue
             if step.sits_out(req):  # another flow's short step
@@ -283,35 +284,87 @@ class Scheduler:
                 else:
                     policy.hold_tenant(req.tenant.name)
                 continue
+            if step.batch_left is not None and req.tenant.class_rank and step.batch_left <= 0:
+                policy.hold_class(req.tenant.class_rank)  # the batch's share of the step is spent
+                continue
+            if len(self.running) >= self.config.max_num_seqs and not self._reclaim(req, out, step):
+                policy.hold_tenant(req.tenant.name)  # no slot for it; another tenant may get one
+                continue
             budget = step.budget
             if step.batch_left is not None and req.tenant.class_rank:
-                if step.batch_left <= 0:  # the batch class's share of this step is spent
-                    policy.hold_class(req.tenant.class_rank)
-                    continue
                 budget = min(budget, step.batch_left)
-            if req.status == RequestStatus.SWAPPED:
-                num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-                pairs = self.kv.swap_in(req, num_new) if num_new else None
-                if pairs is None:
-                    break
-                out.swap_in.extend(pairs)
-            else:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-                num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
-                if not num_new or self.kv.allocate_slots(req, num_new, hits) is None:
-                    break
-                self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
-                req.num_computed_tokens = num_hit_tokens
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                    req.num_cached_tokens = num_hit_tokens
+            num_new = self._start(req, budget, out) if budget > 0 else 0
+            while num_new is None and self._reclaim(req, out, step):  # short of blocks
+                num_new = self._start(req, budget, out)
+            if not num_new:
+                break
             policy.pop(req)
             if lora is not None:
                 loras.add(lora.lora_int_id)
             req.status = RequestStatus.RUNNING
+            step.admitted.add(req.request_id)
             bisect.insort(self.running, req, key=policy.key_of)
             self._plan(step, req, num_new, is_decode=num_new == 1)
         policy.release_holds()
+
+    def _can_admit(self) -> bool:
+        """Is there a free running slot, or may a waiting request take one back?"""
+        max_num_seqs = self.config.max_num_seqs
+        return len(self.running) < max_num_seqs or self.policy.can_reclaim(
+            self.running, max_num_seqs
+        )
+
+    def _start(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Blocks for a waiting request's first chunk (swapped in, or after its cached
+        prefix): how many tokens it runs now; 0: none this step (the budget); None: no
+        blocks."""
+        if req.status == RequestStatus.SWAPPED:
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if not num_new:
+                return 0
+            pairs = self.kv.swap_in(req, num_new)
+            if pairs is None:
+                return None
+            out.swap_in.extend(pairs)
+            return num_new
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        num_new = self._chunk(req.num_tokens - num_hit_tokens, budget)
+        if not num_new:
+            return 0
+        if self.kv.allocate_slots(req, num_new, hits) is None:
+            return None
+        self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+        req.num_computed_tokens = num_hit_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+            req.num_cached_tokens = num_hit_tokens
+        return num_new
+
+    def _reclaim(self, req: Request, out: SchedulerOutput, step: _Step) -> bool:
+        """Slot share: preempt the running request the policy names so that ``req`` may
+        start (its full computed blocks stay in the prefix cache); False if none."""
+        # never one admitted in this step: its swap-in would be copied after its swap-out
+        victim = self.policy.reclaim_victim(
+            req, self.running, self.config.max_num_seqs, protected=step.admitted
+        )
+        if victim is None:
+            return False
+        self.running.remove(victim)  # O(running), on the rare preemption path
+        self._unplan(step, victim)
+        # Recompute, never swap: a swap-out now could take CPU blocks a swap-in admitted
+        # earlier in this step has just freed, and the runner copies swap-outs first.
+        self._preempt(victim, out, swap=False)
+        self.policy.on_reclaimed(victim)
+        step.num_reclaimed += 1
+        self.num_reclaims += 1
+        return True
+
+    def _at_max_running(self, req: Request) -> bool:
+        """Is ``req``'s tenant already running its plan's ``max_running`` sequences?"""
+        cap = req.tenant.max_running
+        if not cap:
+            return False
+        return sum(1 for r in self.running if r.tenant.name == req.tenant.name) >= cap
 
     def _at_kv_share(self, req: Request) -> bool:
         """Would admitting ``req`` take its tenant past its KV share? Never for a tenant that
@@ -380,14 +433,16 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a running request off the device: swap its KV out, else drop it to recompute."""
+    def _preempt(self, request: Request, out: SchedulerOutput, *, swap: bool = True) -> None:
+        """Take a running request off the device: swap its KV out (mode "swap" and ``swap``),
+        else drop it to recompute (its computed full blocks stay in the prefix cache)."""
         self.num_preemptions += 1
         out.num_preempted += 1
         request.num_preemptions += 1
         request.spec_token_ids = []
         out.spec_token_ids.pop(request.request_id, None)
-        pairs = self.kv.swap_out(request) if self.config.preemption_mode == "swap" else None
+        can_swap = swap and self.config.preemption_mode == "swap"
+        pairs = self.kv.swap_out(request) if can_swap else None
         if pairs is not None:
             out.swap_out.extend(pairs)
             request.status = RequestStatus.SWAPPED
@@ -505,6 +560,7 @@ class Scheduler:
         running: dict[str, int] = {}
         for r in self.running:
             running[r.tenant.name] = running.get(r.tenant.name, 0) + 1
+        shares = self.policy.slot_shares(self.running, self.config.max_num_seqs)
         names = sorted(self.tenant_tokens.keys() | waiting.keys() | blocks.keys())
         return tuple(
             TenantStats(
@@ -512,6 +568,7 @@ class Scheduler:
                 num_waiting=waiting.get(name, 0),
                 num_running=running.get(name, 0),
                 num_kv_blocks=blocks.get(name, 0),
+                num_slot_share=shares.get(name, 0),
                 num_prompt_tokens=self.tenant_tokens.get(name, (0, 0))[0],
                 num_generation_tokens=self.tenant_tokens.get(name, (0, 0))[1],
             )

@@ -16,16 +16,19 @@ O(log n + number of flows), never a scan of every waiting request.
   to the least counter of the backlogged tenants when a request arrives, so idling banks no
   credit. A request that has waited ``max_wait_s`` (by the injected clock) goes first,
   whatever its class or counter: no starvation. With one tenant this is fcfs (by priority).
+  Running slots are shared too (:mod:`engine.slot_share`): a waiting tenant below its share
+  and served no more takes a slot back from the most served tenant above its own.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.slot_share import count_by_tenant, slot_shares
 from engine.tenancy import TenantTag
 
 OrderKey = tuple[int, int, float, int]  # (class rank, priority, arrival, seq): lower runs first
@@ -250,6 +253,28 @@ class SchedulingPolicy:
         limit. fcfs and priority: none."""
         return None
 
+    def slot_shares(self, running: Sequence[Request], max_num_seqs: int) -> dict[str, int]:
+        """The running slots each active tenant is owed now; fcfs and priority: none."""
+        return {}
+
+    def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
+        """May a waiting request take a running slot back? fcfs and priority: never."""
+        return False
+
+    def reclaim_victim(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        max_num_seqs: int,
+        protected: Collection[str] = (),
+    ) -> Request | None:
+        """The running request (not in ``protected``) to preempt so that waiting ``request``
+        may start (no free slot, or blocks), or None. fcfs and priority: None."""
+        return None
+
+    def on_reclaimed(self, request: Request) -> None:
+        """``request`` was preempted because :meth:`reclaim_victim` named it."""
+
 
 class PriorityPolicy(SchedulingPolicy):
     """``interactive`` before ``batch``, then vLLM's ``priority`` (lower first), then arrival."""
@@ -288,6 +313,8 @@ class FairPolicy(PriorityPolicy):
         self.batch_prefill_tokens = batch_prefill_tokens
         self._contended_until = -math.inf
         self._interactive_until = -math.inf
+        # request id -> its output length when a reclaim preempted it (no thrash: see below)
+        self._reclaimed_at: dict[str, int] = {}
 
     def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
         """While two or more tenants have had work (running or waiting) within the last
@@ -431,6 +458,74 @@ class FairPolicy(PriorityPolicy):
 
     def _rank(self, class_rank: int, tenant: str) -> tuple[int, float]:
         return (class_rank, self.counters.get(tenant, 0.0))
+
+    # -- slot share ----------------------------------------------------------------------------
+
+    def slot_shares(self, running: Sequence[Request], max_num_seqs: int) -> dict[str, int]:
+        """The running slots each active tenant (running or waiting) is owed
+        (:func:`engine.slot_share.slot_shares`)."""
+        tags: dict[str, TenantTag] = {r.tenant.name: r.tenant for r in running}
+        for flow in self._flows.values():
+            tags.setdefault(flow.tenant, self._head(flow)[2].tenant)
+        return slot_shares(tags.values(), max_num_seqs)
+
+    def can_reclaim(self, running: Sequence[Request], max_num_seqs: int) -> bool:
+        """Does a waiting tenant hold fewer slots than its share while another holds more?"""
+        if not self._flows or not running:
+            return False
+        shares = self.slot_shares(running, max_num_seqs)
+        held = count_by_tenant(running)
+        if not any(held[t] > shares[t] for t in held):
+            return False
+        return any(
+            held.get(flow.tenant, 0) < shares[flow.tenant]
+            for flow in self._flows.values()
+            if flow.tenant not in self._held_tenants
+        )
+
+    def reclaim_victim(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        max_num_seqs: int,
+        protected: Collection[str] = (),
+    ) -> Request | None:
+        """Slot share: ``request``'s tenant holds fewer running slots than its share
+        (:meth:`slot_shares`), so it takes one back from the most served tenant (batch
+        before interactive, then the highest counter) among those that hold more than their
+        share and are served no less than it (class, then counter): that tenant's newest
+        running request that has made progress since a reclaim last preempted it, i.e.
+        produced a token since (no thrash: a request is not preempted for a share twice
+        before it advances). None when no tenant qualifies: the request waits for a slot as
+        before. A move goes from a tenant above its share to one below it, so it never moves
+        back (neither side crosses its share), and a batch request never takes an
+        interactive one's slot."""
+        name = request.tenant.name
+        shares = self.slot_shares(running, max_num_seqs)
+        held = count_by_tenant(running)
+        if held.get(name, 0) >= shares.get(name, 1):
+            return None
+        mine = self._rank(request.tenant.class_rank, name)
+        best: Request | None = None
+        best_key: tuple[float | int, ...] = ()
+        for r in running:
+            tenant = r.tenant.name
+            if tenant == name or held[tenant] <= shares[tenant] or r.request_id in protected:
+                continue
+            rank = self._rank(r.tenant.class_rank, tenant)
+            if rank < mine or self._reclaimed_at.get(r.request_id, -1) >= r.num_output_tokens:
+                continue
+            key = (*rank, *self.key_of(r))
+            if best is None or key > best_key:
+                best, best_key = r, key
+        return best
+
+    def on_reclaimed(self, request: Request) -> None:
+        self._reclaimed_at[request.request_id] = request.num_output_tokens
+
+    def forget(self, request: Request) -> None:
+        super().forget(request)
+        self._reclaimed_at.pop(request.request_id, None)
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {

@@ -24,7 +24,9 @@ class TenantStats:
     """One tenant's share of the engine at a step boundary (engine/tenancy.py).
 
     Gauges: ``num_waiting``, ``num_running`` (requests), ``num_kv_blocks`` (GPU blocks its
-    requests hold, each once). Counters: ``num_prompt_tokens`` / ``num_generation_tokens``,
+    requests hold, each once), ``num_slot_share`` (running slots the fair policy owes it now
+    while tenants contend; 0 when it has no work or the policy keeps no shares).
+    Counters: ``num_prompt_tokens`` / ``num_generation_tokens``,
     tokens scheduled for it (prefill chunks, recomputation included / decodes and guesses).
     """
 
@@ -32,6 +34,7 @@ class TenantStats:
     num_waiting: int = 0
     num_running: int = 0
     num_kv_blocks: int = 0
+    num_slot_share: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
 

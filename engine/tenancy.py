@@ -1,6 +1,6 @@
 """Who a request belongs to, as the gateway says on the engine hop: the scheduler's tenant tag.
 
-The gateway sets four headers on every request it sends to a local engine (it builds them
+The gateway sets these headers on every request it sends to a local engine (it builds them
 itself from the authenticated principal and its plan; a client's own ``x-portico-*`` headers
 never reach the engine):
 
@@ -8,6 +8,9 @@ never reach the engine):
 - ``x-portico-tenant-weight``: the plan's weight, a positive number (default 1.0)
 - ``x-portico-priority-class``: ``interactive`` or ``batch`` (default ``interactive``)
 - ``x-portico-kv-share``: the most of the KV cache the tenant may hold, in (0, 1] (default 1.0)
+- ``x-portico-max-running``: the most sequences the tenant may run at once on this engine, a
+  whole number >= 0 (default 0: no cap of its own; the fair policy still takes slots back from
+  a tenant over its share while others wait, see docs/internals.md "Slot share")
 
 A request without them belongs to the tenant ``default`` with the defaults above.
 """
@@ -24,19 +27,22 @@ TENANT_HEADER = "x-portico-tenant"
 WEIGHT_HEADER = "x-portico-tenant-weight"
 PRIORITY_CLASS_HEADER = "x-portico-priority-class"
 KV_SHARE_HEADER = "x-portico-kv-share"
+MAX_RUNNING_HEADER = "x-portico-max-running"
 
 PRIORITY_CLASSES = ("interactive", "batch")  # served in this order
 MAX_TENANT_LEN = 200
 MAX_WEIGHT = 1e6  # a weight beyond this is a typo, and it would make the counters meaningless
+MAX_RUNNING = 1_000_000  # a cap beyond any engine's --max-num-seqs is a typo
 
 
 @dataclass(frozen=True, slots=True)
 class TenantTag:
-    """A request's tenant as the scheduler sees it: its name, plan weight, class and KV share.
+    """A request's tenant as the scheduler sees it: name, plan weight, class, KV share and cap.
 
     ``weight`` > 0 scales the tenant's fair share (2.0 gets twice the tokens of 1.0 when
     both are backlogged); ``priority_class`` is ``interactive`` (served first) or ``batch``;
-    ``kv_share`` in (0, 1] caps the fraction of KV blocks the tenant's requests may hold.
+    ``kv_share`` in (0, 1] caps the fraction of KV blocks the tenant's requests may hold;
+    ``max_running`` > 0 caps how many of its requests run at once (0: no cap of its own).
     Values are validated by :func:`tenant_from_headers`; constructing one directly trusts them.
     """
 
@@ -44,6 +50,7 @@ class TenantTag:
     weight: float = 1.0
     priority_class: str = "interactive"
     kv_share: float = 1.0
+    max_running: int = 0
 
     @property
     def class_rank(self) -> int:
@@ -85,14 +92,21 @@ def tenant_from_headers(headers: Mapping[str, str]) -> TenantTag:
             f"{PRIORITY_CLASS_HEADER} must be one of {', '.join(PRIORITY_CLASSES)}, "
             f"got {priority_class!r}",
         )
-    if (name, weight, priority_class, kv_share) == (
-        DEFAULT_TENANT.name,
-        DEFAULT_TENANT.weight,
-        DEFAULT_TENANT.priority_class,
-        DEFAULT_TENANT.kv_share,
-    ):
-        return DEFAULT_TENANT
-    return TenantTag(name, weight, priority_class, kv_share)
+    max_running = _whole_number(headers, MAX_RUNNING_HEADER)
+    tag = TenantTag(name, weight, priority_class, kv_share, max_running)
+    return DEFAULT_TENANT if tag == DEFAULT_TENANT else tag
+
+
+def _whole_number(headers: Mapping[str, str], header: str) -> int:
+    text = headers.get(header)
+    if text is None:
+        return 0
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_RUNNING:
+        raise ParameterError(
+            header, f"{header} must be a whole number in [0, {MAX_RUNNING}], got {text!r}"
+        )
+    return int(text)
 
 
 def _number(headers: Mapping[str, str], header: str, default: float) -> float:

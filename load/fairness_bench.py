@@ -2,6 +2,8 @@
 
     portico bench fairness                          # the default model, both policies
     portico bench fairness --quick --model DIR      # a tiny look (the test runs this)
+    portico bench fairness --through-gateway        # through `portico serve`: see
+                                                    # load/fairness_gateway_bench.py
 
 For each scheduling policy (``--policies``, default ``fcfs,fair``) one real ``portico engine``
 process is started with ``--scheduling-policy <policy>`` and the same flags otherwise (an entry
@@ -501,6 +503,11 @@ async def _measure(urls: dict[str, str], work: Workload, progress: bool) -> list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--through-gateway" in argv:  # the same two tenants through `portico serve`
+        from load import fairness_gateway_bench
+
+        return fairness_gateway_bench.main(argv)
     parser = argparse.ArgumentParser(prog="portico bench fairness", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf")
     parser.add_argument(

@@ -148,6 +148,8 @@ class EngineStatsCollector(Collector):
                 stats.prefix_cache_hits,
             ),
             ("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
+            # a busy engine's mean step time is elapsed time over steps (load/ benches read it)
+            ("portico_engine_steps", "Engine steps run (schedule + forward).", stats.num_steps),
         )
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=LABELS)
@@ -187,13 +189,19 @@ def _tenant_metrics(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
             ("portico_engine_tenant_requests_waiting", "A tenant's requests waiting."),
             ("portico_engine_tenant_requests_running", "A tenant's requests running."),
             ("portico_engine_tenant_kv_blocks", "KV cache blocks a tenant's requests hold."),
+            (
+                "portico_engine_tenant_slot_share",
+                "Running slots the fair policy owes a tenant now (its slot share).",
+            ),
         )
     ]
     for t in stats.tenants:
         tokens.add_metric([*labels, t.name, "prompt"], float(t.num_prompt_tokens))
         tokens.add_metric([*labels, t.name, "generation"], float(t.num_generation_tokens))
         for gauge, value in zip(
-            gauges, (t.num_waiting, t.num_running, t.num_kv_blocks), strict=True
+            gauges,
+            (t.num_waiting, t.num_running, t.num_kv_blocks, t.num_slot_share),
+            strict=True,
         ):
             gauge.add_metric([*labels, t.name], float(value))
     yield tokens

@@ -5,7 +5,8 @@ outstanding from this gateway) and what the replica's own ``/metrics`` says now 
 running and waiting, KV cache usage, preemptions), the same scrape ``/metrics/engines`` does.
 A replica whose metrics do not answer shows ``metrics: null``. ``tenants`` lists what the
 replica's scheduler reports per tenant (the ``portico_engine_tenant_*`` families: tokens
-scheduled since the engine started, requests running and waiting, KV blocks held now), busiest
+scheduled since the engine started, requests running and waiting, KV blocks held now, the
+running slots the fair policy owes the tenant now), busiest
 first; ``null`` with the metrics. Admin credential only, checked like the rest of the admin API.
 The console's engines page reads it.
 """
@@ -41,9 +42,17 @@ TENANT_FAMILIES = {
     "portico_engine_tenant_requests_running": "running",
     "portico_engine_tenant_requests_waiting": "waiting",
     "portico_engine_tenant_kv_blocks": "kv_blocks",
+    "portico_engine_tenant_slot_share": "slot_share",
 }
 TENANT_TOKENS = "portico_engine_tenant_tokens"
-TENANT_FIELDS = ("prompt_tokens", "generation_tokens", "running", "waiting", "kv_blocks")
+TENANT_FIELDS = (
+    "prompt_tokens",
+    "generation_tokens",
+    "running",
+    "waiting",
+    "kv_blocks",
+    "slot_share",
+)
 
 
 def engine_gauges(families: Sequence[Metric]) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The engine hop's tenant headers: whose request a local engine is serving.
 
 Every request the gateway sends to a local engine names the authenticated caller's tenant and
-its plan's scheduling share (weight, priority class, KV share) in four ``x-portico-*`` headers;
+its plan's scheduling share (weight, priority class, KV share, running cap) in five
+``x-portico-*`` headers;
 the engine's scheduler reads them (engine/tenancy.py). The gateway builds an upstream request's
 headers from scratch (:meth:`gateway.dataplane.proxy.LocalUpstream.request_headers`), so a
 client's own ``x-portico-*`` headers never reach an engine, and remote providers, whose headers
@@ -16,16 +17,25 @@ TENANT_HEADER = "x-portico-tenant"
 WEIGHT_HEADER = "x-portico-tenant-weight"
 PRIORITY_CLASS_HEADER = "x-portico-priority-class"
 KV_SHARE_HEADER = "x-portico-kv-share"
-ENGINE_HOP_HEADERS = (TENANT_HEADER, WEIGHT_HEADER, PRIORITY_CLASS_HEADER, KV_SHARE_HEADER)
+MAX_RUNNING_HEADER = "x-portico-max-running"
+ENGINE_HOP_HEADERS = (
+    TENANT_HEADER,
+    WEIGHT_HEADER,
+    PRIORITY_CLASS_HEADER,
+    KV_SHARE_HEADER,
+    MAX_RUNNING_HEADER,
+)
 
 
 def engine_hop_headers(principal: Principal) -> dict[str, str]:
-    """The four headers for ``principal``: its tenant id, and its plan's weight, priority
-    class and KV share (numbers as Python writes floats, which the engine parses back)."""
+    """The five headers for ``principal``: its tenant id, and its plan's weight, priority
+    class, KV share (numbers as Python writes floats, which the engine parses back) and
+    running cap (a whole number; 0: none of its own)."""
     share = principal.share
     return {
         TENANT_HEADER: principal.tenant_id,
         WEIGHT_HEADER: repr(float(share.weight)),
         PRIORITY_CLASS_HEADER: share.priority_class,
         KV_SHARE_HEADER: repr(float(share.kv_share)),
+        MAX_RUNNING_HEADER: str(int(share.max_running)),
     }

@@ -134,6 +134,7 @@ def _tenant_view(store: TenantStore, tenant: Tenant) -> dict[str, Any]:
                 "weight": principal.share.weight,
                 "priority_class": principal.share.priority_class,
                 "kv_share": principal.share.kv_share,
+                "max_running": principal.share.max_running or None,
             },
         }
     return body

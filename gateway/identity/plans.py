@@ -69,7 +69,10 @@ class Plan(LimitsSpec):
     told about every request of the plan's tenants (:meth:`engine_share`): the tenant's share
     of the engine's tokens when several tenants wait (2.0 gets twice 1.0's), whether it is
     served before (``interactive``) or after (``batch``) the other class, and the largest
-    fraction of an engine's KV cache its requests may hold at once.
+    fraction of an engine's KV cache its requests may hold at once, and ``max_running`` the
+    most of its requests one engine runs at once (None: no cap of its own; the engine's
+    fair policy still gives a tenant its weighted share of the running slots back, see
+    docs/internals.md "Slot share").
     """
 
     name: str = ""
@@ -84,9 +87,11 @@ class Plan(LimitsSpec):
     weight: float = Field(default=1.0, gt=0, le=1e6)
     priority_class: Literal["interactive", "batch"] = "interactive"
     kv_share: float = Field(default=1.0, gt=0, le=1)
+    # the engine's own bound is 1e6 (engine/tenancy.py)
+    max_running: int | None = Field(default=None, ge=1, le=1_000_000)
 
     def engine_share(self) -> EngineShare:
-        return EngineShare(self.weight, self.priority_class, self.kv_share)
+        return EngineShare(self.weight, self.priority_class, self.kv_share, self.max_running or 0)
 
 
 class PlansFile(BaseModel):

@@ -28,11 +28,14 @@ class EngineShare:
     """What a local engine's scheduler is told about a tenant (its plan's fields): ``weight``
     (> 0) scales its fair share of tokens, ``priority_class`` puts it before (``interactive``)
     or after (``batch``) the other class, ``kv_share`` in (0, 1] caps the fraction of the
-    engine's KV blocks its requests may hold. The defaults are the engine's own."""
+    engine's KV blocks its requests may hold, ``max_running`` > 0 caps how many of its
+    requests one engine runs at once (0: the engine's slot share alone). The defaults are the
+    engine's own."""
 
     weight: float = 1.0
     priority_class: Literal["interactive", "batch"] = "interactive"
     kv_share: float = 1.0
+    max_running: int = 0
 
 
 @dataclass(frozen=True)

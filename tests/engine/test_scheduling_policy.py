@@ -20,6 +20,7 @@ from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduling_policy import FairPolicy, PriorityPolicy, SchedulingPolicy, make_policy
 from engine.tenancy import (
     KV_SHARE_HEADER,
+    MAX_RUNNING_HEADER,
     PRIORITY_CLASS_HEADER,
     TENANT_HEADER,
     WEIGHT_HEADER,
@@ -260,9 +261,10 @@ def test_headers_map_to_the_tag() -> None:
             WEIGHT_HEADER: "2.5",
             PRIORITY_CLASS_HEADER: "batch",
             KV_SHARE_HEADER: "0.25",
+            MAX_RUNNING_HEADER: "3",
         }
     )
-    assert tag == TenantTag("acme", 2.5, "batch", 0.25) and tag.class_rank == 1
+    assert tag == TenantTag("acme", 2.5, "batch", 0.25, 3) and tag.class_rank == 1
 
 
 @pytest.mark.parametrize(
@@ -275,6 +277,11 @@ def test_headers_map_to_the_tag() -> None:
         (WEIGHT_HEADER, "-1"),
         (WEIGHT_HEADER, "heavy"),
         (WEIGHT_HEADER, "nan"),
+        (MAX_RUNNING_HEADER, "-1"),
+        (MAX_RUNNING_HEADER, "1.5"),
+        (MAX_RUNNING_HEADER, "many"),
+        (MAX_RUNNING_HEADER, "²"),
+        (MAX_RUNNING_HEADER, "10000001"),
         (WEIGHT_HEADER, "inf"),
         (KV_SHARE_HEADER, "0"),
         (KV_SHARE_HEADER, "1.5"),

@@ -405,8 +405,8 @@
       table("Engine replicas (scraped from each engine's /metrics now)",
         ["Replica", "Model", "State", "Restarts#", "Running#", "Waiting#", "KV cache", "Outstanding here#"], rows),
       h("h2", {}, "Tenants on the engines"),
-      table("Per tenant and replica: requests now, KV blocks held now and tokens scheduled since the engine started; shares are of that replica",
-        ["Replica", "Tenant", "Running#", "Waiting#", "KV blocks#", "KV share", "Tokens#", "Token share"],
+      table("Per tenant and replica: running slots held now and the slots the fair policy owes it while tenants contend, requests waiting, KV blocks held now and tokens scheduled since the engine started; shares are of that replica",
+        ["Replica", "Tenant", "Running slots#", "Slot share#", "Waiting#", "KV blocks#", "KV share", "Tokens#", "Token share"],
         engines.flatMap(tenantRows)));
   }
 
@@ -422,7 +422,7 @@
     return tenants.map((t) => {
       const served = t.prompt_tokens + t.generation_tokens;
       return h("tr", {}, cell(e.name), cell(t.tenant), cell(num(t.running), "num"),
-        cell(num(t.waiting), "num"), cell(num(t.kv_blocks), "num"),
+        cell(t.slot_share ? num(t.slot_share) : "–", "num"), cell(num(t.waiting), "num"), cell(num(t.kv_blocks), "num"),
         share(t.kv_blocks, blocks, `${t.tenant}'s share of KV blocks held on ${e.name}:`),
         cell(num(served), "num"),
         share(served, tokens, `${t.tenant}'s share of tokens scheduled on ${e.name}:`));

@@ -11,7 +11,13 @@ import httpx
 import pytest
 from engine_server_process import MODEL_NAME, EngineProcess, metric
 
-from engine.tenancy import KV_SHARE_HEADER, PRIORITY_CLASS_HEADER, TENANT_HEADER, WEIGHT_HEADER
+from engine.tenancy import (
+    KV_SHARE_HEADER,
+    MAX_RUNNING_HEADER,
+    PRIORITY_CLASS_HEADER,
+    TENANT_HEADER,
+    WEIGHT_HEADER,
+)
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 4}
@@ -42,7 +48,12 @@ def tenant_headers(name: str, **overrides: str) -> dict[str, str]:
 @pytest.mark.parametrize(("path", "body"), ENDPOINTS)
 @pytest.mark.parametrize(
     ("header", "value"),
-    [(WEIGHT_HEADER, "0"), (PRIORITY_CLASS_HEADER, "urgent"), (KV_SHARE_HEADER, "2")],
+    [
+        (WEIGHT_HEADER, "0"),
+        (PRIORITY_CLASS_HEADER, "urgent"),
+        (KV_SHARE_HEADER, "2"),
+        (MAX_RUNNING_HEADER, "-1"),
+    ],
 )
 def test_a_bad_tenant_header_is_a_400_naming_it(
     http: httpx.Client,

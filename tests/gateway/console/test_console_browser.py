@@ -244,6 +244,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
         lambda d: d.find_element(By.XPATH, f"{tenants}//tr[td[2][text()='{traffic_tenant}']]")
     )
     assert row.find_element(By.XPATH, "td[1]").text == "tiny-0"
+    header = browser.find_element(By.XPATH, f"{tenants}//thead").text
+    assert "Running slots" in header and "Slot share" in header
     c.shot("engines")
 
     c.go("adapters", "LoRA adapters")

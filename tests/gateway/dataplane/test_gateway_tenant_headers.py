@@ -180,6 +180,7 @@ def test_tenant_view_shows_its_plans_engine_share(gateway: GatewayProcess) -> No
         "weight": plan.weight,
         "priority_class": plan.priority_class,
         "kv_share": plan.kv_share,
+        "max_running": plan.max_running,
     }
 
 
@@ -198,12 +199,14 @@ def _principal(share: EngineShare) -> Principal:
 
 
 def test_local_engines_get_the_plan_share_and_remotes_get_none() -> None:
-    principal = _principal(EngineShare(weight=2.5, priority_class="batch", kv_share=0.25))
+    share = EngineShare(weight=2.5, priority_class="batch", kv_share=0.25, max_running=3)
+    principal = _principal(share)
     assert engine_hop_headers(principal) == {
         "x-portico-tenant": "acme",
         "x-portico-tenant-weight": "2.5",
         "x-portico-priority-class": "batch",
         "x-portico-kv-share": "0.25",
+        "x-portico-max-running": "3",
     }
     metrics = GatewayMetrics()
     local = LocalUpstream(Pool("tiny", []), RetryPolicy(), metrics)
@@ -228,7 +231,7 @@ def test_packaged_plans_carry_valid_shares() -> None:
     for plan in plans.values():
         share = plan.engine_share()
         assert share.weight > 0 and 0 < share.kv_share <= 1
-        assert share.priority_class in ("interactive", "batch")
+        assert share.priority_class in ("interactive", "batch") and share.max_running >= 0
     assert plans["enterprise"].weight > plans["standard"].weight > plans["free"].weight
     assert EngineSpec().command is None  # the default engine is ours: it gets the flag
 
@@ -262,15 +265,20 @@ portico_engine_tenant_kv_blocks{model_name="m",tenant="b"} 3.0
 # HELP portico_engine_tenant_requests_waiting Requests waiting per tenant.
 # TYPE portico_engine_tenant_requests_waiting gauge
 portico_engine_tenant_requests_waiting{model_name="m",tenant="a"} 2.0
+# HELP portico_engine_tenant_slot_share Running slots owed per tenant.
+# TYPE portico_engine_tenant_slot_share gauge
+portico_engine_tenant_slot_share{model_name="m",tenant="a"} 8.0
 # HELP vllm:num_requests_running Requests running.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m"} 1.0
 """
     families = list(text_string_to_metric_families(text))
-    empty = dict.fromkeys(("prompt_tokens", "generation_tokens", "running", "waiting"), 0)
+    empty = dict.fromkeys(
+        ("prompt_tokens", "generation_tokens", "running", "waiting", "slot_share"), 0
+    )
     assert tenant_rows(families) == [
         {"tenant": "b", **empty, "generation_tokens": 7, "kv_blocks": 3},
         {"tenant": "a", **empty, "prompt_tokens": 10, "generation_tokens": 5, "waiting": 2,
-         "kv_blocks": 0},
+         "kv_blocks": 0, "slot_share": 8},
     ]  # fmt: skip
     assert engine_gauges(families) == {"running": 1.0}

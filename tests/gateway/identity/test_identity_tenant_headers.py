@@ -23,7 +23,7 @@ PLANS = """
 default_plan: small
 plans:
   small: {requests_per_minute: 10}
-  offline: {weight: 3, priority_class: batch, kv_share: 0.25}
+  offline: {weight: 3, priority_class: batch, kv_share: 0.25, max_running: 4}
 """
 
 
@@ -36,7 +36,7 @@ def _plans_file(tmp_path: Path, text: str) -> Path:
 def test_plan_fields_default_to_the_engines_defaults(tmp_path: Path) -> None:
     plans = load_plans(_plans_file(tmp_path, PLANS))
     assert plans["small"].engine_share() == EngineShare()
-    assert plans["offline"].engine_share() == EngineShare(3.0, "batch", 0.25)
+    assert plans["offline"].engine_share() == EngineShare(3.0, "batch", 0.25, 4)
 
 
 @pytest.mark.parametrize(
@@ -49,6 +49,9 @@ def test_plan_fields_default_to_the_engines_defaults(tmp_path: Path) -> None:
         ("kv_share", 1.5),
         ("priority_class", "urgent"),
         ("weight", "heavy"),
+        ("max_running", 0),
+        ("max_running", -2),
+        ("max_running", 1.5),
     ],
 )
 def test_bad_plan_fields_are_refused_naming_the_field(
@@ -86,11 +89,12 @@ async def test_key_and_jwt_principals_carry_the_plans_share(tmp_path: Path) -> N
         await redis.aclose()
     for principal in (by_key, by_jwt):
         assert principal.tenant_id == "jobs"
-        assert principal.share == EngineShare(3.0, "batch", 0.25)
+        assert principal.share == EngineShare(3.0, "batch", 0.25, 4)
     assert by_jwt.subject == "bob" and by_key.key_id is not None
     assert engine_hop_headers(by_jwt) == {
         "x-portico-tenant": "jobs",
         "x-portico-tenant-weight": "3.0",
         "x-portico-priority-class": "batch",
         "x-portico-kv-share": "0.25",
+        "x-portico-max-running": "4",
     }

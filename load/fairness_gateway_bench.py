@@ -1,0 +1,524 @@
+"""Tenant fairness through the gateway: a quiet tenant next to a noisy one, fcfs against fair.
+
+    portico bench fairness --through-gateway                      # default model, issue 43's mix
+    portico bench fairness --through-gateway --quick --model DIR  # a tiny look (a test runs it)
+
+One real ``portico serve`` (a private redis-server, authentication, rate limits, relaying)
+supervises one ``portico engine`` per policy (``--policies``, default ``fcfs,fair``): pools
+``fairness-fcfs`` and ``fairness-fair``, the same model and ``--engine-args`` (default
+``--max-num-seqs 16``: N's requests take every running slot, the case issue 43 found), and
+``--scheduling-policy`` set per pool. Two tenants on the packaged ``enterprise`` plan, each
+with its own API key, call the gateway with the OpenAI wire format; nothing talks to an engine
+directly. On each pool in turn:
+
+1. **alone**: tenant Q sends ``--quiet-requests`` short streamed chats, one at a time;
+2. **with N**: tenant N keeps ``--noisy-concurrency`` long chats in flight (a prompt of about
+   ``--noisy-prompt-tokens`` tokens, ``--noisy-output-len`` tokens out, a new one as soon as
+   one ends); once ``--warmup-requests`` of them have finished, Q sends its chats again.
+
+Reported per policy: Q's TTFT p50/p90 alone and with N (seconds from the client's send to the
+first streamed token, through the gateway); the engine's mean step time under N's load (the
+with-N window over the steps the engine ran in it, ``portico_engine_steps_total``, read through
+the gateway's ``/metrics/engines``; the engine is never idle then); total output tok/s and N's
+(the engine's own per-tenant counter) in that window. Targets (issue 43, CPU): Q's TTFT p90
+with N under fair <= Q's p90 alone + 2 x that step time; total output tok/s under fair >= 0.95x
+fcfs; N's tok/s under fair at most 10% below fcfs. JSON (``--out``) and plots (``--plot``).
+A benchmark, never a test: numbers depend on the machine and what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from load.fairness_bench import Timing
+from load.gateway_stack import (
+    REPO_ROOT,
+    admin_client,
+    free_port,
+    new_tenant_key,
+    process,
+    redis_server,
+    wait_for,
+)
+from load.serve_bench import percentiles
+
+QUIET, NOISY = "quiet", "noisy"
+PLAN = "enterprise"  # the packaged plan issue 43 was measured on
+DEFAULT_ENGINE_ARGS = "--max-num-seqs 16"
+TARGET_STEPS = 2.0  # Q's p90 with N at most its p90 alone + this many mean step times
+TARGET_TOTAL = 0.95  # total output tok/s under fair at least this times fcfs's
+TARGET_NOISY = 0.90  # N's output tok/s under fair at least this times fcfs's
+WORDS = (
+    "river stone garden lamp paper window orange silver market cloud winter engine bridge "
+    "forest letter music planet candle harbor pencil mirror valley rocket meadow spring"
+).split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What both tenants send; the same on every pool of a run."""
+
+    noisy_concurrency: int = 16
+    noisy_prompt_tokens: int = 700
+    noisy_output_len: int = 160
+    quiet_output_len: int = 16
+    quiet_requests: int = 12
+    quiet_gap_s: float = 0.25
+    warmup_requests: int = 4
+    seed: int = 0
+
+
+QUICK = Workload(
+    noisy_concurrency=6,
+    noisy_prompt_tokens=60,
+    noisy_output_len=12,
+    quiet_output_len=4,
+    quiet_requests=3,
+    quiet_gap_s=0.0,
+    warmup_requests=2,
+)
+
+
+@dataclass
+class PoolRun:
+    """Everything measured on one policy's pool."""
+
+    policy: str
+    alone: list[Timing] = field(default_factory=list)
+    with_noisy: list[Timing] = field(default_factory=list)
+    noisy: list[Timing] = field(default_factory=list)
+    window_s: float = 0.0
+    steps: float = 0.0
+    generated: float = 0.0
+    noisy_generated: float = 0.0
+    preemptions: float = 0.0
+
+
+def words_prompt(rng: random.Random, num_tokens: int) -> str:
+    """About ``num_tokens`` tokens of unrelated words (SmolLM2's tokenizer: ~1.3 a word),
+    prefixed with a number so no two prompts share a cached prefix."""
+    words = [rng.choice(WORDS) for _ in range(max(1, int(num_tokens / 1.3)))]
+    return f"{rng.randrange(10**9)}: " + " ".join(words)
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, key: str, model: str, text: str, max_tokens: int
+) -> Timing:
+    """One streamed chat through the gateway with ``key``; times its first token and end."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    timing = Timing()
+    headers = {"authorization": f"Bearer {key}"}
+    start = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers=headers
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                timing.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return timing
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    timing.error = str(event["error"].get("message", "stream error"))[:200]
+                    return timing
+                if timing.ttft == 0.0 and _has_text(event):
+                    timing.ttft = time.perf_counter() - start
+                if event.get("usage"):
+                    timing.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+    except httpx.HTTPError as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"[:200]
+        return timing
+    timing.latency = time.perf_counter() - start
+    timing.ok = timing.ttft > 0.0
+    timing.error = "" if timing.ok else "no token streamed"
+    return timing
+
+
+def _has_text(event: dict[str, Any]) -> bool:
+    """Does a chat chunk carry generated text? A stream's first chunk is the role with empty
+    content, sent before anything is computed: timing it would not be a first token."""
+    return any((choice.get("delta") or {}).get("content") for choice in event.get("choices", ()))
+
+
+async def engine_counters(client: httpx.AsyncClient, pool: str) -> dict[str, float]:
+    """Steps, generated tokens, preemptions, per-tenant generation tokens and requests in
+    flight of ``pool``'s replica, from the gateway's ``/metrics/engines``."""
+    text = (await client.get("/metrics/engines")).text
+    out = {"steps": 0.0, "generated": 0.0, "preemptions": 0.0, "busy": 0.0}
+    names = {
+        "portico_engine_steps_total": "steps",
+        "vllm:generation_tokens_total": "generated",
+        "vllm:num_preemptions_total": "preemptions",
+        "vllm:num_requests_running": "busy",
+        "vllm:num_requests_waiting": "busy",
+    }
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.labels.get("engine", "").startswith(f"{pool}-"):
+                continue
+            if s.name in names:
+                out[names[s.name]] += s.value
+            elif s.name == "portico_engine_tenant_tokens_total":
+                if s.labels.get("kind") == "generation":
+                    key = f"tenant:{s.labels.get('tenant', '')}"
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+async def quiet_sequence(
+    client: httpx.AsyncClient, key: str, pool: str, rng: random.Random, work: Workload
+) -> list[Timing]:
+    out = []
+    for i in range(work.quiet_requests):
+        if i and work.quiet_gap_s:
+            await asyncio.sleep(work.quiet_gap_s)
+        text = f"{rng.randrange(10**9)}: say hello to the {rng.choice(WORDS)}"
+        out.append(await stream_chat(client, key, pool, text, work.quiet_output_len))
+    return out
+
+
+async def run_pool(
+    client: httpx.AsyncClient, pool: str, keys: dict[str, str], work: Workload, progress: bool
+) -> PoolRun:
+    """The alone and with-N phases on one pool (its policy is the pool's)."""
+    run = PoolRun(pool.removeprefix("fairness-"))
+    rng = random.Random(work.seed)
+    await stream_chat(client, keys[QUIET], pool, "warm up", 2)  # one-time costs, untimed
+    run.alone = await quiet_sequence(client, keys[QUIET], pool, rng, work)
+    _say(progress, f"{run.policy}: Q alone done")
+    stop = asyncio.Event()
+    finished = asyncio.Condition()
+
+    async def noisy_worker(seed: int) -> None:
+        worker_rng = random.Random(seed)
+        while not stop.is_set():
+            text = words_prompt(worker_rng, work.noisy_prompt_tokens)
+            timing = await stream_chat(client, keys[NOISY], pool, text, work.noisy_output_len)
+            async with finished:
+                run.noisy.append(timing)
+                finished.notify_all()
+            if not timing.ok:
+                return
+
+    seeds = [work.seed * 1000 + i + 1 for i in range(work.noisy_concurrency)]
+    workers = [asyncio.create_task(noisy_worker(s)) for s in seeds]
+    try:
+        async with finished:
+            await finished.wait_for(
+                lambda: len(run.noisy) >= work.warmup_requests or any(not t.ok for t in run.noisy)
+            )
+        failed = [t.error for t in run.noisy if not t.ok]
+        if failed:
+            raise RuntimeError(f"{run.policy}: N's requests failed: {failed[0]}")
+        _say(progress, f"{run.policy}: N warm; Q with N")
+        before = await engine_counters(client, pool)
+        started = time.perf_counter()
+        run.with_noisy = await quiet_sequence(client, keys[QUIET], pool, rng, work)
+        run.window_s = time.perf_counter() - started
+        after = await engine_counters(client, pool)
+    finally:
+        stop.set()
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    run.steps, run.generated = delta["steps"], delta["generated"]
+    run.preemptions = delta["preemptions"]
+    run.noisy_generated = delta.get(f"tenant:{NOISY}", 0.0)
+    await _wait_idle(client, pool)
+    return run
+
+
+async def _wait_idle(client: httpx.AsyncClient, pool: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await engine_counters(client, pool))["busy"] > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{pool} did not go idle after N's requests were cancelled")
+        await asyncio.sleep(0.1)
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[fairness-gateway] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+def write_config(
+    workdir: Path, port: int, redis_url: str, model: str, policies: Sequence[str], args: list[str]
+) -> Path:
+    """``portico serve``'s config: one pool per policy, the packaged plans, one routing tier."""
+    policies_dir = workdir / "policies"
+    policies_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO_ROOT / "policies" / "retry.yaml", policies_dir / "retry.yaml")
+    pools = [f"fairness-{p}" for p in policies]
+    routing = {"aliases": {}, "tiers": [{"name": "only", "model": pools[0]}], "weights": {}}
+    (policies_dir / "routing.yaml").write_text(yaml.safe_dump({**routing, "keywords": []}))
+    engines = [
+        {
+            "name": pool,
+            "model": model,
+            "args": [*args, "--scheduling-policy", policy],
+            "startup_timeout_s": 600,
+        }
+        for pool, policy in zip(pools, policies, strict=True)
+    ]
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "redis": {
+            "url": redis_url,
+            "data_dir": str(workdir / "data"),
+            "plans_file": str(REPO_ROOT / "policies" / "plans.yaml"),
+        },
+        "policies_dir": str(policies_dir),
+        "runtime_dir": str(workdir / "run"),
+        "engines": engines,
+        "log_level": "warning",
+        "access_log": False,
+        "drain_timeout_s": 5,
+    }
+    path = workdir / "portico.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextlib.contextmanager
+def serve(
+    workdir: Path, model: str, policies: Sequence[str], engine_args: list[str]
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """Redis, then ``portico serve`` with one engine per policy, ready; yields its base URL
+    and the two tenants' API keys (tenants ``quiet`` and ``noisy`` on the enterprise plan)."""
+    with redis_server(workdir, None) as redis_url:
+        port = free_port()
+        config = write_config(workdir, port, redis_url, model, policies, engine_args)
+        admin_key = "sk-admin-" + secrets.token_urlsafe(24)
+        env = {
+            **os.environ,
+            "PORTICO_ADMIN_KEY": admin_key,
+            "PORTICO_KEY_HASH_SECRET": secrets.token_hex(32),
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("PORTICO_REDIS_URL", None)
+        cmd = [sys.executable, "-m", "portico.cli", "serve", "-c", str(config)]
+        log = workdir / "gateway.log"
+        base = f"http://127.0.0.1:{port}"
+        with process(cmd, log, env) as proc:
+            wait_for(lambda: _ready(base), 900, "the gateway and its engines", proc, log)
+            with admin_client(base, admin_key) as admin:
+                keys = {
+                    name: new_tenant_key(admin, {"id": name, "name": name, "plan": PLAN})
+                    for name in (QUIET, NOISY)
+                }
+            yield base, keys
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(base + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ttft_ms(timings: Sequence[Timing]) -> dict[str, float]:
+    p = percentiles([t.ttft for t in timings if t.ok])
+    return {"p50": p["median"], "p90": p["p90"], "mean": p["mean"]}
+
+
+def _pool_report(run: PoolRun) -> dict[str, Any]:
+    window = run.window_s or 1.0
+    return {
+        "quiet_ttft_ms_alone": _ttft_ms(run.alone),
+        "quiet_ttft_ms_with_noisy": _ttft_ms(run.with_noisy),
+        "quiet_failed": sum(not t.ok for t in run.alone + run.with_noisy),
+        "noisy_finished": sum(t.ok for t in run.noisy),
+        "window_s": run.window_s,
+        "steps": run.steps,
+        "mean_step_ms": 1000 * run.window_s / run.steps if run.steps else None,
+        "preemptions": run.preemptions,
+        "total_output_tok_s": run.generated / window,
+        "noisy_output_tok_s": run.noisy_generated / window,
+        "quiet_ttft_s": {
+            "alone": [t.ttft for t in run.alone if t.ok],
+            "with_noisy": [t.ttft for t in run.with_noisy if t.ok],
+        },
+    }
+
+
+def targets(pools: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 43's three CPU targets, from the fair and fcfs pools of one run."""
+    if "fair" not in pools or "fcfs" not in pools:
+        return {}
+    fair, fcfs = pools["fair"], pools["fcfs"]
+    step_ms = fair["mean_step_ms"] or 0.0
+    bound = fair["quiet_ttft_ms_alone"]["p90"] + TARGET_STEPS * step_ms
+    total = (
+        fair["total_output_tok_s"] / fcfs["total_output_tok_s"]
+        if fcfs["total_output_tok_s"]
+        else 0.0
+    )
+    noisy = (
+        fair["noisy_output_tok_s"] / fcfs["noisy_output_tok_s"]
+        if fcfs["noisy_output_tok_s"]
+        else 0.0
+    )
+    return {
+        "fair_p90_bound_ms": bound,
+        "fair_p90_ms": fair["quiet_ttft_ms_with_noisy"]["p90"],
+        "fair_p90_within_alone_plus_2_steps": fair["quiet_ttft_ms_with_noisy"]["p90"] <= bound,
+        "fair_total_over_fcfs_total": total,
+        "fair_total_at_least_0_95_fcfs": total >= TARGET_TOTAL,
+        "fair_noisy_over_fcfs_noisy": noisy,
+        "fair_noisy_within_10_percent_of_fcfs": noisy >= TARGET_NOISY,
+    }
+
+
+def build_report(
+    runs: Sequence[PoolRun], work: Workload, model: str, engine_args: Sequence[str]
+) -> dict[str, Any]:
+    pools = {run.policy: _pool_report(run) for run in runs}
+    return {
+        "benchmark": "fairness-through-gateway",
+        "model": model,
+        "engine_args": list(engine_args),
+        "plan": PLAN,
+        "workload": asdict(work),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        "policies": pools,
+        "targets": targets(pools),
+    }
+
+
+def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
+    """``PREFIX_ttft.png`` (Q's TTFT CDFs alone and with N per policy) and
+    ``PREFIX_throughput.png`` (N's and total output tok/s per policy)."""
+    from load.report import plot_bars, plot_cdfs
+
+    pools = report["policies"]
+    series = {}
+    for name, r in pools.items():
+        series[f"Q alone ({name} engine)"] = [s * 1000 for s in r["quiet_ttft_s"]["alone"]]
+        series[f"Q with N, {name}"] = [s * 1000 for s in r["quiet_ttft_s"]["with_noisy"]]
+    title = "Quiet tenant's TTFT through the gateway"
+    ttft = plot_cdfs(series, f"{prefix}_ttft.png", "TTFT (ms)", title)
+    bars = {}
+    for name, r in pools.items():
+        bars[f"N {name}"] = r["noisy_output_tok_s"]
+        bars[f"total {name}"] = r["total_output_tok_s"]
+    rate = plot_bars(bars, f"{prefix}_throughput.png", "output tok/s", "Output tokens per second")
+    return [str(ttft), str(rate)]
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    lines = ["Q's TTFT (ms)         p50      p90   | step ms  total tok/s  N tok/s  preempt"]
+    for name, r in report["policies"].items():
+        alone, with_n = r["quiet_ttft_ms_alone"], r["quiet_ttft_ms_with_noisy"]
+        lines.append(f"  alone ({name:<5})  {alone['p50']:>8.1f} {alone['p90']:>8.1f}")
+        step = r["mean_step_ms"] or 0.0
+        lines.append(
+            f"  with N, {name:<5} {with_n['p50']:>8.1f} {with_n['p90']:>8.1f}   | {step:>7.1f}"
+            f"  {r['total_output_tok_s']:>11.1f}  {r['noisy_output_tok_s']:>7.1f}"
+            f"  {r['preemptions']:>7.0f}"
+        )
+    for key, value in report["targets"].items():
+        lines.append(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
+    lines.append(f"load average at the end: {' '.join(report['loadavg'])}")
+    print("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- main
+
+
+async def _measure(
+    base: str, keys: dict[str, str], policies: Sequence[str], work: Workload, args: Any
+) -> list[PoolRun]:
+    """Each policy's pool in turn; the report so far is written after each (a run cut short
+    by a time limit keeps what it measured)."""
+    limits = httpx.Limits(max_connections=work.noisy_concurrency + 8)
+    runs = []
+    for policy in policies:
+        async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
+            pool = f"fairness-{policy}"
+            runs.append(await run_pool(client, pool, keys, work, not args.no_progress))
+        write_report(build_report(runs, work, args.model, shlex.split(args.engine_args)), args)
+    return runs
+
+
+def write_report(report: dict[str, Any], args: Any) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="portico bench fairness --through-gateway", description=__doc__
+    )
+    parser.add_argument("--through-gateway", action="store_true", help="(this mode)")
+    parser.add_argument("--model", default="smollm2-135m", help="alias, HF folder or .gguf")
+    parser.add_argument("--engine-args", default=DEFAULT_ENGINE_ARGS, help="every engine's flags")
+    parser.add_argument("--policies", default="fcfs,fair", help="comma-separated, run in order")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the test's run)")
+    d = Workload()
+    for name, value in asdict(d).items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    parser.add_argument("--out", default="load/results/fairness_gateway.json")
+    parser.add_argument("--plot", default=None, help="PNG path prefix for the two plots")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = QUICK if args.quick else Workload(**{k: getattr(args, k) for k in asdict(Workload())})
+    engine_args = shlex.split(args.engine_args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    progress = not args.no_progress
+    with tempfile.TemporaryDirectory(prefix="fairness-gateway-") as tmp:
+        with serve(Path(tmp), args.model, policies, engine_args) as (base, keys):
+            _say(progress, f"gateway ready at {base}")
+            runs = asyncio.run(_measure(base, keys, policies, work, args))
+    report = build_report(runs, work, args.model, engine_args)
+    if args.plot:
+        report["plots"] = plot_report(report, args.plot)
+    write_report(report, args)
+    print_summary(report)
+    failed = sum(r["quiet_failed"] for r in report["policies"].values())
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
