@@ -7,9 +7,11 @@ import argparse
 import math
 from pathlib import Path
 
+import torch
 import yaml
 
 from engine.config import EngineConfig
+from engine.numerics import resolve_numerics
 from gateway.dataplane.routing import load_routing_policy
 from load.fleet_bench import kv_sizing, main, parse_args, workload, write_config
 
@@ -43,13 +45,15 @@ def test_cache_fit_sizes_each_replica_to_a_share_of_the_prompts_and_the_single_t
     tmp_path: Path,
 ) -> None:
     """--cache-fit 0.5: each replica's KV cache holds half the tenants' prompts (in the engine's
-    own blocks of SmolLM2-135M: 30 layers x K and V x 3 heads x 64 x 2 bytes x 16 tokens), the
-    single engine both replicas' memory; the engine reads that from its --kv-cache-memory."""
+    own blocks of SmolLM2-135M: 30 layers x K and V x 3 heads x 64 x the element's bytes x 16
+    tokens; the element is what --dtype auto resolves to on this CPU), the single engine both
+    replicas' memory; the engine reads that from its --kv-cache-memory."""
     args = parse_args(
         ["--tenants", "3", "--system-words", "100", "--cache-fit", "0.5", "--replicas", "2"]
     )
     sizing = kv_sizing(args)
-    assert sizing["block_bytes"] == 30 * 2 * 3 * 64 * 2 * 16
+    dtype = resolve_numerics("auto", "int8", torch.device("cpu"), gguf_blocks=True).torch_dtype
+    assert sizing["block_bytes"] == 30 * 2 * 3 * 64 * dtype.itemsize * 16
     assert 3 * 100 // 16 <= sizing["prompt_blocks"] <= 3 * 400 // 16  # ~1-4 tokens a word
     assert sizing["replica_blocks"] == math.ceil(0.5 * sizing["prompt_blocks"])
     assert sizing["replica_bytes"] == sizing["replica_blocks"] * sizing["block_bytes"]
