@@ -7,11 +7,12 @@ decodes together) pass the linear layers as one ``[num_tokens, hidden]`` tensor.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine import kv_cache_dtype, memory_plan
+from engine import kernels, kv_cache_dtype, memory_plan
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import (
     DecodeBuffers,
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from engine.pooling import PromptTap
     from engine.request import Request
     from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -117,7 +120,13 @@ class ModelRunner:
             else []
         )
         self.graphs: DecodeGraphs | None = None
-        if with_graphs:
+        if with_graphs and not kernels.decode_attention_capturable(self.kv_caches[0]):
+            log.warning(
+                "decode steps run eager: attention over a %s cache reads host-side "
+                "lengths that a CUDA graph replay would not update",
+                self.cache_dtype,
+            )
+        elif with_graphs:
             max_len = engine_config.max_model_len or cfg.max_position_embeddings
             buffers = DecodeBuffers(
                 engine_config.max_num_seqs, -(-max_len // self.block_size), self.block_size,

@@ -156,6 +156,17 @@ def paged_attention(
     return paged_attention_ref(*args, query_lens_cpu, seq_lens_cpu)
 
 
+def decode_attention_capturable(kv_cache: torch.Tensor) -> bool:
+    """Whether a pure-decode step's attention over ``kv_cache`` reads only device tensors (the
+    split-K Triton kernel serves it), so a CUDA graph may capture it; the other paths read the
+    step's host-side lengths, which a replay would not update (an fp8 cache before sm 8.9)."""
+    if choose(kv_cache.device.type).paged_attention != "triton":
+        return False
+    from engine.kernels import triton_decode_attention as decode
+
+    return decode.serves(kv_cache)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's Llama RMSNorm of ``x`` times ``weight`` (see :func:`rms_norm_ref`)."""
     return rms_norm_ref(x, weight, eps)
@@ -286,6 +297,7 @@ __all__ = [
     "KernelChoice",
     "add_rms_norm",
     "choose",
+    "decode_attention_capturable",
     "paged_attention",
     "pack_blocks_q8",
     "paged_attention_ref",

@@ -308,3 +308,25 @@ def test_engine_on_graph_buffers_equals_eager_with_preemption_and_a_cached_prefi
         if graphs:
             assert len(buckets) > 10 and set(buckets) <= {1, 2, 4, 8}
     assert outputs[0] == outputs[1]
+
+
+def test_only_a_cache_the_split_k_kernel_reads_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs capture decode attention only where the split-K kernel serves the cache (it reads
+    lengths from device tensors); the CPU kernels, and the paths that read host-side lengths,
+    are never captured."""
+    from engine import kernels
+
+    bf16_cache = torch.zeros(2, 2, 16, 1, 32, dtype=torch.bfloat16)
+    kernels.choose.cache_clear()
+    try:
+        assert not kernels.decode_attention_capturable(bf16_cache)  # CPU kernels
+        monkeypatch.setenv(kernels.KERNEL_DEVICE_ENV, "cuda")
+        kernels.choose.cache_clear()
+        assert kernels.decode_attention_capturable(bf16_cache)  # the split-K kernel's choice
+        monkeypatch.setattr(
+            "engine.kernels.triton_decode_attention.serves", lambda kv_cache: False
+        )  # an fp8 cache before sm 8.9: the reference reads host-side lengths
+        assert not kernels.decode_attention_capturable(bf16_cache)
+    finally:
+        monkeypatch.delenv(kernels.KERNEL_DEVICE_ENV, raising=False)
+        kernels.choose.cache_clear()
