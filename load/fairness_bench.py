@@ -174,12 +174,26 @@ async def stream_one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    return await timed_stream(client, "/v1/completions", body, hop_headers(tenant))
+
+
+def has_token(event: dict[str, Any]) -> bool:
+    """Does a stream chunk carry generated output? A chat stream's first chunk is the role with
+    empty content, sent before anything is computed: timing it would not be a first token."""
+    for choice in event.get("choices", ()):
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def timed_stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> Timing:
+    """POST a streaming ``body`` to ``path``; time its first generated token and its end."""
     timing = Timing()
     start = time.perf_counter()
     try:
-        async with client.stream(
-            "POST", "/v1/completions", json=body, headers=hop_headers(tenant)
-        ) as resp:
+        async with client.stream("POST", path, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 timing.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -191,7 +205,7 @@ async def stream_one(
                 if "error" in event:
                     timing.error = str(event["error"].get("message", "stream error"))[:200]
                     return timing
-                if event.get("choices") and timing.ttft == 0.0:
+                if timing.ttft == 0.0 and has_token(event):
                     timing.ttft = time.perf_counter() - start
                 if event.get("usage"):
                     timing.output_tokens = int(event["usage"].get("completion_tokens") or 0)

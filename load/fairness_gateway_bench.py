@@ -49,7 +49,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from load.fairness_bench import Timing
+from load.fairness_bench import Timing, timed_stream
 from load.gateway_stack import (
     REPO_ROOT,
     admin_client,
@@ -133,41 +133,8 @@ async def stream_chat(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    timing = Timing()
     headers = {"authorization": f"Bearer {key}"}
-    start = time.perf_counter()
-    try:
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=body, headers=headers
-        ) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                timing.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return timing
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    timing.error = str(event["error"].get("message", "stream error"))[:200]
-                    return timing
-                if timing.ttft == 0.0 and _has_text(event):
-                    timing.ttft = time.perf_counter() - start
-                if event.get("usage"):
-                    timing.output_tokens = int(event["usage"].get("completion_tokens") or 0)
-    except httpx.HTTPError as exc:
-        timing.error = f"{type(exc).__name__}: {exc}"[:200]
-        return timing
-    timing.latency = time.perf_counter() - start
-    timing.ok = timing.ttft > 0.0
-    timing.error = "" if timing.ok else "no token streamed"
-    return timing
-
-
-def _has_text(event: dict[str, Any]) -> bool:
-    """Does a chat chunk carry generated text? A stream's first chunk is the role with empty
-    content, sent before anything is computed: timing it would not be a first token."""
-    return any((choice.get("delta") or {}).get("content") for choice in event.get("choices", ()))
+    return await timed_stream(client, "/v1/chat/completions", body, headers)
 
 
 async def engine_counters(client: httpx.AsyncClient, pool: str) -> dict[str, float]:
