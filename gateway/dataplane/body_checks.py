@@ -40,6 +40,16 @@ def _missing(param: str) -> InvalidRequestError:
     return InvalidRequestError(f"Missing required parameter: '{param}'.", param=param)
 
 
+def _string(obj: dict[str, Any], key: str, param: str) -> str:
+    """``obj[key]``, required and a string; else a 400 naming ``param``."""
+    value = obj.get(key)
+    if value is None:
+        raise _missing(param)
+    if not isinstance(value, str):
+        raise type_error(param, value, "a string")
+    return value
+
+
 def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat ``messages``: each an object with a string ``role``; system, developer, user and
     tool turns with content; content a string or an array of well-formed parts. Returns the
@@ -48,11 +58,7 @@ def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
         param = f"messages[{i}]"
         if not isinstance(message, dict):
             raise type_error(param, message, "a message object")
-        role = message.get("role")
-        if role is None:
-            raise _missing(f"{param}.role")
-        if not isinstance(role, str):
-            raise type_error(f"{param}.role", role, "a string")
+        role = _string(message, "role", f"{param}.role")
         content = message.get("content")
         if content is None:
             if role in CONTENT_ROLES:
@@ -72,17 +78,9 @@ def check_parts(parts: list[Any], param: str) -> None:
         where = f"{param}[{j}]"
         if not isinstance(part, dict):
             raise type_error(where, part, "a content part object")
-        kind = part.get("type")
-        if kind is None:
-            raise _missing(f"{where}.type")
-        if not isinstance(kind, str):
-            raise type_error(f"{where}.type", kind, "a string")
+        kind = _string(part, "type", f"{where}.type")
         if kind in TEXT_PART_TYPES:
-            text = part.get("text")
-            if text is None:
-                raise _missing(f"{where}.text")
-            if not isinstance(text, str):
-                raise type_error(f"{where}.text", text, "a string")
+            _string(part, "text", f"{where}.text")
         elif kind == "image_url":
             image = part.get("image_url")
             if image is None:
