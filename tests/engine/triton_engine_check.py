@@ -32,6 +32,7 @@ def _tokens(n: int, start: int) -> list[int]:
 def run_scenario(model_dir: Path, device: str = "cpu") -> dict[str, Any]:
     """A shared 32-token prefix (two full blocks), then four requests at once in a cache too
     small for them all (12 blocks of 16): prefill, decode, a prefix hit and a preemption."""
+    imported_before = _triton_modules()
     loaded = load_model(ModelSource("tiny", model_dir, "hf"), torch.float32, device)
     config = EngineConfig(
         model="tiny", device=device, num_gpu_blocks_override=12, max_num_batched_tokens=96,
@@ -58,8 +59,13 @@ def run_scenario(model_dir: Path, device: str = "cpu") -> dict[str, Any]:
         "num_preemptions": stats.num_preemptions,
         "paged_attention": kernels.choose(device).paged_attention,
         "write_kv_cache": kernels.choose(device).write_kv_cache,
-        "triton_modules": sorted(m for m in sys.modules if m.startswith("engine.kernels.triton")),
+        # the Triton modules this scenario imported (another test may have imported some)
+        "triton_modules": sorted(_triton_modules() - imported_before),
     }
+
+
+def _triton_modules() -> set[str]:
+    return {m for m in sys.modules if m.startswith("engine.kernels.triton")}
 
 
 def _run_all(engine: LLMEngine) -> dict[str, RequestOutput]:
