@@ -258,3 +258,29 @@ def test_the_default_models_gguf_in_fp8_follows_its_float32_run(
         ids = llm.tokenizer.encode("The capital of France is")
         runs.append(_greedy(llm, [ids, llm.tokenizer.encode("def reverse(s):")], 8))
     assert assert_greedy_within_margin(runs[0], runs[1]) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and fp8_unsupported_reason("cuda") is not None,
+    reason="needs compute capability 8.9+",
+)
+def test_fp8_on_cuda_follows_bf16_with_and_without_graphs(tiny_llama_dir: Path) -> None:
+    """On the card: fp8 (CUDA's row-wise scaled matmul, bf16 activations) keeps bf16's greedy
+    tokens within the margin, and the captured decode graphs keep fp8's eager tokens within
+    it (the padded bucket may pick another matmul kernel than the eager step)."""
+    prompts = [[11 + i, 500 + 7 * i, 42, 900 - i, 3 * i + 1] for i in range(5)]
+    runs = {}
+    for name, quantization, eager in (("bf16", "none", True), ("fp8 eager", "fp8", True),
+                                      ("fp8 graphs", "fp8", False)):  # fmt: skip
+        config = EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16",
+                              quantization=quantization, enforce_eager=eager, max_num_seqs=5,
+                              num_gpu_blocks_override=64)  # fmt: skip
+        engine = LLMEngine.from_config(config)
+        try:
+            runs[name] = _greedy(LLM.from_engine(engine), prompts, 12)
+        finally:
+            engine.close()
+    assert assert_greedy_within_margin(runs["bf16"], runs["fp8 eager"]) >= len(prompts)
+    assert assert_greedy_within_margin(runs["fp8 eager"], runs["fp8 graphs"]) >= len(prompts)
