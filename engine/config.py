@@ -33,7 +33,9 @@ def _device_type(device: str) -> str:
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fair", "fcfs", "priority")  # engine/scheduling_policy.py
-QUANTIZATIONS = ("auto", "none", "gguf")
+# fp8: e4m3 projections with per-channel scales, per-token activation scales (vLLM's online
+# fp8; engine/models/fp8_linear.py)
+QUANTIZATIONS = ("auto", "none", "gguf", "fp8")
 # vLLM's --load-format: auto (by the model's files), safetensors (a Hugging Face folder), gguf
 # (a .gguf file), dummy (random weights of a folder's config.json shape: benchmarks without
 # weights; engine/model_loader.py)
@@ -217,6 +219,9 @@ class EngineConfig:
         _check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.quantization == "fp8":
+            # the ranks shard dense weights (engine/distributed/sharding.py); fp8 ones are not
+            raise ValueError("--quantization fp8 is not supported with --tensor-parallel-size > 1")
         for name in LIMIT_HELP:
             try:
                 ConstraintLimits(**{name: getattr(self, f"structured_outputs_{name}")})
@@ -292,7 +297,9 @@ class EngineConfig:
             default=d.quantization,
             choices=QUANTIZATIONS,
             help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
-            "(CPU); auto: gguf when the model is GGUF and the device the CPU",
+            "(CPU); fp8: the layers' projections in float8 e4m3 with per-channel scales, "
+            "inputs scaled per token, torch's scaled matmul (CUDA 8.9+, or a CPU whose torch "
+            "has it: slow there); auto: gguf when the model is GGUF and the device the CPU",
         )
         g.add_argument(
             "--gguf-activations",

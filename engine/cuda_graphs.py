@@ -22,9 +22,13 @@ The pieces, each testable on CPU:
   graph (CUDA), or runs the same padded step eagerly (CPU, and the tests: the same buffer
   logic, no capture).
 
-Invariant the engine keeps: a step's inputs are loaded only after the previous step's sampled
-ids were read on the host (that read waits for the GPU), so the host staging buffers are free
-to overwrite. An asynchronous scheduler would need two sets of staging buffers.
+Invariant the engine keeps today: a step's inputs are loaded only after the previous step's
+sampled ids were read on the host (that read waits for the GPU), so the host staging buffers
+are free to overwrite. For asynchronous scheduling (step N+1 loaded while step N runs; issue
+41, docs/gpu-fast-path.md) the buffers already take the two pieces it needs: ``staging_sets=2``
+(N+1's host rows go to the other set while N's copies may still be in flight) and
+*placeholder* rows (:attr:`DecodeStep.from_sampled`): a row whose token is "what step N
+samples for this request" gets it from N's sampled ids on the device, with no host read.
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ class DecodeStep:
     positions: Sequence[int]
     seq_lens: Sequence[int]  # context length after this step: position + 1
     block_tables: Sequence[Sequence[int]]
+    # Placeholders: per row, the index into the previous step's sampled ids (on the device)
+    # whose value is this row's input token, or -1 where ``token_ids`` holds it. None: no
+    # placeholder (every token on the host).
+    from_sampled: Sequence[int] | None = None
 
 
 class DecodeBuffers:
@@ -115,21 +123,30 @@ class DecodeBuffers:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        staging_sets: int = 1,
     ) -> None:
         self.max_batch = max_batch
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = device
         on_cuda = device.type == "cuda"
+        if staging_sets < 1:
+            raise ValueError(f"staging_sets must be >= 1, got {staging_sets}")
 
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
 
-        # ids, positions, slots in one host tensor: one staging fill, three copies
-        self._host_i64 = host(3, max_batch, dtype=torch.int64)
-        self._host_lens = host(max_batch, dtype=torch.int32)
-        self._host_tables = host(max_batch, max_blocks_per_seq, dtype=torch.int32)
-        self._host_tables.fill_(scratch_block)
+        # ids, positions, slots in one host tensor: one staging fill, three copies. On CUDA,
+        # ``staging_sets`` sets used in turn (a step's non-blocking copies read its set while
+        # the next step fills another); on CPU the one set is the buffers themselves.
+        self._staging: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for _ in range(staging_sets if on_cuda else 1):
+            tables = host(max_batch, max_blocks_per_seq, dtype=torch.int32)
+            tables.fill_(scratch_block)
+            lens = host(max_batch, dtype=torch.int32)
+            self._staging.append((host(3, max_batch, dtype=torch.int64), lens, tables))
+        self._next_set = 0
+        self._host_i64, self._host_lens, self._host_tables = self._staging[0]
         if on_cuda:
             self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
             self.seq_lens = torch.zeros_like(self._host_lens, device=device)
@@ -142,11 +159,20 @@ class DecodeBuffers:
         self.sample_rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.seq_lens_cpu: list[int] = [1] * max_batch
 
-    def load(self, step: DecodeStep, bucket: int) -> None:
-        """Write ``step``'s rows, and padding up to ``bucket`` rows, into the buffers."""
+    @property
+    def staging_sets(self) -> int:
+        return len(self._staging)
+
+    def load(self, step: DecodeStep, bucket: int, sampled: torch.Tensor | None = None) -> None:
+        """Write ``step``'s rows, and padding up to ``bucket`` rows, into the buffers; rows
+        with a placeholder (``step.from_sampled``) take their token from ``sampled`` (the
+        previous step's sampled ids, int64, on this device), copied on the device."""
         n = len(step.token_ids)
         if not 0 < n <= bucket <= self.max_batch:
             raise ValueError(f"{n} rows do not fit a bucket of {bucket} (max {self.max_batch})")
+        sources = self._placeholder_sources(step, sampled)
+        self._host_i64, self._host_lens, self._host_tables = self._staging[self._next_set]
+        self._next_set = (self._next_set + 1) % len(self._staging)
         bs = self.block_size
         scratch_slot = self.scratch_block * bs
         slots = [
@@ -178,6 +204,27 @@ class DecodeBuffers:
             self.block_tables[:bucket, :width].copy_(
                 self._host_tables[:bucket, :width], non_blocking=True
             )
+        if sources is not None and sampled is not None:
+            targets, src = sources.to(self.device, non_blocking=True).unbind(0)
+            self.input_ids.index_copy_(0, targets, sampled.index_select(0, src))
+
+    def _placeholder_sources(
+        self, step: DecodeStep, sampled: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``[2, k]``: the rows with a placeholder and their indices into ``sampled``; None
+        when the step has none. Refuses placeholders without ``sampled`` or out of its range."""
+        if step.from_sampled is None or all(i < 0 for i in step.from_sampled):
+            return None
+        if len(step.from_sampled) != len(step.token_ids):
+            raise ValueError("from_sampled needs one entry per row")
+        if sampled is None:
+            raise ValueError("a step with placeholder rows needs the previous sampled ids")
+        pairs = [(row, i) for row, i in enumerate(step.from_sampled) if i >= 0]
+        if max(i for _, i in pairs) >= sampled.shape[0]:
+            raise ValueError(
+                f"a placeholder points past the {sampled.shape[0]} sampled ids of the last step"
+            )
+        return torch.tensor(pairs, dtype=torch.int64).t().contiguous()
 
     def load_padding(self, bucket: int) -> None:
         """Every row of ``bucket`` a padding row (what a graph is captured with)."""
@@ -276,14 +323,20 @@ class DecodeGraphs:
             self._graphs[bucket] = _Captured(graph, hidden, logits)
         torch.cuda.synchronize()
 
-    def run(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, step: DecodeStep, sampled: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and float32 logits of ``step``'s rows (row ``i`` for request ``i``),
-        computed over its bucket's padded rows."""
+        computed over its bucket's padded rows; placeholder rows read ``sampled``
+        (:meth:`DecodeBuffers.load`)."""
         n = len(step.token_ids)
         bucket = bucket_for(self.buckets, n)
         if bucket is None:
             raise ValueError(f"{n} requests exceed the largest bucket, {self.max_bucket}")
-        self.buffers.load(step, bucket)
+        if sampled is None:
+            self.buffers.load(step, bucket)
+        else:
+            self.buffers.load(step, bucket, sampled)
         captured = self._graphs.get(bucket)
         if captured is None:
             hidden, logits = self._eager(bucket)

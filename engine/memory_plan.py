@@ -6,7 +6,8 @@ with the device memory it is told about, so a plan and a started engine agree on
 KV blocks. Weight bytes follow what ``engine.model_loader.load_model`` keeps resident: every
 tensor as dense ``dtype``, plus the GGUF Q4_1/Q8_0 blocks on CPU (``--quantization gguf``),
 plus the prepacked copy of each projection for bfloat16 on CPU (oneDNN's bf16 reorder, or float32
-where the CPU has no bf16 arithmetic), plus the RoPE tables.
+where the CPU has no bf16 arithmetic), plus the RoPE tables. With ``--quantization fp8`` the
+projections take 1 byte per weight and 4 per output channel instead (and are not prepacked).
 
 With ``--tensor-parallel-size N`` the plan is one rank's: its shard of the projections, the
 replicated embedding, norms and head, and a KV cache of its ``KV heads / N``.
@@ -42,6 +43,8 @@ GGUF_BLOCK_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 8 / 32, "q8_0": 1.0 + 4 / 32}
 # The same blocks repacked for the int8-activation kernels: scales (and mins) in float16, as in
 # the GGUF file (csrc/quantized_int8.c).
 INT8_PACKED_BYTES_PER_WEIGHT = {"q4_1": 0.5 + 4 / 32, "q8_0": 1.0 + 2 / 32}
+# --quantization fp8: e4m3 projections (engine.models.fp8_linear), plus a float32 scale per row
+FP8_BYTES_PER_WEIGHT = 1
 
 
 def kv_block_bytes(
@@ -263,6 +266,7 @@ def weight_bytes(
     prepacked_bytes: int,
     int8_packed: bool = False,
     panels: bool = False,
+    fp8: bool = False,
 ) -> WeightBytes:
     """What the loaded model keeps resident (see the module doc). ``prepacked_bytes``: bytes
     per weight of the projections' and head's second copy (0: none). ``int8_packed``: the
@@ -271,6 +275,9 @@ def weight_bytes(
     panels (float32 on CPU: the same bytes as the blocks; counted in ``gguf_blocks``)."""
     tensors = list(tensors)
     dense = sum(t.numel for t in tensors) * dtype_bytes
+    if fp8:  # the projections at 1 byte per weight plus a float32 scale per output channel
+        dense -= _projection_weights(cfg) * (dtype_bytes - FP8_BYTES_PER_WEIGHT)
+        dense += _projection_outputs(cfg) * 4
     blocks = 0
     if gguf_blocks:
         for t in tensors:
@@ -280,20 +287,29 @@ def weight_bytes(
                 if int8_packed and (numel // cfg.hidden_size) % 64 == 0:
                     blocks += int(numel * INT8_PACKED_BYTES_PER_WEIGHT[t.block_kind])
     packed = 0
-    if prepacked_bytes:  # every projection and the head, once more
-        layer = (
-            cfg.hidden_size
-            * (
-                (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-                + 3 * cfg.intermediate_size
-            )
-            + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
-        )
-        packed = prepacked_bytes * (
-            cfg.num_hidden_layers * layer + cfg.vocab_size * cfg.hidden_size
-        )
+    if prepacked_bytes:  # every projection (unless fp8) and the head, once more
+        projections = 0 if fp8 else _projection_weights(cfg)
+        packed = prepacked_bytes * (projections + cfg.vocab_size * cfg.hidden_size)
     rope = cfg.max_position_embeddings * cfg.head_dim * 4  # cos and sin, float32, d/2 each
     return WeightBytes(dense, blocks, packed, rope)
+
+
+def _projection_weights(cfg: ModelConfig) -> int:
+    """Weights of every layer's q/k/v, o, gate/up and down projections."""
+    layer = (
+        cfg.hidden_size
+        * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+           + 2 * cfg.intermediate_size)
+        + cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size
+        + cfg.intermediate_size * cfg.hidden_size
+    )  # fmt: skip
+    return cfg.num_hidden_layers * layer
+
+
+def _projection_outputs(cfg: ModelConfig) -> int:
+    """Output channels of those projections (one fp8 scale each)."""
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    return cfg.num_hidden_layers * (qkv + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
 
 
 @dataclass(frozen=True)
@@ -396,6 +412,7 @@ def plan(
         prepacked_bytes=_prepacked_bytes_per_weight() if on_cpu and dtype == "bfloat16" else 0,
         int8_packed=numerics.gguf_activations == "int8" and _has_int8_kernels(),
         panels=on_cpu and dtype == "float32" and quantization == "gguf",
+        fp8=quantization == "fp8",
     )
     memory, used = _device_memory(device_type, memory_bytes, used_bytes)
     per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)

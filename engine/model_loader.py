@@ -30,6 +30,7 @@ from engine.config import GGUF_ACTIVATIONS, LOAD_FORMATS, QUANTIZATIONS
 from engine.gguf_file import GGUFFile
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
+from engine.models.fp8_linear import fp8_unsupported_reason, quantize_projections
 from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
 from engine.numerics import NumericsPath
@@ -332,13 +333,20 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def resolve_quantization(spec: str, source: ModelSource, device: torch.device | str) -> str:
     """``auto``: ``gguf`` for a GGUF model on a CPU where the native kernels build, else
-    ``none``. ``gguf`` on another kind of source, or on CUDA, is refused with a ValueError."""
+    ``none``. ``gguf`` on another kind of source, or on CUDA, is refused with a ValueError;
+    so is ``fp8`` on a device where :func:`fp8_unsupported_reason` says it cannot run."""
     if spec not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got '{spec}'")
     on_cpu = torch.device(device).type == "cpu"
     if spec == "auto":
         served = kernels.choose(torch.device(device).type).quantized_linear != "none"
         return "gguf" if source.format == "gguf" and served else "none"
+    if spec == "fp8":
+        reason = fp8_unsupported_reason(device)
+        if reason is not None:
+            raise ValueError(
+                f"--quantization fp8 cannot run on {torch.device(device).type}: {reason}"
+            )
     if spec == "gguf" and (source.format != "gguf" or not on_cpu):
         raise ValueError(
             f"quantization 'gguf' needs a GGUF model on the CPU; '{source.name}' is "
@@ -406,6 +414,9 @@ def load_model(
     model.rotary_emb.build_tables()
     model.to(device)
     model.eval()
+    if quantization == "fp8":
+        kept = quantize_projections(model)
+        log.info("%s: projections in fp8 e4m3 (%.1f MiB)", source.name, kept / 2**20)
     for name, blocks in found.items():
         if int8:
             blocks.pack_q8()

@@ -2,7 +2,7 @@
 
     portico bench gpu --out load/results/gpu.json --plot load/results/gpu.png
 
-Five sections, in order, each within its share of a 6-minute budget (one H200):
+Six sections, in order, each within its share of a 6-minute budget (one H200):
 
 (a) kernels: the Triton paged attention and KV-cache write against the PyTorch references at
     real shapes (the default model's, a 1B-class, an 8B-class), float32 and bf16, bf16 and
@@ -16,7 +16,9 @@ Five sections, in order, each within its share of a 6-minute budget (one H200):
 (d) served: ``portico engine`` with dummy weights at concurrency 1, 64 and 256 (TTFT, TPOT),
     through load/serve_bench.py;
 (e) bandwidth: the card's measured copy bandwidth; the decode attention kernel's GB/s and a
-    decode step's least bytes, for the default model's shape and a 1B-class shape.
+    decode step's least bytes, for the default model's shape and a 1B-class shape;
+(f) fp8: ``--quantization fp8`` against bf16 on the 1B-class shape (dummy weights): one
+    stream's decode tok/s and 64 requests at once (issue 41: fp8 >= 1.5x bf16 at c=64).
 
 Refuses without CUDA. The pure parts (shapes, byte accounting, report) are load/gpu_shapes.py.
 """
@@ -31,11 +33,12 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from load.gpu_shapes import (
+    SECTIONS,
     SHAPES,
     Shape,
     bandwidth_row,
@@ -50,6 +53,7 @@ BUDGET_S = 330.0  # the whole run, leaving 30 s of the 6 minutes for start-up an
 KERNEL_STEP = [(1, 4000), (1, 1500), (1, 17), (1, 900), (256, 256), (64, 2100), (7, 7)]
 SERVED_LEVELS = {1: 8, 64: 256, 256: 512}  # concurrency -> requests
 OFFLINE_REQUESTS, OFFLINE_OUTPUT = 256, 128
+FP8_REQUESTS, FP8_OUTPUT = 64, 128  # (f): the 1B-class shape at c=64, bf16 vs fp8
 
 
 class Budget:
@@ -329,6 +333,54 @@ def _compiled_hf(model: Any, work: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "output_tokens_per_s": 0}
 
 
+# --------------------------------------------------------------------------- (f) fp8
+
+
+def fp8_section(
+    workdir: Path,
+    device: str = "cuda",
+    shape: Shape = SHAPES["llama-1b"],
+    requests: int = FP8_REQUESTS,
+    output: int = FP8_OUTPUT,
+) -> dict[str, Any]:
+    """``--quantization fp8`` against bf16 on ``shape`` (dummy weights, the 1B-class shape by
+    default): one stream's decode tok/s and ``requests`` at once (64: issue 41's c=64 row),
+    each engine warmed up first, one after the other on ``device``."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from load.engine_bench import Workload, run_portico, single_stream
+
+    folder = write_shape_folder(workdir / f"{shape.name}-shape", shape)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, shape.vocab_size) for _ in range(rng.randint(64, 256))]
+               for _ in range(requests)]  # fmt: skip
+    work = Workload(prompts, [output] * requests)
+    runs: dict[str, Any] = {}
+    on_cuda = device == "cuda"
+    for name in ("bf16", "fp8"):
+        config = EngineConfig(
+            model=str(folder), device=device, load_format="dummy", dtype="bfloat16",
+            quantization="fp8" if name == "fp8" else "none", max_num_seqs=max(requests, 1),
+            gpu_memory_utilization=0.4, num_gpu_blocks_override=None if on_cuda else 256,
+        )  # fmt: skip
+        engine = LLMEngine.from_config(config)
+        try:
+            run_portico(engine, Workload([[7 + i] * 32 for i in range(4)], [4] * 4))  # warm-up
+            runs[name] = {
+                "single_stream": single_stream(engine, prompts[0], output),
+                f"c{requests}": run_portico(engine, work),
+            }
+        finally:
+            engine.close()
+            del engine
+            _free_cuda()
+    speedup = runs["fp8"][f"c{requests}"]["output_tokens_per_s"] / max(
+        runs["bf16"][f"c{requests}"]["output_tokens_per_s"], 1e-9
+    )
+    return {"shape": shape.name, "requests": requests, "output_tokens": output, "runs": runs,
+            f"fp8_speedup_c{requests}": round(speedup, 3)}  # fmt: skip
+
+
 # --------------------------------------------------------------------------- (d) served
 
 
@@ -449,9 +501,18 @@ def _card() -> dict[str, Any]:
             "triton": __import__("triton").__version__}  # fmt: skip
 
 
-def _run_section(sections: dict[str, Any], name: str, need_s: float, budget: Budget,
-                 fn: Callable[[], dict[str, Any]]) -> None:  # fmt: skip
-    """Run one section if ``need_s`` seconds are left; its failure is reported, not raised."""
+def _run_section(
+    sections: dict[str, Any],
+    name: str,
+    need_s: float,
+    budget: Budget,
+    fn: Callable[[], dict[str, Any]],
+    wanted: Sequence[str] = SECTIONS,
+) -> None:
+    """Run one section if it is ``wanted`` and ``need_s`` seconds are left; its failure is
+    reported, not raised."""
+    if name not in wanted:
+        return
     if budget.left() < need_s:
         sections[name] = {"skipped": f"time budget ({budget.left():.0f} s left)"}
         return
@@ -475,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=BUDGET_S)
     parser.add_argument("--no-compile", action="store_true",
                         help="skip transformers' static cache under torch.compile")  # fmt: skip
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="only these sections (the others: reported as not run)")  # fmt: skip
     args = parser.parse_args(argv)
     import torch
 
@@ -487,14 +550,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="portico-gpu-bench-") as tmp:
         workdir = Path(tmp)
         folder = write_shape_folder(workdir / "smollm2-135m-shape", SHAPES["smollm2-135m"])
-        _run_section(sections, "kernels", 20, budget, lambda: kernels_section(budget))
-        _run_section(sections, "greedy", 60, budget, lambda: greedy_section(workdir))
-        _run_section(sections, "offline", 60, budget,
-                     lambda: offline_section(budget, folder, not args.no_compile))  # fmt: skip
-        _run_section(sections, "served", 60, budget,
-                     lambda: served_section(budget, folder, workdir))  # fmt: skip
+        wanted = args.sections
+
+        def run(name: str, need_s: float, fn: Callable[[], dict[str, Any]]) -> None:
+            _run_section(sections, name, need_s, budget, fn, wanted)
+
+        run("kernels", 20, lambda: kernels_section(budget))
+        run("greedy", 60, lambda: greedy_section(workdir))
+        run("offline", 60, lambda: offline_section(budget, folder, not args.no_compile))
+        run("served", 60, lambda: served_section(budget, folder, workdir))
         served = sections.get("served", {})
-        _run_section(sections, "bandwidth", 10, budget, lambda: bandwidth_section(budget, served))
+        run("bandwidth", 10, lambda: bandwidth_section(budget, served))
+        run("fp8", 60, lambda: fp8_section(workdir))
     command = "portico bench gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     report = build_report(_card(), sections, time.monotonic() - start, command.strip())
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -180,7 +180,7 @@ def bandwidth_row(
 
 # --------------------------------------------------------------------------- the report
 
-SECTIONS = ("kernels", "greedy", "offline", "served", "bandwidth")
+SECTIONS = ("kernels", "greedy", "offline", "served", "bandwidth", "fp8")
 
 
 def kernel_verdict(dtype: str, attn_diff: float, cache_equal: bool) -> bool:
@@ -254,6 +254,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                 f"{row['attention_gbs']} GB/s ({row['attention_share_of_copy']:.0%} of copy), "
                 f"step floor {row['step_floor_ms']} ms"
             )
+    for name, run in s["fp8"].get("runs", {}).items():
+        stream = run["single_stream"]["decode_tokens_per_s"]
+        batch = next(v for k, v in run.items() if k.startswith("c"))["output_tokens_per_s"]
+        lines.append(f"(f) {s['fp8']['shape']} {name}: one stream {stream} tok/s, "
+                     f"c={s['fp8']['requests']} {batch} output tok/s")  # fmt: skip
     for name in SECTIONS:
         if "skipped" in s[name] or "error" in s[name]:
             lines.append(f"({name}) {s[name].get('skipped') or s[name].get('error')}")

@@ -22,6 +22,7 @@ from torch import nn
 
 from engine import kernels
 from engine.kernels import cpu
+from engine.models.fp8_linear import Fp8Weight, fp8_linear
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRALinear
@@ -188,14 +189,18 @@ def block_matmul(
 class BlockLinear(nn.Linear):
     """``nn.Linear`` that uses its :class:`GGUFBlocks` (when attached) for small batches and
     its prepacked weight (when attached, bf16 on CPU: oneDNN's, or a float32 copy) for the
-    others."""
+    others; or, with ``--quantization fp8``, only its e4m3 weight
+    (:mod:`engine.models.fp8_linear`; the dense weight is then dropped)."""
 
     blocks: GGUFBlocks | None = None
     packed: torch.Tensor | None = None
+    fp8: Fp8Weight | None = None  # set by engine.models.fp8_linear.quantize_projections
     lora: LoRALinear | None = None  # set by engine.lora.manager.LoRAManager
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is None and self.packed is None:
+        if self.fp8 is not None:
+            out = fp8_linear(x, self.fp8, self.bias)
+        elif self.blocks is None and self.packed is None:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = block_matmul(x, self.weight, self.blocks, self.bias, self.packed)

@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         happens). Returns how many weights were packed."""
         count = 0
         for module in self.modules():
-            if isinstance(module, BlockLinear):
+            if isinstance(module, BlockLinear) and module.fp8 is None:
                 module.packed = kernels.prepack_linear_weight(module.weight)
                 count += module.packed is not None
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

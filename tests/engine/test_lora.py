@@ -246,3 +246,27 @@ def test_speculation_keeps_each_adapters_output(  # type: ignore[no-untyped-def]
     assert stats.spec_decode_num_draft_tokens > 0
     if method == "draft":  # the base's guesses: most fit the base requests, fewer the others
         assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_adapters_on_fp8_projections_keep_their_own_outputs(tiny, adapters, prompts) -> None:  # type: ignore[no-untyped-def]
+    """``--quantization fp8``: the base projections run in e4m3, each adapter's delta is added
+    in the model's dtype on top. PEFT's float references do not hold exactly; what must: each
+    adapter's output in a mixed batch equals its output alone, and differs from the base's."""
+    settings: dict[str, object] = dict(
+        model=str(tiny), device="cpu", dtype="float32", enable_lora=True, max_loras=4,
+        max_lora_rank=16, kv_cache_memory="64MiB", quantization="fp8",
+        lora_modules=tuple(f"{n}={p}" for n, p in adapters.items()),
+    )  # fmt: skip
+    source = ModelSource("tiny", tiny, "hf")
+    loaded = load_model(source, torch.float32, "cpu", quantization="fp8")
+    engine = LLMEngine(EngineConfig(**settings), loaded)  # type: ignore[arg-type]
+    assert loaded.model.model.layers[0].self_attn.qkv_proj.fp8 is not None
+    names: list[str | None] = [None, *adapters]
+    alone = {}
+    for n in names:
+        got = run_all(engine, [(f"alone-{n}-{i}", p, n) for i, p in enumerate(prompts)])
+        alone[n] = [got[f"alone-{n}-{i}"] for i in range(len(prompts))]
+    mixed = run_all(engine, [(f"{n}-{i}", p, n) for n in names for i, p in enumerate(prompts)])
+    for n in names:
+        assert [mixed[f"{n}-{i}"] for i in range(len(prompts))] == alone[n], n
+    assert all(alone[n] != alone[None] for n in adapters)

@@ -135,3 +135,19 @@ def test_refuses_without_cuda(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_fp8_section_runs_both_engines_at_a_tiny_shape(tmp_path: Path) -> None:
+    """Section (f) on the CPU (torch's fp8 kernel there): bf16 and fp8 engines on dummy
+    weights, one stream and a batch; the report's summary names both."""
+    torch.set_num_threads(1)
+    result = gpu_bench.fp8_section(tmp_path, "cpu", TINY, requests=3, output=4)
+    assert set(result["runs"]) == {"bf16", "fp8"} and result["shape"] == "tiny"
+    for run in result["runs"].values():
+        assert run["single_stream"]["output_tokens"] == 4
+        assert run["c3"]["output_tokens_per_s"] > 0
+    assert result["fp8_speedup_c3"] > 0
+    report = build_report({"name": "a CPU"}, {"fp8": result}, 1.0, "portico bench gpu")
+    lines = summary_lines(report)
+    assert sum(line.startswith("(f) tiny ") for line in lines) == 2
+    assert any("(greedy) not run" in line for line in lines)
