@@ -43,6 +43,8 @@ from redis.retry import Retry
 log = logging.getLogger(__name__)
 
 EMBEDDED_DB_FILENAME = "portico-redis.db"
+# How long a just-started embedded Redis has to answer its first PING (see _first_answer).
+EMBEDDED_START_S = 20.0
 REDIS_URL_ENV = "PORTICO_REDIS_URL"
 CLUSTER_SCHEME = "redis+cluster://"
 SENTINEL_SCHEME = "redis+sentinel://"
@@ -310,7 +312,10 @@ async def open_redis(
         log.info("started embedded Redis in %s", data_dir)
     client = connect(RedisTopology.parse(url), settings or StoreSettings())
     try:
-        await ping_redis(client)
+        if embedded is None:
+            await ping_redis(client)
+        else:
+            await _first_answer(client, EMBEDDED_START_S)
     except Exception:
         await client.aclose()
         if embedded is not None:
@@ -402,6 +407,21 @@ async def ping_redis(client: RedisClient) -> None:
     for node, info in states.items():
         if info.get("cluster_state") != "ok":
             raise redis.exceptions.ClusterDownError(f"cluster state of {node} is not ok")
+
+
+async def _first_answer(client: RedisClient, within_s: float) -> None:
+    """PING a server this process just started until it answers or ``within_s`` passes: on a
+    busy machine its first accept can take longer than one request's socket timeout, which
+    must not fail the start-up (later requests keep the short timeout)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await ping_redis(client)
+            return
+        except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError):
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def close_redis(client: RedisClient, embedded: EmbeddedRedis | None) -> None:
