@@ -19,10 +19,7 @@ MAX_FUNCTION_LINES = 80
 
 # (path, qualified name) -> its length today; shrink this list, never grow it.
 LONG_FUNCTIONS: dict[tuple[str, str], int] = {
-    ("engine/config.py", "EngineConfig.add_cli_args"): 170,
     ("load/standard_sections.py", "_gateway"): 161,
-    ("gateway/lifecycle.py", "start_gateway"): 134,
-    ("gateway/request_path.py", "Gateway.serve"): 133,
     ("tests/gateway/console/test_console_browser.py", "test_console_end_to_end"): 132,
     ("load/fake_upstream.py", "FakeUpstreamProtocol._complete"): 108,
     ("engine/server/serving_responses.py", "ResponsesServing.stream"): 107,
