@@ -25,32 +25,32 @@ from gateway.admission.limiter import RedisLimiter
 from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
+from gateway.batch.batch_runner import BatchRunner, owner_principal
+from gateway.batch.batches import BatchStore
+from gateway.batch.files import DiskStorage, FileStorage, FileStore
+from gateway.batch.s3_storage import S3Storage
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
-from gateway.dataplane.adapters import AdapterCatalog
-from gateway.dataplane.batch_runner import BatchRunner, owner_principal
-from gateway.dataplane.batches import BatchStore
-from gateway.dataplane.discovery import DNSDiscovery
-from gateway.dataplane.files import DiskStorage, FileStorage, FileStore
-from gateway.dataplane.long_prompts import PromptFit, context_length
-from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
-from gateway.dataplane.output_tokens import OutputCounter
-from gateway.dataplane.pool import Pool, Replica, ReplicaPolicy
-from gateway.dataplane.prefix_index import PrefixIndex, PrefixIndexFeeder
-from gateway.dataplane.proxy import LocalUpstream, Upstream
-from gateway.dataplane.remote import RemoteUpstream
-from gateway.dataplane.request_context import InFlight
-from gateway.dataplane.responses_store import ResponseStore
-from gateway.dataplane.retry import RetryPolicy, load_retry_policy
-from gateway.dataplane.routing import Router, RoutingPolicy, load_routing_policy
-from gateway.dataplane.s3_storage import S3Storage
-from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
-from gateway.dataplane.transport import LeanTransport
+from gateway.fleet.adapters import AdapterCatalog
+from gateway.fleet.discovery import DNSDiscovery
+from gateway.fleet.pool import Pool, Replica, ReplicaPolicy
+from gateway.fleet.prefix_index import PrefixIndex, PrefixIndexFeeder
+from gateway.fleet.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import open_identity
 from gateway.identity.layout import migrate_layout
 from gateway.identity.prices import PriceBook
 from gateway.identity.usage import UsageLedger
 from gateway.metrics import GatewayMetrics
+from gateway.relay.long_prompts import PromptFit, context_length
+from gateway.relay.output_tokens import OutputCounter
+from gateway.relay.proxy import LocalUpstream, Upstream
+from gateway.relay.request_context import InFlight
+from gateway.relay.responses_store import ResponseStore
+from gateway.relay.retry import RetryPolicy, load_retry_policy
+from gateway.relay.routing import Router, RoutingPolicy, load_routing_policy
+from gateway.relay.transport import LeanTransport
+from gateway.remotes.openai_remote import OpenAIRemoteUpstream
+from gateway.remotes.remote import RemoteUpstream
 from gateway.request_path import Gateway
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tracing import GatewayTracing
@@ -335,7 +335,7 @@ class _LocalEngines:
 
     def use_replica_policy(self, policy: ReplicaPolicy) -> None:
         """Set every local pool's replica policy; prefix_aware gives each pool a prefix index
-        and a feeder polling its replicas' block events (gateway/dataplane/prefix_index.py)."""
+        and a feeder polling its replicas' block events (gateway/fleet/prefix_index.py)."""
         self.prefix_feeders: list[PrefixIndexFeeder] = []
         for pool in self.pools:
             pool.replica_policy = policy

@@ -32,33 +32,33 @@ from gateway.admission.admission import (
 )
 from gateway.admission.prompt_tokens import PromptCounter
 from gateway.admission.usage_recorder import UsageRecorder
-from gateway.config import GatewayConfig
-from gateway.dataplane.adapters import Adapter, AdapterCatalog
-from gateway.dataplane.batch_runner import BatchRunner
-from gateway.dataplane.batches import BatchStore
-from gateway.dataplane.budget_stop import watch_budget
-from gateway.dataplane.fields import (
+from gateway.batch.batch_runner import BatchRunner
+from gateway.batch.batches import BatchStore
+from gateway.batch.files import FileStore
+from gateway.body.fields import (
     GENERATING_KINDS,
     POOLING_KINDS,
     RequestFields,
     match_shared_prefix,
     parse_fields,
 )
-from gateway.dataplane.files import FileStore
-from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
-from gateway.dataplane.long_prompts import PromptFit
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
-from gateway.dataplane.request_context import CTX_KEY, InFlight, RequestContext
-from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
-from gateway.dataplane.routing import RouteDecision, Router, model_card
-from gateway.dataplane.supervisor import Supervisor
+from gateway.config import GatewayConfig
+from gateway.fleet.adapters import Adapter, AdapterCatalog
+from gateway.fleet.pool import Pool, Replica
+from gateway.fleet.supervisor import Supervisor
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity
 from gateway.identity.cache_salts import shared_prefix_salt
 from gateway.identity.prices import PriceBook
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from gateway.relay.budget_stop import watch_budget
+from gateway.relay.long_prompts import HEADER as TRUNCATED_HEADER
+from gateway.relay.long_prompts import PromptFit
+from gateway.relay.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
+from gateway.relay.request_context import CTX_KEY, InFlight, RequestContext
+from gateway.relay.responses_store import ResponseChain, ResponseStore, input_items_page
+from gateway.relay.routing import RouteDecision, Router, model_card
 from gateway.store import SharedRedis
 from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import (
@@ -130,13 +130,13 @@ class Gateway:
     upstreams: Mapping[str, Upstream]  # model -> local engine pool or remote provider
     pools: list[Pool]  # local engine pools (readiness, /metrics/engines); remotes are not here
     supervisor: Supervisor
-    adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
+    adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (fleet/adapters.py)
     audit: AuditLog  # every admin change (identity/audit.py)
     usage: UsageRecorder
     prices: PriceBook  # per-model prices: spend and money budgets (identity/prices.py)
     responses: ResponseStore  # stored Responses API responses, per tenant
-    files: FileStore  # the Files API, per tenant (dataplane/files.py)
-    batches: BatchStore  # the Batch API's records and line results (dataplane/batches.py)
+    files: FileStore  # the Files API, per tenant (batch/files.py)
+    batches: BatchStore  # the Batch API's records and line results (batch/batches.py)
     fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
@@ -244,7 +244,7 @@ class Gateway:
     ) -> Response:
         """An authenticated request's path from parsing on: route, admit, forward, relay,
         settle. The routes come here through :meth:`complete`; the batch runner
-        (dataplane/batch_runner.py) sends each batch line here with its owner's principal at
+        (batch/batch_runner.py) sends each batch line here with its owner's principal at
         the ``batch`` priority class, so a line is admitted, routed, charged and settled
         exactly as the same request sent interactively. Settling runs as the returned
         response's background task (a relayed stream's ``on_close``)."""

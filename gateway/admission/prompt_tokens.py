@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any
 
-from gateway.dataplane.fields import RequestFields, prompt_text
+from gateway.body.fields import RequestFields, prompt_text
 
 log = logging.getLogger("portico.gateway.tokens")
 

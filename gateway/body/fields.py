@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dataplane.body_checks import (
+from gateway.body.body_checks import (
     check_messages,
     check_parts,
     check_prompt_items,
@@ -55,7 +55,7 @@ class RequestFields:
     cache_salt: str | None = None
     # (plan salt, number of characters): the request starts with one of its plan's shared
     # prefixes (:func:`match_shared_prefix`); set by the request path, told to local engines
-    # in a header (gateway/dataplane/proxy.py SHARED_PREFIX_HEADER)
+    # in a header (gateway/relay/proxy.py SHARED_PREFIX_HEADER)
     shared_prefix: tuple[str, int] | None = None
 
     @property

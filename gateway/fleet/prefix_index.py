@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from gateway.dataplane.fields import RequestFields
+from gateway.body.fields import RequestFields
 from portico.contract import iter_prefix_block_hashes
 
 log = logging.getLogger("portico.gateway.prefix_index")

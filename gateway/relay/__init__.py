@@ -1,16 +1,19 @@
-"""The data plane: where a request goes and how it gets there and back.
+"""The request relay: where one request goes and how it gets there and back.
 
-- ``fields.py``: the few request fields the gateway reads (model, messages, max_tokens, ...).
 - ``routing.py``: ``Router`` (explicit model or ``auto`` by complexity) -> ``RouteDecision``.
-- ``proxy.py``: the ``Upstream`` protocol, ``LocalUpstream`` (retries before the first byte,
-  relays SSE); ``remote.py``: ``RemoteUpstream`` through litellm; ``retry.py``: the policy.
-- ``usage_relay.py``: the body sent upstream (``upstream_body``) and the usage read back from
-  an answer (``Usage``, the SSE relay's usage handling).
-- ``pool.py``, ``transport.py``: replicas (least outstanding + prefix affinity, ejection) and
-  the lean HTTP transport to them; ``supervisor.py``: starts, watches and drains engines.
+- ``proxy.py``: the ``Upstream`` protocol and ``LocalUpstream`` (a local engine pool: retries
+  before the first byte, the engine-hop headers, the relayed SSE stream); ``engine_hop.py``:
+  the tenant headers of the hop (names and parsing: portico/contract.py).
+- ``usage_relay.py``: the body sent upstream (``upstream_body``) and the usage read back
+  (``Usage``, the SSE relay's usage handling); ``output_tokens.py``: output counted when a
+  provider reports no usage; ``budget_stop.py``: a money budget's stop inside a stream.
+- ``retry.py``: the retry policy; ``transport.py``: the lean HTTP/1.1 transport to upstreams.
 - ``hot_routes.py``, ``request_context.py``: the two completion routes outside FastAPI's
   stack; request ids, in-flight count and per-request metrics.
-- ``engine_metrics.py``: ``/metrics/engines``, every replica's metrics relabelled.
+- ``long_prompts.py``: the per-model long-prompt policy; ``responses_store.py``: stored
+  Responses per tenant (``previous_response_id``).
 
-Uses identity's ``Principal``; knows nothing of keys, stores or rate limits.
+May import: ``portico/``, ``gateway.body``, ``gateway.identity``, ``gateway.admission``,
+``gateway.fleet`` (the pools it sends to), ``gateway.store``, ``gateway.metrics``; never the
+remotes or batch wings, nor the modules at ``gateway/``'s top (tests/gateway/test_import_rules.py).
 """
