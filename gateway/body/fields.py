@@ -57,6 +57,10 @@ class RequestFields:
     # prefixes (:func:`match_shared_prefix`); set by the request path, told to local engines
     # in a header (gateway/relay/proxy.py SHARED_PREFIX_HEADER)
     shared_prefix: tuple[str, int] | None = None
+    # A chat prompt's token ids as admission's counter rendered and encoded them, with the
+    # tokenizer and the messages list they came from: the prefix-aware router reuses them
+    # rather than rendering the prompt again (gateway/fleet/prefix_index.py route_token_ids).
+    chat_prompt_ids: tuple[Any, list[dict[str, Any]], list[int]] | None = None
 
     @property
     def max_tokens_name(self) -> str:
