@@ -13,6 +13,7 @@ from engine.kv_cache_dtype import KV_CACHE_DTYPES
 from engine.pooling_params import TASKS, load_pooler_config
 from engine.spec_decode.config import SpeculativeConfig
 from engine.structured_output.limits import LIMIT_HELP, ConstraintLimits, limit_flag
+from portico.contract import FAIR_CONTENDED_PREFILL_TOKENS, FAIR_SHORT_PREFILL_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -114,12 +115,12 @@ class EngineConfig:
     # fair: while two tenants have had work within the window, a step carries at most this
     # many prefill tokens besides its decodes (0: never capped), so another tenant's new
     # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
-    fair_contended_prefill_tokens: int = 256
+    fair_contended_prefill_tokens: int = FAIR_CONTENDED_PREFILL_TOKENS
     fair_contention_window_s: float = 2.0
     # fair: the least-served flows' prompts, when they need at most this many tokens in all,
     # run in a step without the other flows' prefill (0: off), so a newcomer's first token
     # costs a short step, not a full one (FairPolicy.short_step).
-    fair_short_prefill_tokens: int = 256
+    fair_short_prefill_tokens: int = FAIR_SHORT_PREFILL_TOKENS
     # fair: while interactive requests have been around within the contention window, batch
     # requests take at most this many prefill tokens a step (0: no limit): batches in the gaps.
     fair_batch_prefill_tokens: int = 64

@@ -3,7 +3,8 @@
 Every request the gateway sends to a local engine names the authenticated caller's tenant and
 its plan's scheduling share (weight, priority class, KV share, running cap) in five
 ``x-portico-*`` headers;
-the engine's scheduler reads them (engine/tenancy.py). The gateway builds an upstream request's
+the engine's scheduler reads them. The names and their parsing are the contract's
+(portico/contract.py). The gateway builds an upstream request's
 headers from scratch (:meth:`gateway.dataplane.proxy.LocalUpstream.request_headers`), so a
 client's own ``x-portico-*`` headers never reach an engine, and remote providers, whose headers
 are their own, never receive these.
@@ -12,19 +13,16 @@ are their own, never receive these.
 from __future__ import annotations
 
 from gateway.identity.principal import Principal
-
-TENANT_HEADER = "x-portico-tenant"
-WEIGHT_HEADER = "x-portico-tenant-weight"
-PRIORITY_CLASS_HEADER = "x-portico-priority-class"
-KV_SHARE_HEADER = "x-portico-kv-share"
-MAX_RUNNING_HEADER = "x-portico-max-running"
-ENGINE_HOP_HEADERS = (
-    TENANT_HEADER,
-    WEIGHT_HEADER,
-    PRIORITY_CLASS_HEADER,
+from portico.contract import (
+    ENGINE_HOP_HEADERS,
     KV_SHARE_HEADER,
     MAX_RUNNING_HEADER,
+    PRIORITY_CLASS_HEADER,
+    TENANT_HEADER,
+    WEIGHT_HEADER,
 )
+
+__all__ = ["ENGINE_HOP_HEADERS", "PRIORITY_CLASS_HEADER", "engine_hop_headers"]
 
 
 def engine_hop_headers(principal: Principal) -> dict[str, str]:

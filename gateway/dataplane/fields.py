@@ -17,6 +17,7 @@ from gateway.dataplane.body_checks import (
     check_prompt_items,
     check_sampling,
 )
+from portico.contract import MAX_CACHE_SALT_CHARS
 from portico.errors import InvalidRequestError, type_error
 
 try:  # orjson parses 2-3x faster; optional
@@ -73,7 +74,6 @@ class RequestFields:
 GENERATING_KINDS = frozenset({"chat", "completion", "responses"})
 # Kinds that read a prompt and generate nothing: admission reserves the prompt alone.
 POOLING_KINDS = frozenset({"embedding", "score", "rerank"})
-MAX_CACHE_SALT_CHARS = 1024  # the engine's own bound on cache_salt
 
 
 def _text_of(content: Any) -> str:

@@ -7,7 +7,7 @@ gateway already holds to it and keeps a :class:`PrefixIndex`: per replica, the s
 cached there, the sequence number it is exact at, and the engine's load as of that poll.
 
 The gateway computes a request's block hashes exactly as the engine does
-(:func:`engine.kv_cache_manager.iter_prefix_block_hashes`: the same token ids, the same
+(:func:`portico.contract.iter_prefix_block_hashes`: the same token ids, the same
 ``cache_salt`` the proxy sends, the engine's block size and hash root from its snapshot), so a
 match is a real cache hit, never a guess on characters. Each engine process has its own root,
 so hashes are computed per replica, lazily, stopping at the first block that replica lacks:
@@ -39,8 +39,8 @@ from typing import Any
 
 import httpx
 
-from engine.kv_cache_manager import iter_prefix_block_hashes
 from gateway.dataplane.fields import RequestFields
+from portico.contract import iter_prefix_block_hashes
 
 log = logging.getLogger("portico.gateway.prefix_index")
 

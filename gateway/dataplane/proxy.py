@@ -56,16 +56,13 @@ from gateway.dataplane.usage_relay import (
 from gateway.identity.cache_salts import narrowed_salt
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from portico.contract import SHARED_PREFIX_HEADER, shared_prefix_header
 from portico.errors import ServiceUnavailableError, UpstreamError
 
 log = logging.getLogger("portico.gateway.proxy")
 # The longest a request waits for another request's first token before it is sent to compute
 # the blocks they share itself (gateway/dataplane/replica_load.py, ``Lease.follows``).
 FOLLOW_WAIT_S = 10.0
-
-# the request starts with a shared prefix of its plan (gateway/identity/cache_salts.py):
-# "<characters>;<salt>", read by engine/server/shared_prefix.py
-SHARED_PREFIX_HEADER = "x-portico-cache-shared-prefix"
 
 
 @dataclass(eq=False)
@@ -231,7 +228,7 @@ class LocalUpstream:
         headers = self.request_headers(request_id, credential, principal)
         if self.local_engine and fields.shared_prefix is not None:
             salt, num_chars = fields.shared_prefix
-            headers[SHARED_PREFIX_HEADER] = f"{num_chars};{salt}"
+            headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
         url = self.request_url(path)
         tokens = self._route_tokens(fields, principal)
         tried: tuple[Replica, ...] = ()

@@ -51,13 +51,15 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 
+from portico.contract import FAIR_CONTENDED_PREFILL_TOKENS, FAIR_SHORT_PREFILL_TOKENS
+
 # The engine's default --fair-contended-prefill-tokens: the most prefill one step carries while
-# two or more tenants have work (engine/config.py).
-PREFILL_CHUNK_TOKENS = 256
+# two or more tenants have work (the contract's number, portico/contract.py).
+PREFILL_CHUNK_TOKENS = FAIR_CONTENDED_PREFILL_TOKENS
 # The engine's default --fair-short-prefill-tokens: a tenant with nothing waiting whose prompt
 # needs at most this many tokens gets a step of its own, the others' prefill sitting it out
 # (engine/scheduling_policy.py, FairPolicy.short_step).
-SHORT_PREFILL_TOKENS = 256
+SHORT_PREFILL_TOKENS = FAIR_SHORT_PREFILL_TOKENS
 # A step's fixed cost (Python, kernel launches, sampling) in prompt-token equivalents: ~8 ms
 # against ~0.8 ms per token on a 2-core CPU with a 135M model (docs/benchmarks.md, issue 29).
 STEP_OVERHEAD_TOKENS = 10

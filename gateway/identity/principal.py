@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from portico.contract import DEFAULT_TENANT
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -32,10 +34,10 @@ class EngineShare:
     requests one engine runs at once (0: the engine's slot share alone). The defaults are the
     engine's own."""
 
-    weight: float = 1.0
+    weight: float = DEFAULT_TENANT.weight
     priority_class: Literal["interactive", "batch"] = "interactive"
-    kv_share: float = 1.0
-    max_running: int = 0
+    kv_share: float = DEFAULT_TENANT.kv_share
+    max_running: int = DEFAULT_TENANT.max_running
 
 
 @dataclass(frozen=True)

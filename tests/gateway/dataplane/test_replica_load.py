@@ -6,22 +6,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from engine.config import EngineConfig
 from gateway.dataplane.replica_load import (
-    PREFILL_CHUNK_TOKENS,
     SHORT_PREFILL_TOKENS,
     STEP_OVERHEAD_TOKENS,
     ReplicaLoad,
     estimate_wait,
 )
-
-
-def test_the_estimates_step_budgets_are_the_engines_defaults() -> None:
-    """The gateway models the engine's fair scheduler with its defaults, kept as constants
-    (the gateway does not read an engine's flags): they must move together."""
-    engine = EngineConfig()
-    assert PREFILL_CHUNK_TOKENS == engine.fair_contended_prefill_tokens
-    assert SHORT_PREFILL_TOKENS == engine.fair_short_prefill_tokens
 
 
 def test_a_lease_moves_from_prefill_to_decode_and_gives_back_everything() -> None:
