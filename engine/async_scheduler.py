@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
 
@@ -37,6 +37,10 @@ class AsyncScheduler(Scheduler):
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # its chunk reached the end: it samples
+            # Hashed now, as the synchronous engine hashes them before it schedules the next
+            # step: a hit in a later step reads KV this step writes first (the device runs
+            # steps in order). Only known tokens: a placeholder has no value to hash yet.
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
 
     def update_from_launched(
         self, out: SchedulerOutput, sampled: Mapping[str, int]
@@ -47,24 +51,18 @@ class AsyncScheduler(Scheduler):
         A request finished since (a stop learned one step late, an abort) is skipped: its row
         is discarded. A request preempted since ``out`` was launched still takes its token
         (its KV was computed before its blocks could be reused: the device runs steps in
-        order). Full blocks are hashed as the synchronous scheduler does: up to the newest
-        token, exclusive.
+        order). Full blocks were hashed at launch (:meth:`mark_launched`).
         """
         finished: list[Request] = []
         for req, _ in out.scheduled:
             if req.is_finished:
                 continue
-            running = req.status == RequestStatus.RUNNING
             token = sampled.get(req.request_id)
             if token is None:  # a partial prefill chunk
-                if running:
-                    self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
                 continue
             req.num_output_placeholders -= 1
             req.append_output_token(token)
             status = self._stop_status(req, token)
-            if running:
-                self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens - 1))
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)

@@ -87,6 +87,7 @@ class AsyncStepLoop:
         self.in_flight: _Launched | None = None
         self.num_async_steps = 0
         self.num_sync_steps = 0  # steps that fell back (each reads the step in flight first)
+        self.num_discarded_rows = 0  # rows of requests that finished while they were in flight
 
     def sync_reason(self) -> str | None:
         """Why the next step must run synchronously, or None."""
@@ -144,6 +145,7 @@ class AsyncStepLoop:
             tokens, logprobs = result.token_ids, list(result.logprobs)
         keep = [i for i, r in enumerate(launched.rows) if not r.is_finished]
         rows = [launched.rows[i] for i in keep]
+        self.num_discarded_rows += len(launched.rows) - len(keep)
         sampled = {launched.rows[i].request_id: tokens[i] for i in keep}
         num_outputs = [r.num_output_tokens for r in rows]
         finished = self.scheduler.update_from_launched(launched.out, sampled)
