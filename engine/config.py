@@ -134,6 +134,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs for decode steps (engine.cuda_graphs)
+    # vLLM's flag: schedule step N+1 before reading step N's tokens (engine.async_scheduling)
+    async_scheduling: bool = False
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
     # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
     enable_lora: bool = False
@@ -228,6 +230,9 @@ class EngineConfig:
                 ConstraintLimits(**{name: getattr(self, f"structured_outputs_{name}")})
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{limit_flag(name)}: {exc}") from None
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            # the worker ranks take each step's tokens from the host (engine/distributed)
+            raise ValueError("--async-scheduling is not supported with --tensor-parallel-size > 1")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
@@ -379,6 +384,12 @@ class EngineConfig:
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
+        g.add_argument(
+            "--async-scheduling",
+            action="store_true",
+            help="schedule and launch step N+1 before reading step N's tokens (the same "
+            "tokens; steps needing N's tokens on the host run synchronously)",
+        )
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="fix the number of KV blocks")  # fmt: skip
         g.add_argument(

@@ -8,6 +8,7 @@ decodes together) pass the linear layers as one ``[num_tokens, hidden]`` tensor.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,12 +137,21 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, buffers, buckets)
             self.graphs.capture()
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        sampled: torch.Tensor | None = None,
+        sampled_rows: Mapping[str, int] | None = None,
+    ) -> tuple[list[Request], torch.Tensor]:
         """Run the scheduled tokens; return the requests that need a sampled token this step
         (prefill complete, or a decode) and their logits ``[N, vocab]`` (float32), row ``i``
         for the LAST scheduled token of request ``i``. A request verifying guesses
         (``out.spec_token_ids``) gets ``1 + len(guesses)`` consecutive rows instead: its last
         real token's, then each guess's.
+
+        Asynchronous scheduling: a request whose input token is a placeholder (sampled by the
+        previous step, not read yet) takes it from ``sampled`` (that step's ids, on this
+        device) at row ``sampled_rows[request_id]``, copied on the device.
         """
         if not out.scheduled:
             return [], torch.empty(0, self.config.vocab_size, device=self.device)
@@ -152,18 +162,24 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         to_sample: list[Request] = []
+        placeholders: list[tuple[int, int]] = []  # (token index, row of ``sampled``)
         scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
         for req, num_new in scheduled:
             guesses = out.spec_token_ids.get(req.request_id, ())
             start = req.num_computed_tokens
             end = start + num_new
-            token_ids.extend(req.all_token_ids[start : end - len(guesses)])
+            known = req.all_token_ids[start : end - len(guesses)]
+            token_ids.extend(known)
+            if len(known) < end - len(guesses) - start:  # its last token is on the device
+                row = sampled_rows.get(req.request_id, -1) if sampled_rows else -1
+                placeholders.append((len(token_ids), row))
+                token_ids.append(0)
             token_ids.extend(guesses)
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             tables.append(out.block_tables[req.request_id])
-            if end - len(guesses) == req.num_tokens:
+            if end - len(guesses) == req.num_tokens + req.num_output_placeholders:
                 to_sample.append(req)
                 sample_rows.extend(range(len(token_ids) - 1 - len(guesses), len(token_ids)))
         if max(seq_lens) > self.config.max_position_embeddings:
@@ -173,14 +189,24 @@ class ModelRunner:
             )
         if self.lora is not None:
             self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
+        from_sampled: list[int] = []  # per token: the row of ``sampled`` it takes, or -1
+        if placeholders:
+            if sampled is None or min(row for _, row in placeholders) < 0:
+                raise ValueError("a placeholder input token without the step that samples it")
+            from_sampled = [-1] * len(token_ids)
+            for at, row in placeholders:
+                from_sampled[at] = row
         if self.graphs is not None and self._graph_serves(out, query_lens, len(to_sample)):
-            hidden, logits = self.graphs.run(DecodeStep(token_ids, positions, seq_lens, tables))
+            step = DecodeStep(token_ids, positions, seq_lens, tables, from_sampled or None)
+            hidden, logits = self.graphs.run(step, sampled if from_sampled else None)
             if self.prompt_tap:
                 self.prompt_tap.read(scheduled, hidden)
             return to_sample, logits
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        if from_sampled:
+            _resolve_placeholders(input_ids, from_sampled, sampled)
         with torch.inference_mode():
             if not to_sample:
                 hidden = self.model(input_ids, pos, self.kv_caches, meta)
@@ -228,3 +254,15 @@ class ModelRunner:
             dst = torch.tensor([g for _, g in swap_in], device=self.device)
             for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches, strict=True):
                 gpu[:, dst] = cpu[:, src].to(self.device, non_blocking=True)
+
+
+def _resolve_placeholders(
+    input_ids: torch.Tensor, from_sampled: list[int], sampled: torch.Tensor | None
+) -> None:
+    """Copy each placeholder token from the previous step's ids, on the device (no host read)."""
+    assert sampled is not None  # execute checked it
+    dst = [i for i, j in enumerate(from_sampled) if j >= 0]
+    src = [from_sampled[i] for i in dst]
+    dst_t = torch.tensor(dst, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    src_t = torch.tensor(src, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t).to(input_ids.dtype))

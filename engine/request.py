@@ -65,6 +65,7 @@ class Request:
         "finished_time",
         "grammar",
         "spec_token_ids",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -104,6 +105,9 @@ class Request:
         # Speculative decoding: this step's guesses of the next tokens (engine-proposed, the
         # scheduler may shorten them; never part of all_token_ids until verified).
         self.spec_token_ids: list[int] = []
+        # Asynchronous scheduling: tokens sampled by a launched step and not yet read (their
+        # positions already count in num_computed_tokens). Always 0 in the synchronous engine.
+        self.num_output_placeholders = 0
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
