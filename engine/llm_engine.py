@@ -284,7 +284,8 @@ class LLMEngine:
             self.prompt_tap.register(
                 child_ids[0], len(prompt), params.pooling, params.prompt_logprobs
             )
-        parent = _Parent(request_id, prompt, [], RequestMetrics(arrival_time=arrival))
+        metrics = RequestMetrics(arrival_time=arrival, added_step=self._counters["num_steps"])
+        parent = _Parent(request_id, prompt, [], metrics)
         for index, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
@@ -362,9 +363,13 @@ class LLMEngine:
             self.runner.swap(out.swap_out, out.swap_in)
         now = time.monotonic()
         self._count_prefill(out)
+        step_no = self._counters["num_steps"]
         for req, _ in out.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+            entry = self._completions.get(req.request_id)
+            if entry is not None and entry[0].metrics.first_scheduled_step is None:
+                entry[0].metrics.first_scheduled_step = step_no
         rows, logits = self.runner.execute(out)
         sampled, row_logprobs = self._sample(out, rows, logits) if rows else ({}, [])
         num_outputs = [r.num_output_tokens for r in rows]
@@ -445,6 +450,7 @@ class LLMEngine:
         self._release_pending(parent)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            metrics.first_token_step = self._counters["num_steps"]
         if req.first_token_time is None:
             req.first_token_time = now
         metrics.last_token_time = now
