@@ -22,7 +22,6 @@ in N+1 is discarded, exactly as for EOS.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -123,11 +122,7 @@ class AsyncStepLoop:
         self.num_async_steps += 1
         if out.swap_out or out.swap_in:
             engine.runner.swap(out.swap_out, out.swap_in)
-        now = time.monotonic()
-        engine._count_prefill(out)
-        for req, _ in out.scheduled:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        engine._mark_scheduled(out)
         ids = prev.sampled.token_ids if prev is not None and prev.sampled is not None else None
         rows, logits = engine.runner.execute(out, ids, prev.row_of if prev else None)
         sampled = None

@@ -112,11 +112,13 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     # fair: a request waiting this long is served next whatever its tenant's counter or class.
     fair_max_wait_s: float = 30.0
-    # fair: while two tenants have had work within the window, a step carries at most this
-    # many prefill tokens besides its decodes (0: never capped), so another tenant's new
-    # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
+    # fair: while two tenants have each had work within the window, a step carries at most
+    # this many prefill tokens besides its decodes (0: never capped), so another tenant's new
+    # request waits at most one short step. The window is long (a tenant that comes back
+    # within it finds short steps, not one full step of the other's prefill in flight: issue
+    # 43's first request). Measured trade-off: docs/benchmarks.md.
     fair_contended_prefill_tokens: int = FAIR_CONTENDED_PREFILL_TOKENS
-    fair_contention_window_s: float = 2.0
+    fair_contention_window_s: float = 300.0
     # fair: the least-served flows' prompts, when they need at most this many tokens in all,
     # run in a step without the other flows' prefill (0: off), so a newcomer's first token
     # costs a short step, not a full one (FairPolicy.short_step).
@@ -124,6 +126,7 @@ class EngineConfig:
     # fair: while interactive requests have been around within the contention window, batch
     # requests take at most this many prefill tokens a step (0: no limit): batches in the gaps.
     fair_batch_prefill_tokens: int = 64
+    fair_batch_window_s: float = 2.0
     # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
@@ -183,6 +186,7 @@ class EngineConfig:
         _check_number("--fair-contention-window-s", self.fair_contention_window_s, 0.0, math.inf)
         _check_int("--fair-short-prefill-tokens", self.fair_short_prefill_tokens, 0)
         _check_int("--fair-batch-prefill-tokens", self.fair_batch_prefill_tokens, 0)
+        _check_number("--fair-batch-window-s", self.fair_batch_window_s, 0.0, math.inf)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -350,8 +354,8 @@ class EngineConfig:
                        "waits at most one short step (0: no cap)")  # fmt: skip
         g.add_argument("--fair-contention-window-s", type=float,
                        default=d.fair_contention_window_s,
-                       help="fair: how long the step cap stays after the last moment two "
-                       "tenants had work")  # fmt: skip
+                       help="fair: the step cap holds while two or more tenants have each "
+                       "had a request running or waiting within this many seconds")  # fmt: skip
         g.add_argument("--fair-short-prefill-tokens", type=int,
                        default=d.fair_short_prefill_tokens,
                        help="fair: the least-served tenants' prompts, when they need at most "
@@ -359,9 +363,12 @@ class EngineConfig:
                        "(0: off)")  # fmt: skip
         g.add_argument("--fair-batch-prefill-tokens", type=int,
                        default=d.fair_batch_prefill_tokens,
-                       help="fair: while interactive requests have had work within the "
-                       "contention window, batch-class requests take at most this many prefill "
-                       "tokens a step (0: no limit)")  # fmt: skip
+                       help="fair: while interactive requests have had work within "
+                       "--fair-batch-window-s, batch-class requests take at most this many "
+                       "prefill tokens a step (0: no limit)")  # fmt: skip
+        g.add_argument("--fair-batch-window-s", type=float, default=d.fair_batch_window_s,
+                       help="fair: how long the batch limit stays after the last interactive "
+                       "request had work")  # fmt: skip
         g.add_argument("--swap-space", type=float, default=d.swap_space,
                        help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
         g.add_argument(

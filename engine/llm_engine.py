@@ -260,7 +260,8 @@ class LLMEngine:
             self.prompt_tap.register(
                 child_ids[0], len(prompt), params.pooling, params.prompt_logprobs
             )
-        parent = Parent(request_id, prompt, [], RequestMetrics(arrival_time=arrival))
+        metrics = RequestMetrics(arrival_time=arrival, added_step=self._counters["num_steps"])
+        parent = Parent(request_id, prompt, [], metrics)
         for index, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
@@ -344,11 +345,7 @@ class LLMEngine:
         self._counters["num_steps"] += 1
         if out.swap_out or out.swap_in:
             self.runner.swap(out.swap_out, out.swap_in)
-        now = time.monotonic()
-        self._count_prefill(out)
-        for req, _ in out.scheduled:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        self._mark_scheduled(out)
         rows, logits = self.runner.execute(out)
         sampled, row_logprobs = self._sample(out, rows, logits) if rows else ({}, [])
         num_outputs = [r.num_output_tokens for r in rows]
@@ -419,6 +416,19 @@ class LLMEngine:
         sampled = {r.request_id: t for r, t in zip(rows, token_lists, strict=True)}
         return sampled, logprobs
 
+    def _mark_scheduled(self, out: SchedulerOutput) -> None:
+        """Count the step's prefill and note when (time and step number) each of its requests
+        was first scheduled."""
+        now = time.monotonic()
+        self._count_prefill(out)
+        step_no = self._counters["num_steps"]
+        for req, _ in out.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            entry = self._completions.get(req.request_id)
+            if entry is not None and entry[0].metrics.first_scheduled_step is None:
+                entry[0].metrics.first_scheduled_step = step_no
+
     def _count_prefill(self, out: SchedulerOutput) -> None:
         """Prefill work of this step: every scheduled token that is not a plain decode."""
         num = 0
@@ -443,6 +453,7 @@ class LLMEngine:
         self._release_pending(parent)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            metrics.first_token_step = self._counters["num_steps"]
         if req.first_token_time is None:
             req.first_token_time = now
         metrics.last_token_time = now

@@ -144,6 +144,7 @@ class Scheduler:
             contention_window_s=config.fair_contention_window_s,
             short_prefill_tokens=config.fair_short_prefill_tokens,
             batch_prefill_tokens=config.fair_batch_prefill_tokens,
+            batch_window_s=config.fair_batch_window_s,
         )
         # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []
