@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock
 from engine.kv_events import KVEventLog
+from engine.multimodal import block_image_keys
 from engine.request import Request
 
 _SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
@@ -164,9 +165,12 @@ class KVCacheManager:
         if request.cache_salt is not None and len(hashes) < num_blocks:
             salt, num_shared, shared_salt = _split_salt(request.cache_salt, bs)
         lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+        images = request.mm_inputs
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else self.root_hash
             extra = _block_extra(i, salt, num_shared, shared_salt, lora_id)
+            if images:  # an image's tokens are keyed by its content, not the placeholder id
+                extra += block_image_keys(images, i * bs, (i + 1) * bs)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
