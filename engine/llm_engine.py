@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.distributed.leader import TensorParallelLeader
+    from engine.multimodal import ImageInput
 
 __all__ = [
     "CompletionOutput",
@@ -237,6 +238,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         tenant: TenantTag | None = None,
+        mm_inputs: tuple[ImageInput, ...] = (),
     ) -> None:
         """Queue a request (``n`` children). ValueError on bad input; nothing allocated then.
 
@@ -270,7 +272,7 @@ class LLMEngine:
             req = Request(
                 child_id, prompt, child_params,
                 arrival_time=arrival, priority=priority, cache_salt=cache_salt,
-                lora_request=lora_request, tenant=tenant,
+                lora_request=lora_request, tenant=tenant, mm_inputs=mm_inputs,
             )  # fmt: skip
             detok = IncrementalDetokenizer(
                 self.tokenizer,

@@ -24,6 +24,8 @@ from engine.cuda_graphs import (
 )
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
+from engine.models.llava import LlavaForConditionalGeneration
+from engine.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -163,12 +165,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         to_sample: list[Request] = []
         placeholders: list[tuple[int, int]] = []  # (token index, row of ``sampled``)
+        image_spans: list[tuple[int, Request, int, int]] = []  # (flat row, request, start, end)
         scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
         for req, num_new in scheduled:
             guesses = out.spec_token_ids.get(req.request_id, ())
             start = req.num_computed_tokens
             end = start + num_new
             known = req.all_token_ids[start : end - len(guesses)]
+            if req.mm_inputs and start < req.mm_inputs[-1].end:
+                image_spans.append((len(token_ids), req, start, end - len(guesses)))
             token_ids.extend(known)
             if len(known) < end - len(guesses) - start:  # its last token is on the device
                 row = sampled_rows.get(req.request_id, -1) if sampled_rows else -1
@@ -196,9 +201,10 @@ class ModelRunner:
             from_sampled = [-1] * len(token_ids)
             for at, row in placeholders:
                 from_sampled[at] = row
-        if self.graphs is not None and self._graph_serves(out, query_lens, len(to_sample)):
+        graphs = None if image_spans else self.graphs  # image rows never replay a graph
+        if graphs is not None and self._graph_serves(out, query_lens, len(to_sample)):
             step = DecodeStep(token_ids, positions, seq_lens, tables, from_sampled or None)
-            hidden, logits = self.graphs.run(step, sampled if from_sampled else None)
+            hidden, logits = graphs.run(step, sampled if from_sampled else None)
             if self.prompt_tap:
                 self.prompt_tap.read(scheduled, hidden)
             return to_sample, logits
@@ -208,19 +214,56 @@ class ModelRunner:
         if from_sampled:
             _resolve_placeholders(input_ids, from_sampled, sampled)
         with torch.inference_mode():
+            embeds = self._merge_images(input_ids, image_spans) if image_spans else None
             if not to_sample:
-                hidden = self.model(input_ids, pos, self.kv_caches, meta)
+                hidden = self.model(input_ids, pos, self.kv_caches, meta, embeds)
                 if self.prompt_tap:  # requests that read their prompt's hidden states
                     self.prompt_tap.read(scheduled, hidden)
                 return [], torch.empty(0, self.config.vocab_size, device=self.device)
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
             # One native call for a small step's layers and head where it serves.
             hidden, logits = self.model.forward_and_logits(
-                input_ids, pos, self.kv_caches, meta, rows
+                input_ids, pos, self.kv_caches, meta, rows, embeds
             )
             if self.prompt_tap:
                 self.prompt_tap.read(scheduled, hidden)
         return to_sample, logits
+
+    def _merge_images(
+        self, input_ids: torch.Tensor, spans: list[tuple[int, Request, int, int]]
+    ) -> torch.Tensor:
+        """The step's input embeddings with each scheduled image token's row replaced by its
+        image's encoded row. Images first computed in this step are encoded here, together
+        (an image whose tokens are all in the prefix cache is never encoded); an image's rows
+        are kept on it until its last token is computed (chunked prefill), then dropped."""
+        model = self.model
+        if not isinstance(model, LlavaForConditionalGeneration):
+            raise ValueError(f"model '{self.config.architecture}' does not take images")
+        pending: dict[int, ImageInput] = {}
+        for _, req, start, end in spans:
+            for image in req.mm_inputs:
+                if image.embeds is None and image.offset < end and image.end > start:
+                    pending[id(image)] = image
+        if pending:
+            todo = list(pending.values())
+            pixels = torch.stack([image.pixel_values for image in todo]).to(self.device)
+            for image, rows in zip(todo, model.encode_images(pixels), strict=True):
+                image.embeds = rows
+        embeds = model.model.embed_tokens(input_ids)
+        done: list[ImageInput] = []
+        for flat, req, start, end in spans:
+            for image in req.mm_inputs:
+                lo, hi = max(start, image.offset), min(end, image.end)
+                if lo >= hi or image.embeds is None:
+                    continue
+                embeds[flat + lo - start : flat + hi - start] = image.embeds[
+                    lo - image.offset : hi - image.offset
+                ]
+                if hi == image.end:
+                    done.append(image)
+        for image in done:  # after the loop: n > 1 siblings share their ImageInputs
+            image.embeds = None
+        return embeds
 
     def _graph_serves(self, out: SchedulerOutput, query_lens: list[int], num_sampled: int) -> bool:
         """Whether a captured decode graph runs this step (:func:`fallback_reason`)."""
