@@ -87,13 +87,7 @@ class LLMEngine:
         self.parallel = parallel
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        model_len = loaded.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"--max-model-len {config.max_model_len} exceeds the model's context length "
-                f"({model_len})"
-            )
-        self.max_model_len = config.max_model_len or model_len
+        self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
         self.vocab_size = loaded.config.vocab_size
         eos = set(loaded.config.eos_token_ids)
         if not eos and self.tokenizer.eos_token_id is not None:
@@ -561,3 +555,13 @@ class LLMEngine:
             num_waiting_for_grammar=len(self._waiting_for_grammar),
             resident_lora_adapters=self.lora.resident_names() if self.lora is not None else (),
         )  # fmt: skip
+
+
+def _max_model_len(config: EngineConfig, model_len: int) -> int:
+    """``--max-model-len`` where given (never past the model's context), else the model's."""
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} exceeds the model's context length "
+            f"({model_len})"
+        )
+    return config.max_model_len or model_len

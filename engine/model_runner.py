@@ -8,7 +8,8 @@ decodes together) pass the linear layers as one ``[num_tokens, hidden]`` tensor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -157,36 +158,11 @@ class ModelRunner:
         """
         if not out.scheduled:
             return [], torch.empty(0, self.config.vocab_size, device=self.device)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        to_sample: list[Request] = []
-        placeholders: list[tuple[int, int]] = []  # (token index, row of ``sampled``)
-        image_spans: list[tuple[int, Request, int, int]] = []  # (flat row, request, start, end)
         scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
-        for req, num_new in scheduled:
-            guesses = out.spec_token_ids.get(req.request_id, ())
-            start = req.num_computed_tokens
-            end = start + num_new
-            known = req.all_token_ids[start : end - len(guesses)]
-            if req.mm_inputs and start < req.mm_inputs[-1].end:
-                image_spans.append((len(token_ids), req, start, end - len(guesses)))
-            token_ids.extend(known)
-            if len(known) < end - len(guesses) - start:  # its last token is on the device
-                row = sampled_rows.get(req.request_id, -1) if sampled_rows else -1
-                placeholders.append((len(token_ids), row))
-                token_ids.append(0)
-            token_ids.extend(guesses)
-            positions.extend(range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            tables.append(out.block_tables[req.request_id])
-            if end - len(guesses) == req.num_tokens + req.num_output_placeholders:
-                to_sample.append(req)
-                sample_rows.extend(range(len(token_ids) - 1 - len(guesses), len(token_ids)))
+        flat = _FlatStep.of(out, scheduled, sampled_rows)
+        token_ids, positions, query_lens = flat.token_ids, flat.positions, flat.query_lens
+        seq_lens, tables, sample_rows = flat.seq_lens, flat.tables, flat.sample_rows
+        to_sample, placeholders, image_spans = flat.to_sample, flat.placeholders, flat.image_spans
         if max(seq_lens) > self.config.max_position_embeddings:
             raise ValueError(
                 f"a sequence of {max(seq_lens)} tokens exceeds the model's context of "
@@ -309,3 +285,50 @@ def _resolve_placeholders(
     dst_t = torch.tensor(dst, dtype=torch.int64).to(input_ids.device, non_blocking=True)
     src_t = torch.tensor(src, dtype=torch.int64).to(input_ids.device, non_blocking=True)
     input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t).to(input_ids.dtype))
+
+
+@dataclass
+class _FlatStep:
+    """A step's scheduled tokens laid out flat, as the model takes them (ModelRunner.execute)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    to_sample: list[Request] = field(default_factory=list)
+    placeholders: list[tuple[int, int]] = field(default_factory=list)  # (token index, row)
+    # (flat row, request, start, end) of the requests whose scheduled tokens touch an image
+    image_spans: list[tuple[int, Request, int, int]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        out: SchedulerOutput,
+        scheduled: Sequence[tuple[Request, int]],
+        sampled_rows: Mapping[str, int] | None,
+    ) -> _FlatStep:
+        flat = cls()
+        token_ids, placeholders, image_spans = flat.token_ids, flat.placeholders, flat.image_spans
+        for req, num_new in scheduled:
+            guesses = out.spec_token_ids.get(req.request_id, ())
+            start = req.num_computed_tokens
+            end = start + num_new
+            known = req.all_token_ids[start : end - len(guesses)]
+            if req.mm_inputs and start < req.mm_inputs[-1].end:
+                image_spans.append((len(token_ids), req, start, end - len(guesses)))
+            token_ids.extend(known)
+            if len(known) < end - len(guesses) - start:  # its last token is on the device
+                row = sampled_rows.get(req.request_id, -1) if sampled_rows else -1
+                placeholders.append((len(token_ids), row))
+                token_ids.append(0)
+            token_ids.extend(guesses)
+            flat.positions.extend(range(start, end))
+            flat.query_lens.append(num_new)
+            flat.seq_lens.append(end)
+            flat.tables.append(out.block_tables[req.request_id])
+            if end - len(guesses) == req.num_tokens + req.num_output_placeholders:
+                flat.to_sample.append(req)
+                flat.sample_rows.extend(range(len(token_ids) - 1 - len(guesses), len(token_ids)))
+        return flat
