@@ -112,11 +112,13 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     # fair: a request waiting this long is served next whatever its tenant's counter or class.
     fair_max_wait_s: float = 30.0
-    # fair: while two tenants have had work within the window, a step carries at most this
-    # many prefill tokens besides its decodes (0: never capped), so another tenant's new
-    # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
+    # fair: while two tenants have each had work within the window, a step carries at most
+    # this many prefill tokens besides its decodes (0: never capped), so another tenant's new
+    # request waits at most one short step. The window is long (a tenant that comes back
+    # within it finds short steps, not one full step of the other's prefill in flight: issue
+    # 43's first request). Measured trade-off: docs/benchmarks.md.
     fair_contended_prefill_tokens: int = FAIR_CONTENDED_PREFILL_TOKENS
-    fair_contention_window_s: float = 2.0
+    fair_contention_window_s: float = 300.0
     # fair: the least-served flows' prompts, when they need at most this many tokens in all,
     # run in a step without the other flows' prefill (0: off), so a newcomer's first token
     # costs a short step, not a full one (FairPolicy.short_step).
@@ -124,6 +126,7 @@ class EngineConfig:
     # fair: while interactive requests have been around within the contention window, batch
     # requests take at most this many prefill tokens a step (0: no limit): batches in the gaps.
     fair_batch_prefill_tokens: int = 64
+    fair_batch_window_s: float = 2.0
     # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
@@ -134,6 +137,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs for decode steps (engine.cuda_graphs)
+    # vLLM's flag: schedule step N+1 before reading step N's tokens (engine.async_scheduling)
+    async_scheduling: bool = False
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
     # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
     enable_lora: bool = False
@@ -181,6 +186,7 @@ class EngineConfig:
         _check_number("--fair-contention-window-s", self.fair_contention_window_s, 0.0, math.inf)
         _check_int("--fair-short-prefill-tokens", self.fair_short_prefill_tokens, 0)
         _check_int("--fair-batch-prefill-tokens", self.fair_batch_prefill_tokens, 0)
+        _check_number("--fair-batch-window-s", self.fair_batch_window_s, 0.0, math.inf)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -228,6 +234,9 @@ class EngineConfig:
                 ConstraintLimits(**{name: getattr(self, f"structured_outputs_{name}")})
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{limit_flag(name)}: {exc}") from None
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            # the worker ranks take each step's tokens from the host (engine/distributed)
+            raise ValueError("--async-scheduling is not supported with --tensor-parallel-size > 1")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
@@ -409,8 +418,8 @@ def _add_scheduling_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
                    "waits at most one short step (0: no cap)")  # fmt: skip
     g.add_argument("--fair-contention-window-s", type=float,
                    default=d.fair_contention_window_s,
-                   help="fair: how long the step cap stays after the last moment two "
-                   "tenants had work")  # fmt: skip
+                   help="fair: the step cap holds while two or more tenants have each "
+                   "had a request running or waiting within this many seconds")  # fmt: skip
     g.add_argument("--fair-short-prefill-tokens", type=int,
                    default=d.fair_short_prefill_tokens,
                    help="fair: the least-served tenants' prompts, when they need at most "
@@ -418,9 +427,12 @@ def _add_scheduling_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
                    "(0: off)")  # fmt: skip
     g.add_argument("--fair-batch-prefill-tokens", type=int,
                    default=d.fair_batch_prefill_tokens,
-                   help="fair: while interactive requests have had work within the "
-                   "contention window, batch-class requests take at most this many prefill "
-                   "tokens a step (0: no limit)")  # fmt: skip
+                   help="fair: while interactive requests have had work within "
+                   "--fair-batch-window-s, batch-class requests take at most this many "
+                   "prefill tokens a step (0: no limit)")  # fmt: skip
+    g.add_argument("--fair-batch-window-s", type=float, default=d.fair_batch_window_s,
+                   help="fair: how long the batch limit stays after the last interactive "
+                   "request had work")  # fmt: skip
     g.add_argument("--swap-space", type=float, default=d.swap_space,
                    help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
 
@@ -447,6 +459,12 @@ def _add_memory_and_task_args(g: argparse._ArgumentGroup, d: EngineConfig) -> No
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch step N+1 before reading step N's tokens (the same "
+        "tokens; steps needing N's tokens on the host run synchronously)",
+    )
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="fix the number of KV blocks")  # fmt: skip
     g.add_argument(

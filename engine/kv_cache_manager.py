@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock
 from engine.kv_events import KVEventLog
+from engine.multimodal import block_image_keys
 from engine.request import Request
 from portico.contract import block_extra, hash_block_tokens, split_salt
 
@@ -80,9 +81,12 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             salt, num_shared, shared_salt = split_salt(request.cache_salt, bs)
         lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+        images = request.mm_inputs
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else self.root_hash
             extra = block_extra(i, salt, num_shared, shared_salt, lora_id)
+            if images:  # an image's tokens are keyed by its content, not the placeholder id
+                extra += block_image_keys(images, i * bs, (i + 1) * bs)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -311,6 +311,50 @@ def test_steps_are_capped_while_tenants_contend_and_not_after_the_window() -> No
     assert out.num_scheduled_tokens == 64
 
 
+def test_a_tenant_back_within_the_window_finds_capped_steps_and_one_tenant_is_never_capped() -> (
+    None
+):
+    """Issue 43's first request: N ran alone for a while since Q's last request; the step in
+    flight when Q comes back is still a capped one, because Q is remembered for the window on
+    its own (not only while both have work), and Q's first token comes one step after it
+    arrives. An engine only N ever used runs full steps."""
+    clock = FakeClock()
+    flags = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        fair_contended_prefill_tokens=16,
+        fair_contention_window_s=100.0,
+        fair_max_wait_s=1000.0,  # the clock jumps 4.5 s a step: no request is overdue here
+    )
+    alone, alone_model = make("fair", clock=FakeClock(), **flags)
+    sched, model = make("fair", clock=clock, **flags)
+    quiet = submit(sched, TenantTag("quiet"), prompt_len=8, max_tokens=2)
+    while not quiet.is_finished:
+        step(sched, model)
+    noisy = TenantTag("noisy")
+    for s in (sched, alone):
+        for _ in range(6):
+            submit(s, noisy, prompt_len=200, max_tokens=4)
+    for _ in range(20):  # N alone, 90 s after Q's last request: still capped
+        clock.now += 4.5
+        out, _ = step(sched, model)
+        assert 0 < prefill_tokens(out) <= 16
+        out, _ = step(alone, alone_model)
+        assert out.num_scheduled_tokens == 64  # never a second tenant: the whole budget
+        for s in (sched, alone):  # N keeps six requests in flight
+            while len(s.requests) < 6:
+                submit(s, noisy, prompt_len=200, max_tokens=4)
+    back = submit(sched, TenantTag("quiet"), prompt_len=8, max_tokens=2)
+    out, _ = step(sched, model)
+    assert back.num_output_tokens == 1  # its first token in the step after it arrived
+    assert back.output_token_ids == reference_output(back.prompt_token_ids, 1)
+    while not back.is_finished:
+        step(sched, model)
+    clock.now += 101.0  # Q's window has passed: N alone gets the whole budget back
+    out, _ = step(sched, model)
+    assert out.num_scheduled_tokens == 64
+
+
 def batch_prefill_per_step(policy: str) -> tuple[list[int], int]:
     """A batch tenant's long prompts next to an interactive tenant's short requests: the batch
     class's prefill tokens in each step while the chats run, then (the window passed, no chat
@@ -324,7 +368,7 @@ def batch_prefill_per_step(policy: str) -> tuple[list[int], int]:
         fair_contended_prefill_tokens=0,
         fair_short_prefill_tokens=0,
         fair_batch_prefill_tokens=12,
-        fair_contention_window_s=5.0,
+        fair_batch_window_s=5.0,
     )
     bulk = [
         submit(sched, TenantTag("bulk", priority_class="batch"), prompt_len=200, max_tokens=2)

@@ -1,0 +1,71 @@
+"""The scheduler's half of asynchronous scheduling (``--async-scheduling``).
+
+vLLM v1's order: when step N is launched, each scheduled request's ``num_computed_tokens``
+advances by its scheduled tokens, and a request whose chunk reaches its end holds a
+*placeholder* for the token N samples (``Request.num_output_placeholders``). Step N+1 is then
+scheduled from those counts (a decode's input token is the placeholder, which the runner
+resolves from N's sampled ids on the device) before N's ids are read; reading them replaces
+each placeholder with its token and checks the stops. Stops are therefore learned one step
+late: a request that N finishes was already scheduled into N+1, whose row for it is discarded.
+``max_tokens`` and the context limit are known in advance, so no request is scheduled past
+them (:meth:`Scheduler._ends_in_flight`). The synchronous :class:`Scheduler` never holds a
+placeholder and behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+class AsyncScheduler(Scheduler):
+    """A :class:`Scheduler` whose steps are launched before the previous step's ids are read.
+
+    The engine calls :meth:`schedule`, runs the step (the runner reads the counts), then
+    :meth:`mark_launched`; later :meth:`update_from_launched` with that step's ids, in launch
+    order. Speculative guesses are never scheduled here (the engine runs those steps
+    synchronously). Not thread-safe.
+    """
+
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """Step ``out`` was launched (the runner has read its inputs): advance counts now."""
+        if out.spec_token_ids:
+            raise ValueError("asynchronous scheduling does not verify speculative guesses")
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # its chunk reached the end: it samples
+            # Hashed now, as the synchronous engine hashes them before it schedules the next
+            # step: a hit in a later step reads KV this step writes first (the device runs
+            # steps in order). Only known tokens: a placeholder has no value to hash yet.
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+    def update_from_launched(
+        self, out: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[Request]:
+        """Apply launched step ``out``'s ids (one per sampling request); return the requests
+        that finished.
+
+        A request finished since (a stop learned one step late, an abort) is skipped: its row
+        is discarded. A request preempted since ``out`` was launched still takes its token
+        (its KV was computed before its blocks could be reused: the device runs steps in
+        order). Full blocks were hashed at launch (:meth:`mark_launched`).
+        """
+        finished: list[Request] = []
+        for req, _ in out.scheduled:
+            if req.is_finished:
+                continue
+            token = sampled.get(req.request_id)
+            if token is None:  # a partial prefill chunk
+                continue
+            req.num_output_placeholders -= 1
+            req.append_output_token(token)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished
