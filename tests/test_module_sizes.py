@@ -24,7 +24,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("load/fake_upstream.py", "FakeUpstreamProtocol._complete"): 108,
     ("engine/server/serving_responses.py", "ResponsesServing.stream"): 107,
     ("gateway/identity/admin.py", "build_admin_router"): 98,
-    ("gateway/batch/batch_routes.py", "build_batch_router"): 96,
     ("load/standard_report.py", "targets"): 89,
     ("tests/load/test_standard.py", "_gateway_result"): 85,
     ("engine/kernels/triton_paged_attention.py", "_paged_attention_kernel"): 85,
