@@ -283,182 +283,12 @@ class EngineConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add every engine flag to ``parser`` (defaults are EngineConfig's)."""
         d = EngineConfig()
-        bool_flag = argparse.BooleanOptionalAction
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=d.model, help="model alias, HF folder or .gguf file")
-        g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
-        g.add_argument(
-            "--dtype",
-            default=d.dtype,
-            choices=DTYPES,
-            help="auto: bfloat16 on CUDA; on CPU float32 on a GGUF model's blocks, batch "
-            "invariant: a request's tokens do not depend on the load (logged at start, shown "
-            "in /v1/models); bfloat16: faster on CPUs with VNNI/bf16 units, not invariant",
-        )
-        g.add_argument(
-            "--batch-invariant",
-            action="store_true",
-            help="refuse to start unless the numerics are batch invariant (the CPU default "
-            "on a GGUF model is; CUDA has no such path yet: docs/numerics.md)",
-        )
-        g.add_argument("--device", default=d.device, choices=DEVICES)
-        g.add_argument(
-            "--quantization",
-            default=d.quantization,
-            choices=QUANTIZATIONS,
-            help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
-            "(CPU); fp8: the layers' projections in float8 e4m3 with per-channel scales, "
-            "inputs scaled per token, torch's scaled matmul (CUDA 8.9+, or a CPU whose torch "
-            "has it: slow there); auto: gguf when the model is GGUF and the device the CPU",
-        )
-        g.add_argument(
-            "--gguf-activations",
-            default=d.gguf_activations,
-            choices=GGUF_ACTIVATIONS,
-            help="int8 (bfloat16 only): round the GGUF block linears' inputs to int8 per 32 "
-            "values, as llama.cpp does, and run steps of a few tokens in one native call "
-            "(faster single-stream decode; not bit-exact); exact: exact products",
-        )
-        g.add_argument(
-            "--load-format",
-            default=d.load_format,
-            choices=LOAD_FORMATS,
-            help="auto: by the model's files; dummy: random weights in the shape of a folder's "
-            "config.json (its tokenizer too), to benchmark a shape without its weights",
-        )
-        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help="most requests running at once")  # fmt: skip
-        g.add_argument("--max-num-batched-tokens", type=int, default=0,
-                       help="token budget of one step (default 0: 512 on CPU, 2048 on "
-                       "CUDA)")  # fmt: skip
-        g.add_argument("--max-model-len", type=int, default=None,
-                       help="context length cap (default: the model's)")  # fmt: skip
-        g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
-        g.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
-        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
-        g.add_argument(
-            "--scheduling-policy",
-            default=d.scheduling_policy,
-            choices=SCHEDULING_POLICIES,
-            help="fair: tenants (x-portico-tenant) share by weight, interactive before batch; "
-            "fcfs: arrival order; priority: the request's priority (lower first), then arrival",
-        )
-        g.add_argument("--fair-max-wait-s", type=float, default=d.fair_max_wait_s,
-                       help="fair: a request waiting this many seconds runs next (no "
-                       "starvation)")  # fmt: skip
-        g.add_argument("--fair-contended-prefill-tokens", type=int,
-                       default=d.fair_contended_prefill_tokens,
-                       help="fair: while two or more tenants have work, a step carries at most "
-                       "this many prefill tokens besides its decodes, so a tenant's new request "
-                       "waits at most one short step (0: no cap)")  # fmt: skip
-        g.add_argument("--fair-contention-window-s", type=float,
-                       default=d.fair_contention_window_s,
-                       help="fair: the step cap holds while two or more tenants have each "
-                       "had a request running or waiting within this many seconds")  # fmt: skip
-        g.add_argument("--fair-short-prefill-tokens", type=int,
-                       default=d.fair_short_prefill_tokens,
-                       help="fair: the least-served tenants' prompts, when they need at most "
-                       "this many tokens in all, run in a step without the others' prefill "
-                       "(0: off)")  # fmt: skip
-        g.add_argument("--fair-batch-prefill-tokens", type=int,
-                       default=d.fair_batch_prefill_tokens,
-                       help="fair: while interactive requests have had work within "
-                       "--fair-batch-window-s, batch-class requests take at most this many "
-                       "prefill tokens a step (0: no limit)")  # fmt: skip
-        g.add_argument("--fair-batch-window-s", type=float, default=d.fair_batch_window_s,
-                       help="fair: how long the batch limit stays after the last interactive "
-                       "request had work")  # fmt: skip
-        g.add_argument("--swap-space", type=float, default=d.swap_space,
-                       help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
-        g.add_argument(
-            "--kv-cache-dtype",
-            default=d.kv_cache_dtype,
-            choices=KV_CACHE_DTYPES,
-            help="KV cache element type: auto (the model's dtype), int8 (per token and head "
-            "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
-            "(PyTorch reference only: slow)",
-        )
-        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                       help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
-        g.add_argument(
-            "--gpu-memory-utilization",
-            type=float,
-            default=d.gpu_memory_utilization,
-            help="fraction of the GPU's total memory this engine may use, weights and KV cache "
-            "included (vLLM's meaning: two engines at 0.4 share one card)",
-        )
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
-        g.add_argument(
-            "--async-scheduling",
-            action="store_true",
-            help="schedule and launch step N+1 before reading step N's tokens (the same "
-            "tokens; steps needing N's tokens on the host run synchronously)",
-        )
-        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                       help="fix the number of KV blocks")  # fmt: skip
-        g.add_argument(
-            "--tensor-parallel-size",
-            "-tp",
-            type=int,
-            default=d.tensor_parallel_size,
-            help="split the model over this many ranks (worker processes; gloo on CPU, "
-            "NCCL on CUDA with one GPU per rank); heads must divide evenly",
-        )
-        g.add_argument("--task", default=d.task, choices=TASKS,
-                       help="auto: generation, /v1/embeddings, /v1/score and /v1/rerank; "
-                       "generate: generation only; embed: embeddings, score and rerank only "
-                       "(a cross-encoder checkpoint serves only score and rerank)")  # fmt: skip
-        g.add_argument(
-            "--pooler-config",
-            "--override-pooler-config",
-            dest="pooler_config",
-            default=None,
-            help='embedding pooling as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": '
-            "true}' (default: the model's sentence-transformers files, else LAST, normalised)",
-        )
-        lora = parser.add_argument_group("LoRA adapters")
-        lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
-        lora.add_argument(
-            "--lora-modules",
-            nargs="+",
-            default=(),
-            metavar="NAME=PATH",
-            help='adapters to serve: name=path or JSON {"name","path","base_model_name"}',
-        )
-        lora.add_argument("--max-loras", type=int, default=d.max_loras,
-                          help="adapters one batch can mix")  # fmt: skip
-        lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-        lora.add_argument(
-            "--max-cpu-loras",
-            type=int,
-            default=None,
-            help="adapters kept in memory, LRU beyond (default: --max-loras)",
-        )
-        lora.add_argument(
-            "--allow-runtime-lora-updating",
-            action="store_true",
-            help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-            "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
-        )
-
-        limits = parser.add_argument_group("structured outputs")
-        for name, text in LIMIT_HELP.items():
-            default = getattr(d, f"structured_outputs_{name}")
-            limits.add_argument(limit_flag(name), type=type(default), default=default,
-                                help=f"{text} (default {default:g})")  # fmt: skip
-
-        spec = parser.add_argument_group("speculative decoding")
-        spec.add_argument(
-            "--speculative-config",
-            default=None,
-            metavar="JSON",
-            help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-            '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; '
-            '"disable_by_batch_size": N turns it off above N running requests',
-        )
+        _add_model_args(g, d)
+        _add_scheduling_args(g, d)
+        _add_memory_and_task_args(g, d)
+        _add_lora_args(parser.add_argument_group("LoRA adapters"), d)
+        _add_extension_args(parser, d)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -510,3 +340,196 @@ def _check_number(flag: str, value: Any, low: float, high: float) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or math.isnan(value) or not low <= value <= high:
         raise ValueError(f"{flag} must be a number in [{low:g}, {high:g}], got {value!r}")
+
+
+def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The model, its numbers and its weights' format."""
+    g.add_argument("--model", default=d.model, help="model alias, HF folder or .gguf file")
+    g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="auto: bfloat16 on CUDA; on CPU float32 on a GGUF model's blocks, batch "
+        "invariant: a request's tokens do not depend on the load (logged at start, shown "
+        "in /v1/models); bfloat16: faster on CPUs with VNNI/bf16 units, not invariant",
+    )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="refuse to start unless the numerics are batch invariant (the CPU default "
+        "on a GGUF model is; CUDA has no such path yet: docs/numerics.md)",
+    )
+    g.add_argument("--device", default=d.device, choices=DEVICES)
+    g.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=QUANTIZATIONS,
+        help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
+        "(CPU); fp8: the layers' projections in float8 e4m3 with per-channel scales, "
+        "inputs scaled per token, torch's scaled matmul (CUDA 8.9+, or a CPU whose torch "
+        "has it: slow there); auto: gguf when the model is GGUF and the device the CPU",
+    )
+    g.add_argument(
+        "--gguf-activations",
+        default=d.gguf_activations,
+        choices=GGUF_ACTIVATIONS,
+        help="int8 (bfloat16 only): round the GGUF block linears' inputs to int8 per 32 "
+        "values, as llama.cpp does, and run steps of a few tokens in one native call "
+        "(faster single-stream decode; not bit-exact); exact: exact products",
+    )
+    g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="auto: by the model's files; dummy: random weights in the shape of a folder's "
+        "config.json (its tokenizer too), to benchmark a shape without its weights",
+    )
+
+
+def _add_scheduling_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Blocks, the step's budgets, prefix caching, preemption and the waiting-queue policy."""
+    bool_flag = argparse.BooleanOptionalAction
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most requests running at once")  # fmt: skip
+    g.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="token budget of one step (default 0: 512 on CPU, 2048 on "
+                   "CUDA)")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length cap (default: the model's)")  # fmt: skip
+    g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
+    g.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
+    g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
+    g.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=SCHEDULING_POLICIES,
+        help="fair: tenants (x-portico-tenant) share by weight, interactive before batch; "
+        "fcfs: arrival order; priority: the request's priority (lower first), then arrival",
+    )
+    g.add_argument("--fair-max-wait-s", type=float, default=d.fair_max_wait_s,
+                   help="fair: a request waiting this many seconds runs next (no "
+                   "starvation)")  # fmt: skip
+    g.add_argument("--fair-contended-prefill-tokens", type=int,
+                   default=d.fair_contended_prefill_tokens,
+                   help="fair: while two or more tenants have work, a step carries at most "
+                   "this many prefill tokens besides its decodes, so a tenant's new request "
+                   "waits at most one short step (0: no cap)")  # fmt: skip
+    g.add_argument("--fair-contention-window-s", type=float,
+                   default=d.fair_contention_window_s,
+                   help="fair: the step cap holds while two or more tenants have each "
+                   "had a request running or waiting within this many seconds")  # fmt: skip
+    g.add_argument("--fair-short-prefill-tokens", type=int,
+                   default=d.fair_short_prefill_tokens,
+                   help="fair: the least-served tenants' prompts, when they need at most "
+                   "this many tokens in all, run in a step without the others' prefill "
+                   "(0: off)")  # fmt: skip
+    g.add_argument("--fair-batch-prefill-tokens", type=int,
+                   default=d.fair_batch_prefill_tokens,
+                   help="fair: while interactive requests have had work within "
+                   "--fair-batch-window-s, batch-class requests take at most this many prefill "
+                   "tokens a step (0: no limit)")  # fmt: skip
+    g.add_argument("--fair-batch-window-s", type=float, default=d.fair_batch_window_s,
+                   help="fair: how long the batch limit stays after the last interactive "
+                   "request had work")  # fmt: skip
+    g.add_argument("--swap-space", type=float, default=d.swap_space,
+                   help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
+
+
+def _add_memory_and_task_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The KV cache's type and budget, the device's memory, parallelism and the task."""
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="KV cache element type: auto (the model's dtype), int8 (per token and head "
+        "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
+        "(PyTorch reference only: slow)",
+    )
+    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                   help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of the GPU's total memory this engine may use, weights and KV cache "
+        "included (vLLM's meaning: two engines at 0.4 share one card)",
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch step N+1 before reading step N's tokens (the same "
+        "tokens; steps needing N's tokens on the host run synchronously)",
+    )
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="fix the number of KV blocks")  # fmt: skip
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over this many ranks (worker processes; gloo on CPU, "
+        "NCCL on CUDA with one GPU per rank); heads must divide evenly",
+    )
+    g.add_argument("--task", default=d.task, choices=TASKS,
+                   help="auto: generation, /v1/embeddings, /v1/score and /v1/rerank; "
+                   "generate: generation only; embed: embeddings, score and rerank only "
+                   "(a cross-encoder checkpoint serves only score and rerank)")  # fmt: skip
+    g.add_argument(
+        "--pooler-config",
+        "--override-pooler-config",
+        dest="pooler_config",
+        default=None,
+        help='embedding pooling as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": '
+        "true}' (default: the model's sentence-transformers files, else LAST, normalised)",
+    )
+
+
+def _add_lora_args(lora: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Serving LoRA adapters."""
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        help='adapters to serve: name=path or JSON {"name","path","base_model_name"}',
+    )
+    lora.add_argument("--max-loras", type=int, default=d.max_loras,
+                      help="adapters one batch can mix")  # fmt: skip
+    lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in memory, LRU beyond (default: --max-loras)",
+    )
+    lora.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
+
+
+def _add_extension_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Structured outputs' limits and speculative decoding."""
+    limits = parser.add_argument_group("structured outputs")
+    for name, text in LIMIT_HELP.items():
+        default = getattr(d, f"structured_outputs_{name}")
+        limits.add_argument(limit_flag(name), type=type(default), default=default,
+                            help=f"{text} (default {default:g})")  # fmt: skip
+
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; '
+        '"disable_by_batch_size": N turns it off above N running requests',
+    )

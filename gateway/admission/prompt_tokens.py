@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any
 
-from gateway.dataplane.fields import RequestFields, prompt_text
+from gateway.body.fields import RequestFields, prompt_text
 
 log = logging.getLogger("portico.gateway.tokens")
 
@@ -80,8 +80,12 @@ class PromptCounter:
                 fields.messages, tokenize=False, add_generation_prompt=True
             )
             if backend is not None:
-                return len(backend.encode(text, add_special_tokens=False).ids)
-            return len(tok(text, add_special_tokens=False)["input_ids"])
+                ids = list(backend.encode(text, add_special_tokens=False).ids)
+            else:
+                ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            # kept for the prefix-aware router: the same rendering, the same encoding
+            fields.chat_prompt_ids = (tok, fields.messages, ids)
+            return len(ids)
         prompt = fields.prompt
         if isinstance(prompt, str):
             if backend is not None:

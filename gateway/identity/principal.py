@@ -48,7 +48,7 @@ class Principal:
     calling key's own limits, if it has any; ``model_limits`` are optional per-model limits of
     the tenant. ``cache_salt`` is sent to engines so tenants never share prefix-cache entries
     unless their plan gives them the same salt. ``share`` is the plan's scheduling share,
-    sent on the engine hop (gateway/dataplane/engine_hop.py).
+    sent on the engine hop (gateway/relay/engine_hop.py).
     """
 
     tenant_id: str

@@ -1,5 +1,5 @@
-"""The gateway's prefix index (gateway/dataplane/prefix_index.py) and the prefix_aware replica
-policy (gateway/dataplane/pool.py), fed by a real engine KV cache manager's events."""
+"""The gateway's prefix index (gateway/fleet/prefix_index.py) and the prefix_aware replica
+policy (gateway/fleet/pool.py), fed by a real engine KV cache manager's events."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.lora.adapter import LoRARequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
+from gateway.fleet.pool import Pool, Replica
+from gateway.fleet.prefix_index import PrefixIndex, RouteTokens
 
 BS = 4
 

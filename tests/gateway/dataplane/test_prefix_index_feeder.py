@@ -1,4 +1,4 @@
-"""The prefix index fed over HTTP (gateway/dataplane/prefix_index.py, PrefixIndexFeeder): real tiny
+"""The prefix index fed over HTTP (gateway/fleet/prefix_index.py, PrefixIndexFeeder): real tiny
 engines polled for their block events, the tokens and salt the gateway hashes against the
 engine's, a feeder's retries, and requests through the proxy that wait for a prefix being
 computed. The index and the prefix_aware policy on their own: test_prefix_index.py.
@@ -16,8 +16,8 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.server.app import create_app
 from engine.server.settings import ServerSettings
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.prefix_index import PrefixIndex, PrefixIndexFeeder, RouteTokens
+from gateway.fleet.pool import Pool, Replica
+from gateway.fleet.prefix_index import PrefixIndex, PrefixIndexFeeder, RouteTokens
 from tests.gateway.dataplane.test_prefix_index import (
     PROMPT,
     Clock,
@@ -110,13 +110,13 @@ async def test_the_gateway_computes_the_tokens_and_salt_the_engine_hashes(
     import json
 
     from gateway.admission.prompt_tokens import load_tokenizer
-    from gateway.dataplane.fields import parse_fields
-    from gateway.dataplane.prefix_index import route_token_ids
-    from gateway.dataplane.proxy import LocalUpstream
-    from gateway.dataplane.retry import RetryPolicy
-    from gateway.dataplane.usage_relay import upstream_body
+    from gateway.body.fields import parse_fields
+    from gateway.fleet.prefix_index import route_token_ids
     from gateway.identity.principal import Limits, Principal
     from gateway.metrics import GatewayMetrics
+    from gateway.relay.proxy import LocalUpstream
+    from gateway.relay.retry import RetryPolicy
+    from gateway.relay.usage_relay import upstream_body
 
     engine, client = tiny_engine_client(tiny_llama_dir)
     tokenizer = load_tokenizer(str(tiny_llama_dir))
@@ -205,10 +205,10 @@ def proxied_tiny_engine(tiny_llama_dir: Path) -> tuple[Any, ...]:
     with a principal of tenant "acme": (engine, client, index, replica, pool, upstream,
     principal). The caller starts the engine and closes the engine and the client."""
     from gateway.admission.prompt_tokens import load_tokenizer
-    from gateway.dataplane.proxy import LocalUpstream
-    from gateway.dataplane.retry import RetryPolicy
     from gateway.identity.principal import Limits, Principal
     from gateway.metrics import GatewayMetrics
+    from gateway.relay.proxy import LocalUpstream
+    from gateway.relay.retry import RetryPolicy
 
     engine, client = tiny_engine_client(tiny_llama_dir)
     index = PrefixIndex()
@@ -229,8 +229,8 @@ async def test_a_request_through_the_proxy_holds_its_prefill_until_its_first_tok
     import asyncio
     import json
 
-    from gateway.dataplane.fields import parse_fields
-    from gateway.dataplane.replica_load import ReplicaLoad
+    from gateway.body.fields import parse_fields
+    from gateway.fleet.replica_load import ReplicaLoad
 
     engine, client, index, replica, pool, upstream, principal = proxied_tiny_engine(tiny_llama_dir)
     text = "the quick brown fox jumps over the lazy dog " * 8
@@ -294,8 +294,8 @@ async def test_a_request_sent_while_its_prefix_is_computed_waits_and_hits_the_ca
     import asyncio
     import json
 
-    from gateway.dataplane.fields import parse_fields
-    from gateway.dataplane.replica_load import Lease
+    from gateway.body.fields import parse_fields
+    from gateway.fleet.replica_load import Lease
 
     engine, client, index, replica, pool, upstream, principal = proxied_tiny_engine(tiny_llama_dir)
     shared = "the quick brown fox jumps over the lazy dog " * 10

@@ -1,4 +1,4 @@
-"""A replica's live load (gateway/dataplane/replica_load.py): leases give back exactly what they
+"""A replica's live load (gateway/fleet/replica_load.py): leases give back exactly what they
 took, and the expected wait follows the engine's fair scheduler."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from gateway.dataplane.replica_load import (
+from gateway.fleet.replica_load import (
     SHORT_PREFILL_TOKENS,
     STEP_OVERHEAD_TOKENS,
     ReplicaLoad,
@@ -113,7 +113,7 @@ def test_the_opening_burst_worked_through() -> None:
     """The fleet bench's opening burst (~830-token prompts, no decodes yet): tenant A's second
     question (20 tokens past its system prompt, which its first, still prefilling on R1,
     is computing) on R1, against a spill to R2, which recomputes 810 more tokens (the pool
-    adds them to R2's score, gateway/dataplane/pool.py)."""
+    adds them to R2's score, gateway/fleet/pool.py)."""
     r1 = ReplicaLoad()
     for tenant in ("A", "B", "C"):
         r1.lease(830, tenant)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from gateway.dataplane.proxy import Exchange
-from gateway.dataplane.usage_relay import DONE_EVENT, _dumps
+from gateway.relay.proxy import Exchange
+from gateway.relay.usage_relay import DONE_EVENT, _dumps
 from portico.errors import error_body
 
 # a chat or completions choice cut by its cap; a Responses stream's incomplete response

@@ -13,7 +13,7 @@ S3's flavour: the canonical URI is the path exactly as it goes on the wire (S3 n
 normalises nor re-encodes it), so the caller encodes an object key once with
 :func:`uri_encode` and sends that path; the query is re-encoded and sorted; every header
 handed to :func:`sign` is signed (``host``, ``x-amz-content-sha256`` and ``x-amz-date`` are
-always added). Only the gateway's own S3 file store uses it (dataplane/s3_storage.py): boto3
+always added). Only the gateway's own S3 file store uses it (batch/s3_storage.py): boto3
 would be a large dependency for five requests.
 """
 

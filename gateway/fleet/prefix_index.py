@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from gateway.dataplane.fields import RequestFields
+from gateway.body.fields import RequestFields
 from portico.contract import iter_prefix_block_hashes
 
 log = logging.getLogger("portico.gateway.prefix_index")
@@ -77,6 +77,9 @@ def route_token_ids(tokenizer: Any, fields: RequestFields) -> list[int] | None:
     if fields.kind == "chat" and fields.messages:
         if not all(isinstance(m.get("content"), str) for m in fields.messages):
             return None
+        counted = fields.chat_prompt_ids  # admission's count rendered this very prompt
+        if counted is not None and counted[0] is tokenizer and counted[1] is fields.messages:
+            return list(counted[2])
         text = tokenizer.apply_chat_template(
             fields.messages, tokenize=False, add_generation_prompt=True
         )

@@ -1,7 +1,7 @@
 """OpenAI-compatible remote upstreams over the gateway's own transport, like engines.
 
 Hosted OpenAI, vLLM, another Portico, Azure OpenAI: anything that speaks OpenAI's API at a base
-URL is one :class:`OpenAIRemoteUpstream`, a :class:`~gateway.dataplane.proxy.LocalUpstream`
+URL is one :class:`OpenAIRemoteUpstream`, a :class:`~gateway.relay.proxy.LocalUpstream`
 whose pool holds the remote endpoint. So it gets exactly what engines get: keep-alive
 connections (the lean HTTP/1.1 transport, or httpx's HTTP/2 transport with ``http2: true``),
 per-upstream connect and read timeouts, retries before the first byte, ejection after
@@ -14,7 +14,7 @@ is only the edge of the request:
   environment or a secrets file, or a tenant's own provider key; never logged, and an upstream
   401/403 (whose message may echo part of the key) reaches the client as a 502 of our own;
 * the body: the provider's model name, no ``cache_salt`` unless ``send_cache_salt``;
-* usage a provider does not report is counted (``gateway/dataplane/output_tokens.py``).
+* usage a provider does not report is counted (``gateway/relay/output_tokens.py``).
 
 An ejected endpoint has no ``/health`` to probe: after the cool-down it is readmitted half-open,
 so the next request is the probe and one more failure ejects it again.
@@ -29,16 +29,16 @@ from collections.abc import Mapping
 import certifi
 import httpx
 
-from gateway.dataplane.fields import RequestFields
-from gateway.dataplane.output_tokens import OutputCounter
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.proxy import Exchange, LocalUpstream
-from gateway.dataplane.remote import RemoteSpec
-from gateway.dataplane.retry import RetryPolicy
-from gateway.dataplane.transport import LeanTransport
-from gateway.dataplane.usage_relay import _dumps, upstream_body
+from gateway.body.fields import RequestFields
+from gateway.fleet.pool import Pool, Replica
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from gateway.relay.output_tokens import OutputCounter
+from gateway.relay.proxy import Exchange, LocalUpstream
+from gateway.relay.retry import RetryPolicy
+from gateway.relay.transport import LeanTransport
+from gateway.relay.usage_relay import _dumps, upstream_body
+from gateway.remotes.remote import RemoteSpec
 from portico.errors import error_body
 
 log = logging.getLogger("portico.gateway.openai_remote")

@@ -40,7 +40,7 @@ blocks another request is computing; each computes its own).
 So the holder of a tenant's prompt keeps it while other tenants' short work runs there, and
 loses it when the tenant's own requests pile up there or it has more tenants' long prefills
 than the other replica by more than the recomputation; the pool adds the recomputation itself
-once more as the cost a spill puts on the fleet (gateway/dataplane/pool.py). Event loop thread
+once more as the cost a spill puts on the fleet (gateway/fleet/pool.py). Event loop thread
 only.
 """
 

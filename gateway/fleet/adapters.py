@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from gateway.dataplane.pool import Pool, Replica
+from gateway.fleet.pool import Pool, Replica
 from gateway.identity.principal import Principal
 from portico.errors import InvalidRequestError, NotFoundError
 

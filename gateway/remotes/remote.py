@@ -3,13 +3,13 @@ translation (Anthropic, Bedrock, Vertex, Cohere, ...) reached through ``litellm`
 
 OpenAI-compatible remotes (``openai/...``, ``azure/...``: hosted OpenAI, vLLM, another Portico,
 Azure OpenAI) do not come here: they go over the gateway's own transport like engines
-(``gateway/dataplane/openai_remote.py``); litellm costs milliseconds of CPU per request
+(``gateway/remotes/openai_remote.py``); litellm costs milliseconds of CPU per request
 (docs/benchmarks.md). ``api: litellm`` forces this path for any model.
 
 A remote tier answers in OpenAI's shape like a local pool does, so the rest of the gateway
 cannot tell them apart: ``RemoteUpstream.exchange`` has the same signature and the same retry
 rule (connect errors, timeouts, 429/502/503/504, only before the first byte) as
-:class:`gateway.dataplane.proxy.LocalUpstream`. ``litellm`` is imported when the first remote
+:class:`gateway.relay.proxy.LocalUpstream`. ``litellm`` is imported when the first remote
 upstream is built, with its model-price map taken from the package (it must not reach the network).
 """
 
@@ -27,13 +27,13 @@ import httpx
 import openai
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.dataplane.fields import RequestFields
-from gateway.dataplane.pool import Replica
-from gateway.dataplane.proxy import Exchange
-from gateway.dataplane.retry import RetryPolicy
-from gateway.dataplane.usage_relay import DONE_EVENT, Usage, _dumps, error_event
+from gateway.body.fields import RequestFields
+from gateway.fleet.pool import Replica
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from gateway.relay.proxy import Exchange
+from gateway.relay.retry import RetryPolicy
+from gateway.relay.usage_relay import DONE_EVENT, Usage, _dumps, error_event
 from portico.errors import error_body, status_error_type
 
 log = logging.getLogger("portico.gateway.remote")

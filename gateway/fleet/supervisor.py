@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.dataplane.pool import Replica
+from gateway.fleet.pool import Replica
 
 log = logging.getLogger("portico.gateway.supervisor")
 engine_log = logging.getLogger("portico.engine")

@@ -22,9 +22,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
-from gateway.dataplane.engine_metrics import fetch_exposition
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.supervisor import Supervisor
+from gateway.fleet.engine_metrics import fetch_exposition
+from gateway.fleet.pool import Pool, Replica
+from gateway.fleet.supervisor import Supervisor
 from gateway.identity.principal import Principal
 
 # engine metric name -> field of the answer (vLLM's names, engine/server/metrics.py)

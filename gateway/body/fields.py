@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dataplane.body_checks import (
+from gateway.body.body_checks import (
     check_messages,
     check_parts,
     check_prompt_items,
@@ -55,8 +55,12 @@ class RequestFields:
     cache_salt: str | None = None
     # (plan salt, number of characters): the request starts with one of its plan's shared
     # prefixes (:func:`match_shared_prefix`); set by the request path, told to local engines
-    # in a header (gateway/dataplane/proxy.py SHARED_PREFIX_HEADER)
+    # in a header (gateway/relay/proxy.py SHARED_PREFIX_HEADER)
     shared_prefix: tuple[str, int] | None = None
+    # A chat prompt's token ids as admission's counter rendered and encoded them, with the
+    # tokenizer and the messages list they came from: the prefix-aware router reuses them
+    # rather than rendering the prompt again (gateway/fleet/prefix_index.py route_token_ids).
+    chat_prompt_ids: tuple[Any, list[dict[str, Any]], list[int]] | None = None
 
     @property
     def max_tokens_name(self) -> str:

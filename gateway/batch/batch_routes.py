@@ -4,7 +4,7 @@ Every route authenticates the caller with the gateway's one resolver and reads o
 the caller's tenant's files and batches (another tenant's id is a 404). Creating a batch checks
 what can be checked at once (the endpoint, the completion window, the input file, its line
 count, the tenant's unfinished batches) and hands the batch to the runner
-(dataplane/batch_runner.py); each line is checked when it is sent, and a bad one goes to the
+(batch/batch_runner.py); each line is checked when it is sent, and a bad one goes to the
 error file.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.dataplane.batches import (
+from gateway.batch.batches import (
     BATCH_ENDPOINTS,
     BatchSettings,
     BatchStore,
@@ -26,7 +26,7 @@ from gateway.dataplane.batches import (
     completion_window_s,
     read_lines,
 )
-from gateway.dataplane.files import FileStore, read_upload
+from gateway.batch.files import FileStore, read_upload
 from gateway.identity.principal import Principal
 from portico.errors import APIError, InvalidRequestError
 

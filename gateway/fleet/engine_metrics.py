@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.dataplane.pool import Replica
+from gateway.fleet.pool import Replica
 
 log = logging.getLogger("portico.gateway.engine_metrics")
 

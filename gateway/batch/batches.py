@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.dataplane.responses_store import page_limit
-from gateway.dataplane.s3_storage import S3StoreSettings
+from gateway.batch.s3_storage import S3StoreSettings
+from gateway.relay.responses_store import page_limit
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError, RateLimitError
 

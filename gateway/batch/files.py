@@ -4,7 +4,7 @@ Redis.
 A file's bytes are one object under the key ``<tenant>/<file id>`` in the configured storage:
 on disk under ``files_dir`` (the gateway's data dir by default, written to a temporary name
 and renamed, so a reader never sees half a file; :class:`DiskStorage`), or in an
-S3-compatible bucket (``batches.store``, dataplane/s3_storage.py). Its metadata (the file
+S3-compatible bucket (``batches.store``, batch/s3_storage.py). Its metadata (the file
 object OpenAI returns) is one Redis string ``portico:files:{tenant}:<id>`` and the tenant's
 listing one sorted set ``portico:files:{tenant}`` (score: creation time), the tenant as the hash
 tag as everywhere in the store. Every read goes through the tenant: another tenant's file id is

@@ -5,7 +5,7 @@ its plan's scheduling share (weight, priority class, KV share, running cap) in f
 ``x-portico-*`` headers;
 the engine's scheduler reads them. The names and their parsing are the contract's
 (portico/contract.py). The gateway builds an upstream request's
-headers from scratch (:meth:`gateway.dataplane.proxy.LocalUpstream.request_headers`), so a
+headers from scratch (:meth:`gateway.relay.proxy.LocalUpstream.request_headers`), so a
 client's own ``x-portico-*`` headers never reach an engine, and remote providers, whose headers
 are their own, never receive these.
 """

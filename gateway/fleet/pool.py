@@ -12,10 +12,10 @@ above; ``round_robin`` rotates over the available replicas whatever their load;
 ``prefix_aware`` takes the replica where this request's first token is expected soonest, plus
 the prefill it would recompute there that another replica caches. Per replica: the prompt
 tokens it would compute there (its prompt less the longest prefix that replica's engine caches,
-per a :class:`~gateway.dataplane.prefix_index.PrefixIndex` fed by the engines' block events),
+per a :class:`~gateway.fleet.prefix_index.PrefixIndex` fed by the engines' block events),
 the work ahead of it there as the engine's fair scheduler orders it, and the decode rows that
-share every step (:func:`~gateway.dataplane.replica_load.estimate_wait`, from this gateway's
-live :class:`~gateway.dataplane.replica_load.ReplicaLoad` of each replica and what the engine
+share every step (:func:`~gateway.fleet.replica_load.estimate_wait`, from this gateway's
+live :class:`~gateway.fleet.replica_load.ReplicaLoad` of each replica and what the engine
 reports beyond it: other gateways' waiting requests, its running batch, its LoRA slots). The
 recomputation is counted once more because a spill costs the fleet that prefill, not only this
 request: so a tenant stays on the holder of its prompt while other tenants' work runs there,
@@ -48,8 +48,8 @@ from typing import Literal
 
 import httpx
 
-from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
-from gateway.dataplane.replica_load import ADAPTER_LOAD_TOKENS, Lease, ReplicaLoad, estimate_wait
+from gateway.fleet.prefix_index import PrefixIndex, RouteTokens
+from gateway.fleet.replica_load import ADAPTER_LOAD_TOKENS, Lease, ReplicaLoad, estimate_wait
 
 log = logging.getLogger("portico.gateway.pool")
 

@@ -5,7 +5,7 @@ admitted ``max_tokens`` spliced in (:func:`upstream_body`); the usage of an answ
 client asked for passed on (:func:`_take_usage`); the SSE framing (:func:`sse_blocks`) and the
 error event that ends a broken stream (:func:`error_event`).
 
-The attempt loop that uses them is ``gateway/dataplane/proxy.py``.
+The attempt loop that uses them is ``gateway/relay/proxy.py``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from gateway.dataplane.fields import RequestFields
-from gateway.dataplane.output_tokens import OutputCounter
+from gateway.body.fields import RequestFields
 from gateway.identity.cache_salts import narrowed_salt
+from gateway.relay.output_tokens import OutputCounter
 from portico.errors import error_body
 
 log = logging.getLogger("portico.gateway.proxy")  # the proxy's channel, as before the split

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.dataplane.fields import RequestFields, prefix_text, prompt_text
+from gateway.body.fields import RequestFields, prefix_text, prompt_text
 from gateway.identity.principal import Principal
 from portico.errors import NotFoundError, PermissionDeniedError
 
@@ -67,8 +67,8 @@ class RoutingPolicy(_Strict):
     keywords: list[str] = []
     prefix_chars: int = Field(default=256, ge=0, le=100_000)
     affinity_slack: int = Field(default=2, ge=0, le=10_000)
-    # how a pool picks a replica (gateway/dataplane/pool.py): least_loaded (with the prefix
-    # affinity above), prefix_aware (the engines' cached blocks, gateway/dataplane/prefix_index.py),
+    # how a pool picks a replica (gateway/fleet/pool.py): least_loaded (with the prefix
+    # affinity above), prefix_aware (the engines' cached blocks, gateway/fleet/prefix_index.py),
     # round_robin
     replica_policy: Literal["prefix_aware", "least_loaded", "round_robin"] = "least_loaded"
 

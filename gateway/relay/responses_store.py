@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dataplane.fields import RequestFields, input_items, turns_of
-from gateway.dataplane.usage_relay import Usage
+from gateway.body.fields import RequestFields, input_items, turns_of
+from gateway.relay.usage_relay import Usage
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError
 

@@ -9,7 +9,7 @@ sent interactively. A refused admission for a rate or concurrency limit waits an
 (the line was never run); a spent quota or budget, a bad parameter or an engine error goes to
 the error file with the line's own error.
 
-Progress is recorded per line in Redis (:class:`~gateway.dataplane.batches.BatchStore`), the
+Progress is recorded per line in Redis (:class:`~gateway.batch.batches.BatchStore`), the
 line's result written once. A gateway that stops (SIGTERM) sends no new line, lets the lines in
 flight finish and record, and gives up its lease; the next gateway (or another replica, once a
 dead runner's lease expires) resumes with the lines that have no result: none is run twice,
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from starlette.responses import Response
 
 from gateway.admission.admission import BudgetExceededError, LimitExceededError
-from gateway.dataplane.batches import (
+from gateway.batch.batches import (
     BATCH_ENDPOINTS,
     TERMINAL,
     BatchLine,
@@ -45,11 +45,11 @@ from gateway.dataplane.batches import (
     parse_line,
     read_lines,
 )
-from gateway.dataplane.files import FileStorageError, FileStore
-from gateway.dataplane.proxy import RelayResponse
-from gateway.dataplane.request_context import RequestContext
+from gateway.batch.files import FileStorageError, FileStore
 from gateway.identity.principal import Principal
 from gateway.identity.tenants import TenantStore
+from gateway.relay.proxy import RelayResponse
+from gateway.relay.request_context import RequestContext
 from portico.errors import APIError, AuthenticationError, ServiceUnavailableError, error_body
 
 log = logging.getLogger("portico.gateway.batches")

@@ -1,13 +1,13 @@
 """File bytes in an S3-compatible bucket (AWS S3, MinIO, Ceph RGW, R2, ...): the
-:class:`~gateway.dataplane.files.FileStorage` that ``batches.store: {kind: s3, ...}`` selects.
+:class:`~gateway.batch.files.FileStorage` that ``batches.store: {kind: s3, ...}`` selects.
 
-Five requests, each signed with AWS Signature Version 4 (dataplane/sigv4.py) and sent with
+Five requests, each signed with AWS Signature Version 4 (batch/sigv4.py) and sent with
 one httpx client: PUT object, GET object, DELETE object, and for a file larger than
 ``multipart_part_bytes`` a multipart upload (create, one PUT per part, complete; aborted when
 any step fails, so no parts are left behind). An object's key is ``<prefix><tenant>/<file
 id>``. A missing object is ``FileNotFoundError``; every other refusal (no such bucket, bad
 credentials, access denied) and an unreachable endpoint is a
-:class:`~gateway.dataplane.files.FileStorageError` whose details (S3's error code and
+:class:`~gateway.batch.files.FileStorageError` whose details (S3's error code and
 message, the bucket, the key) go to the log, not to the tenant.
 """
 
@@ -25,8 +25,8 @@ from xml.sax.saxutils import escape
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.dataplane.files import FileStorageError
-from gateway.dataplane.sigv4 import Credentials, sign, uri_encode
+from gateway.batch.files import FileStorageError
+from gateway.batch.sigv4 import Credentials, sign, uri_encode
 
 log = logging.getLogger("portico.gateway.files")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.admission.prompt_tokens import PromptCounter
-from gateway.dataplane.fields import RequestFields
+from gateway.body.fields import RequestFields
 from portico.errors import InvalidRequestError
 
 Policy = Literal["refuse", "truncate_left", "truncate_middle"]

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
-from gateway.dataplane.adapters import Adapter, AdapterCatalog
+from gateway.fleet.adapters import Adapter, AdapterCatalog
 from gateway.identity.audit import Actor, AuditLog
 from gateway.identity.auth import Authenticator
 from gateway.identity.principal import Principal

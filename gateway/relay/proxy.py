@@ -1,5 +1,5 @@
 """Forwarding to a pool of OpenAI-compatible servers: replica choice, retries before the first
-byte, SSE relay. The pool is a local engine pool, or (``gateway/dataplane/openai_remote.py``) the
+byte, SSE relay. The pool is a local engine pool, or (``gateway/remotes/openai_remote.py``) the
 endpoints of a remote OpenAI-compatible provider reached over the same lean transport.
 
 ``LocalUpstream.exchange`` runs the attempt loop: pick a replica (prefix affinity, least
@@ -11,14 +11,14 @@ like any other failure. Once an :class:`Exchange` is returned nothing is retried
 broken later ends with an error event and ``data: [DONE]``.
 
 Usage for settlement: the engine is always asked for ``stream_options.include_usage``; the
-usage event is read by the relay (``gateway/dataplane/usage_relay.py``) and dropped from what
+usage event is read by the relay (``gateway/relay/usage_relay.py``) and dropped from what
 the client gets when it did not ask for it. An upstream that reports no usage (some remote
 providers' streams) is counted by the upstream's
-:class:`~gateway.dataplane.output_tokens.OutputCounter`, when it has one, and ``Usage.source``
+:class:`~gateway.relay.output_tokens.OutputCounter`, when it has one, and ``Usage.source``
 says how.
 
 Every request to a local engine names the caller's tenant and plan share in ``x-portico-*``
-headers (gateway/dataplane/engine_hop.py); upstream headers are built from scratch, so a
+headers (gateway/relay/engine_hop.py); upstream headers are built from scratch, so a
 client's own never travel.
 """
 
@@ -35,15 +35,18 @@ from typing import Any, Protocol
 import httpx
 from starlette.responses import Response
 
-from gateway.dataplane.engine_hop import engine_hop_headers
-from gateway.dataplane.fields import RequestFields
-from gateway.dataplane.output_tokens import OutputCounter
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.prefix_index import RouteTokens, route_token_ids
-from gateway.dataplane.replica_load import Lease
-from gateway.dataplane.retry import RetryPolicy
-from gateway.dataplane.transport import read_body
-from gateway.dataplane.usage_relay import (
+from gateway.body.fields import RequestFields
+from gateway.fleet.pool import Pool, Replica
+from gateway.fleet.prefix_index import RouteTokens, route_token_ids
+from gateway.fleet.replica_load import Lease
+from gateway.identity.cache_salts import narrowed_salt
+from gateway.identity.principal import Principal
+from gateway.metrics import GatewayMetrics
+from gateway.relay.engine_hop import engine_hop_headers
+from gateway.relay.output_tokens import OutputCounter
+from gateway.relay.retry import RetryPolicy
+from gateway.relay.transport import read_body
+from gateway.relay.usage_relay import (
     Usage,
     UsageView,
     _loads,
@@ -53,15 +56,12 @@ from gateway.dataplane.usage_relay import (
     upstream_body,
     usage_view,
 )
-from gateway.identity.cache_salts import narrowed_salt
-from gateway.identity.principal import Principal
-from gateway.metrics import GatewayMetrics
 from portico.contract import SHARED_PREFIX_HEADER, shared_prefix_header
 from portico.errors import ServiceUnavailableError, UpstreamError
 
 log = logging.getLogger("portico.gateway.proxy")
 # The longest a request waits for another request's first token before it is sent to compute
-# the blocks they share itself (gateway/dataplane/replica_load.py, ``Lease.follows``).
+# the blocks they share itself (gateway/fleet/replica_load.py, ``Lease.follows``).
 FOLLOW_WAIT_S = 10.0
 
 
@@ -87,8 +87,8 @@ class Exchange:
 class Upstream(Protocol):
     """Where the gateway forwards a routed request: a local engine pool (:class:`LocalUpstream`),
     an OpenAI-compatible remote over the same transport
-    (:class:`~gateway.dataplane.openai_remote.OpenAIRemoteUpstream`) or a provider that needs
-    translation (:class:`~gateway.dataplane.remote.RemoteUpstream`, litellm). All retry only
+    (:class:`~gateway.remotes.openai_remote.OpenAIRemoteUpstream`) or a provider that needs
+    translation (:class:`~gateway.remotes.remote.RemoteUpstream`, litellm). All retry only
     before the first byte and answer with an :class:`Exchange` the gateway relays as is.
 
     ``tenant_keys``: the upstream may send a tenant's own provider key (``credential``) instead

@@ -2,7 +2,7 @@
 
 On Kubernetes the engines run in their own pods behind a headless Service, whose name resolves
 to one A (or AAAA) record per ready pod. :class:`DNSDiscovery` re-resolves that name every
-``interval_s`` and keeps a :class:`~gateway.dataplane.pool.Pool`'s replicas equal to the
+``interval_s`` and keeps a :class:`~gateway.fleet.pool.Pool`'s replicas equal to the
 answer: a new address becomes a replica (up once its ``/ready`` answers 200), a vanished one is
 dropped and its client closed. Between resolutions each replica's ``/ready`` is probed, so an
 engine that starts draining stops taking requests before its DNS record goes away.
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.dataplane.pool import Pool, Replica
+from gateway.fleet.pool import Pool, Replica
 
 log = logging.getLogger("portico.gateway.discovery")
 
