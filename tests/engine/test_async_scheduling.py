@@ -307,6 +307,7 @@ def test_steps_that_need_the_tokens_on_the_host_fall_back_to_synchronous(
         assert engine.speculation is not None and engine.speculation.stats.num_drafts > 0
     else:  # the special request ends first; the others go on asynchronously
         assert engine._async.num_async_steps > 0
+    assert not engine.scheduler.host_bound  # type: ignore[attr-defined]
     assert_no_blocks_held(engine)
 
 
