@@ -319,16 +319,20 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
                  const float *bias, int n, int dt, void *y, int num_threads) {
     if (k % 32 || m <= 0 || n <= 0 || (kind == PANEL_Q4_1) != (mn != NULL)) return -1;
     const int nb = k / 32;
-    float *xf = (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb);
-    if (!xf || !xs) {
-        free(xf);
+    /* float32 rows are read in place; bf16 ones widened once. Q4_1 needs each block's sum. */
+    float *xwide = dt == DT_F32 ? NULL : (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
+    float *xs = kind == PANEL_Q4_1 ? (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb) : NULL;
+    if ((dt != DT_F32 && !xwide) || (kind == PANEL_Q4_1 && !xs)) {
+        free(xwide);
         free(xs);
         return -1;
     }
+    const float *xf = xwide ? xwide : (const float *)x;
+    /* Each row by itself (one thread, sums in input order): the split changes no bits. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (m >= 32)
     for (int i = 0; i < m; i++) {
-        load_row(x, dt, (int64_t)i * k, k, xf + (int64_t)i * k);
-        for (int b = 0; b < nb; b++) { /* the block's sum, in input order */
+        if (xwide) load_row(x, dt, (int64_t)i * k, k, xwide + (int64_t)i * k);
+        for (int b = 0; xs && b < nb; b++) { /* the block's sum, in input order */
             float s = 0.f;
             for (int j = 0; j < 32; j++) s += xf[(int64_t)i * k + b * 32 + j];
             xs[(int64_t)i * nb + b] = s;
@@ -347,7 +351,7 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
         const int r0 = rt * TASK_ROWS, r1 = r0 + TASK_ROWS < m ? r0 + TASK_ROWS : m;
         run_task(&w, xf, xs, r0, r1, p0, p1, bias, dt, y);
     }
-    free(xf);
+    free(xwide);
     free(xs);
     return 0;
 }
