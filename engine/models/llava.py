@@ -228,6 +228,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.vision = VisionConfig.from_multimodal(cfg.multimodal)
         self.vision_tower = CLIPVisionTower(self.vision)
         self.multi_modal_projector = LlavaProjector(self.vision, cfg.hidden_size)
+        # transformers' image processor of the folder (set by the loader): what a picture
+        # becomes before encode_images.
+        self.image_processor: Any = None
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, C, H, W]`` preprocessed images to ``[N, num_image_tokens, hidden]`` rows in
