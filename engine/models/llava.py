@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
+from engine.model_config import VISION_ARCHITECTURES, ModelConfig, tokens_per_image
 from engine.models.llama import LlamaForCausalLM
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -55,11 +55,8 @@ class VisionConfig:
     keep_cls: bool  # vision_feature_select_strategy "full"
     projector_act: str
     projector_bias: bool
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Decoder positions one image fills: its patches (and the CLS row under "full")."""
-        return (self.image_size // self.patch_size) ** 2 + int(self.keep_cls)
+    # Decoder positions one image fills (engine.model_config.tokens_per_image)
+    num_image_tokens: int
 
     @classmethod
     def from_multimodal(cls, raw: Mapping[str, Any]) -> VisionConfig:
@@ -95,6 +92,7 @@ class VisionConfig:
             keep_cls=strategy == "full",
             projector_act=str(raw.get("projector_hidden_act", "gelu")),
             projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+            num_image_tokens=tokens_per_image({**raw, "architectures": VISION_ARCHITECTURES}) or 0,
         )
 
 

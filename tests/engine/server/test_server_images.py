@@ -16,7 +16,6 @@ import pytest
 import torch
 from engine_server_process import MODEL_NAME, EngineProcess, metric
 from PIL import Image
-from tiny_llava import build_tiny_llava
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +23,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-server"))
+def llava_dir(tiny_llava_dir: Path) -> Path:
+    return tiny_llava_dir
 
 
 @pytest.fixture(scope="module")
