@@ -217,6 +217,19 @@ class ModelConfig:
         )
 
 
+def tokens_per_image(raw: Mapping[str, Any]) -> int | None:
+    """Prompt positions one image fills in a LLaVA model (its config.json): the vision
+    tower's patches, plus the CLS row under the "full" feature strategy; None for a model
+    that takes no images. The engine (engine/models/llava.py) and the gateway's prompt
+    counter both read it here."""
+    architectures = raw.get("architectures") or []
+    if not architectures or architectures[0] not in VISION_ARCHITECTURES:
+        return None
+    vision = raw.get("vision_config") or {}
+    side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))
+    return side * side + int(raw.get("vision_feature_select_strategy", "default") == "full")
+
+
 def _num_labels(architecture: str, raw: Mapping[str, Any]) -> int:
     """The score head's size of a cross-encoder checkpoint (0 for a causal LM). transformers
     writes ``id2label`` (``num_labels`` is derived from it) and defaults to 2 labels.
