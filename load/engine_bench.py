@@ -184,13 +184,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=".portico/bench/engine_bench.json")
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = choose_device(args.device)
-    dtype = choose_dtype(args.dtype, device)
-    source = resolve(args.model)
-    config = EngineConfig(
+def _engine_config(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> EngineConfig:
+    """The engine the bench's flags describe."""
+    return EngineConfig(
         model=args.model,
         device=device.type,
         dtype=str(dtype).removeprefix("torch."),
@@ -203,6 +201,15 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    source = resolve(args.model)
+    config = _engine_config(args, device, dtype)
     engine = LLMEngine(
         config,
         load_model(source, dtype, device, args.quantization, config.gguf_activations),

@@ -55,8 +55,8 @@ def load_image_tokens(model: str) -> int | None:
     """Prompt tokens one image fills in a local vision model (a LLaVA folder's config.json),
     or None (a text model, or a model whose files cannot be read)."""
     try:
-        from engine.model_config import tokens_per_image
         from portico import registry
+        from portico.contract import tokens_per_image
 
         source = registry.resolve(model)
         config = source.path / "config.json"
