@@ -15,9 +15,23 @@ placeholder and behaves exactly as before.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
+
+
+def needs_host_tokens(req: Request) -> bool:
+    """Does choosing ``req``'s next token need its previous token on the host? Its grammar's
+    mask follows that token; the penalties count it (seeded draws and ``min_tokens`` need
+    only its position, which a placeholder gives)."""
+    p = req.sampling_params
+    return (
+        req.grammar is not None
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
 
 
 class AsyncScheduler(Scheduler):
@@ -26,8 +40,23 @@ class AsyncScheduler(Scheduler):
     The engine calls :meth:`schedule`, runs the step (the runner reads the counts), then
     :meth:`mark_launched`; later :meth:`update_from_launched` with that step's ids, in launch
     order. Speculative guesses are never scheduled here (the engine runs those steps
-    synchronously). Not thread-safe.
+    synchronously). ``host_bound`` holds the ids of the queued or running requests that
+    :func:`needs_host_tokens` (the engine runs steps synchronously while there are any). Not
+    thread-safe.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.host_bound: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        if needs_host_tokens(request):
+            self.host_bound.add(request.request_id)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        super()._finish(req, status)
+        self.host_bound.discard(req.request_id)
 
     def mark_launched(self, out: SchedulerOutput) -> None:
         """Step ``out`` was launched (the runner has read its inputs): advance counts now."""

@@ -52,22 +52,12 @@ class _Launched:
 class _AheadRow:
     """What the sampler reads of a request whose previous token is still in flight: its
     output *length* counts the placeholders (seeded draws and ``min_tokens`` go by position;
-    the penalties, which read the tokens themselves, run synchronously)."""
+    the penalties, which read the tokens themselves, run synchronously:
+    :func:`needs_host_tokens`)."""
 
     sampling_params: object
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-
-
-def needs_host_tokens(req: Request) -> bool:
-    """Does sampling ``req``'s next token need its previous token on the host?"""
-    p = req.sampling_params
-    return (
-        req.grammar is not None
-        or p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-    )
 
 
 class AsyncStepLoop:
@@ -94,7 +84,7 @@ class AsyncStepLoop:
         spec = engine.speculation
         if spec is not None and spec.is_enabled(len(self.scheduler.running)):
             return "speculative decoding"
-        if any(needs_host_tokens(r) for r in self.scheduler.requests.values()):
+        if self.scheduler.host_bound:
             return "structured outputs or penalties"
         return None
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.kv_cache_dtype import KV_CACHE_DTYPES
+from engine.multimodal import parse_limit_mm_per_prompt
 from engine.pooling_params import TASKS, load_pooler_config
 from engine.spec_decode.config import SpeculativeConfig
 from engine.structured_output.limits import LIMIT_HELP, ConstraintLimits, limit_flag
@@ -99,6 +100,8 @@ class EngineConfig:
     gguf_activations: str = "int8"
     load_format: str = "auto"  # LOAD_FORMATS; dummy: random weights, any config.json's shape
     block_size: int = 16
+    # Images a prompt may carry (vision models): vLLM's "image=N" (engine/multimodal.py)
+    limit_mm_per_prompt: str = "image=4"
     max_num_seqs: int = 64
     # 0: by device, DEFAULT_BATCHED_TOKENS (a CPU step's time grows with its tokens; 512 is no
     # slower per token there and keeps a step near half a second: docs/benchmarks.md)
@@ -179,6 +182,7 @@ class EngineConfig:
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--gguf-activations", self.gguf_activations, GGUF_ACTIVATIONS)
         _check_choice("--load-format", self.load_format, LOAD_FORMATS)
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         _check_choice("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_number("--fair-max-wait-s", self.fair_max_wait_s, 0.0, math.inf)
@@ -391,6 +395,9 @@ def _add_scheduling_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
     """Blocks, the step's budgets, prefix caching, preemption and the waiting-queue policy."""
     bool_flag = argparse.BooleanOptionalAction
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt,
+                   help='most images per prompt on a vision model: image=N (or {"image": '
+                   'N}); default image=4')  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="most requests running at once")  # fmt: skip
     g.add_argument("--max-num-batched-tokens", type=int, default=0,
@@ -428,8 +435,8 @@ def _add_scheduling_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
     g.add_argument("--fair-batch-prefill-tokens", type=int,
                    default=d.fair_batch_prefill_tokens,
                    help="fair: while interactive requests have had work within "
-                   "--fair-batch-window-s, batch-class requests take at most this many "
-                   "prefill tokens a step (0: no limit)")  # fmt: skip
+                   "--fair-batch-window-s, batch-class requests take at most this many prefill "
+                   "tokens a step (0: no limit)")  # fmt: skip
     g.add_argument("--fair-batch-window-s", type=float, default=d.fair_batch_window_s,
                    help="fair: how long the batch limit stays after the last interactive "
                    "request had work")  # fmt: skip

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from portico.contract import VISION_ARCHITECTURES
+
 # Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases. The
 # *ForSequenceClassification checkpoints are the same decoder with a score head in place of the
 # LM head: cross-encoders (rerankers) that serve /v1/score and /v1/rerank.
@@ -21,7 +23,6 @@ CROSS_ENCODER_ARCHITECTURES = (
 )
 # Vision-language checkpoints: a vision tower and projector in front of a Llama-family decoder
 # (engine/models/llava.py); the decoder's numbers come from the folder's ``text_config``.
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SUPPORTED_ARCHITECTURES = (
     GENERATIVE_ARCHITECTURES + CROSS_ENCODER_ARCHITECTURES + VISION_ARCHITECTURES
 )

@@ -467,6 +467,7 @@ def load_model(
         from transformers import AutoImageProcessor
 
         image_processor = AutoImageProcessor.from_pretrained(str(path))
+        model.image_processor = image_processor  # the server prepares images with it
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, name=source.name,
         image_processor=image_processor,

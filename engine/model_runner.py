@@ -132,9 +132,11 @@ class ModelRunner:
             )
         elif with_graphs:
             max_len = engine_config.max_model_len or cfg.max_position_embeddings
+            # --async-scheduling loads step N+1 while step N's copies may still be in flight
             buffers = DecodeBuffers(
                 engine_config.max_num_seqs, -(-max_len // self.block_size), self.block_size,
                 scratch_block=num_gpu_blocks, device=self.device,
+                staging_sets=2 if engine_config.async_scheduling else 1,
             )  # fmt: skip
             buckets = plan_buckets(engine_config.max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, buffers, buckets)

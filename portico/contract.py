@@ -14,7 +14,9 @@ What it holds:
 - the bounds both sides check (tenant name, weight, running cap, cache salt length);
 - the block hash (:func:`iter_prefix_block_hashes`): the engine's prefix cache and the
   gateway's prefix index hash the same token ids under the same salt to the same bytes;
-- the fair scheduler's default step budgets, which the gateway's wait estimate models.
+- the fair scheduler's default step budgets, which the gateway's wait estimate models;
+- the prompt positions one image fills in a vision model (:func:`tokens_per_image`), which
+  the engine expands and the gateway counts.
 
 Tenant headers (absent: the tenant ``default`` with the defaults below):
 
@@ -37,6 +39,7 @@ import math
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from portico.errors import InvalidRequestError, ParameterError
 
@@ -273,3 +276,23 @@ def iter_prefix_block_hashes(
         extra = block_extra(i, salt, num_shared, shared_salt, lora_int_id)
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         yield parent
+
+
+# -- images ----------------------------------------------------------------------------------
+
+# Vision-language architectures the engine serves (engine/models/llava.py).
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
+def tokens_per_image(raw: Mapping[str, Any]) -> int | None:
+    """Prompt positions one image fills in a LLaVA model (its config.json): the vision
+    tower's patches, plus the CLS row under the "full" feature strategy; None for a model
+    that takes no images. The engine (engine/models/llava.py) and the gateway's prompt
+    counter (its reservations and usage) both read it here, so an image costs the same count
+    on both sides of the hop."""
+    architectures = raw.get("architectures") or []
+    if not architectures or architectures[0] not in VISION_ARCHITECTURES:
+        return None
+    vision = raw.get("vision_config") or {}
+    side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))
+    return side * side + int(raw.get("vision_feature_select_strategy", "default") == "full")

@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from portico.contract import VISION_ARCHITECTURES, tokens_per_image
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": nn.functional.gelu,
@@ -55,11 +56,8 @@ class VisionConfig:
     keep_cls: bool  # vision_feature_select_strategy "full"
     projector_act: str
     projector_bias: bool
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Decoder positions one image fills: its patches (and the CLS row under "full")."""
-        return (self.image_size // self.patch_size) ** 2 + int(self.keep_cls)
+    # Decoder positions one image fills (engine.model_config.tokens_per_image)
+    num_image_tokens: int
 
     @classmethod
     def from_multimodal(cls, raw: Mapping[str, Any]) -> VisionConfig:
@@ -95,6 +93,7 @@ class VisionConfig:
             keep_cls=strategy == "full",
             projector_act=str(raw.get("projector_hidden_act", "gelu")),
             projector_bias=bool(raw.get("multimodal_projector_bias", True)),
+            num_image_tokens=tokens_per_image({**raw, "architectures": VISION_ARCHITECTURES}) or 0,
         )
 
 
@@ -228,6 +227,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.vision = VisionConfig.from_multimodal(cfg.multimodal)
         self.vision_tower = CLIPVisionTower(self.vision)
         self.multi_modal_projector = LlavaProjector(self.vision, cfg.hidden_size)
+        # transformers' image processor of the folder (set by the loader): what a picture
+        # becomes before encode_images.
+        self.image_processor: Any = None
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, C, H, W]`` preprocessed images to ``[N, num_image_tokens, hidden]`` rows in

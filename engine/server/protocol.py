@@ -185,12 +185,17 @@ def parse_body(
         raise InvalidRequestError(message, param=param) from None
 
 
+_UNION_MARKERS = frozenset(
+    {"str", "list[str]", "list[int]", "none", "int", "float", "TextPart", "ImagePart"}
+)
+
+
 def _param_path(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "list[TextPart]", "none", "int", "float"):
+        elif part in _UNION_MARKERS:
             continue  # pydantic's union-branch markers, not part of the parameter's path
         elif "[" in part or part.startswith("function-"):
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.body.image_parts import check_image_url
 from portico.errors import InvalidRequestError, type_error
 
 # Roles whose message must carry content (an assistant turn may carry tool_calls instead).
@@ -90,6 +91,7 @@ def check_parts(parts: list[Any], param: str) -> None:
             url = image.get("url")
             if not isinstance(url, str):
                 raise (_missing if url is None else _url_type)(f"{where}.image_url.url")
+            check_image_url(url, f"{where}.image_url.url")
 
 
 def _url_type(param: str) -> InvalidRequestError:

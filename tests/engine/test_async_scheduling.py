@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.test_cuda_graphs import _with_graph_buffers
 from tests.engine.test_llm_engine import assert_no_blocks_held
@@ -240,6 +241,43 @@ def test_the_schedule_is_the_synchronous_one_step_by_step(tiny: LoadedModel) -> 
     assert len(plans[0]) > 20
 
 
+def test_embeddings_and_prompt_logprobs_beside_generation_equal_the_synchronous_engine(
+    tiny: LoadedModel,
+) -> None:
+    """Requests that read their prompt's hidden states (the runner reads them in the step,
+    chunk by chunk) next to generations, through chunked prefills."""
+    prompts = shared_prefix_prompts(4)
+    embed = SamplingParams(max_tokens=1, temperature=0.0, pooling=PoolingParams("MEAN"))
+    requests = [
+        (prompts[0], GREEDY),
+        (prompts[1], embed),
+        (prompts[2], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)),
+        (prompts[3], SEEDED),
+    ]
+    results = []
+    for flag in (False, True):
+        engine = make_engine(tiny, async_scheduling=flag, max_num_batched_tokens=8)
+        for i, (tokens, p) in enumerate(requests):
+            engine.add_request(f"r{i}", tokens, p)
+        finals, delivered = {}, []
+        while engine.has_unfinished():  # prompt logprobs come once, on an output before the last
+            for out in engine.step():
+                delivered += [out.prompt_logprobs] if out.prompt_logprobs is not None else []
+                if out.finished:
+                    finals[out.request_id] = out
+        results.append((summary(finals), finals, delivered))
+        assert_no_blocks_held(engine)
+    (expected, sync_finals, [want_read]), (got, finals, [read]) = results
+    assert got == expected
+    vector, want = finals["r1"].embedding, sync_finals["r1"].embedding
+    assert vector is not None and want is not None
+    torch.testing.assert_close(torch.tensor(vector), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    assert len(read) == len(want_read) == len(prompts[2])
+    for a, b in zip(read[1:], want_read[1:], strict=True):
+        assert a is not None and b is not None and a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 NGRAM = {
     "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
     "disable_by_batch_size": None,
@@ -269,6 +307,7 @@ def test_steps_that_need_the_tokens_on_the_host_fall_back_to_synchronous(
         assert engine.speculation is not None and engine.speculation.stats.num_drafts > 0
     else:  # the special request ends first; the others go on asynchronously
         assert engine._async.num_async_steps > 0
+    assert not engine.scheduler.host_bound  # type: ignore[attr-defined]
     assert_no_blocks_held(engine)
 
 
@@ -305,4 +344,6 @@ def test_async_on_cuda_gives_the_synchronous_greedy_and_seeded_tokens(
     assert got == expected
     assert engine.stats().num_preemptions > 0 and engine.stats().prefix_cache_hits > 0
     assert (engine.runner.graphs is None) == eager
+    if engine.runner.graphs is not None:  # step N+1's staging never overwrites step N's
+        assert engine.runner.graphs.buffers.staging_sets == 2
     assert_no_blocks_held(engine)

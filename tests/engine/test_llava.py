@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from tiny_llava import build_tiny_llava
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -32,8 +31,8 @@ LONG_TEXT = " ".join(f"word{i} and some more text about picture number {i}." for
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+def llava_dir(tiny_llava_dir: Path) -> Path:
+    return tiny_llava_dir
 
 
 @pytest.fixture(scope="module")

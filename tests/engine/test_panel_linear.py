@@ -75,6 +75,36 @@ def test_one_row_has_the_same_bits_alone_as_inside_a_64_row_step(
         assert torch.equal(_panel(x[3:11], blocks), step[3:11])  # tiles start elsewhere
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "k", [320, 1536]
+)  # 10 blocks (a partial unpacked chunk), 48 (SmolLM2's down)
+def test_a_512_row_prefill_gives_each_row_its_bits_alone(
+    kind: str, k: int, restore_threads: None
+) -> None:
+    """Steps of 12 rows or more unpack each panel to floats once for many rows and run 6-row
+    tiles; smaller ones unpack per tile: every row still has the bits it gets alone, in steps of
+    7, 13 and 64 rows starting anywhere, at 1 and 2 threads, and the product is the dequantized
+    weight's within float tolerance."""
+    blocks = random_blocks(kind, 100, k, seed=k)
+    blocks.pack_panels()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(512, k, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    torch.set_num_threads(2)
+    step = _panel(x, blocks, bias)
+    expected = x.double() @ blocks.dequantize().double().T + bias.double()
+    torch.testing.assert_close(step.double(), expected, atol=3e-4, rtol=1e-5)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows, start in ((1, 0), (1, 300), (1, 511), (7, 3), (13, 250), (64, 0), (64, 441)):
+            assert torch.equal(
+                _panel(x[start : start + rows], blocks, bias), step[start : start + rows]
+            )
+    bf16 = x.bfloat16()
+    assert torch.equal(_panel(bf16[200:201], blocks, bias)[0], _panel(bf16, blocks, bias)[200])
+
+
 @pytest.mark.skipif(not cpu.int8_available(), reason="no int8-activation kernels here")
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_int8_path_gives_one_row_the_same_bits_alone_as_inside_a_64_row_step(
