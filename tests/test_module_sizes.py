@@ -22,7 +22,6 @@ LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("tests/gateway/console/test_console_browser.py", "test_console_end_to_end"): 132,
     ("load/fake_upstream.py", "FakeUpstreamProtocol._complete"): 108,
     ("engine/server/serving_responses.py", "ResponsesServing.stream"): 107,
-    ("load/standard_report.py", "targets"): 89,
     ("tests/load/test_standard.py", "_gateway_result"): 85,
     ("engine/kernels/triton_paged_attention.py", "_paged_attention_kernel"): 85,
     ("engine/model_loader.py", "load_model"): 83,
