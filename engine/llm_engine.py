@@ -168,6 +168,7 @@ class LLMEngine:
         self._waiting_for_grammar: dict[str, Request] = {}
         self._parents: dict[str, _Parent] = {}
         self._completions: dict[str, tuple[_Parent, _Completion]] = {}
+        self._last_step = (0.0, 0.0)  # (start, end) of the latest step, monotonic
         self._counters: dict[str, int] = dict.fromkeys(
             (
                 "num_prompt_tokens", "num_computed_prompt_tokens", "num_generation_tokens",
@@ -285,6 +286,8 @@ class LLMEngine:
                 child_ids[0], len(prompt), params.pooling, params.prompt_logprobs
             )
         metrics = RequestMetrics(arrival_time=arrival, added_step=self._counters["num_steps"])
+        if self._last_step[0] <= arrival < self._last_step[1]:  # it came in during that step
+            metrics.inflight_step_start, metrics.inflight_step_end = self._last_step
         parent = _Parent(request_id, prompt, [], metrics)
         for index, child_id in enumerate(child_ids):
             child_params = params
@@ -352,6 +355,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, detokenize; return outputs of requests that moved."""
+        started = time.monotonic()
         touched: list[_Parent] = []
         if self._waiting_for_grammar:
             self._admit_compiled(touched)
@@ -398,7 +402,9 @@ class LLMEngine:
                     parent.touched = True
                     touched.append(parent)
         self._counters["num_generation_tokens"] += num_generated
-        return [self._make_output(p) for p in touched]
+        outputs = [self._make_output(p) for p in touched]
+        self._last_step = (started, time.monotonic())
+        return outputs
 
     def _sample(
         self, out: SchedulerOutput, rows: list[Request], logits: torch.Tensor
