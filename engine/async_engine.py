@@ -37,6 +37,7 @@ class _Add:
     arrival_time: float
     lora_request: Any = None
     tenant: TenantTag | None = None
+    mm_inputs: tuple[Any, ...] = ()  # engine.multimodal.ImageInput
 
 
 @dataclass
@@ -129,6 +130,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         lora_request: Any = None,
         tenant: TenantTag | None = None,
+        mm_inputs: tuple[Any, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its output stream. ValueError on bad input.
 
@@ -146,7 +148,7 @@ class AsyncLLMEngine:
         self._send(
             _Add(
                 request_id, list(prompt_token_ids), params, priority, cache_salt, arrival,
-                lora_request, tenant,
+                lora_request, tenant, mm_inputs,
             )
         )  # fmt: skip
         return self._stream(request_id, queue)
@@ -224,6 +226,7 @@ class AsyncLLMEngine:
                         arrival_time=cmd.arrival_time,
                         lora_request=cmd.lora_request,
                         tenant=cmd.tenant,
+                        mm_inputs=cmd.mm_inputs,
                     )
                 except ValueError as exc:  # validated before queueing; kept for safety
                     self._call_soon(self._put, cmd.request_id, exc)

@@ -7,8 +7,10 @@ It is frozen: nothing changes a model's shape after loading.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from portico.contract import VISION_ARCHITECTURES
 
 # Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases. The
 # *ForSequenceClassification checkpoints are the same decoder with a score head in place of the
@@ -19,7 +21,11 @@ CROSS_ENCODER_ARCHITECTURES = (
     "MistralForSequenceClassification",
     "Qwen2ForSequenceClassification",
 )
-SUPPORTED_ARCHITECTURES = GENERATIVE_ARCHITECTURES + CROSS_ENCODER_ARCHITECTURES
+# Vision-language checkpoints: a vision tower and projector in front of a Llama-family decoder
+# (engine/models/llava.py); the decoder's numbers come from the folder's ``text_config``.
+SUPPORTED_ARCHITECTURES = (
+    GENERATIVE_ARCHITECTURES + CROSS_ENCODER_ARCHITECTURES + VISION_ARCHITECTURES
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -55,6 +61,9 @@ class ModelConfig:
     # label) or "identity" (the raw logit), as the checkpoint's sentence-transformers
     # activation names it.
     score_activation: str = "sigmoid"
+    # A vision-language model's config.json less its text_config (the vision tower, the
+    # projector, the image token id: engine/models/llava.py reads it); None: text only.
+    multimodal: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -81,6 +90,11 @@ class ModelConfig:
         return self.num_labels > 0
 
     @property
+    def is_multimodal(self) -> bool:
+        """A vision-language model: chat messages may carry images."""
+        return self.multimodal is not None
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -94,6 +108,8 @@ class ModelConfig:
                 f"architecture '{architecture}' is not supported (supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        if architecture in VISION_ARCHITECTURES:
+            return cls._from_hf_vision(architecture, raw)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         # transformers 5 moves rope_theta and the scaling into "rope_parameters".
@@ -137,6 +153,23 @@ class ModelConfig:
                 _score_activation(raw) if architecture in CROSS_ENCODER_ARCHITECTURES else "sigmoid"
             ),
         )
+
+    @classmethod
+    def _from_hf_vision(cls, architecture: str, raw: Mapping[str, Any]) -> ModelConfig:
+        """A LLaVA folder: the decoder from ``text_config`` (a Llama-family model), the rest
+        kept in ``multimodal``."""
+        text = dict(raw.get("text_config") or {})
+        text_type = str(text.get("model_type", "llama"))
+        text_arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(text_type)
+        if text_arch is None:
+            raise ValueError(
+                f"{architecture} with a '{text_type}' text model is not supported (llama, mistral)"
+            )
+        for key in ("eos_token_id", "bos_token_id"):
+            text.setdefault(key, raw.get(key))
+        text_cfg = cls.from_hf({**text, "architectures": [text_arch]})
+        multimodal = {k: v for k, v in raw.items() if k != "text_config"}
+        return replace(text_cfg, architecture=architecture, multimodal=multimodal)
 
     @classmethod
     def from_gguf_metadata(

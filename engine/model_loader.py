@@ -33,6 +33,7 @@ from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.fp8_linear import fp8_unsupported_reason, quantize_projections
 from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration, rename_llava_weights
 from engine.numerics import NumericsPath
 from portico.registry import ModelNotFound, ModelSource, models_dir
 
@@ -47,6 +48,8 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
     name: str = ""
+    # A vision model's image preprocessing (transformers' image processor of its folder).
+    image_processor: Any = None
     # How its dtype and activations were chosen (engine.numerics); None: by the caller.
     numerics: NumericsPath | None = None
 
@@ -128,10 +131,19 @@ def _merge_hf(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]) -> 
     return state
 
 
+def _renamed(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LLaVA checkpoint's tensors under our names (engine/models/llava.py)."""
+    for name, tensor in tensors:
+        ours = rename_llava_weights(name)
+        if ours is not None:
+            yield ours, tensor
+
+
 def _load_hf(folder: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedTokenizerBase]:
     raw_config = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(raw_config)
-    state = _merge_hf(cfg, _hf_tensors(folder))
+    tensors = _hf_tensors(folder)
+    state = _merge_hf(cfg, _renamed(tensors) if cfg.is_multimodal else tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return cfg, state, tokenizer
 
@@ -188,10 +200,10 @@ def _dummy_state(
     generator = torch.Generator(device=device).manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
+        if param.dim() >= 2 or name.endswith("class_embedding"):
             tensor = torch.empty(param.shape, dtype=dtype, device=device)
             state[name] = tensor.normal_(0.0, DUMMY_STD, generator=generator)
-        elif name.endswith("norm.weight"):
+        elif name.endswith(".weight"):  # a 1-D weight is a norm's scale (RMSNorm, LayerNorm)
             state[name] = torch.ones(param.shape, dtype=dtype, device=device)
         else:
             state[name] = torch.zeros(param.shape, dtype=dtype, device=device)
@@ -355,6 +367,29 @@ def resolve_quantization(spec: str, source: ModelSource, device: torch.device | 
     return spec
 
 
+def _attach_blocks(
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    found: dict[str, GGUFBlocks],
+    int8: bool,
+    dtype: torch.dtype,
+) -> None:
+    """Hand each linear layer (and the LM head) the GGUF file's blocks of its weight, packed
+    for the path ``dtype`` and ``int8`` take."""
+    for name, blocks in found.items():
+        if int8:
+            blocks.pack_q8()
+        elif dtype == torch.float32:
+            blocks.pack_panels()  # every step on one batch invariant kernel (block_linear.py)
+        if name == "lm_head":
+            if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
+                model.lm_head_blocks = blocks
+        else:
+            module = model.get_submodule(name)
+            if isinstance(module, BlockLinear) and blocks.shape == tuple(module.weight.shape):
+                module.blocks = blocks
+
+
 def load_model(
     source: ModelSource,
     dtype: torch.dtype = torch.float32,
@@ -399,8 +434,9 @@ def load_model(
     else:
         raise ValueError(f"Model '{source.name}': unknown format '{source.format}' (hf, gguf)")
     device = torch.device(device)
+    model_class = LlavaForConditionalGeneration if cfg.is_multimodal else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)
     if load_format == "dummy":
         state = _dummy_state(model, dtype, device)
     state = {name: tensor.to(dtype) for name, tensor in state.items()}
@@ -417,18 +453,7 @@ def load_model(
     if quantization == "fp8":
         kept = quantize_projections(model)
         log.info("%s: projections in fp8 e4m3 (%.1f MiB)", source.name, kept / 2**20)
-    for name, blocks in found.items():
-        if int8:
-            blocks.pack_q8()
-        elif dtype == torch.float32:
-            blocks.pack_panels()  # every step on one batch invariant kernel (block_linear.py)
-        if name == "lm_head":
-            if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
-                model.lm_head_blocks = blocks
-        else:
-            module = model.get_submodule(name)
-            if isinstance(module, BlockLinear) and blocks.shape == tuple(module.weight.shape):
-                module.blocks = blocks
+    _attach_blocks(model, cfg, found, int8, dtype)
     if found:
         log.info("%s: %d weight matrices also kept in GGUF blocks", source.name, len(found))
     packed = model.prepack_weights()
@@ -437,4 +462,13 @@ def load_model(
     model.fused_step = FusedDecodeStep.build(model) if int8 else None
     if model.fused_step is not None:
         log.info("%s: steps of up to %d tokens run in one native call", source.name, MAX_ROWS)
-    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=source.name)
+    image_processor = None
+    if cfg.is_multimodal:
+        from transformers import AutoImageProcessor
+
+        image_processor = AutoImageProcessor.from_pretrained(str(path))
+        model.image_processor = image_processor  # the server prepares images with it
+    return LoadedModel(
+        model=model, config=cfg, tokenizer=tokenizer, name=source.name,
+        image_processor=image_processor,
+    )  # fmt: skip

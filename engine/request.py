@@ -10,7 +10,10 @@ from engine.sampling_params import SamplingParams
 from engine.tenancy import DEFAULT_TENANT, TenantTag
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from engine.lora import LoRARequest
+    from engine.multimodal import ImageInput
     from engine.structured_output import GrammarState
 
 
@@ -65,6 +68,8 @@ class Request:
         "finished_time",
         "grammar",
         "spec_token_ids",
+        "num_output_placeholders",
+        "mm_inputs",
     )
 
     def __init__(
@@ -78,6 +83,7 @@ class Request:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         tenant: TenantTag | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -104,6 +110,11 @@ class Request:
         # Speculative decoding: this step's guesses of the next tokens (engine-proposed, the
         # scheduler may shorten them; never part of all_token_ids until verified).
         self.spec_token_ids: list[int] = []
+        # Asynchronous scheduling: tokens sampled by a launched step and not yet read (their
+        # positions already count in num_computed_tokens). Always 0 in the synchronous engine.
+        self.num_output_placeholders = 0
+        # Images in the prompt (engine/multimodal.py): their placeholder runs and hashes.
+        self.mm_inputs: tuple[ImageInput, ...] = tuple(mm_inputs)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

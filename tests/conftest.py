@@ -60,6 +60,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA as a Hugging Face folder (2-layer CLIP tower, projector, the tiny
+    Llama; 16 tokens per image): tests/tiny_llava.py."""
+    from tiny_llava import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real default model's GGUF file (SmolLM2-135M-Instruct, Q4_1)."""
     path = default_model_gguf()

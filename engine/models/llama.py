@@ -156,13 +156,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the ``[T]`` flattened tokens at ``positions``; returns hidden states [T, hidden]."""
-        if self.fused_step is not None and self.fused_step.serves(input_ids.shape[0]):
-            fused = self.fused_step.run(input_ids, positions, kv_caches, meta)
-            if fused is not None:
-                return fused[0]
-        x = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, in place
+        """Run the ``[T]`` flattened tokens at ``positions``; returns hidden states [T, hidden].
+        ``inputs_embeds`` (a vision model's image rows merged in) replaces the token
+        embeddings; it is written in place (it becomes the residual stream)."""
+        fused = self.fused_step if inputs_embeds is None else None
+        if fused is not None and fused.serves(input_ids.shape[0]):
+            done = fused.run(input_ids, positions, kv_caches, meta)
+            if done is not None:
+                return done[0]
+        # a fresh tensor: the residual stream, in place
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.lookup(positions, x.dtype)
         pending: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -176,11 +181,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         rows: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, and :meth:`compute_logits` of ``hidden[rows]``: in one native call
         where the fused step serves the step and its head (one stream decoding), else the two
         calls. The same values either way."""
-        fused = self.fused_step
+        fused = self.fused_step if inputs_embeds is None else None
         if fused is not None and fused.serves(input_ids.shape[0]):
             done = fused.run(input_ids, positions, kv_caches, meta, rows)
             if done is not None:
@@ -188,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
                 if logits is None:
                     logits = self.compute_logits(hidden.index_select(0, rows))
                 return hidden, logits
-        hidden = self(input_ids, positions, kv_caches, meta)
+        hidden = self(input_ids, positions, kv_caches, meta, inputs_embeds)
         return hidden, self.compute_logits(hidden.index_select(0, rows))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,30 @@ CONTENT_ROLES = frozenset({"system", "developer", "user", "tool"})
 
 
 class TextPart(StrictModel):
-    """A text content part of a chat message (the only part type this engine reads)."""
+    """A text content part of a chat message."""
 
     type: Literal["text"]
     text: str
+
+
+class ImageURL(StrictModel):
+    """OpenAI's ``image_url`` object: a ``data:image/...;base64,`` URL (``detail`` is
+    accepted and has no effect: a LLaVA model sees every image at its one resolution)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(StrictModel):
+    """An image content part of a user message (a vision model only: engine/multimodal.py)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare URL
 
 
 class FunctionDefinition(StrictModel):
@@ -81,7 +101,7 @@ class ChatMessage(StrictModel):
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     refusal: str | None = None  # in replayed assistant turns; history, not instructions
     tool_calls: list[ToolCall] | None = None
@@ -103,27 +123,47 @@ class ChatMessage(StrictModel):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.content is None and self.role in CONTENT_ROLES:
             raise missing_field("content")
+        if self.role != "user" and self.images():
+            raise ValueError("image parts are allowed in user messages only")
         return self
 
     @field_validator("content", mode="before")
     @classmethod
-    def _only_text_parts(cls, value: Any) -> Any:
+    def _known_parts(cls, value: Any) -> Any:
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
+                if kind not in ("text", "image_url"):
                     raise ValueError(
                         f"content part type {kind!r} is not supported by this engine "
-                        "(only 'text' parts are)"
+                        "('text' and 'image_url' parts are)"
                     )
         return value
 
     def text(self) -> str:
+        """The message's text (its image parts left out)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """The image parts with their index in ``content``, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, p) for i, p in enumerate(self.content) if isinstance(p, ImagePart)]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """What the chat template gets as this message's content: its text, or, when it has
+        images, transformers' parts list (``{"type": "image"}`` where each image was, in order)
+        so the template places the image token where the model expects it."""
+        if not self.images() or not isinstance(self.content, list):
+            return self.text()
+        return [
+            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+            for part in self.content
+        ]
 
 
 class ChatCompletionRequest(SamplingFields):

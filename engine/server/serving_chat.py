@@ -9,9 +9,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.multimodal import ImageInput, parse_limit_mm_per_prompt
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server import sse
+from engine.server.chat_images import ChatImages
 from engine.server.engine_requests import (
     EngineRequest,
     EngineStreamingResponse,
@@ -26,7 +28,7 @@ from engine.server.serving_engine import (
     tenant_of,
     usage,
 )
-from engine.server.shared_prefix import SharedPrefix, salt_with_prefix, shared_prefix_of
+from engine.server.shared_prefix import salt_with_prefix
 from engine.server.structured_fields import structured_outputs_for
 from engine.server.tool_calling import (
     NO_TOOLS,
@@ -40,6 +42,7 @@ from engine.server.tool_calling import (
     template_supports_tools,
 )
 from engine.tenancy import TenantTag
+from portico.contract import SharedPrefix, shared_prefix_of
 from portico.errors import InvalidRequestError
 
 
@@ -71,6 +74,10 @@ class ChatServing:
         self.auto_tool_choice = auto_tool_choice
         template = getattr(serving.tokenizer, "chat_template", None)
         self.native_tools = bool(template) and template_supports_tools(template)
+        engine = serving.engine.engine
+        model = getattr(getattr(engine, "runner", None), "model", None)
+        limit = parse_limit_mm_per_prompt(getattr(engine.config, "limit_mm_per_prompt", None))
+        self.images = ChatImages(model, limit)
 
     def prompt_token_ids(
         self,
@@ -78,7 +85,18 @@ class ChatServing:
         add_generation_prompt: bool = True,
         plan: ToolPlan = NO_TOOLS,
     ) -> list[int]:
-        """Render the conversation (and the plan's tools) with the chat template; tokenize it."""
+        """:meth:`render`'s token ids (each image's placeholder run included)."""
+        return self.render(messages, add_generation_prompt, plan)[0]
+
+    def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        plan: ToolPlan = NO_TOOLS,
+    ) -> tuple[list[int], list[ImageInput]]:
+        """Render the conversation (and the plan's tools) with the chat template; tokenize it;
+        expand its images' placeholders (engine/server/chat_images.py)."""
+        images = self.images.decode(messages)  # bad image parts fail before the template runs
         tokenizer = self.serving.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
@@ -97,7 +115,7 @@ class ChatServing:
             raise InvalidRequestError(
                 f"The chat template rejected the messages: {exc}", param="messages"
             ) from None
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return self.images.attach(list(tokenizer.encode(text, add_special_tokens=False)), images)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         started = await self.start(
@@ -131,7 +149,7 @@ class ChatServing:
             )
         limits = serving.engine.engine.structured.limits
         plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice, limits)
-        prompt = self.prompt_token_ids(req.messages, plan=plan)
+        prompt, images = self.render(req.messages, plan=plan)
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             prompt = prompt[-req.truncate_prompt_tokens :]
         elif shared is not None:  # the engine's salt for this request: the field's, widened
@@ -145,7 +163,7 @@ class ChatServing:
         param = "tools" if plan.schema is not None else found[1] if found else "structured_outputs"
         await serving.compile_constraints([(prompt, params)], param, tenant)
         try:
-            submitted = serving.submit_all([(prompt, params)], req, request_id, tenant)
+            submitted = serving.submit_all([(prompt, params)], req, request_id, tenant, images)
         except InvalidRequestError as exc:
             if plan.schema is None or exc.param != "structured_outputs":
                 raise

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.lora import LoRARequest
 from engine.lora.manager import LoRAManager
+from engine.multimodal import ImageInput
 from engine.outputs import CompletionOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.server.engine_requests import EngineRequest
@@ -219,13 +220,15 @@ class OpenAIServing:
         req: SubmittedFields,
         request_id: str,
         tenant: TenantTag | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> list[EngineRequest]:
-        """Queue one engine request per prompt, all or none (a refusal aborts the others)."""
+        """Queue one engine request per prompt, all or none (a refusal aborts the others);
+        ``mm_inputs``: the images of the (one) prompt."""
         submitted: list[EngineRequest] = []
         try:
             for index, (ids, params) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                submitted.append(self.submit(rid, ids, params, req, tenant))
+                submitted.append(self.submit(rid, ids, params, req, tenant, mm_inputs))
         except BaseException:
             for engine_request in submitted:
                 engine_request.close()
@@ -239,6 +242,7 @@ class OpenAIServing:
         params: SamplingParams,
         req: SubmittedFields,
         tenant: TenantTag | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> EngineRequest:
         """Queue one engine request now (so bad input fails before any response byte).
 
@@ -253,6 +257,7 @@ class OpenAIServing:
                 cache_salt=req.cache_salt,
                 lora_request=self.check_model(req.model),
                 tenant=tenant,
+                mm_inputs=tuple(mm_inputs),
             )
         except EngineDeadError:
             raise ServiceUnavailableError("The engine is not running.") from None

@@ -206,7 +206,7 @@ def _role(message: ChatMessage) -> str:
 
 
 def _native_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": _role(message), "content": message.text()}
+    out: dict[str, Any] = {"role": _role(message), "content": message.template_content()}
     if message.tool_calls:
         out["tool_calls"] = [
             {
@@ -227,6 +227,8 @@ def _native_message(message: ChatMessage) -> dict[str, Any]:
 def _default_message(message: ChatMessage) -> dict[str, Any]:
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message.text()}\n</tool_response>"}
+    if message.images():  # a user turn: no tool calls to append
+        return {"role": _role(message), "content": message.template_content()}
     content = message.text()
     for call in message.tool_calls or []:
         body = {"name": call.function.name, "arguments": _arguments_value(call.function.arguments)}

@@ -8,6 +8,11 @@ parse, so the gateway counts itself. Models without a local tokenizer (remote up
 engine commands) get an estimate of one token per four characters. Tool definitions are part of
 the prompt the engine renders (a listing of each function's JSON schema), so their JSON text is
 counted too, whether or not the model's template shows them.
+
+Image parts count as the engine counts them: a vision model's template places one image token
+per image, which the engine expands to the model's tokens per image (its config.json,
+:func:`load_image_tokens`); where that number is unknown (a remote model) an image is
+estimated at :data:`IMAGE_TOKEN_ESTIMATE` tokens, settled with the real usage afterwards.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ import json
 import logging
 from typing import Any
 
-from gateway.dataplane.fields import RequestFields, prompt_text
+from gateway.body.fields import RequestFields, prompt_text
+from gateway.body.image_parts import num_images, template_messages
 
 log = logging.getLogger("portico.gateway.tokens")
+# An image whose model's token count is unknown: OpenAI's count for a high-detail 1024 x 1024
+# image (a reservation; the upstream's usage settles it).
+IMAGE_TOKEN_ESTIMATE = 765
 
 
 def load_tokenizer(model: str) -> Any | None:
@@ -42,24 +51,49 @@ def load_tokenizer(model: str) -> Any | None:
         return None
 
 
-class PromptCounter:
-    """Counts prompt tokens per served model name; thread-compatible, no shared mutation."""
+def load_image_tokens(model: str) -> int | None:
+    """Prompt tokens one image fills in a local vision model (a LLaVA folder's config.json),
+    or None (a text model, or a model whose files cannot be read)."""
+    try:
+        from portico import registry
+        from portico.contract import tokens_per_image
 
-    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        source = registry.resolve(model)
+        config = source.path / "config.json"
+        if source.format != "hf" or not config.is_file():
+            return None
+        return tokens_per_image(json.loads(config.read_text()))
+    except Exception as exc:  # any failure means: estimate instead
+        log.warning("no image token count for %s (%s)", model, exc)
+        return None
+
+
+class PromptCounter:
+    """Counts prompt tokens per served model name; thread-compatible, no shared mutation.
+
+    ``image_tokens``: served model name -> prompt tokens per image (vision models)."""
+
+    def __init__(self, tokenizers: dict[str, Any], image_tokens: dict[str, int] | None = None):
         self.tokenizers = tokenizers  # served model name -> tokenizer (absent: estimate)
+        self.image_tokens = image_tokens or {}
 
     def count(self, model: str, fields: RequestFields) -> int:
         tools = (
             (fields.body.get("tools") or fields.body.get("functions")) if fields.num_tools else []
         )
         tool_text = json.dumps(tools) if tools else ""
+        images = num_images(fields.messages)
+        per_image = self.image_tokens.get(model)
         tok = self.tokenizers.get(model)
-        if tok is not None:
+        if tok is not None and (not images or per_image is not None):
             try:
-                return self._exact(tok, fields) + self._text_tokens(tok, tool_text)
+                # the template wrote one placeholder token per image; the engine expands it
+                expansion = images * ((per_image or 1) - 1)
+                return self._exact(tok, fields) + self._text_tokens(tok, tool_text) + expansion
             except Exception:  # a template that rejects these messages: the engine will say why
                 pass
-        return max(1, (len(prompt_text(fields)) + len(tool_text)) // 4)
+        estimate = (len(prompt_text(fields)) + len(tool_text)) // 4
+        return max(1, estimate + images * (per_image or IMAGE_TOKEN_ESTIMATE))
 
     @staticmethod
     def _text_tokens(tok: Any, text: str) -> int:
@@ -77,11 +111,15 @@ class PromptCounter:
         backend = getattr(tok, "backend_tokenizer", None)
         if fields.messages is not None:
             text = tok.apply_chat_template(
-                fields.messages, tokenize=False, add_generation_prompt=True
+                template_messages(fields.messages), tokenize=False, add_generation_prompt=True
             )
             if backend is not None:
-                return len(backend.encode(text, add_special_tokens=False).ids)
-            return len(tok(text, add_special_tokens=False)["input_ids"])
+                ids = list(backend.encode(text, add_special_tokens=False).ids)
+            else:
+                ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            # kept for the prefix-aware router: the same rendering, the same encoding
+            fields.chat_prompt_ids = (tok, fields.messages, ids)
+            return len(ids)
         prompt = fields.prompt
         if isinstance(prompt, str):
             if backend is not None:

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduling_policy import FairPolicy, PriorityPolicy, SchedulingPolicy, make_policy
-from engine.tenancy import (
+from portico.contract import (
     KV_SHARE_HEADER,
     MAX_RUNNING_HEADER,
     PRIORITY_CLASS_HEADER,

@@ -1,0 +1,98 @@
+"""Image parts at the gateway: data URLs checked before admission (400 naming the part), and
+image tokens counted as the engine counts them (the tiny LLaVA's 16 per image)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from gateway.admission.prompt_tokens import (
+    IMAGE_TOKEN_ESTIMATE,
+    PromptCounter,
+    load_image_tokens,
+    load_tokenizer,
+)
+from gateway.body.fields import parse_fields
+from portico.errors import InvalidRequestError
+
+
+def data_url(fmt: str) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 12), (200, 30, 90)).save(buffer, format=fmt)
+    mime = fmt.lower()
+    return f"data:image/{mime};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def chat(content: list[dict[str, object]]) -> bytes:
+    return json.dumps({"model": "v", "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def image(url: str) -> dict[str, object]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_each_supported_format_passes(fmt: str) -> None:
+    fields = parse_fields(chat([image(data_url(fmt)), {"type": "text", "text": "hi"}]), "chat")
+    assert fields.messages is not None and len(fields.messages) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("data:image/png;base64,@@@", "not valid base64"),
+        ("data:image/png;base64," + base64.b64encode(b"just some text").decode(), "not a PNG"),
+        ("ftp://example.com/cat.png", "expected a data URL"),
+        ("data:text/plain;base64,aGk=", "expected a data URL"),
+    ],
+    ids=["bad-base64", "not-an-image", "other-scheme", "not-image-mime"],
+)
+def test_bad_image_urls_are_400_naming_the_part(url: str, words: str) -> None:
+    body = chat([{"type": "text", "text": "look"}, image(url)])
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_fields(body, "chat")
+    assert caught.value.param == "messages[0].content[1].image_url.url"
+    assert words in caught.value.message
+
+
+def test_http_urls_pass_to_the_upstream() -> None:
+    fields = parse_fields(chat([image("https://example.com/cat.png")]), "chat")
+    assert fields.messages is not None
+
+
+def test_image_tokens_count_as_the_engine_counts_them(tiny_llava_dir: Path) -> None:
+    """The tiny LLaVA: the engine's prompt (its own test checks it equals transformers')
+    is the template's tokens with each image's placeholder grown to 16 tokens."""
+    from transformers import AutoProcessor
+
+    per_image = load_image_tokens(str(tiny_llava_dir))
+    assert per_image == 16
+    tok = load_tokenizer(str(tiny_llava_dir))
+    counter = PromptCounter({"v": tok}, {"v": per_image})
+    url = data_url("PNG")
+    content = [image(url), image(url), {"type": "text", "text": "Compare them."}]
+    fields = parse_fields(chat(content), "chat")
+    processor = AutoProcessor.from_pretrained(str(tiny_llava_dir))
+    parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True
+    )
+    pictures = [Image.new("RGB", (20, 12))] * 2
+    expected = processor(text=prompt, images=pictures, return_tensors="pt")["input_ids"].shape[1]
+    assert counter.count("v", fields) == expected
+    text_only = parse_fields(chat([{"type": "text", "text": "Compare them."}]), "chat")
+    # each image: its 16 tokens (and the template's text around the placeholder)
+    assert counter.count("v", fields) - counter.count("v", text_only) >= 2 * 16
+
+
+def test_images_of_an_unknown_model_are_estimated() -> None:
+    fields = parse_fields(
+        chat([image(data_url("PNG")), {"type": "text", "text": "x" * 40}]), "chat"
+    )
+    assert PromptCounter({}).count("remote", fields) == 10 + IMAGE_TOKEN_ESTIMATE
+    assert load_image_tokens("/no/such/model") is None
