@@ -40,6 +40,7 @@ import signal
 import ssl
 import time
 from dataclasses import dataclass
+from typing import Any
 
 _REASONS = {
     200: "OK",
@@ -83,6 +84,23 @@ def _error(status: int, message: str) -> bytes:
         {"error": {"message": message, "type": "fake_error", "param": None, "code": None}}
     ).encode()
     return _response(status, body)
+
+
+def _whole_answer(chat: bool, n: int, head: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed answer of ``n`` tokens: ``head`` (id, object, created, model) and one
+    choice."""
+    text = " tok" * n
+    choice = (
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+            "logprobs": None,
+        }
+        if chat
+        else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+    )
+    return {**head, "choices": [choice]}
 
 
 class FakeUpstreamProtocol(asyncio.Protocol):
@@ -229,23 +247,32 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         event("message_stop", {})
         self.transport.write(b"0\r\n\r\n")
 
-    async def _complete(self, chat: bool, body: bytes) -> None:
-        if self.transport is None:
-            return
+    def _read_request(self, body: bytes) -> dict[str, Any] | None:
+        """The request to answer, or None once an error answer is written (the first
+        ``fail_first`` requests, a body that is not a JSON object, a ``fake_status``)."""
+        assert self.transport is not None
         self.settings.served += 1
         if self.settings.served <= self.settings.fail_first:
             self.transport.write(_error(503, "fake upstream fails its first requests"))
-            return
+            return None
         try:
             req = json.loads(body or b"{}")
             if not isinstance(req, dict):
                 raise ValueError
         except ValueError:
             self.transport.write(_error(400, "body is not a JSON object"))
-            return
+            return None
         status = int(req.get("fake_status", self.settings.status))
         if status != 200:
             self.transport.write(_error(status, f"fake upstream answers {status}"))
+            return None
+        return req
+
+    async def _complete(self, chat: bool, body: bytes) -> None:
+        if self.transport is None:
+            return
+        req = self._read_request(body)
+        if req is None:
             return
         n = req.get("max_tokens") or req.get("max_completion_tokens") or self.settings.chunks
         n = max(1, min(int(n), self.settings.max_chunks))
@@ -263,24 +290,8 @@ class FakeUpstreamProtocol(asyncio.Protocol):
         if not req.get("stream"):
             if delay:
                 await asyncio.sleep(delay * n)
-            text = " tok" * n
-            choice = (
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "length",
-                    "logprobs": None,
-                }
-                if chat
-                else {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
-            )
-            payload = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
+            head = {"id": rid, "object": obj, "created": created, "model": model}
+            payload = _whole_answer(chat, n, head)
             if self.settings.usage:
                 payload["usage"] = usage
             self.transport.write(_response(200, json.dumps(payload).encode()))

@@ -153,148 +153,170 @@ def _gateway(result: Mapping[str, Any]) -> list[str]:
         + ". Streams are timed to their first chunk, the others to the whole answer."
     ]
     for run in result.get("fixed_rate", []):
-        rows = []
-        for side in ("direct", "gateway", "gateway_limits_off"):
-            if side not in run:
-                continue
-            for label in ("json", "stream"):
-                d = run[side][label]
-                rows.append(
-                    {
-                        "side": side,
-                        "requests": label,
-                        "count": int(d["count"]),
-                        "p50 ms": d["median"],
-                        "p90 ms": d["p90"],
-                        "p99 ms": d["p99"],
-                        "errors": run[side]["errors"],
-                        "gateway CPU ms/req (side)": run[side].get("cpu_ms_per_request", ""),
-                    }
-                )
-        parts.append(
-            f"**At {run['rate']:g} requests/s** ({run['requests_per_side']} requests per side):"
-        )
-        parts.append(
-            markdown_table(
-                rows,
-                [
-                    "side",
-                    "requests",
-                    "count",
-                    "p50 ms",
-                    "p90 ms",
-                    "p99 ms",
-                    "errors",
-                    "gateway CPU ms/req (side)",
-                ],
-            )
-        )
-        failed = [
-            f"{side}: {run[side]['errors']} failed ({', '.join(run[side]['error_examples'])})"
-            for side in ("direct", "gateway", "gateway_limits_off")
-            if side in run and run[side].get("errors")
-        ]
-        if failed:
-            parts.append("Failed requests (not in the percentiles): " + "; ".join(failed) + ".")
-        added = [
-            {
-                "what": f"gateway - direct ({label})",
-                "p50 ms": o["median_ms"],
-                "p90 ms": o["p90_ms"],
-                "p99 ms": o["p99_ms"],
-            }
-            for label, o in run["overhead"].items()
-        ]
-        added += [
-            {
-                "what": f"limits on - limits off ({label})",
-                "p50 ms": o["median_ms"],
-                "p90 ms": o["p90_ms"],
-                "p99 ms": o["p99_ms"],
-            }
-            for label, o in run.get("limits_cost", {}).items()
-        ]
-        parts.append(markdown_table(added, ["what", "p50 ms", "p90 ms", "p99 ms"]))
-        rep = run.get("gateway_reported_overhead_ms", {})
-        parts.append(
-            f"The gateway's own `x-portico-overhead-ms` (its time minus upstream time, "
-            f"queueing included): p50 {_ms(rep, 'median'):.2f} ms, p99 "
-            f"{_ms(rep, 'p99'):.2f} ms."
-            if rep
-            else ""
-        )
+        parts += _gateway_fixed_rate(run)
     sat = result.get("saturation", {})
     if sat:
-        rows = []
-        for key in ("direct_json", "direct_stream", "gateway_json", "gateway_stream"):
-            d = sat.get(key, {})
-            if "error" in d:
-                rows.append({"run": key, "req/s (2xx)": f"failed: {d['error'][:80]}"})
-                continue
-            rows.append(
-                {
-                    "run": key,
-                    "req/s (2xx)": d.get("requests_per_s", ""),
-                    "p50 ms": d.get("p50_ms", ""),
-                    "p99 ms": d.get("p99_ms", ""),
-                    "non-2xx": d.get("non2xx", ""),
-                    "gateway CPU ms/req": d.get("cpu_ms_per_request", ""),
-                    "gateway core share": d.get("core_share", ""),
-                    "req per gateway CPU-second": d.get("requests_per_cpu_second", ""),
-                }
-            )
-        parts.append(
-            f"**Saturation** ({sat.get('tool')}, one thread, "
-            f"{cfg.get('wrk_connections')} connections, {sat.get('duration_s')} s each; "
-            '"core share" is the fraction of one core the gateway process got, '
-            '"req per gateway CPU-second" what one whole core would serve at that '
-            "cost):"
-        )
-        parts.append(
-            markdown_table(
-                rows,
-                [
-                    "run",
-                    "req/s (2xx)",
-                    "p50 ms",
-                    "p99 ms",
-                    "non-2xx",
-                    "gateway CPU ms/req",
-                    "gateway core share",
-                    "req per gateway CPU-second",
-                ],
-            )
-        )
-        ceiling = sat.get("python_generator_ceiling_rps")
-        if ceiling:
-            parts.append(
-                f"The Python load generator's own ceiling (closed loop, 32 connections, "
-                f"against the fake upstream directly): {ceiling:.0f} requests/s."
-            )
+        parts += _gateway_saturation(sat, cfg)
     limits = result.get("rate_limits")
     if limits:
-        rows = [
-            {
-                "tenant limit (req/min)": c["requests_per_minute"],
-                "sent": c["sent"],
-                "admitted": c["admitted"],
-                "429": c["limited_429"],
-                "other": c["other"],
-                "elapsed s": c["elapsed_s"],
-                "expected admitted": f"{c['expected_min']}..{c['expected_max']:.1f}",
-                "in bounds": "yes" if c["ok"] else "NO",
-            }
-            for c in limits["tenants"]
-        ]
-        parts.append(
-            f"**Rate limits under load**: each limited tenant was hammered (4 in "
-            f"flight) while the bench tenants sent {limits['background_rate']:g} req/s "
-            f"({limits['background_requests']} requests, "
-            f"{limits['background_errors']} errors). A token bucket full at the start "
-            "and refilled at limit/60 per second admits between min(sent, limit) and "
-            "limit + limit/60 x elapsed."
+        parts += _gateway_rate_limits(limits)
+    return parts
+
+
+def _gateway_fixed_rate(run: Mapping[str, Any]) -> list[str]:
+    """One fixed-rate run: each side's percentiles, failures, the overhead, the gateway's own
+    reported overhead."""
+    parts: list[str] = []
+    rows = []
+    for side in ("direct", "gateway", "gateway_limits_off"):
+        if side not in run:
+            continue
+        for label in ("json", "stream"):
+            d = run[side][label]
+            rows.append(
+                {
+                    "side": side,
+                    "requests": label,
+                    "count": int(d["count"]),
+                    "p50 ms": d["median"],
+                    "p90 ms": d["p90"],
+                    "p99 ms": d["p99"],
+                    "errors": run[side]["errors"],
+                    "gateway CPU ms/req (side)": run[side].get("cpu_ms_per_request", ""),
+                }
+            )
+    parts.append(
+        f"**At {run['rate']:g} requests/s** ({run['requests_per_side']} requests per side):"
+    )
+    parts.append(
+        markdown_table(
+            rows,
+            [
+                "side",
+                "requests",
+                "count",
+                "p50 ms",
+                "p90 ms",
+                "p99 ms",
+                "errors",
+                "gateway CPU ms/req (side)",
+            ],
         )
-        parts.append(markdown_table(rows, list(rows[0]) if rows else ["tenant"]))
+    )
+    failed = [
+        f"{side}: {run[side]['errors']} failed ({', '.join(run[side]['error_examples'])})"
+        for side in ("direct", "gateway", "gateway_limits_off")
+        if side in run and run[side].get("errors")
+    ]
+    if failed:
+        parts.append("Failed requests (not in the percentiles): " + "; ".join(failed) + ".")
+    added = [
+        {
+            "what": f"gateway - direct ({label})",
+            "p50 ms": o["median_ms"],
+            "p90 ms": o["p90_ms"],
+            "p99 ms": o["p99_ms"],
+        }
+        for label, o in run["overhead"].items()
+    ]
+    added += [
+        {
+            "what": f"limits on - limits off ({label})",
+            "p50 ms": o["median_ms"],
+            "p90 ms": o["p90_ms"],
+            "p99 ms": o["p99_ms"],
+        }
+        for label, o in run.get("limits_cost", {}).items()
+    ]
+    parts.append(markdown_table(added, ["what", "p50 ms", "p90 ms", "p99 ms"]))
+    rep = run.get("gateway_reported_overhead_ms", {})
+    parts.append(
+        f"The gateway's own `x-portico-overhead-ms` (its time minus upstream time, "
+        f"queueing included): p50 {_ms(rep, 'median'):.2f} ms, p99 "
+        f"{_ms(rep, 'p99'):.2f} ms."
+        if rep
+        else ""
+    )
+    return parts
+
+
+def _gateway_saturation(sat: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[str]:
+    """wrk's closed loop against the upstream and the gateway, and the generator's ceiling."""
+    parts: list[str] = []
+    rows = []
+    for key in ("direct_json", "direct_stream", "gateway_json", "gateway_stream"):
+        d = sat.get(key, {})
+        if "error" in d:
+            rows.append({"run": key, "req/s (2xx)": f"failed: {d['error'][:80]}"})
+            continue
+        rows.append(
+            {
+                "run": key,
+                "req/s (2xx)": d.get("requests_per_s", ""),
+                "p50 ms": d.get("p50_ms", ""),
+                "p99 ms": d.get("p99_ms", ""),
+                "non-2xx": d.get("non2xx", ""),
+                "gateway CPU ms/req": d.get("cpu_ms_per_request", ""),
+                "gateway core share": d.get("core_share", ""),
+                "req per gateway CPU-second": d.get("requests_per_cpu_second", ""),
+            }
+        )
+    parts.append(
+        f"**Saturation** ({sat.get('tool')}, one thread, "
+        f"{cfg.get('wrk_connections')} connections, {sat.get('duration_s')} s each; "
+        '"core share" is the fraction of one core the gateway process got, '
+        '"req per gateway CPU-second" what one whole core would serve at that '
+        "cost):"
+    )
+    parts.append(
+        markdown_table(
+            rows,
+            [
+                "run",
+                "req/s (2xx)",
+                "p50 ms",
+                "p99 ms",
+                "non-2xx",
+                "gateway CPU ms/req",
+                "gateway core share",
+                "req per gateway CPU-second",
+            ],
+        )
+    )
+    ceiling = sat.get("python_generator_ceiling_rps")
+    if ceiling:
+        parts.append(
+            f"The Python load generator's own ceiling (closed loop, 32 connections, "
+            f"against the fake upstream directly): {ceiling:.0f} requests/s."
+        )
+    return parts
+
+
+def _gateway_rate_limits(limits: Mapping[str, Any]) -> list[str]:
+    """Each hammered tenant's admitted count against the token bucket's bounds."""
+    parts: list[str] = []
+    rows = [
+        {
+            "tenant limit (req/min)": c["requests_per_minute"],
+            "sent": c["sent"],
+            "admitted": c["admitted"],
+            "429": c["limited_429"],
+            "other": c["other"],
+            "elapsed s": c["elapsed_s"],
+            "expected admitted": f"{c['expected_min']}..{c['expected_max']:.1f}",
+            "in bounds": "yes" if c["ok"] else "NO",
+        }
+        for c in limits["tenants"]
+    ]
+    parts.append(
+        f"**Rate limits under load**: each limited tenant was hammered (4 in "
+        f"flight) while the bench tenants sent {limits['background_rate']:g} req/s "
+        f"({limits['background_requests']} requests, "
+        f"{limits['background_errors']} errors). A token bucket full at the start "
+        "and refilled at limit/60 per second admits between min(sent, limit) and "
+        "limit + limit/60 x elapsed."
+    )
+    parts.append(markdown_table(rows, list(rows[0]) if rows else ["tenant"]))
     return parts
 
 

@@ -49,6 +49,18 @@ def build_batch_router(
     """The Files and Batch API routes; ``wake`` tells the runner a batch was created or
     cancelled here."""
     router = APIRouter()
+    _add_file_routes(router, files, settings, authenticate)
+    _add_batch_routes(router, files, batches, settings, authenticate, wake)
+    return router
+
+
+def _add_file_routes(
+    router: APIRouter,
+    files: FileStore,
+    settings: BatchSettings,
+    authenticate: Callable[[Request], Awaitable[Principal]],
+) -> None:
+    """``/v1/files``: upload, list, retrieve, delete, content."""
 
     @router.post("/v1/files")
     async def create_file(request: Request) -> JSONResponse:
@@ -79,6 +91,17 @@ def build_batch_router(
         principal = await authenticate(request)
         content = await files.content(principal.tenant_id, file_id)
         return Response(content, media_type="application/octet-stream")
+
+
+def _add_batch_routes(
+    router: APIRouter,
+    files: FileStore,
+    batches: BatchStore,
+    settings: BatchSettings,
+    authenticate: Callable[[Request], Awaitable[Principal]],
+    wake: Callable[[], None],
+) -> None:
+    """``/v1/batches``: create (from an uploaded batch file), list, retrieve, cancel."""
 
     @router.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
@@ -133,8 +156,6 @@ def build_batch_router(
                 )
             wake()
         return JSONResponse(await batches.view(tenant, batch_id))
-
-    return router
 
 
 def _batch_fields(raw: bytes) -> dict[str, Any]:

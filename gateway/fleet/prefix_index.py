@@ -57,13 +57,20 @@ class RouteTokens:
     will charge for it (its fair share there), and the model it names: an adapter's name is
     looked up per replica, whose engine numbers its adapters itself (the number is inside the
     block hash); any other name is the base model. ``lora_int_id`` hashes as that adapter
-    number on every replica (tests)."""
+    number on every replica (tests).
+
+    The block hashes computed for it are kept, per hash root, block size and adapter number,
+    for the request's life: scoring the replicas, leasing the chosen one and noting the
+    prompt as routed there hash each block once (:func:`_block_hashes`)."""
 
     token_ids: Sequence[int]
     cache_salt: str | None = None
     lora_int_id: int | None = None
     tenant: str | None = None
     model: str | None = None
+    hashed: dict[tuple[bytes, int, int | None], tuple[list[bytes], Iterator[bytes]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
 
 def route_token_ids(tokenizer: Any, fields: RequestFields) -> list[int] | None:
@@ -257,13 +264,28 @@ class PrefixIndex:
 
 
 def _block_hashes(entry: ReplicaEntry, tokens: RouteTokens) -> Iterator[bytes]:
-    """The request's block hashes as that replica's engine computes them (lazily)."""
+    """The request's block hashes as that replica's engine computes them (lazily), each
+    computed once per request: the ones already made come from ``tokens.hashed``."""
     lora_int_id = tokens.lora_int_id
     if tokens.model is not None and tokens.model in entry.lora_ids:
         lora_int_id = entry.lora_ids[tokens.model]
-    return iter_prefix_block_hashes(
-        entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt, lora_int_id
-    )
+    key = (entry.hash_root, entry.block_size, lora_int_id)
+    made = tokens.hashed.get(key)
+    if made is None:
+        more = iter_prefix_block_hashes(
+            entry.hash_root, tokens.token_ids, entry.block_size, tokens.cache_salt, lora_int_id
+        )
+        made = tokens.hashed[key] = ([], more)
+    done, more = made
+    i = 0
+    while True:
+        if i == len(done):
+            block_hash = next(more, None)
+            if block_hash is None:
+                return
+            done.append(block_hash)
+        yield done[i]
+        i += 1
 
 
 class PrefixIndexFeeder:

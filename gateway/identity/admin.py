@@ -439,6 +439,13 @@ def build_admin_router(
         dependencies=[Security(HTTPBearer(auto_error=False))],
         responses=_errors(400, 401, 403, 413, 429, 503),
     )
+    _add_api_routes(router, api)
+    _add_openapi_and_allowed_methods(router, route_class)
+    return router
+
+
+def _add_api_routes(router: APIRouter, api: AdminAPI) -> None:
+    """Plans, tenants, keys, usage and its export, prices, the audit log."""
     missing, conflict = _errors(404), _errors(409)
     tenant, key = "/tenants/{tenant_id}", "/tenants/{tenant_id}/keys/{key_id}"
     router.add_api_route("/plans", api.list_plans, methods=["GET"])
@@ -484,6 +491,10 @@ def build_admin_router(
     )
     router.add_api_route("/audit", api.audit_log, methods=["GET"])
 
+
+def _add_openapi_and_allowed_methods(router: APIRouter, route_class: type[_AllowRoute]) -> None:
+    """``/admin/v1/openapi.json``, and each route told every method its path has (for 405s)."""
+
     async def openapi() -> dict[str, Any]:
         """This API's own OpenAPI document (also part of the gateway's /openapi.json): the
         contract tests/hardening holds it to."""
@@ -507,4 +518,3 @@ def build_admin_router(
     for route in router.routes:
         if isinstance(route, route_class):
             route.path_methods = frozenset(methods_by_path[route.path])
-    return router

@@ -113,7 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="private key (PEM) of --client-cert, if not in the same file",
     )
     sub = parser.add_subparsers(dest="keys_command", metavar="COMMAND", required=True)
+    _add_tenant_commands(sub)
+    _add_key_commands(sub)
+    sub.add_parser("plans", help="list the plans")
+    _add_price_commands(sub)
 
+
+def _add_tenant_commands(sub: Any) -> None:
+    """``portico keys tenants create|list|show|update|delete``."""
     tenants = sub.add_parser("tenants", help="create, list, show, update, delete tenants")
     tsub = tenants.add_subparsers(dest="tenants_command", metavar="ACTION", required=True)
     p = tsub.add_parser("create", help="create a tenant")
@@ -144,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = tsub.add_parser("delete", help="delete a tenant and all its keys")
     p.add_argument("tenant_id")
 
+
+def _add_key_commands(sub: Any) -> None:
+    """``portico keys create|list|revoke|rotate|usage``: a tenant's API keys and usage."""
     p = sub.add_parser("create", help="create an API key (the secret is printed once)")
     p.add_argument("tenant_id")
     p.add_argument("--name", default=None)
@@ -174,8 +184,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("tenant_id")
     p.add_argument("--start", default=None, help="YYYY-MM-DD (default: 29 days before end)")
     p.add_argument("--end", default=None, help="YYYY-MM-DD (default: today, UTC)")
-    sub.add_parser("plans", help="list the plans")
-    _add_price_commands(sub)
 
 
 def _limits(args: argparse.Namespace) -> dict[str, Any]:

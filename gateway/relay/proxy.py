@@ -282,13 +282,18 @@ class LocalUpstream:
             await asyncio.sleep(delay)
         if last_answer is not None:
             return last_answer  # the upstream's own error answer, passed through
+        raise self._gave_up(reason, attempt)
+
+    def _gave_up(self, reason: str, attempt: int) -> ServiceUnavailableError | UpstreamError:
+        """The error once no attempt is left: no replica at all (503, try again), or none
+        that answered."""
         if reason == "no_replica":
-            raise ServiceUnavailableError(
+            return ServiceUnavailableError(
                 f"No healthy replica of '{self.pool.name}' is available; try again shortly.",
                 code="no_healthy_replica",
                 headers={"retry-after": "1"},
             )
-        raise UpstreamError(
+        return UpstreamError(
             f"The model '{self.pool.name}' failed to answer after {attempt} attempt(s).",
             code="upstream_unavailable",
         )

@@ -61,42 +61,8 @@ def _gateway_result() -> dict[str, Any]:
                 "gateway_reported_overhead_ms": {"median": 0.7, "p99": 1.9},
             }
         ],
-        "saturation": {
-            "tool": "wrk",
-            "duration_s": 15.0,
-            "direct_json": {"requests_per_s": 27000.0, "p50_ms": 2.0, "p99_ms": 9.0, "non2xx": 0},
-            "gateway_json": {
-                "requests_per_s": 1234.5,
-                "p50_ms": 40.0,
-                "p99_ms": 90.0,
-                "non2xx": 0,
-                "cpu_ms_per_request": 0.8,
-                "core_share": 0.99,
-                "requests_per_cpu_second": 1250.0,
-            },
-            "gateway_stream": {"error": "wrk failed (1): boom"},
-            "python_generator_ceiling_rps": 4321.0,
-        },
-        "rate_limits": {
-            "background_rate": 200.0,
-            "background_requests": 3000,
-            "background_errors": 0,
-            "ok": True,
-            "tenants": [
-                {
-                    "tenant": "limited30-0",
-                    "requests_per_minute": 30,
-                    "sent": 100,
-                    "admitted": 31,
-                    "limited_429": 69,
-                    "other": 0,
-                    "elapsed_s": 3.2,
-                    "expected_min": 30,
-                    "expected_max": 31.6,
-                    "ok": True,
-                }
-            ],
-        },
+        "saturation": _gateway_saturation_result(),
+        "rate_limits": _gateway_rate_limits_result(),
         "verdicts": [
             {
                 "target": "added p50 latency (json) <= 1 ms at 200 req/s",
@@ -110,6 +76,48 @@ def _gateway_result() -> dict[str, Any]:
             },
         ],
         "plots": ["/repo/docs/img/gateway_latency_cdf.png"],
+    }
+
+
+def _gateway_saturation_result() -> dict[str, Any]:
+    return {
+        "tool": "wrk",
+        "duration_s": 15.0,
+        "direct_json": {"requests_per_s": 27000.0, "p50_ms": 2.0, "p99_ms": 9.0, "non2xx": 0},
+        "gateway_json": {
+            "requests_per_s": 1234.5,
+            "p50_ms": 40.0,
+            "p99_ms": 90.0,
+            "non2xx": 0,
+            "cpu_ms_per_request": 0.8,
+            "core_share": 0.99,
+            "requests_per_cpu_second": 1250.0,
+        },
+        "gateway_stream": {"error": "wrk failed (1): boom"},
+        "python_generator_ceiling_rps": 4321.0,
+    }
+
+
+def _gateway_rate_limits_result() -> dict[str, Any]:
+    return {
+        "background_rate": 200.0,
+        "background_requests": 3000,
+        "background_errors": 0,
+        "ok": True,
+        "tenants": [
+            {
+                "tenant": "limited30-0",
+                "requests_per_minute": 30,
+                "sent": 100,
+                "admitted": 31,
+                "limited_429": 69,
+                "other": 0,
+                "elapsed_s": 3.2,
+                "expected_min": 30,
+                "expected_max": 31.6,
+                "ok": True,
+            }
+        ],
     }
 
 
