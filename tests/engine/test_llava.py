@@ -186,3 +186,20 @@ def test_tenants_do_not_share_cached_images(loaded: LoadedModel) -> None:
     )
     assert other.num_cached_tokens == 0
     assert same.num_cached_tokens >= mm[0].end // 16 * 16
+
+
+def test_dummy_weights_load_in_the_folders_shape(llava_dir: Path) -> None:
+    """--load-format dummy: random weights (the vision tower's too), LayerNorm scales 1,
+    so a benchmark runs images through a real-shaped tower without the checkpoint."""
+    dummy = load_model(
+        ModelSource("tiny-llava", llava_dir, "hf"), torch.float32, "cpu", load_format="dummy"
+    )
+    tower = dummy.model.vision_tower
+    assert torch.equal(tower.pre_layrnorm.weight, torch.ones(32))
+    assert tower.embeddings.class_embedding.abs().sum() > 0
+    rows = dummy.model.encode_images(torch.randn(1, 3, 32, 32))
+    assert rows.shape == (1, 16, 64) and torch.isfinite(rows).all()
+    engine = make_engine(dummy, load_format="dummy")
+    ids, mm = engine_inputs(dummy, "Describe it.", [picture(9)])
+    [out] = run(engine, [(ids, mm, None)])
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
