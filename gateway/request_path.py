@@ -45,6 +45,7 @@ from gateway.dataplane.fields import (
     parse_fields,
 )
 from gateway.dataplane.files import FileStore
+from gateway.dataplane.image_parts import num_images
 from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
 from gateway.dataplane.long_prompts import PromptFit
 from gateway.dataplane.pool import Pool, Replica
@@ -239,6 +240,12 @@ class Gateway:
             decision = self.router.route(fields, principal)
             upstream, base = self.upstreams[decision.model], decision.model
         ctx.model, ctx.tier = decision.model, decision.tier
+        if not principal.may_send_images(base) and num_images(fields.messages):
+            raise PermissionDeniedError(
+                f"Your plan does not allow images with the model '{base}'.",
+                param="messages",
+                code="images_not_allowed",
+            )
         if kind not in ("chat", "completion") and not isinstance(upstream, LocalUpstream):
             raise InvalidRequestError(
                 f"'{path}' is served by the local engines only; '{decision.model}' is a remote "
