@@ -14,6 +14,7 @@ from engine.multimodal import parse_limit_mm_per_prompt
 from engine.pooling_params import TASKS, load_pooler_config
 from engine.spec_decode.config import SpeculativeConfig
 from engine.structured_output.limits import LIMIT_HELP, ConstraintLimits, limit_flag
+from portico.contract import FAIR_CONTENDED_PREFILL_TOKENS, FAIR_SHORT_PREFILL_TOKENS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -114,18 +115,21 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     # fair: a request waiting this long is served next whatever its tenant's counter or class.
     fair_max_wait_s: float = 30.0
-    # fair: while two tenants have had work within the window, a step carries at most this
-    # many prefill tokens besides its decodes (0: never capped), so another tenant's new
-    # request waits at most one short step. Measured trade-off: docs/benchmarks.md.
-    fair_contended_prefill_tokens: int = 256
-    fair_contention_window_s: float = 2.0
+    # fair: while two tenants have each had work within the window, a step carries at most
+    # this many prefill tokens besides its decodes (0: never capped), so another tenant's new
+    # request waits at most one short step. The window is long (a tenant that comes back
+    # within it finds short steps, not one full step of the other's prefill in flight: issue
+    # 43's first request). Measured trade-off: docs/benchmarks.md.
+    fair_contended_prefill_tokens: int = FAIR_CONTENDED_PREFILL_TOKENS
+    fair_contention_window_s: float = 300.0
     # fair: the least-served flows' prompts, when they need at most this many tokens in all,
     # run in a step without the other flows' prefill (0: off), so a newcomer's first token
     # costs a short step, not a full one (FairPolicy.short_step).
-    fair_short_prefill_tokens: int = 256
+    fair_short_prefill_tokens: int = FAIR_SHORT_PREFILL_TOKENS
     # fair: while interactive requests have been around within the contention window, batch
     # requests take at most this many prefill tokens a step (0: no limit): batches in the gaps.
     fair_batch_prefill_tokens: int = 64
+    fair_batch_window_s: float = 2.0
     # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
@@ -136,6 +140,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enforce_eager: bool = False  # vLLM's flag: no CUDA graphs for decode steps (engine.cuda_graphs)
+    # vLLM's flag: schedule step N+1 before reading step N's tokens (engine.async_scheduling)
+    async_scheduling: bool = False
     num_gpu_blocks_override: int | None = None  # fixes the pool size (tests force tiny pools)
     # Multi-LoRA (vLLM's names and defaults): adapters as "name=path" or vLLM's JSON form.
     enable_lora: bool = False
@@ -184,6 +190,7 @@ class EngineConfig:
         _check_number("--fair-contention-window-s", self.fair_contention_window_s, 0.0, math.inf)
         _check_int("--fair-short-prefill-tokens", self.fair_short_prefill_tokens, 0)
         _check_int("--fair-batch-prefill-tokens", self.fair_batch_prefill_tokens, 0)
+        _check_number("--fair-batch-window-s", self.fair_batch_window_s, 0.0, math.inf)
         _check_choice("--task", self.task, TASKS)
         if self.pooler_config is not None:
             load_pooler_config(None, self.pooler_config)  # ValueError naming the flag
@@ -231,6 +238,9 @@ class EngineConfig:
                 ConstraintLimits(**{name: getattr(self, f"structured_outputs_{name}")})
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{limit_flag(name)}: {exc}") from None
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            # the worker ranks take each step's tokens from the host (engine/distributed)
+            raise ValueError("--async-scheduling is not supported with --tensor-parallel-size > 1")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             if self.tensor_parallel_size > 1:
@@ -277,176 +287,12 @@ class EngineConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add every engine flag to ``parser`` (defaults are EngineConfig's)."""
         d = EngineConfig()
-        bool_flag = argparse.BooleanOptionalAction
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=d.model, help="model alias, HF folder or .gguf file")
-        g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
-        g.add_argument(
-            "--dtype",
-            default=d.dtype,
-            choices=DTYPES,
-            help="auto: bfloat16 on CUDA; on CPU float32 on a GGUF model's blocks, batch "
-            "invariant: a request's tokens do not depend on the load (logged at start, shown "
-            "in /v1/models); bfloat16: faster on CPUs with VNNI/bf16 units, not invariant",
-        )
-        g.add_argument(
-            "--batch-invariant",
-            action="store_true",
-            help="refuse to start unless the numerics are batch invariant (the CPU default "
-            "on a GGUF model is; CUDA has no such path yet: docs/numerics.md)",
-        )
-        g.add_argument("--device", default=d.device, choices=DEVICES)
-        g.add_argument(
-            "--quantization",
-            default=d.quantization,
-            choices=QUANTIZATIONS,
-            help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
-            "(CPU); fp8: the layers' projections in float8 e4m3 with per-channel scales, "
-            "inputs scaled per token, torch's scaled matmul (CUDA 8.9+, or a CPU whose torch "
-            "has it: slow there); auto: gguf when the model is GGUF and the device the CPU",
-        )
-        g.add_argument(
-            "--gguf-activations",
-            default=d.gguf_activations,
-            choices=GGUF_ACTIVATIONS,
-            help="int8 (bfloat16 only): round the GGUF block linears' inputs to int8 per 32 "
-            "values, as llama.cpp does, and run steps of a few tokens in one native call "
-            "(faster single-stream decode; not bit-exact); exact: exact products",
-        )
-        g.add_argument(
-            "--load-format",
-            default=d.load_format,
-            choices=LOAD_FORMATS,
-            help="auto: by the model's files; dummy: random weights in the shape of a folder's "
-            "config.json (its tokenizer too), to benchmark a shape without its weights",
-        )
-        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-        g.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt,
-                       help='most images per prompt on a vision model: image=N (or {"image": '
-                       'N}); default image=4')  # fmt: skip
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help="most requests running at once")  # fmt: skip
-        g.add_argument("--max-num-batched-tokens", type=int, default=0,
-                       help="token budget of one step (default 0: 512 on CPU, 2048 on "
-                       "CUDA)")  # fmt: skip
-        g.add_argument("--max-model-len", type=int, default=None,
-                       help="context length cap (default: the model's)")  # fmt: skip
-        g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
-        g.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
-        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
-        g.add_argument(
-            "--scheduling-policy",
-            default=d.scheduling_policy,
-            choices=SCHEDULING_POLICIES,
-            help="fair: tenants (x-portico-tenant) share by weight, interactive before batch; "
-            "fcfs: arrival order; priority: the request's priority (lower first), then arrival",
-        )
-        g.add_argument("--fair-max-wait-s", type=float, default=d.fair_max_wait_s,
-                       help="fair: a request waiting this many seconds runs next (no "
-                       "starvation)")  # fmt: skip
-        g.add_argument("--fair-contended-prefill-tokens", type=int,
-                       default=d.fair_contended_prefill_tokens,
-                       help="fair: while two or more tenants have work, a step carries at most "
-                       "this many prefill tokens besides its decodes, so a tenant's new request "
-                       "waits at most one short step (0: no cap)")  # fmt: skip
-        g.add_argument("--fair-contention-window-s", type=float,
-                       default=d.fair_contention_window_s,
-                       help="fair: how long the step cap stays after the last moment two "
-                       "tenants had work")  # fmt: skip
-        g.add_argument("--fair-short-prefill-tokens", type=int,
-                       default=d.fair_short_prefill_tokens,
-                       help="fair: the least-served tenants' prompts, when they need at most "
-                       "this many tokens in all, run in a step without the others' prefill "
-                       "(0: off)")  # fmt: skip
-        g.add_argument("--fair-batch-prefill-tokens", type=int,
-                       default=d.fair_batch_prefill_tokens,
-                       help="fair: while interactive requests have had work within the "
-                       "contention window, batch-class requests take at most this many prefill "
-                       "tokens a step (0: no limit)")  # fmt: skip
-        g.add_argument("--swap-space", type=float, default=d.swap_space,
-                       help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
-        g.add_argument(
-            "--kv-cache-dtype",
-            default=d.kv_cache_dtype,
-            choices=KV_CACHE_DTYPES,
-            help="KV cache element type: auto (the model's dtype), int8 (per token and head "
-            "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
-            "(PyTorch reference only: slow)",
-        )
-        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                       help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
-        g.add_argument(
-            "--gpu-memory-utilization",
-            type=float,
-            default=d.gpu_memory_utilization,
-            help="fraction of the GPU's total memory this engine may use, weights and KV cache "
-            "included (vLLM's meaning: two engines at 0.4 share one card)",
-        )
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
-        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                       help="fix the number of KV blocks")  # fmt: skip
-        g.add_argument(
-            "--tensor-parallel-size",
-            "-tp",
-            type=int,
-            default=d.tensor_parallel_size,
-            help="split the model over this many ranks (worker processes; gloo on CPU, "
-            "NCCL on CUDA with one GPU per rank); heads must divide evenly",
-        )
-        g.add_argument("--task", default=d.task, choices=TASKS,
-                       help="auto: generation, /v1/embeddings, /v1/score and /v1/rerank; "
-                       "generate: generation only; embed: embeddings, score and rerank only "
-                       "(a cross-encoder checkpoint serves only score and rerank)")  # fmt: skip
-        g.add_argument(
-            "--pooler-config",
-            "--override-pooler-config",
-            dest="pooler_config",
-            default=None,
-            help='embedding pooling as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": '
-            "true}' (default: the model's sentence-transformers files, else LAST, normalised)",
-        )
-        lora = parser.add_argument_group("LoRA adapters")
-        lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
-        lora.add_argument(
-            "--lora-modules",
-            nargs="+",
-            default=(),
-            metavar="NAME=PATH",
-            help='adapters to serve: name=path or JSON {"name","path","base_model_name"}',
-        )
-        lora.add_argument("--max-loras", type=int, default=d.max_loras,
-                          help="adapters one batch can mix")  # fmt: skip
-        lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-        lora.add_argument(
-            "--max-cpu-loras",
-            type=int,
-            default=None,
-            help="adapters kept in memory, LRU beyond (default: --max-loras)",
-        )
-        lora.add_argument(
-            "--allow-runtime-lora-updating",
-            action="store_true",
-            help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-            "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
-        )
-
-        limits = parser.add_argument_group("structured outputs")
-        for name, text in LIMIT_HELP.items():
-            default = getattr(d, f"structured_outputs_{name}")
-            limits.add_argument(limit_flag(name), type=type(default), default=default,
-                                help=f"{text} (default {default:g})")  # fmt: skip
-
-        spec = parser.add_argument_group("speculative decoding")
-        spec.add_argument(
-            "--speculative-config",
-            default=None,
-            metavar="JSON",
-            help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-            '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; '
-            '"disable_by_batch_size": N turns it off above N running requests',
-        )
+        _add_model_args(g, d)
+        _add_scheduling_args(g, d)
+        _add_memory_and_task_args(g, d)
+        _add_lora_args(parser.add_argument_group("LoRA adapters"), d)
+        _add_extension_args(parser, d)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -498,3 +344,199 @@ def _check_number(flag: str, value: Any, low: float, high: float) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or math.isnan(value) or not low <= value <= high:
         raise ValueError(f"{flag} must be a number in [{low:g}, {high:g}], got {value!r}")
+
+
+def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The model, its numbers and its weights' format."""
+    g.add_argument("--model", default=d.model, help="model alias, HF folder or .gguf file")
+    g.add_argument("--served-model-name", default=None, help="name clients send as 'model'")
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="auto: bfloat16 on CUDA; on CPU float32 on a GGUF model's blocks, batch "
+        "invariant: a request's tokens do not depend on the load (logged at start, shown "
+        "in /v1/models); bfloat16: faster on CPUs with VNNI/bf16 units, not invariant",
+    )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="refuse to start unless the numerics are batch invariant (the CPU default "
+        "on a GGUF model is; CUDA has no such path yet: docs/numerics.md)",
+    )
+    g.add_argument("--device", default=d.device, choices=DEVICES)
+    g.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=QUANTIZATIONS,
+        help="gguf: run small batches on a GGUF model's own Q4_1/Q8_0 blocks "
+        "(CPU); fp8: the layers' projections in float8 e4m3 with per-channel scales, "
+        "inputs scaled per token, torch's scaled matmul (CUDA 8.9+, or a CPU whose torch "
+        "has it: slow there); auto: gguf when the model is GGUF and the device the CPU",
+    )
+    g.add_argument(
+        "--gguf-activations",
+        default=d.gguf_activations,
+        choices=GGUF_ACTIVATIONS,
+        help="int8 (bfloat16 only): round the GGUF block linears' inputs to int8 per 32 "
+        "values, as llama.cpp does, and run steps of a few tokens in one native call "
+        "(faster single-stream decode; not bit-exact); exact: exact products",
+    )
+    g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="auto: by the model's files; dummy: random weights in the shape of a folder's "
+        "config.json (its tokenizer too), to benchmark a shape without its weights",
+    )
+
+
+def _add_scheduling_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Blocks, the step's budgets, prefix caching, preemption and the waiting-queue policy."""
+    bool_flag = argparse.BooleanOptionalAction
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt,
+                   help='most images per prompt on a vision model: image=N (or {"image": '
+                   'N}); default image=4')  # fmt: skip
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most requests running at once")  # fmt: skip
+    g.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="token budget of one step (default 0: 512 on CPU, 2048 on "
+                   "CUDA)")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length cap (default: the model's)")  # fmt: skip
+    g.add_argument("--enable-prefix-caching", action=bool_flag, default=True)
+    g.add_argument("--enable-chunked-prefill", action=bool_flag, default=True)
+    g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
+    g.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=SCHEDULING_POLICIES,
+        help="fair: tenants (x-portico-tenant) share by weight, interactive before batch; "
+        "fcfs: arrival order; priority: the request's priority (lower first), then arrival",
+    )
+    g.add_argument("--fair-max-wait-s", type=float, default=d.fair_max_wait_s,
+                   help="fair: a request waiting this many seconds runs next (no "
+                   "starvation)")  # fmt: skip
+    g.add_argument("--fair-contended-prefill-tokens", type=int,
+                   default=d.fair_contended_prefill_tokens,
+                   help="fair: while two or more tenants have work, a step carries at most "
+                   "this many prefill tokens besides its decodes, so a tenant's new request "
+                   "waits at most one short step (0: no cap)")  # fmt: skip
+    g.add_argument("--fair-contention-window-s", type=float,
+                   default=d.fair_contention_window_s,
+                   help="fair: the step cap holds while two or more tenants have each "
+                   "had a request running or waiting within this many seconds")  # fmt: skip
+    g.add_argument("--fair-short-prefill-tokens", type=int,
+                   default=d.fair_short_prefill_tokens,
+                   help="fair: the least-served tenants' prompts, when they need at most "
+                   "this many tokens in all, run in a step without the others' prefill "
+                   "(0: off)")  # fmt: skip
+    g.add_argument("--fair-batch-prefill-tokens", type=int,
+                   default=d.fair_batch_prefill_tokens,
+                   help="fair: while interactive requests have had work within "
+                   "--fair-batch-window-s, batch-class requests take at most this many prefill "
+                   "tokens a step (0: no limit)")  # fmt: skip
+    g.add_argument("--fair-batch-window-s", type=float, default=d.fair_batch_window_s,
+                   help="fair: how long the batch limit stays after the last interactive "
+                   "request had work")  # fmt: skip
+    g.add_argument("--swap-space", type=float, default=d.swap_space,
+                   help="GiB of CPU memory for swapped-out KV blocks")  # fmt: skip
+
+
+def _add_memory_and_task_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The KV cache's type and budget, the device's memory, parallelism and the task."""
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="KV cache element type: auto (the model's dtype), int8 (per token and head "
+        "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
+        "(PyTorch reference only: slow)",
+    )
+    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                   help="KV cache budget on CPU, e.g. 2GiB")  # fmt: skip
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of the GPU's total memory this engine may use, weights and KV cache "
+        "included (vLLM's meaning: two engines at 0.4 share one card)",
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs")  # fmt: skip
+    g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule and launch step N+1 before reading step N's tokens (the same "
+        "tokens; steps needing N's tokens on the host run synchronously)",
+    )
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="fix the number of KV blocks")  # fmt: skip
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over this many ranks (worker processes; gloo on CPU, "
+        "NCCL on CUDA with one GPU per rank); heads must divide evenly",
+    )
+    g.add_argument("--task", default=d.task, choices=TASKS,
+                   help="auto: generation, /v1/embeddings, /v1/score and /v1/rerank; "
+                   "generate: generation only; embed: embeddings, score and rerank only "
+                   "(a cross-encoder checkpoint serves only score and rerank)")  # fmt: skip
+    g.add_argument(
+        "--pooler-config",
+        "--override-pooler-config",
+        dest="pooler_config",
+        default=None,
+        help='embedding pooling as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": '
+        "true}' (default: the model's sentence-transformers files, else LAST, normalised)",
+    )
+
+
+def _add_lora_args(lora: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Serving LoRA adapters."""
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        help='adapters to serve: name=path or JSON {"name","path","base_model_name"}',
+    )
+    lora.add_argument("--max-loras", type=int, default=d.max_loras,
+                      help="adapters one batch can mix")  # fmt: skip
+    lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in memory, LRU beyond (default: --max-loras)",
+    )
+    lora.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
+
+
+def _add_extension_args(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    """Structured outputs' limits and speculative decoding."""
+    limits = parser.add_argument_group("structured outputs")
+    for name, text in LIMIT_HELP.items():
+        default = getattr(d, f"structured_outputs_{name}")
+        limits.add_argument(limit_flag(name), type=type(default), default=default,
+                            help=f"{text} (default {default:g})")  # fmt: skip
+
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; '
+        '"disable_by_batch_size": N turns it off above N running requests',
+    )

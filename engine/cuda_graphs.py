@@ -22,13 +22,13 @@ The pieces, each testable on CPU:
   graph (CUDA), or runs the same padded step eagerly (CPU, and the tests: the same buffer
   logic, no capture).
 
-Invariant the engine keeps today: a step's inputs are loaded only after the previous step's
-sampled ids were read on the host (that read waits for the GPU), so the host staging buffers
-are free to overwrite. For asynchronous scheduling (step N+1 loaded while step N runs; issue
-41, docs/gpu-fast-path.md) the buffers already take the two pieces it needs: ``staging_sets=2``
-(N+1's host rows go to the other set while N's copies may still be in flight) and
-*placeholder* rows (:attr:`DecodeStep.from_sampled`): a row whose token is "what step N
-samples for this request" gets it from N's sampled ids on the device, with no host read.
+The synchronous engine loads a step's inputs only after the previous step's sampled ids were
+read on the host (that read waits for the GPU), so one set of host staging buffers is free to
+overwrite. With ``--async-scheduling`` (engine.async_scheduling: step N+1 loaded while step N
+runs) the runner asks for ``staging_sets=2`` (N+1's host rows go to the other set while N's
+copies may still be in flight), and a decode's input may be a *placeholder*
+(:attr:`DecodeStep.from_sampled`): "what step N samples for this request", taken from N's
+sampled ids on the device, with no host read.
 """
 
 from __future__ import annotations

@@ -2,101 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVBlock
 from engine.kv_events import KVEventLog
 from engine.multimodal import block_image_keys
 from engine.request import Request
+from portico.contract import block_extra, hash_block_tokens, split_salt
 
-_SALT_TAG = b"cache_salt\x00"  # domain tag: salt bytes can never read as token ids
-_LORA_TAG = b"lora\x00"  # the adapter's KV differs from the base model's for equal tokens
-# A salt whose leading tokens are shared (with_shared_prefix): own salt, mark, count, shared salt.
-_SHARED_MARK = "\x00shared-prefix\x00"
 KV_EVENT_CAPACITY = 16384  # block events kept for pollers (~2 MB); a slower reader resyncs
-
-
-def with_shared_prefix(salt: str | None, shared_salt: str, num_tokens: int) -> str:
-    """The cache salt of a request whose first ``num_tokens`` prompt tokens are a prefix
-    shared by everyone holding ``shared_salt`` (a plan's common system prompt, say).
-
-    The full blocks inside that prefix are hashed under ``shared_salt``; the first block past
-    it brings in ``salt`` (the tenant's own), and every later block chains from it, so only the
-    declared prefix is shared. Anything appended to the result later (a per-request salt)
-    lands in the shared salt and so makes the whole request unique, never wider.
-    """
-    return f"{salt or ''}{_SHARED_MARK}{max(0, num_tokens)}\x00{shared_salt}"
-
-
-def _split_salt(salt: str, block_size: int) -> tuple[str, int, str]:
-    """(own salt, number of shared full blocks, shared salt) of a request's cache salt."""
-    own, mark, rest = salt.partition(_SHARED_MARK)
-    if not mark:
-        return salt, 0, ""
-    count, _, shared = rest.partition("\x00")
-    return own, int(count) // block_size if count.isdigit() else 0, shared
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    """SHA-256 of (parent hash, this block's token ids, extra keys): equal prefixes, equal hash.
-
-    The parent is a fixed 32 bytes and the tokens a fixed ``block_size`` * 8 bytes, so the
-    ``extra`` keys (domain-tagged, e.g. the cache salt) cannot be confused with either.
-    """
-    h = hashlib.sha256(parent_hash)
-    h.update(array("q", token_ids).tobytes())
-    h.update(extra)
-    return h.digest()
-
-
-def _block_extra(
-    i: int, salt: str | None, num_shared: int, shared_salt: str, lora_id: int | None
-) -> bytes:
-    """The extra keys of full block ``i``: the salt where it starts, the adapter on block 0."""
-    extra = b""
-    if i == 0 and num_shared:
-        extra = _SALT_TAG + shared_salt.encode()
-    elif i == num_shared and salt is not None:  # the request's own salt starts here
-        extra = _SALT_TAG + salt.encode()
-    if i == 0 and lora_id is not None:
-        extra += _LORA_TAG + str(lora_id).encode()
-    return extra
-
-
-def prefix_block_hashes(
-    root_hash: bytes,
-    token_ids: Sequence[int],
-    block_size: int,
-    cache_salt: str | None = None,
-    lora_int_id: int | None = None,
-) -> list[bytes]:
-    """The hashes of the full blocks of ``token_ids`` exactly as :class:`KVCacheManager`
-    with ``root_hash`` computes them for a request with this salt and adapter (a router outside
-    the engine matches them against the engine's block events: engine/kv_events.py)."""
-    return list(iter_prefix_block_hashes(root_hash, token_ids, block_size, cache_salt, lora_int_id))
-
-
-def iter_prefix_block_hashes(
-    root_hash: bytes,
-    token_ids: Sequence[int],
-    block_size: int,
-    cache_salt: str | None = None,
-    lora_int_id: int | None = None,
-) -> Iterator[bytes]:
-    """:func:`prefix_block_hashes` one block at a time: a caller matching a prefix stops
-    hashing at its first miss."""
-    salt, num_shared, shared_salt = None, 0, ""
-    if cache_salt is not None:
-        salt, num_shared, shared_salt = _split_salt(cache_salt, block_size)
-    parent = root_hash
-    for i in range(len(token_ids) // block_size):
-        extra = _block_extra(i, salt, num_shared, shared_salt, lora_int_id)
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
-        yield parent
 
 
 @dataclass
@@ -162,13 +78,13 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         salt, num_shared, shared_salt = None, 0, ""
-        if request.cache_salt is not None and len(hashes) < num_blocks:
-            salt, num_shared, shared_salt = _split_salt(request.cache_salt, bs)
+        if len(hashes) < num_blocks:
+            salt, num_shared, shared_salt = split_salt(request.cache_salt, bs)
         lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
         images = request.mm_inputs
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else self.root_hash
-            extra = _block_extra(i, salt, num_shared, shared_salt, lora_id)
+            extra = block_extra(i, salt, num_shared, shared_salt, lora_id)
             if images:  # an image's tokens are keyed by its content, not the placeholder id
                 extra += block_image_keys(images, i * bs, (i + 1) * bs)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))

@@ -16,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.async_scheduler import AsyncScheduler
+from engine.async_scheduling import AsyncStepLoop
+from engine.completions import Completion, Parent, make_output
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lora import LoRARequest
@@ -41,6 +43,8 @@ from engine.tenancy import TenantTag
 from portico.registry import resolve
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
     from engine.distributed.leader import TensorParallelLeader
@@ -55,35 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Completion:
-    """Engine-side state of one child request: its text and what was already reported."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-
-
-@dataclass
-class _Parent:
-    """One user request: its ``n`` completions and its timings."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    completions: list[_Completion]
-    metrics: RequestMetrics
-    num_finished: int = 0
-    touched: bool = field(default=False)
-    # Children 1..n-1 wait here until child 0's prompt is computed, so that with prefix caching
-    # they find the prompt's full blocks cached instead of each computing it again.
-    pending: list[_Completion] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -112,13 +87,7 @@ class LLMEngine:
         self.parallel = parallel
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        model_len = loaded.config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"--max-model-len {config.max_model_len} exceeds the model's context length "
-                f"({model_len})"
-            )
-        self.max_model_len = config.max_model_len or model_len
+        self.max_model_len = _max_model_len(config, loaded.config.max_position_embeddings)
         self.vocab_size = loaded.config.vocab_size
         eos = set(loaded.config.eos_token_ids)
         if not eos and self.tokenizer.eos_token_id is not None:
@@ -136,7 +105,7 @@ class LLMEngine:
             loaded.model.compute_scores if loaded.config.is_cross_encoder else None,
         )
         self.runner.prompt_tap = self.prompt_tap
-        self.scheduler = Scheduler(
+        self.scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
             config,
             num_gpu_blocks,
             max_model_len=self.max_model_len,
@@ -165,10 +134,11 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.max_num_seqs,
             config.constraint_limits,
         )  # fmt: skip
+        self._async = AsyncStepLoop(self) if config.async_scheduling else None
         # Requests whose grammar is still compiling, by id, in arrival order.
         self._waiting_for_grammar: dict[str, Request] = {}
-        self._parents: dict[str, _Parent] = {}
-        self._completions: dict[str, tuple[_Parent, _Completion]] = {}
+        self._parents: dict[str, Parent] = {}
+        self._completions: dict[str, tuple[Parent, Completion]] = {}
         self._counters: dict[str, int] = dict.fromkeys(
             (
                 "num_prompt_tokens", "num_computed_prompt_tokens", "num_generation_tokens",
@@ -286,7 +256,8 @@ class LLMEngine:
             self.prompt_tap.register(
                 child_ids[0], len(prompt), params.pooling, params.prompt_logprobs
             )
-        parent = _Parent(request_id, prompt, [], RequestMetrics(arrival_time=arrival))
+        metrics = RequestMetrics(arrival_time=arrival, added_step=self._counters["num_steps"])
+        parent = Parent(request_id, prompt, [], metrics)
         for index, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
@@ -309,7 +280,7 @@ class LLMEngine:
                     params.structured_outputs, req.tenant.name
                 )
             logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-            parent.completions.append(_Completion(index, req, detok, logprobs))
+            parent.completions.append(Completion(index, req, detok, logprobs))
         share_prompt = params.n > 1 and self.config.enable_prefix_caching
         for completion in parent.completions:
             if share_prompt and completion.index > 0:
@@ -331,7 +302,7 @@ class LLMEngine:
         else:
             self.scheduler.add_request(req)
 
-    def _admit_compiled(self, touched: list[_Parent]) -> None:
+    def _admit_compiled(self, touched: list[Parent]) -> None:
         """Hand the requests whose grammar just compiled to the scheduler; a failed compile
         aborts its request (the spec passed :meth:`check_request`, so this is rare)."""
         ready = [r for r in self._waiting_for_grammar.values() if r.grammar.is_ready]  # type: ignore[union-attr]
@@ -352,25 +323,43 @@ class LLMEngine:
                 touched.append(parent)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, detokenize; return outputs of requests that moved."""
-        touched: list[_Parent] = []
+        """Schedule, run the model, sample, detokenize; return outputs of requests that moved.
+
+        With ``--async-scheduling`` the step is launched before the previous one is read
+        (:mod:`engine.async_scheduling`), or runs synchronously where it must."""
+        touched: list[Parent] = []
         if self._waiting_for_grammar:
             self._admit_compiled(touched)
+        if self._async is None or not self._async.step(touched):
+            self._step_synchronously(touched)
+        return [self._make_output(p) for p in touched]
+
+    def _step_synchronously(self, touched: list[Parent]) -> None:
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self._counters["num_steps"] += 1
         if out.swap_out or out.swap_in:
             self.runner.swap(out.swap_out, out.swap_in)
-        now = time.monotonic()
-        self._count_prefill(out)
-        for req, _ in out.scheduled:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+        self._mark_scheduled(out)
         rows, logits = self.runner.execute(out)
         sampled, row_logprobs = self._sample(out, rows, logits) if rows else ({}, [])
         num_outputs = [r.num_output_tokens for r in rows]
         finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        self._apply_tokens(out, rows, num_outputs, row_logprobs, finished, sampled, touched)
+
+    def _apply_tokens(
+        self,
+        out: SchedulerOutput,
+        rows: list[Request],
+        num_outputs: list[int],
+        row_logprobs: list[list[TokenLogprob | None]],
+        finished: set[str],
+        sampled: Mapping[str, object],
+        touched: list[Parent],
+    ) -> None:
+        """Text, stop strings and outputs for the tokens the scheduler just appended to
+        ``rows`` (each had ``num_outputs[i]`` tokens before)."""
         now = time.monotonic()
         num_generated = 0
         for req, lps, before in zip(rows, row_logprobs, num_outputs, strict=True):
@@ -395,7 +384,6 @@ class LLMEngine:
                     parent.touched = True
                     touched.append(parent)
         self._counters["num_generation_tokens"] += num_generated
-        return [self._make_output(p) for p in touched]
 
     def _sample(
         self, out: SchedulerOutput, rows: list[Request], logits: torch.Tensor
@@ -424,18 +412,32 @@ class LLMEngine:
         sampled = {r.request_id: t for r, t in zip(rows, token_lists, strict=True)}
         return sampled, logprobs
 
+    def _mark_scheduled(self, out: SchedulerOutput) -> None:
+        """Count the step's prefill and note when (time and step number) each of its requests
+        was first scheduled."""
+        now = time.monotonic()
+        self._count_prefill(out)
+        step_no = self._counters["num_steps"]
+        for req, _ in out.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            entry = self._completions.get(req.request_id)
+            if entry is not None and entry[0].metrics.first_scheduled_step is None:
+                entry[0].metrics.first_scheduled_step = step_no
+
     def _count_prefill(self, out: SchedulerOutput) -> None:
         """Prefill work of this step: every scheduled token that is not a plain decode."""
         num = 0
         for req, n in out.scheduled:
-            decode = req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+            ahead = req.num_tokens + req.num_output_placeholders  # placeholders: async only
+            decode = ahead > req.num_prompt_tokens and req.num_computed_tokens == ahead - 1
             num += 0 if decode else n
         self._counters["num_computed_prompt_tokens"] += num
 
     def _on_token(
         self,
-        parent: _Parent,
-        completion: _Completion,
+        parent: Parent,
+        completion: Completion,
         token: int,
         logprob: TokenLogprob | None,
         now: float,
@@ -447,6 +449,7 @@ class LLMEngine:
         self._release_pending(parent)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            metrics.first_token_step = self._counters["num_steps"]
         if req.first_token_time is None:
             req.first_token_time = now
         metrics.last_token_time = now
@@ -476,13 +479,13 @@ class LLMEngine:
             return True
         return False
 
-    def _release_pending(self, parent: _Parent) -> None:
+    def _release_pending(self, parent: Parent) -> None:
         """Child 0's prompt is computed (and cached): start its siblings."""
         for sibling in parent.pending:
             self._admit(sibling.request)
         parent.pending.clear()
 
-    def _finish(self, parent: _Parent, completion: _Completion, now: float) -> None:
+    def _finish(self, parent: Parent, completion: Completion, now: float) -> None:
         self._release_pending(parent)
         if self.speculation is not None:
             self.speculation.forget(completion.request.request_id)
@@ -501,58 +504,13 @@ class LLMEngine:
         if parent.num_finished == len(parent.completions):
             parent.metrics.finished_time = now
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        parent.touched = False
-        outputs = []
-        for c in parent.completions:
-            req = c.request
-            finished = c.finish_reason is not None
-            text = c.detokenizer.visible_text(finished)
-            token_ids = list(req.output_token_ids)
-            outputs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=text,
-                    token_ids=token_ids,
-                    text_delta=text[c.num_sent_chars :],
-                    token_ids_delta=token_ids[c.num_sent_tokens :],
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-            )
-            c.num_sent_chars = len(text)
-            c.num_sent_tokens = len(token_ids)
-        metrics = parent.metrics
-        metrics.first_scheduled_time = min(
-            (c.request.first_scheduled_time for c in parent.completions
-             if c.request.first_scheduled_time is not None),
-            default=None,
-        )  # fmt: skip
-        metrics.num_preemptions = sum(c.request.num_preemptions for c in parent.completions)
-        done = parent.num_finished == len(parent.completions)
-        embedding = prompt_logprobs = None
-        if self.prompt_tap:
-            first = parent.completions[0].request
-            read = self.prompt_tap.pop_if_read(first.request_id, done)
-            if read is not None:
-                embedding = self.prompt_tap.result(read)
-                if read.num_prompt_logprobs is not None:
-                    prompt_logprobs = read.prompt_logprobs
-        if done:
+    def _make_output(self, parent: Parent) -> RequestOutput:
+        output = make_output(parent, self.prompt_tap)
+        if output.finished:
             self._parents.pop(parent.request_id, None)
             for c in parent.completions:
                 self._completions.pop(c.request.request_id, None)
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=outputs,
-            finished=done,
-            num_cached_tokens=max(c.request.num_cached_tokens for c in parent.completions),
-            metrics=dataclasses.replace(metrics),
-            embedding=embedding,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return output
 
     # ------------------------------------------------------------------ abort, state
 
@@ -597,3 +555,13 @@ class LLMEngine:
             num_waiting_for_grammar=len(self._waiting_for_grammar),
             resident_lora_adapters=self.lora.resident_names() if self.lora is not None else (),
         )  # fmt: skip
+
+
+def _max_model_len(config: EngineConfig, model_len: int) -> int:
+    """``--max-model-len`` where given (never past the model's context), else the model's."""
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} exceeds the model's context length "
+            f"({model_len})"
+        )
+    return config.max_model_len or model_len

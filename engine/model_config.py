@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from portico.contract import VISION_ARCHITECTURES
+
 # Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases. The
 # *ForSequenceClassification checkpoints are the same decoder with a score head in place of the
 # LM head: cross-encoders (rerankers) that serve /v1/score and /v1/rerank.
@@ -21,7 +23,6 @@ CROSS_ENCODER_ARCHITECTURES = (
 )
 # Vision-language checkpoints: a vision tower and projector in front of a Llama-family decoder
 # (engine/models/llava.py); the decoder's numbers come from the folder's ``text_config``.
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SUPPORTED_ARCHITECTURES = (
     GENERATIVE_ARCHITECTURES + CROSS_ENCODER_ARCHITECTURES + VISION_ARCHITECTURES
 )
@@ -215,19 +216,6 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=() if eos is None else (int(eos),),
         )
-
-
-def tokens_per_image(raw: Mapping[str, Any]) -> int | None:
-    """Prompt positions one image fills in a LLaVA model (its config.json): the vision
-    tower's patches, plus the CLS row under the "full" feature strategy; None for a model
-    that takes no images. The engine (engine/models/llava.py) and the gateway's prompt
-    counter both read it here."""
-    architectures = raw.get("architectures") or []
-    if not architectures or architectures[0] not in VISION_ARCHITECTURES:
-        return None
-    vision = raw.get("vision_config") or {}
-    side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))
-    return side * side + int(raw.get("vision_feature_select_strategy", "default") == "full")
 
 
 def _num_labels(architecture: str, raw: Mapping[str, Any]) -> int:

@@ -367,6 +367,29 @@ def resolve_quantization(spec: str, source: ModelSource, device: torch.device | 
     return spec
 
 
+def _attach_blocks(
+    model: LlamaForCausalLM,
+    cfg: ModelConfig,
+    found: dict[str, GGUFBlocks],
+    int8: bool,
+    dtype: torch.dtype,
+) -> None:
+    """Hand each linear layer (and the LM head) the GGUF file's blocks of its weight, packed
+    for the path ``dtype`` and ``int8`` take."""
+    for name, blocks in found.items():
+        if int8:
+            blocks.pack_q8()
+        elif dtype == torch.float32:
+            blocks.pack_panels()  # every step on one batch invariant kernel (block_linear.py)
+        if name == "lm_head":
+            if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
+                model.lm_head_blocks = blocks
+        else:
+            module = model.get_submodule(name)
+            if isinstance(module, BlockLinear) and blocks.shape == tuple(module.weight.shape):
+                module.blocks = blocks
+
+
 def load_model(
     source: ModelSource,
     dtype: torch.dtype = torch.float32,
@@ -430,18 +453,7 @@ def load_model(
     if quantization == "fp8":
         kept = quantize_projections(model)
         log.info("%s: projections in fp8 e4m3 (%.1f MiB)", source.name, kept / 2**20)
-    for name, blocks in found.items():
-        if int8:
-            blocks.pack_q8()
-        elif dtype == torch.float32:
-            blocks.pack_panels()  # every step on one batch invariant kernel (block_linear.py)
-        if name == "lm_head":
-            if blocks.shape == (cfg.vocab_size, cfg.hidden_size):
-                model.lm_head_blocks = blocks
-        else:
-            module = model.get_submodule(name)
-            if isinstance(module, BlockLinear) and blocks.shape == tuple(module.weight.shape):
-                module.blocks = blocks
+    _attach_blocks(model, cfg, found, int8, dtype)
     if found:
         log.info("%s: %d weight matrices also kept in GGUF blocks", source.name, len(found))
     packed = model.prepack_weights()

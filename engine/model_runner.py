@@ -8,6 +8,8 @@ decodes together) pass the linear layers as one ``[num_tokens, hidden]`` tensor.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,47 +132,39 @@ class ModelRunner:
             )
         elif with_graphs:
             max_len = engine_config.max_model_len or cfg.max_position_embeddings
+            # --async-scheduling loads step N+1 while step N's copies may still be in flight
             buffers = DecodeBuffers(
                 engine_config.max_num_seqs, -(-max_len // self.block_size), self.block_size,
                 scratch_block=num_gpu_blocks, device=self.device,
+                staging_sets=2 if engine_config.async_scheduling else 1,
             )  # fmt: skip
             buckets = plan_buckets(engine_config.max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, buffers, buckets)
             self.graphs.capture()
 
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        sampled: torch.Tensor | None = None,
+        sampled_rows: Mapping[str, int] | None = None,
+    ) -> tuple[list[Request], torch.Tensor]:
         """Run the scheduled tokens; return the requests that need a sampled token this step
         (prefill complete, or a decode) and their logits ``[N, vocab]`` (float32), row ``i``
         for the LAST scheduled token of request ``i``. A request verifying guesses
         (``out.spec_token_ids``) gets ``1 + len(guesses)`` consecutive rows instead: its last
         real token's, then each guess's.
+
+        Asynchronous scheduling: a request whose input token is a placeholder (sampled by the
+        previous step, not read yet) takes it from ``sampled`` (that step's ids, on this
+        device) at row ``sampled_rows[request_id]``, copied on the device.
         """
         if not out.scheduled:
             return [], torch.empty(0, self.config.vocab_size, device=self.device)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        to_sample: list[Request] = []
-        image_spans: list[tuple[int, Request, int, int]] = []  # (flat row, request, start, end)
         scheduled = out.scheduled if self.lora is None else self.lora.order(out.scheduled)
-        for req, num_new in scheduled:
-            guesses = out.spec_token_ids.get(req.request_id, ())
-            start = req.num_computed_tokens
-            end = start + num_new
-            if req.mm_inputs and start < req.mm_inputs[-1].end:
-                image_spans.append((len(token_ids), req, start, end - len(guesses)))
-            token_ids.extend(req.all_token_ids[start : end - len(guesses)])
-            token_ids.extend(guesses)
-            positions.extend(range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            tables.append(out.block_tables[req.request_id])
-            if end - len(guesses) == req.num_tokens:
-                to_sample.append(req)
-                sample_rows.extend(range(len(token_ids) - 1 - len(guesses), len(token_ids)))
+        flat = _FlatStep.of(out, scheduled, sampled_rows)
+        token_ids, positions, query_lens = flat.token_ids, flat.positions, flat.query_lens
+        seq_lens, tables, sample_rows = flat.seq_lens, flat.tables, flat.sample_rows
+        to_sample, placeholders, image_spans = flat.to_sample, flat.placeholders, flat.image_spans
         if max(seq_lens) > self.config.max_position_embeddings:
             raise ValueError(
                 f"a sequence of {max(seq_lens)} tokens exceeds the model's context of "
@@ -178,15 +172,25 @@ class ModelRunner:
             )
         if self.lora is not None:
             self.lora.prepare([(req.lora_request, n) for req, n in scheduled])
+        from_sampled: list[int] = []  # per token: the row of ``sampled`` it takes, or -1
+        if placeholders:
+            if sampled is None or min(row for _, row in placeholders) < 0:
+                raise ValueError("a placeholder input token without the step that samples it")
+            from_sampled = [-1] * len(token_ids)
+            for at, row in placeholders:
+                from_sampled[at] = row
         graphs = None if image_spans else self.graphs  # image rows never replay a graph
         if graphs is not None and self._graph_serves(out, query_lens, len(to_sample)):
-            hidden, logits = graphs.run(DecodeStep(token_ids, positions, seq_lens, tables))
+            step = DecodeStep(token_ids, positions, seq_lens, tables, from_sampled or None)
+            hidden, logits = graphs.run(step, sampled if from_sampled else None)
             if self.prompt_tap:
                 self.prompt_tap.read(scheduled, hidden)
             return to_sample, logits
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        if from_sampled:
+            _resolve_placeholders(input_ids, from_sampled, sampled)
         with torch.inference_mode():
             embeds = self._merge_images(input_ids, image_spans) if image_spans else None
             if not to_sample:
@@ -271,3 +275,62 @@ class ModelRunner:
             dst = torch.tensor([g for _, g in swap_in], device=self.device)
             for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches, strict=True):
                 gpu[:, dst] = cpu[:, src].to(self.device, non_blocking=True)
+
+
+def _resolve_placeholders(
+    input_ids: torch.Tensor, from_sampled: list[int], sampled: torch.Tensor | None
+) -> None:
+    """Copy each placeholder token from the previous step's ids, on the device (no host read)."""
+    assert sampled is not None  # execute checked it
+    dst = [i for i, j in enumerate(from_sampled) if j >= 0]
+    src = [from_sampled[i] for i in dst]
+    dst_t = torch.tensor(dst, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    src_t = torch.tensor(src, dtype=torch.int64).to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t).to(input_ids.dtype))
+
+
+@dataclass
+class _FlatStep:
+    """A step's scheduled tokens laid out flat, as the model takes them (ModelRunner.execute)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    to_sample: list[Request] = field(default_factory=list)
+    placeholders: list[tuple[int, int]] = field(default_factory=list)  # (token index, row)
+    # (flat row, request, start, end) of the requests whose scheduled tokens touch an image
+    image_spans: list[tuple[int, Request, int, int]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        out: SchedulerOutput,
+        scheduled: Sequence[tuple[Request, int]],
+        sampled_rows: Mapping[str, int] | None,
+    ) -> _FlatStep:
+        flat = cls()
+        token_ids, placeholders, image_spans = flat.token_ids, flat.placeholders, flat.image_spans
+        for req, num_new in scheduled:
+            guesses = out.spec_token_ids.get(req.request_id, ())
+            start = req.num_computed_tokens
+            end = start + num_new
+            known = req.all_token_ids[start : end - len(guesses)]
+            if req.mm_inputs and start < req.mm_inputs[-1].end:
+                image_spans.append((len(token_ids), req, start, end - len(guesses)))
+            token_ids.extend(known)
+            if len(known) < end - len(guesses) - start:  # its last token is on the device
+                row = sampled_rows.get(req.request_id, -1) if sampled_rows else -1
+                placeholders.append((len(token_ids), row))
+                token_ids.append(0)
+            token_ids.extend(guesses)
+            flat.positions.extend(range(start, end))
+            flat.query_lens.append(num_new)
+            flat.seq_lens.append(end)
+            flat.tables.append(out.block_tables[req.request_id])
+            if end - len(guesses) == req.num_tokens + req.num_output_placeholders:
+                flat.to_sample.append(req)
+                flat.sample_rows.extend(range(len(token_ids) - 1 - len(guesses), len(token_ids)))
+        return flat

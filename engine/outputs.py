@@ -32,7 +32,10 @@ class RequestMetrics:
     """Per-request timings, all ``time.monotonic()`` seconds (None until they happen).
 
     The server derives TTFT (``first_token_time - arrival_time``), inter-token latency and
-    end-to-end latency (``finished_time - arrival_time``) from these.
+    end-to-end latency (``finished_time - arrival_time``) from these. The ``*_step`` fields
+    count the engine's steps (``num_steps``): the count when the request entered the engine,
+    the step that first scheduled it and the step that produced its first token, so a trace
+    says how many steps a request waited and how many its prefill took.
     """
 
     arrival_time: float
@@ -41,6 +44,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    added_step: int | None = None
+    first_scheduled_step: int | None = None
+    first_token_step: int | None = None
 
 
 @dataclass

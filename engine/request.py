@@ -68,6 +68,7 @@ class Request:
         "finished_time",
         "grammar",
         "spec_token_ids",
+        "num_output_placeholders",
         "mm_inputs",
     )
 
@@ -109,6 +110,9 @@ class Request:
         # Speculative decoding: this step's guesses of the next tokens (engine-proposed, the
         # scheduler may shorten them; never part of all_token_ids until verified).
         self.spec_token_ids: list[int] = []
+        # Asynchronous scheduling: tokens sampled by a launched step and not yet read (their
+        # positions already count in num_computed_tokens). Always 0 in the synchronous engine.
+        self.num_output_placeholders = 0
         # Images in the prompt (engine/multimodal.py): their placeholder runs and hashes.
         self.mm_inputs: tuple[ImageInput, ...] = tuple(mm_inputs)
 

@@ -84,6 +84,26 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class SampledOnDevice:
+    """A step's sampled ids still on the device (int64 ``[N]``), and what reading them needs:
+    the rows' log-probabilities (None: no row asked) and parameters."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    params: Sequence[Any]
+
+    @torch.inference_mode()
+    def read(self) -> SamplerOutput:
+        """Read the ids on the host (the step's one synchronisation) and the logprobs asked."""
+        tokens = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(tokens, [None] * len(tokens))
+        return SamplerOutput(
+            tokens, _batch_logprobs(self.logprobs, self.token_ids, tokens, self.params)
+        )
+
+
 def is_greedy(params: Any) -> bool:
     return float(params.temperature) < _GREEDY_EPS
 
@@ -166,7 +186,6 @@ class Sampler:
                 self._generator.manual_seed(self._seed)
         return self._generator
 
-    @torch.inference_mode()
     def sample(
         self,
         logits: torch.Tensor,
@@ -178,6 +197,17 @@ class Sampler:
         ``grammar_mask`` is ``(bitmask, constrained_rows)`` from the structured-output
         manager: one packed int32 bitmask for the batch; only the listed rows are masked.
         """
+        return self.sample_on_device(logits, rows, grammar_mask).read()
+
+    @torch.inference_mode()
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> SampledOnDevice:
+        """:meth:`sample` up to the host read: the ids stay on the device until
+        :meth:`SampledOnDevice.read` (asynchronous scheduling feeds them to the next step)."""
         if grammar_mask is not None and grammar_mask[1]:
             apply_grammar_mask(logits, *grammar_mask)
         params = [r.sampling_params for r in rows]
@@ -186,7 +216,7 @@ class Sampler:
         process = [_needs_processing(r.sampling_params, len(r.output_token_ids)) for r in rows]
         if all(greedy) and not any(process) and not want_logprobs:
             # max().indices: the first maximum, like argmax, and faster on CPU.
-            return SamplerOutput(logits.max(dim=-1).indices.tolist(), [None] * len(rows))
+            return SampledOnDevice(logits.max(dim=-1).indices, None, params)
 
         logits = logits.float()
         if any(process):
@@ -195,7 +225,6 @@ class Sampler:
         if any(t != 1.0 for t in temps):
             logits.div_(torch.tensor(temps, device=logits.device).unsqueeze(1))
 
-        logprobs_out: list[TokenLogprob | None] = [None] * len(rows)
         logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
 
         token_ids = logits.max(dim=-1).indices
@@ -205,10 +234,7 @@ class Sampler:
             sub = apply_truncation(logits.index_select(0, idx), [params[i] for i in random_idx])
             chosen = self._race(sub.softmax(dim=-1), [rows[i] for i in random_idx])
             token_ids.index_copy_(0, idx, chosen)
-        tokens = token_ids.tolist()
-        if logprobs is not None:
-            logprobs_out = _batch_logprobs(logprobs, token_ids, tokens, params)
-        return SamplerOutput(tokens, logprobs_out)
+        return SampledOnDevice(token_ids, logprobs, params)
 
     def verify(
         self,

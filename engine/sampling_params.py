@@ -7,18 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from portico.errors import ParameterError as ParameterError  # its home; engine code imports it here
+
 if TYPE_CHECKING:
     from engine.pooling_params import PoolingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-
-
-class ParameterError(ValueError):
-    """Bad user input, naming the parameter (``param``) so the server can report it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _is_int(value: Any) -> bool:

@@ -144,6 +144,7 @@ class Scheduler:
             contention_window_s=config.fair_contention_window_s,
             short_prefill_tokens=config.fair_short_prefill_tokens,
             batch_prefill_tokens=config.fair_batch_prefill_tokens,
+            batch_window_s=config.fair_batch_window_s,
         )
         # Running: sorted by the policy's order key, so the newest is last and pops in O(1).
         self.running: list[Request] = []
@@ -201,10 +202,8 @@ class Scheduler:
         out = SchedulerOutput()
         step = _Step(self.config.max_num_batched_tokens)
         # Reserve a token for every running decode so an older prefill chunk cannot starve them.
-        num_pending_decodes = sum(
-            1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
-        )
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        num_pending_decodes = sum(1 for r in self.running if _num_unscheduled(r) == 1)
+        prefills = [r for r in self.running if _num_unscheduled(r) > 1]
         prefill_index = {r.request_id: i for i, r in enumerate(prefills)}
         step.budget = self.policy.step_budget(step.budget, num_pending_decodes, self.running)
         step.favoured = self.policy.short_step(self.running, can_admit=self._can_admit())
@@ -215,10 +214,12 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted this step to make room for an earlier one
-            remaining = req.num_tokens - req.num_computed_tokens
+            remaining = _num_unscheduled(req)
             num_spec = 0
             if remaining == 1:
                 num_pending_decodes -= 1
+                if req.num_output_placeholders and self._ends_in_flight(req):
+                    continue  # asynchronous scheduling: its last token is already launched
                 num_new = 1
                 if req.spec_token_ids:
                     num_spec = self._num_guesses(req, step.budget - 1 - num_pending_decodes)
@@ -318,6 +319,8 @@ class Scheduler:
         """Blocks for a waiting request's first chunk (swapped in, or after its cached
         prefix): how many tokens it runs now; 0: none this step (the budget); None: no
         blocks."""
+        if req.num_output_placeholders:
+            return 0  # preempted with a token in flight: it restarts once that is read
         if req.status == RequestStatus.SWAPPED:
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if not num_new:
@@ -494,6 +497,14 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
 
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Does a launched token already take ``req`` to max_tokens or the context limit?"""
+        num_output = req.num_output_tokens + req.num_output_placeholders
+        max_tokens = req.sampling_params.max_tokens
+        return req.num_tokens + req.num_output_placeholders >= self.max_model_len or (
+            max_tokens is not None and num_output >= max_tokens
+        )
+
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         """Token-level stops (stop strings are the detokenizer's); sets ``stop_reason``."""
         params = req.sampling_params
@@ -574,3 +585,8 @@ class Scheduler:
             )
             for name in names
         )
+
+
+def _num_unscheduled(req: Request) -> int:
+    """Tokens of ``req`` not yet scheduled: its placeholders count (asynchronous scheduling)."""
+    return req.num_tokens + req.num_output_placeholders - req.num_computed_tokens

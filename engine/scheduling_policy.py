@@ -303,6 +303,7 @@ class FairPolicy(PriorityPolicy):
         contention_window_s: float = 0.0,
         short_prefill_tokens: int = 0,
         batch_prefill_tokens: int = 0,
+        batch_window_s: float = 0.0,
     ) -> None:
         super().__init__(clock, max_wait_s)
         self.counters: dict[str, float] = {}
@@ -311,31 +312,47 @@ class FairPolicy(PriorityPolicy):
         self.contention_window_s = contention_window_s
         self.short_prefill_tokens = short_prefill_tokens
         self.batch_prefill_tokens = batch_prefill_tokens
-        self._contended_until = -math.inf
+        self.batch_window_s = batch_window_s
+        # tenant -> the last time (clock) it had a request running or waiting (step cap)
+        self._last_work: dict[str, float] = {}
         self._interactive_until = -math.inf
         # request id -> its output length when a reclaim preempted it (no thrash: see below)
         self._reclaimed_at: dict[str, int] = {}
 
     def step_budget(self, budget: int, num_decodes: int, running: Sequence[Request]) -> int:
-        """While two or more tenants have had work (running or waiting) within the last
-        ``contention_window_s``, a step carries at most ``contended_prefill_tokens`` prefill
-        tokens besides its decodes. Why: a step cannot be interrupted, so a request of a tenant
-        that arrives mid-step waits for the rest of it, however fair the next pick is; on a CPU
-        a step's time grows with its tokens. Short steps bound that wait; the window keeps
-        them short between one tenant's requests (an interactive user's next turn), and one
-        tenant alone gets the whole budget back once the window has passed."""
-        if not self.contended_prefill_tokens:
-            return budget
-        now = self.clock()
-        if self._num_active_tenants(running) > 1:
-            self._contended_until = now + self.contention_window_s
-        if now > self._contended_until:
+        """While two or more tenants have each had work (a request running or waiting)
+        within the last ``contention_window_s``, a step carries at most
+        ``contended_prefill_tokens`` prefill tokens besides its decodes. Why: a step cannot be
+        interrupted, so a request of a tenant that arrives mid-step waits for the rest of it,
+        however fair the next pick is; on a CPU a step's time grows with its tokens. Short
+        steps bound that wait. Each tenant is remembered for the window on its own, not only
+        while two have work at once: a tenant that comes back after a pause (an interactive
+        user's next turn, minutes later) finds short steps, not one full step of another
+        tenant's prefill in flight (issue 43: that step was most of the first request's
+        wait). One tenant alone gets the whole budget back once the others' windows have
+        passed, and an engine only one tenant ever uses is never capped."""
+        if not self.contended_prefill_tokens or not self._contended(running):
             return budget
         return min(budget, num_decodes + self.contended_prefill_tokens)
 
+    def _contended(self, running: Sequence[Request]) -> bool:
+        """Have two or more tenants had work within ``contention_window_s``? Stamps the
+        tenants with work now and forgets those whose window has passed (O(running))."""
+        now = self.clock()
+        last = self._last_work
+        for tenant in self.num_waiting_by_tenant:
+            last[tenant] = now
+        for r in running:
+            last[r.tenant.name] = now
+        if len(last) > 1:
+            horizon = now - self.contention_window_s
+            for tenant in [t for t, seen in last.items() if seen < horizon]:
+                del last[tenant]
+        return len(last) > 1
+
     def batch_prefill_budget(self, running: Sequence[Request]) -> int | None:
         """While an ``interactive`` request has been running or waiting within the last
-        ``contention_window_s``, ``batch`` requests take at most ``batch_prefill_tokens``
+        ``batch_window_s``, ``batch`` requests take at most ``batch_prefill_tokens``
         prefill tokens a step (0: no limit). Why: the class order already admits interactive
         requests first, but the step in flight when one arrives cannot be cut short, and
         batch lines' prompts filling it make the interactive request wait it out. Keeping
@@ -347,17 +364,8 @@ class FairPolicy(PriorityPolicy):
         if any(rank == 0 for rank, _ in self._flows) or any(
             r.tenant.class_rank == 0 for r in running
         ):
-            self._interactive_until = now + self.contention_window_s
+            self._interactive_until = now + self.batch_window_s
         return self.batch_prefill_tokens if now <= self._interactive_until else None
-
-    def _num_active_tenants(self, running: Sequence[Request]) -> int:
-        """How many tenants have running or waiting requests (counting stops at 2)."""
-        tenants = set(self.num_waiting_by_tenant)
-        for r in running:
-            tenants.add(r.tenant.name)
-            if len(tenants) > 1:
-                break
-        return len(tenants)
 
     def flow_key(self, flow: _Flow, head: OrderKey) -> tuple[float | int, ...]:
         return (head[0], self.counters.get(flow.tenant, 0.0), *head[1:])
@@ -544,12 +552,14 @@ def make_policy(
     contention_window_s: float = 0.0,
     short_prefill_tokens: int = 0,
     batch_prefill_tokens: int = 0,
+    batch_window_s: float = 0.0,
 ) -> SchedulingPolicy:
     """The policy ``--scheduling-policy`` names. Under fair, ``max_wait_s`` bounds waiting,
     ``contended_prefill_tokens`` (0: off) caps a step's prefill while tenants contend, and
     a less-served tenant's prompt of at most ``short_prefill_tokens`` runs in a step without
     the others' prefill chunks (0: off), and ``batch`` requests take at most
-    ``batch_prefill_tokens`` of a step while interactive ones are around (0: off)."""
+    ``batch_prefill_tokens`` of a step while interactive ones have been around within
+    ``batch_window_s`` (0: off)."""
     if name not in POLICIES:
         raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}; got {name!r}")
     if name != "fair":
@@ -562,4 +572,5 @@ def make_policy(
         contention_window_s=contention_window_s,
         short_prefill_tokens=short_prefill_tokens,
         batch_prefill_tokens=batch_prefill_tokens,
+        batch_window_s=batch_window_s,
     )

@@ -12,20 +12,20 @@ from collections.abc import AsyncIterator, Mapping
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.batch.batch_routes import build_batch_router
 from gateway.config import GatewayConfig
 from gateway.console.routes import build_console_router
 from gateway.console.sessions import ConsoleSessions
-from gateway.dataplane.adapter_admin import build_adapter_router
-from gateway.dataplane.batch_routes import build_batch_router
-from gateway.dataplane.engine_admin import build_engine_router
-from gateway.dataplane.engine_metrics import scrape_engines
-from gateway.dataplane.hot_routes import GatewayApp, HotRoutes
-from gateway.dataplane.request_context import InFlight, RequestContextMiddleware
+from gateway.fleet.adapter_admin import build_adapter_router
+from gateway.fleet.engine_admin import build_engine_router
+from gateway.fleet.engine_metrics import scrape_engines
 from gateway.identity.admin import build_admin_router
 from gateway.identity.principal import Principal
 from gateway.identity.provider_keys import build_provider_key_router
 from gateway.lifecycle import start_gateway
 from gateway.metrics import GatewayMetrics
+from gateway.relay.hot_routes import GatewayApp, HotRoutes
+from gateway.relay.request_context import InFlight, RequestContextMiddleware
 from gateway.request_path import Gateway
 from gateway.tls import AdminClientCertGuard
 from portico.http_errors import BodySizeLimitMiddleware, install_error_handlers

@@ -15,13 +15,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.admission.admission import AdmissionSettings
+from gateway.batch.batches import BatchSettings
 from gateway.console.sessions import ConsoleSettings
-from gateway.dataplane.batches import BatchSettings
-from gateway.dataplane.discovery import DiscoverySpec
-from gateway.dataplane.remote import RemoteSpec
+from gateway.fleet.discovery import DiscoverySpec
 from gateway.identity.audit import AuditSettings
 from gateway.identity.auth import AuthSettings
 from gateway.identity.prices import ModelPrice
+from gateway.remotes.remote import RemoteSpec
 from gateway.store import StoreSettings
 
 PACKAGED_POLICIES = Path(__file__).resolve().parent.parent / "policies"
@@ -83,7 +83,7 @@ class EngineSpec(_Strict):
     env: dict[str, str] = {}
     startup_timeout_s: float = Field(default=600.0, gt=0)
     count_tokens_with: Literal["tokenizer", "estimate"] = "tokenizer"
-    # prompts over the context (gateway/dataplane/long_prompts.py): refuse (the engine's 400),
+    # prompts over the context (gateway/relay/long_prompts.py): refuse (the engine's 400),
     # truncate_left (keep system prompt + latest turns) or truncate_middle
     long_prompts: Literal["refuse", "truncate_left", "truncate_middle"] = "refuse"
     discovery: DiscoverySpec | None = None
@@ -145,7 +145,7 @@ class GatewayConfig(_Strict):
     access_log: bool = False
     # how long a stored Responses API response (store: true) is kept; OpenAI keeps 30 days
     responses_retention_s: int = Field(default=30 * 24 * 3600, ge=60)
-    # the Files and Batch APIs: file and batch limits, the runner (dataplane/batches.py)
+    # the Files and Batch APIs: file and batch limits, the runner (batch/batches.py)
     batches: BatchSettings = Field(default_factory=BatchSettings)
 
     @model_validator(mode="after")

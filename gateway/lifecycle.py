@@ -25,33 +25,34 @@ from gateway.admission.limiter import RedisLimiter
 from gateway.admission.prompt_tokens import PromptCounter, load_image_tokens, load_tokenizer
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
+from gateway.batch.batch_runner import BatchRunner, owner_principal
+from gateway.batch.batches import BatchStore
+from gateway.batch.files import DiskStorage, FileStorage, FileStore
+from gateway.batch.s3_storage import S3Storage
 from gateway.config import PACKAGED_POLICIES, EngineSpec, GatewayConfig
-from gateway.dataplane.adapters import AdapterCatalog
-from gateway.dataplane.batch_runner import BatchRunner, owner_principal
-from gateway.dataplane.batches import BatchStore
-from gateway.dataplane.discovery import DNSDiscovery
-from gateway.dataplane.files import DiskStorage, FileStorage, FileStore
-from gateway.dataplane.long_prompts import PromptFit, context_length
-from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
-from gateway.dataplane.output_tokens import OutputCounter
-from gateway.dataplane.pool import Pool, Replica, ReplicaPolicy
-from gateway.dataplane.prefix_index import PrefixIndex, PrefixIndexFeeder
-from gateway.dataplane.proxy import LocalUpstream, Upstream
-from gateway.dataplane.remote import RemoteUpstream
-from gateway.dataplane.request_context import InFlight
-from gateway.dataplane.responses_store import ResponseStore
-from gateway.dataplane.retry import RetryPolicy, load_retry_policy
-from gateway.dataplane.routing import Router, load_routing_policy
-from gateway.dataplane.s3_storage import S3Storage
-from gateway.dataplane.supervisor import EngineProcess, Supervisor, engine_argv
-from gateway.dataplane.transport import LeanTransport
+from gateway.fleet.adapters import AdapterCatalog
+from gateway.fleet.discovery import DNSDiscovery
+from gateway.fleet.pool import Pool, Replica, ReplicaPolicy
+from gateway.fleet.prefix_index import PrefixIndex, PrefixIndexFeeder
+from gateway.fleet.supervisor import EngineProcess, Supervisor, engine_argv
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import open_identity
 from gateway.identity.layout import migrate_layout
 from gateway.identity.prices import PriceBook
+from gateway.identity.usage import UsageLedger
 from gateway.metrics import GatewayMetrics
+from gateway.relay.long_prompts import PromptFit, context_length
+from gateway.relay.output_tokens import OutputCounter
+from gateway.relay.proxy import LocalUpstream, Upstream
+from gateway.relay.request_context import InFlight
+from gateway.relay.responses_store import ResponseStore
+from gateway.relay.retry import RetryPolicy, load_retry_policy
+from gateway.relay.routing import Router, RoutingPolicy, load_routing_policy
+from gateway.relay.transport import LeanTransport
+from gateway.remotes.openai_remote import OpenAIRemoteUpstream
+from gateway.remotes.remote import RemoteUpstream
 from gateway.request_path import Gateway
-from gateway.store import open_shared_redis
+from gateway.store import SharedRedis, open_shared_redis
 from gateway.tracing import GatewayTracing
 
 log = logging.getLogger("portico.gateway")
@@ -80,61 +81,20 @@ async def start_gateway(
         stack.push_async_callback(identity.aclose)
         if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
             identity.authenticator.keep_outage_copy(config.auth.outage_copy_seconds)
-        # Admission's two scripts per request go over one pipelined connection
-        # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
-        # gateway's CPU.
-        # None over TLS, on a cluster or through Sentinel: redis-py's client then
-        pipe = RedisPipe.from_client(redis.client)
-        if pipe is not None:
-            stack.push_async_callback(pipe.aclose)
-        limiter = RedisLimiter(
-            redis.client, budget_ttl_s=config.admission.budget_key_ttl_seconds, pipe=pipe
-        )
-        # prices are read from memory per request; the admin API's are refreshed from Redis
-        prices = PriceBook(redis.client, config.pricing)
-        await prices.refresh()
-        prices.start()
-        stack.push_async_callback(prices.aclose)
-        admission = Admission(
-            redis.client,
-            config.admission,
-            registry=metrics.registry,
-            limiter=limiter,
-            prices=prices,
-        )
-        admission.start_watch()  # Redis probed on a timer; aclose stops the probe
-        stack.push_async_callback(admission.aclose)
-        usage = UsageRecorder(identity.store.ledger)
-        usage.start()
-        # closed after the engines drained: every request is counted
-        stack.push_async_callback(usage.aclose)
+        admission, prices = await _open_admission(stack, redis, config, metrics)
+        usage = _start_usage(stack, identity.store.ledger)
         guard = AbuseGuard(redis.url, config.admission.abuse, registry=metrics.registry)
         retry = load_retry_policy(config.policies_dir / "retry.yaml")
         routing = load_routing_policy(config.policies_dir / "routing.yaml")
-        local = _LocalEngines(config, runtime_dir, retry, routing.affinity_slack, metrics)
-        local.use_replica_policy(routing.replica_policy)
-        for pool in local.pools:
-            for replica in pool.replicas:
-                stack.push_async_callback(replica.client.aclose)
+        local = _open_local_engines(stack, config, runtime_dir, retry, routing, metrics, tracing)
         upstreams: dict[str, Upstream] = dict(local.upstreams)
-        for upstream in local.upstreams.values():
-            upstream.tracer = tracing
         remote_tokenizers = await _load_remote_tokenizers(config)
-        remote_pools: list[Pool] = []
-        for spec in config.remotes:  # a missing credential stops the start-up here
-            if spec.kind == "litellm":  # translation (Anthropic, Bedrock, ...)
-                upstreams[spec.name] = RemoteUpstream(spec, retry, metrics, env)
-                continue
-            counter = OutputCounter(remote_tokenizers.get(spec.name))
-            remote = OpenAIRemoteUpstream(spec, retry, metrics, env, counter=counter)
-            stack.push_async_callback(remote.client.aclose)
-            remote_pools.append(remote.pool)
-            upstreams[spec.name] = remote
-        router = Router(
-            routing,
-            set(upstreams),
-            strict=config.policies_dir.resolve() != PACKAGED_POLICIES,
+        # a missing credential stops the start-up here
+        remote_pools = _open_remotes(
+            stack, config, retry, metrics, env, remote_tokenizers, upstreams
         )
+        strict = config.policies_dir.resolve() != PACKAGED_POLICIES  # packaged: lenient
+        router = Router(routing, set(upstreams), strict=strict)
         storage = _file_storage(config, env)  # a missing S3 credential stops the start here
         stack.push_async_callback(storage.aclose)
         # The adapter catalog is read before the engines start: each engine that becomes
@@ -146,24 +106,9 @@ async def start_gateway(
         )
         await adapters.load()
         engine_tasks: list[asyncio.Task[None]] = []
-        stack.push_async_callback(_cancel, engine_tasks)
-        supervisor = _supervisor(local.processes, config, metrics, adapters, engine_tasks)
-        for discovery in local.discoveries:  # closes the clients of what it found
-            stack.push_async_callback(discovery.aclose)
-        await asyncio.gather(*(d.refresh() for d in local.discoveries))
-        probers = [asyncio.create_task(pool.run_prober()) for pool in [*local.pools, *remote_pools]]
-        probers += [asyncio.create_task(d.run()) for d in local.discoveries]
-        probers += [asyncio.create_task(f.run()) for f in local.prefix_feeders]
-        stack.push_async_callback(_cancel, probers)
-        stack.push_async_callback(supervisor.stop, config.supervisor.stop_timeout_s)
-        timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
-        tokenizers, all_ready = await asyncio.gather(
-            _load_tokenizers(config), supervisor.start(ready_timeout=timeout)
+        supervisor, tokenizers = await _start_engines(
+            stack, config, metrics, local, remote_pools, adapters, engine_tasks
         )
-        if not all_ready:
-            log.error("not every engine became ready in %.0f s; serving what is up", timeout)
-        for name, local_upstream in local.upstreams.items():  # prefix_aware pools hash tokens
-            local_upstream.route_tokenizer = tokenizers.get(name)
         gateway = Gateway(
             config=config,
             metrics=metrics,
@@ -193,6 +138,131 @@ async def start_gateway(
     _start_batch_runner(gateway)
     _freeze_startup_objects()
     return gateway
+
+
+def _start_usage(stack: contextlib.AsyncExitStack, ledger: UsageLedger) -> UsageRecorder:
+    """The usage recorder, started; it closes with ``stack`` after the engines drained (its
+    callback is pushed before theirs), so every request is counted."""
+    usage = UsageRecorder(ledger)
+    usage.start()
+    stack.push_async_callback(usage.aclose)
+    return usage
+
+
+async def _open_admission(
+    stack: contextlib.AsyncExitStack,
+    redis: SharedRedis,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+) -> tuple[Admission, PriceBook]:
+    """Admission over the shared Redis, with its price book; both close with ``stack``."""
+    # Admission's two scripts per request go over one pipelined connection
+    # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
+    # gateway's CPU.
+    # None over TLS, on a cluster or through Sentinel: redis-py's client then
+    pipe = RedisPipe.from_client(redis.client)
+    if pipe is not None:
+        stack.push_async_callback(pipe.aclose)
+    limiter = RedisLimiter(
+        redis.client, budget_ttl_s=config.admission.budget_key_ttl_seconds, pipe=pipe
+    )
+    # prices are read from memory per request; the admin API's are refreshed from Redis
+    prices = PriceBook(redis.client, config.pricing)
+    await prices.refresh()
+    prices.start()
+    stack.push_async_callback(prices.aclose)
+    admission = Admission(
+        redis.client,
+        config.admission,
+        registry=metrics.registry,
+        limiter=limiter,
+        prices=prices,
+    )
+    admission.start_watch()  # Redis probed on a timer; aclose stops the probe
+    stack.push_async_callback(admission.aclose)
+    return admission, prices
+
+
+def _open_local_engines(
+    stack: contextlib.AsyncExitStack,
+    config: GatewayConfig,
+    runtime_dir: Path,
+    retry: RetryPolicy,
+    routing: RoutingPolicy,
+    metrics: GatewayMetrics,
+    tracing: GatewayTracing | None,
+) -> _LocalEngines:
+    """The local engines' pools and upstreams (not started); their clients close with
+    ``stack``."""
+    local = _LocalEngines(config, runtime_dir, retry, routing.affinity_slack, metrics)
+    local.use_replica_policy(routing.replica_policy)
+    for pool in local.pools:
+        for replica in pool.replicas:
+            stack.push_async_callback(replica.client.aclose)
+    for upstream in local.upstreams.values():
+        upstream.tracer = tracing
+    return local
+
+
+async def _start_engines(
+    stack: contextlib.AsyncExitStack,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    local: _LocalEngines,
+    remote_pools: list[Pool],
+    adapters: AdapterCatalog,
+    engine_tasks: list[asyncio.Task[None]],
+) -> tuple[Supervisor, dict[str, Any]]:
+    """Start the engines under a supervisor, the discoveries and the probers, and load the
+    tokenizers meanwhile; returns the supervisor and the tokenizers by model. What starts
+    here stops with ``stack`` (the engines drained before the probers stop)."""
+    stack.push_async_callback(_cancel, engine_tasks)
+    supervisor = _supervisor(local.processes, config, metrics, adapters, engine_tasks)
+    for discovery in local.discoveries:  # closes the clients of what it found
+        stack.push_async_callback(discovery.aclose)
+    await asyncio.gather(*(d.refresh() for d in local.discoveries))
+    stack.push_async_callback(_cancel, _start_probers(local, remote_pools))
+    stack.push_async_callback(supervisor.stop, config.supervisor.stop_timeout_s)
+    timeout = max((e.startup_timeout_s for e in config.engines), default=0.0)
+    tokenizers, all_ready = await asyncio.gather(
+        _load_tokenizers(config), supervisor.start(ready_timeout=timeout)
+    )
+    if not all_ready:
+        log.error("not every engine became ready in %.0f s; serving what is up", timeout)
+    for name, local_upstream in local.upstreams.items():  # prefix_aware pools hash tokens
+        local_upstream.route_tokenizer = tokenizers.get(name)
+    return supervisor, tokenizers
+
+
+def _open_remotes(
+    stack: contextlib.AsyncExitStack,
+    config: GatewayConfig,
+    retry: RetryPolicy,
+    metrics: GatewayMetrics,
+    env: Mapping[str, str],
+    tokenizers: Mapping[str, Any],
+    upstreams: dict[str, Upstream],
+) -> list[Pool]:
+    """Add each remote tier to ``upstreams``; the pools of the OpenAI-compatible ones."""
+    remote_pools: list[Pool] = []
+    for spec in config.remotes:
+        if spec.kind == "litellm":  # translation (Anthropic, Bedrock, ...)
+            upstreams[spec.name] = RemoteUpstream(spec, retry, metrics, env)
+            continue
+        counter = OutputCounter(tokenizers.get(spec.name))
+        remote = OpenAIRemoteUpstream(spec, retry, metrics, env, counter=counter)
+        stack.push_async_callback(remote.client.aclose)
+        remote_pools.append(remote.pool)
+        upstreams[spec.name] = remote
+    return remote_pools
+
+
+def _start_probers(local: _LocalEngines, remote_pools: list[Pool]) -> list[asyncio.Task[None]]:
+    """The pools' health probers, the discoveries and the prefix index feeders, started."""
+    probers = [asyncio.create_task(pool.run_prober()) for pool in [*local.pools, *remote_pools]]
+    probers += [asyncio.create_task(d.run()) for d in local.discoveries]
+    probers += [asyncio.create_task(f.run()) for f in local.prefix_feeders]
+    return probers
 
 
 def _file_storage(config: GatewayConfig, env: Mapping[str, str]) -> FileStorage:
@@ -265,7 +335,7 @@ class _LocalEngines:
 
     def use_replica_policy(self, policy: ReplicaPolicy) -> None:
         """Set every local pool's replica policy; prefix_aware gives each pool a prefix index
-        and a feeder polling its replicas' block events (gateway/dataplane/prefix_index.py)."""
+        and a feeder polling its replicas' block events (gateway/fleet/prefix_index.py)."""
         self.prefix_feeders: list[PrefixIndexFeeder] = []
         for pool in self.pools:
             pool.replica_policy = policy

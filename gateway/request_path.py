@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,34 +32,34 @@ from gateway.admission.admission import (
 )
 from gateway.admission.prompt_tokens import PromptCounter
 from gateway.admission.usage_recorder import UsageRecorder
-from gateway.config import GatewayConfig
-from gateway.dataplane.adapters import Adapter, AdapterCatalog
-from gateway.dataplane.batch_runner import BatchRunner
-from gateway.dataplane.batches import BatchStore
-from gateway.dataplane.budget_stop import watch_budget
-from gateway.dataplane.fields import (
+from gateway.batch.batch_runner import BatchRunner
+from gateway.batch.batches import BatchStore
+from gateway.batch.files import FileStore
+from gateway.body.fields import (
     GENERATING_KINDS,
     POOLING_KINDS,
     RequestFields,
     match_shared_prefix,
     parse_fields,
 )
-from gateway.dataplane.files import FileStore
-from gateway.dataplane.image_parts import num_images
-from gateway.dataplane.long_prompts import HEADER as TRUNCATED_HEADER
-from gateway.dataplane.long_prompts import PromptFit
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
-from gateway.dataplane.request_context import CTX_KEY, InFlight, RequestContext
-from gateway.dataplane.responses_store import ResponseChain, ResponseStore, input_items_page
-from gateway.dataplane.routing import RouteDecision, Router, model_card
-from gateway.dataplane.supervisor import Supervisor
+from gateway.body.image_parts import num_images
+from gateway.config import GatewayConfig
+from gateway.fleet.adapters import Adapter, AdapterCatalog
+from gateway.fleet.pool import Pool, Replica
+from gateway.fleet.supervisor import Supervisor
 from gateway.identity.audit import AuditLog
 from gateway.identity.auth import Identity
 from gateway.identity.cache_salts import shared_prefix_salt
 from gateway.identity.prices import PriceBook
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from gateway.relay.budget_stop import watch_budget
+from gateway.relay.long_prompts import HEADER as TRUNCATED_HEADER
+from gateway.relay.long_prompts import PromptFit
+from gateway.relay.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
+from gateway.relay.request_context import CTX_KEY, InFlight, RequestContext
+from gateway.relay.responses_store import ResponseChain, ResponseStore, input_items_page
+from gateway.relay.routing import RouteDecision, Router, model_card
 from gateway.store import SharedRedis
 from gateway.tracing import NO_TRACE, GatewayTracing, NoTrace
 from portico.errors import (
@@ -78,6 +78,46 @@ FAILED_AUTH_MEMORY_S = 300.0
 # all it reserved (the request and its tokens), as if the gateway had refused it itself.
 REFUSED_INPUT_STATUSES = frozenset({400, 404, 413, 422})
 MAX_FAILED_AUTH_ADDRESSES = 10_000
+
+
+def _check_images(principal: Principal, model: str, fields: RequestFields) -> None:
+    """A 403 naming ``messages`` when the plan does not let images go to ``model``."""
+    if not principal.may_send_images(model) and num_images(fields.messages):
+        raise PermissionDeniedError(
+            f"Your plan does not allow images with the model '{model}'.",
+            param="messages",
+            code="images_not_allowed",
+        )
+
+
+def _mark_shared_prefix(fields: RequestFields, principal: Principal, kind: str) -> None:
+    """Note on ``fields`` the plan's shared prefix the prompt starts with, if any: local
+    engines cache it under the plan's salt."""
+    if principal.shared_prefixes and kind in ("chat", "completion"):
+        num_chars = match_shared_prefix(fields, principal.shared_prefixes)
+        if num_chars:
+            fields.shared_prefix = (shared_prefix_salt(principal.plan), num_chars)
+
+
+def _response(
+    exchange: Exchange, headers: dict[str, str], finish: Callable[[], Awaitable[None]]
+) -> Response:
+    """The client's response: a whole body, or the relayed stream; ``finish`` settles after."""
+    if exchange.body is not None:
+        return Response(
+            exchange.body,
+            exchange.status,
+            headers,
+            exchange.content_type,
+            background=BackgroundTask(finish),
+        )
+    raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw_headers += [
+        (b"content-type", exchange.content_type.encode("latin-1")),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+    ]
+    return RelayResponse(exchange, raw_headers, finish)
 
 
 @dataclass(eq=False)
@@ -101,13 +141,13 @@ class Gateway:
     upstreams: Mapping[str, Upstream]  # model -> local engine pool or remote provider
     pools: list[Pool]  # local engine pools (readiness, /metrics/engines); remotes are not here
     supervisor: Supervisor
-    adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (dataplane/adapters.py)
+    adapters: AdapterCatalog  # LoRA adapters as tenant-scoped models (fleet/adapters.py)
     audit: AuditLog  # every admin change (identity/audit.py)
     usage: UsageRecorder
     prices: PriceBook  # per-model prices: spend and money budgets (identity/prices.py)
     responses: ResponseStore  # stored Responses API responses, per tenant
-    files: FileStore  # the Files API, per tenant (dataplane/files.py)
-    batches: BatchStore  # the Batch API's records and line results (dataplane/batches.py)
+    files: FileStore  # the Files API, per tenant (batch/files.py)
+    batches: BatchStore  # the Batch API's records and line results (batch/batches.py)
     fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
@@ -215,44 +255,21 @@ class Gateway:
     ) -> Response:
         """An authenticated request's path from parsing on: route, admit, forward, relay,
         settle. The routes come here through :meth:`complete`; the batch runner
-        (dataplane/batch_runner.py) sends each batch line here with its owner's principal at
+        (batch/batch_runner.py) sends each batch line here with its owner's principal at
         the ``batch`` priority class, so a line is admitted, routed, charged and settled
         exactly as the same request sent interactively. Settling runs as the returned
         response's background task (a relayed stream's ``on_close``)."""
         ctx.tenant = principal.tenant_id
         routing_began = trace.mark()
         fields = parse_fields(raw, kind)
-        if principal.shared_prefixes and kind in ("chat", "completion"):
-            num_chars = match_shared_prefix(fields, principal.shared_prefixes)
-            if num_chars:  # told to local engines: cached under the plan's salt
-                fields.shared_prefix = (shared_prefix_salt(principal.plan), num_chars)
+        _mark_shared_prefix(fields, principal, kind)
         chain = None
         if kind == "responses":  # previous_response_id: the stored turns join the input
             chain = ResponseChain(self.responses, principal.tenant_id, fields)
             await chain.prepare()
-        adapter = self.adapters.resolve(fields.model, principal)
-        avoid: tuple[Replica, ...] = ()
-        if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
-            decision = self._adapter_decision(adapter, fields, principal)
-            upstream, base = self.upstreams[adapter.base_model], adapter.base_model
-            avoid = self.adapters.lacking(adapter)
-        else:  # another tenant's private adapter lands here too: the same 404 as no model
-            decision = self.router.route(fields, principal)
-            upstream, base = self.upstreams[decision.model], decision.model
+        adapter, decision, upstream, base, avoid = self._route(fields, principal, kind, path)
         ctx.model, ctx.tier = decision.model, decision.tier
-        if not principal.may_send_images(base) and num_images(fields.messages):
-            raise PermissionDeniedError(
-                f"Your plan does not allow images with the model '{base}'.",
-                param="messages",
-                code="images_not_allowed",
-            )
-        if kind not in ("chat", "completion") and not isinstance(upstream, LocalUpstream):
-            raise InvalidRequestError(
-                f"'{path}' is served by the local engines only; '{decision.model}' is a remote "
-                "provider.",
-                param="model",
-                code="unsupported_endpoint",
-            )
+        _check_images(principal, base, fields)
         prompt_tokens = self.counter.count(base, fields)
         fit = self.fits.get(base)
         truncated = None
@@ -262,20 +279,9 @@ class Gateway:
                 fit.check_room(fields, prompt_tokens)  # exact count: a 400 before admission
         trace.routed(routing_began, decision, fields, principal)
         with trace.phase("admit"):
-            while True:
-                try:
-                    ticket = await self.admit(
-                        principal,
-                        decision.model,
-                        prompt_tokens,
-                        fields.max_tokens,
-                        fields.num_outputs,
-                    )
-                    break
-                except LimitExceededError as exc:  # this tier's model is out of quota here
-                    if exc.scope != "model" or not decision.fallbacks:
-                        raise
-                    decision = self._fall_back(decision, f"quota_{exc.limit}", ctx)
+            ticket, decision = await self._admit_or_fall_back(
+                principal, decision, prompt_tokens, fields, ctx
+            )
         try:
             send_max = ticket.max_tokens
             if send_max is not None and fit is not None:  # a cap past the context: none
@@ -285,20 +291,8 @@ class Gateway:
             with trace.current():  # upstream attempts are children of the request's span
                 if adapter is not None or kind not in ("chat", "completion"):
                     # an adapter's engines, or a local-only endpoint: no tier to fall back to
-                    salt = (
-                        principal.cache_salt
-                        if kind in GENERATING_KINDS or kind in POOLING_KINDS
-                        else None
-                    )
-                    payload = upstream.payload(raw, fields, decision.model, salt, send_max)
-                    exchange: Exchange = await upstream.exchange(
-                        path,
-                        payload,
-                        fields,
-                        ctx.request_id,
-                        decision.prefix_key,
-                        avoid,
-                        principal=principal,  # the engine hop names the tenant
+                    exchange = await self._exchange_pinned(
+                        upstream, raw, fields, kind, path, decision, principal, send_max, ctx, avoid
                     )
                 else:
                     exchange, decision = await self.forward(
@@ -328,21 +322,82 @@ class Gateway:
             elif exchange.rest is not None:
                 await chain.keep_first(exchange.usage)
                 exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
-        if exchange.body is not None:
-            return Response(
-                exchange.body,
-                exchange.status,
-                headers,
-                exchange.content_type,
-                background=BackgroundTask(finish),
+        return _response(exchange, headers, finish)
+
+    async def _exchange_pinned(
+        self,
+        upstream: Upstream,
+        raw: bytes,
+        fields: RequestFields,
+        kind: str,
+        path: str,
+        decision: RouteDecision,
+        principal: Principal,
+        send_max: int | None,
+        ctx: RequestContext,
+        avoid: tuple[Replica, ...],
+    ) -> Exchange:
+        """The exchange with the one upstream the request is pinned to (an adapter's
+        engines, or a local-only endpoint's): no tier to fall back to."""
+        salt = principal.cache_salt if kind in GENERATING_KINDS or kind in POOLING_KINDS else None
+        payload = upstream.payload(raw, fields, decision.model, salt, send_max)
+        return await upstream.exchange(
+            path,
+            payload,
+            fields,
+            ctx.request_id,
+            decision.prefix_key,
+            avoid,
+            principal=principal,  # the engine hop names the tenant
+        )
+
+    def _route(
+        self, fields: RequestFields, principal: Principal, kind: str, path: str
+    ) -> tuple[Adapter | None, RouteDecision, Upstream, str, tuple[Replica, ...]]:
+        """Where the request goes: (its adapter, the decision, the upstream, the base model
+        whose tokenizer counts it, the replicas to avoid)."""
+        adapter = self.adapters.resolve(fields.model, principal)
+        avoid: tuple[Replica, ...] = ()
+        if adapter is not None:  # a LoRA adapter: its base model's engines, its own limits
+            decision = self._adapter_decision(adapter, fields, principal)
+            upstream, base = self.upstreams[adapter.base_model], adapter.base_model
+            avoid = self.adapters.lacking(adapter)
+        else:  # another tenant's private adapter lands here too: the same 404 as no model
+            decision = self.router.route(fields, principal)
+            upstream, base = self.upstreams[decision.model], decision.model
+        if kind not in ("chat", "completion") and not isinstance(upstream, LocalUpstream):
+            raise InvalidRequestError(
+                f"'{path}' is served by the local engines only; '{decision.model}' is a remote "
+                "provider.",
+                param="model",
+                code="unsupported_endpoint",
             )
-        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw_headers += [
-            (b"content-type", exchange.content_type.encode("latin-1")),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
-        return RelayResponse(exchange, raw_headers, finish)
+        return adapter, decision, upstream, base, avoid
+
+    async def _admit_or_fall_back(
+        self,
+        principal: Principal,
+        decision: RouteDecision,
+        prompt_tokens: int,
+        fields: RequestFields,
+        ctx: RequestContext,
+    ) -> tuple[Ticket, RouteDecision]:
+        """Admit on the decision's model; a model out of quota here falls back to the next
+        tier, if the decision has one."""
+        while True:
+            try:
+                ticket = await self.admit(
+                    principal,
+                    decision.model,
+                    prompt_tokens,
+                    fields.max_tokens,
+                    fields.num_outputs,
+                )
+                return ticket, decision
+            except LimitExceededError as exc:  # this tier's model is out of quota here
+                if exc.scope != "model" or not decision.fallbacks:
+                    raise
+                decision = self._fall_back(decision, f"quota_{exc.limit}", ctx)
 
     async def forward(
         self,

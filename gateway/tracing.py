@@ -31,11 +31,11 @@ from portico.tracing import provider_from_env
 if TYPE_CHECKING:
     import httpx
 
-    from gateway.dataplane.fields import RequestFields
-    from gateway.dataplane.pool import Replica
-    from gateway.dataplane.proxy import Exchange
-    from gateway.dataplane.routing import RouteDecision
+    from gateway.body.fields import RequestFields
+    from gateway.fleet.pool import Replica
     from gateway.identity.principal import Principal
+    from gateway.relay.proxy import Exchange
+    from gateway.relay.routing import RouteDecision
 
 OPERATIONS = {"chat": "chat", "completion": "text_completion"}
 SERVICE_NAME = "portico-gateway"
@@ -209,7 +209,7 @@ class GatewayTracing:
         fields: RequestFields,
     ) -> Exchange:
         """One upstream attempt as a CLIENT span; its context goes to the engine as
-        ``traceparent`` (the hook :class:`~gateway.dataplane.proxy.LocalUpstream` calls)."""
+        ``traceparent`` (the hook :class:`~gateway.relay.proxy.LocalUpstream` calls)."""
         with self.tracer.start_as_current_span(
             "upstream attempt",
             kind=SpanKind.CLIENT,

@@ -23,8 +23,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-from gateway.dataplane import fields as fields_now
-from gateway.dataplane import usage_relay as proxy_now
+from gateway.body import fields as fields_now
+from gateway.relay import usage_relay as proxy_now
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHAT = {
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args(argv)
-    fields_then = old_module(args.before, "gateway/dataplane/fields.py", "_fields_then")
-    proxy_then = old_module(args.before, "gateway/dataplane/proxy.py", "_proxy_then")
+    fields_then = old_module(args.before, "gateway/body/fields.py", "_fields_then")
+    proxy_then = old_module(args.before, "gateway/relay/proxy.py", "_proxy_then")
     n, r = args.number, args.repeat
     plain = json.dumps(CHAT).encode()
     salted = json.dumps({**CHAT, "cache_salt": "end-user-42"}).encode()

@@ -175,6 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV budget on CPU")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch step N+1 before reading step N's tokens")  # fmt: skip
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size")
     parser.add_argument("--single-stream-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true", help="only measure Portico")
@@ -182,13 +184,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=".portico/bench/engine_bench.json")
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = choose_device(args.device)
-    dtype = choose_dtype(args.dtype, device)
-    source = resolve(args.model)
-    config = EngineConfig(
+def _engine_config(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> EngineConfig:
+    """The engine the bench's flags describe."""
+    return EngineConfig(
         model=args.model,
         device=device.type,
         dtype=str(dtype).removeprefix("torch."),
@@ -199,7 +199,17 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = choose_device(args.device)
+    dtype = choose_dtype(args.dtype, device)
+    source = resolve(args.model)
+    config = _engine_config(args, device, dtype)
     engine = LLMEngine(
         config,
         load_model(source, dtype, device, args.quantization, config.gguf_activations),
@@ -240,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         "engine_config": {
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enforce_eager": args.enforce_eager,
+            "async_scheduling": args.async_scheduling,
         },  # fmt: skip
         "portico": portico,
         "single_stream": single,

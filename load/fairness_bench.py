@@ -151,7 +151,7 @@ def prompt_seed(work: Workload, round_number: int, stream: str) -> int:
 
 
 def hop_headers(tenant: str) -> dict[str, str]:
-    """The engine-hop headers the gateway sets (gateway/dataplane/engine_hop.py): one plan,
+    """The engine-hop headers the gateway sets (gateway/relay/engine_hop.py): one plan,
     weight 1, interactive, the whole KV cache, for both tenants."""
     return {
         "x-portico-tenant": tenant,

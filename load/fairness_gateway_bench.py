@@ -60,6 +60,7 @@ from load.gateway_stack import (
     wait_for,
 )
 from load.serve_bench import percentiles
+from load.ttft_breakdown import PARTS, TraceCollector, Traced, collect, summarize, traceparent
 
 QUIET, NOISY = "quiet", "noisy"
 PLAN = "enterprise"  # the packaged plan issue 43 was measured on
@@ -111,6 +112,9 @@ class PoolRun:
     generated: float = 0.0
     noisy_generated: float = 0.0
     preemptions: float = 0.0
+    traced_alone: list[Traced] = field(default_factory=list)
+    traced_with_noisy: list[Traced] = field(default_factory=list)
+    breakdown: dict[str, Any] = field(default_factory=dict)
 
 
 def words_prompt(rng: random.Random, num_tokens: int) -> str:
@@ -121,9 +125,16 @@ def words_prompt(rng: random.Random, num_tokens: int) -> str:
 
 
 async def stream_chat(
-    client: httpx.AsyncClient, key: str, model: str, text: str, max_tokens: int
+    client: httpx.AsyncClient,
+    key: str,
+    model: str,
+    text: str,
+    max_tokens: int,
+    traced: list[Traced] | None = None,
 ) -> Timing:
-    """One streamed chat through the gateway with ``key``; times its first token and end."""
+    """One streamed chat through the gateway with ``key``; times its first token and end.
+    With ``traced``, its trace is sampled (the gateway and engine record its spans) and
+    appended there; without, its ``traceparent`` says not to record it."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": text}],
@@ -133,8 +144,13 @@ async def stream_chat(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"authorization": f"Bearer {key}"}
-    return await timed_stream(client, "/v1/chat/completions", body, headers)
+    trace_id, header = traceparent(sampled=traced is not None)
+    headers = {"authorization": f"Bearer {key}", "traceparent": header}
+    sent_ns = time.time_ns()
+    timing = await timed_stream(client, "/v1/chat/completions", body, headers)
+    if traced is not None and timing.ok:
+        traced.append(Traced(trace_id, sent_ns, timing.ttft))
+    return timing
 
 
 async def engine_counters(client: httpx.AsyncClient, pool: str) -> dict[str, float]:
@@ -163,14 +179,19 @@ async def engine_counters(client: httpx.AsyncClient, pool: str) -> dict[str, flo
 
 
 async def quiet_sequence(
-    client: httpx.AsyncClient, key: str, pool: str, rng: random.Random, work: Workload
+    client: httpx.AsyncClient,
+    key: str,
+    pool: str,
+    rng: random.Random,
+    work: Workload,
+    traced: list[Traced],
 ) -> list[Timing]:
     out = []
     for i in range(work.quiet_requests):
         if i and work.quiet_gap_s:
             await asyncio.sleep(work.quiet_gap_s)
         text = f"{rng.randrange(10**9)}: say hello to the {rng.choice(WORDS)}"
-        out.append(await stream_chat(client, key, pool, text, work.quiet_output_len))
+        out.append(await stream_chat(client, key, pool, text, work.quiet_output_len, traced))
     return out
 
 
@@ -181,7 +202,7 @@ async def run_pool(
     run = PoolRun(pool.removeprefix("fairness-"))
     rng = random.Random(work.seed)
     await stream_chat(client, keys[QUIET], pool, "warm up", 2)  # one-time costs, untimed
-    run.alone = await quiet_sequence(client, keys[QUIET], pool, rng, work)
+    run.alone = await quiet_sequence(client, keys[QUIET], pool, rng, work, run.traced_alone)
     _say(progress, f"{run.policy}: Q alone done")
     stop = asyncio.Event()
     finished = asyncio.Condition()
@@ -210,7 +231,9 @@ async def run_pool(
         _say(progress, f"{run.policy}: N warm; Q with N")
         before = await engine_counters(client, pool)
         started = time.perf_counter()
-        run.with_noisy = await quiet_sequence(client, keys[QUIET], pool, rng, work)
+        run.with_noisy = await quiet_sequence(
+            client, keys[QUIET], pool, rng, work, run.traced_with_noisy
+        )
         run.window_s = time.perf_counter() - started
         after = await engine_counters(client, pool)
     finally:
@@ -282,10 +305,15 @@ def write_config(
 
 @contextlib.contextmanager
 def serve(
-    workdir: Path, model: str, policies: Sequence[str], engine_args: list[str]
+    workdir: Path,
+    model: str,
+    policies: Sequence[str],
+    engine_args: list[str],
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """Redis, then ``portico serve`` with one engine per policy, ready; yields its base URL
-    and the two tenants' API keys (tenants ``quiet`` and ``noisy`` on the enterprise plan)."""
+    and the two tenants' API keys (tenants ``quiet`` and ``noisy`` on the enterprise plan).
+    ``extra_env``: added to the gateway's (and so its engines') environment."""
     with redis_server(workdir, None) as redis_url:
         port = free_port()
         config = write_config(workdir, port, redis_url, model, policies, engine_args)
@@ -295,6 +323,7 @@ def serve(
             "PORTICO_ADMIN_KEY": admin_key,
             "PORTICO_KEY_HASH_SECRET": secrets.token_hex(32),
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
         env.pop("PORTICO_REDIS_URL", None)
         cmd = [sys.executable, "-m", "portico.cli", "serve", "-c", str(config)]
@@ -336,6 +365,7 @@ def _pool_report(run: PoolRun) -> dict[str, Any]:
         "steps": run.steps,
         "mean_step_ms": 1000 * run.window_s / run.steps if run.steps else None,
         "preemptions": run.preemptions,
+        "quiet_ttft_breakdown_ms": run.breakdown,
         "total_output_tok_s": run.generated / window,
         "noisy_output_tok_s": run.noisy_generated / window,
         "quiet_ttft_s": {
@@ -420,17 +450,39 @@ def print_summary(report: dict[str, Any]) -> None:
             f"  {r['total_output_tok_s']:>11.1f}  {r['noisy_output_tok_s']:>7.1f}"
             f"  {r['preemptions']:>7.0f}"
         )
+    lines.append(_breakdown_lines(report))
     for key, value in report["targets"].items():
         lines.append(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
     lines.append(f"load average at the end: {' '.join(report['loadavg'])}")
     print("\n".join(lines))
 
 
+def _breakdown_lines(report: dict[str, Any]) -> str:
+    """Q's TTFT in parts (medians, ms; steps as counts) per policy and phase."""
+    head = "Q's TTFT in parts, median ms: " + " ".join(PARTS) + " | steps queued, to 1st token"
+    lines = [head]
+    for name, r in report["policies"].items():
+        for phase, summary in r["quiet_ttft_breakdown_ms"].items():
+            m = summary["median"]
+            if not m:
+                lines.append(f"  {name:<5} {phase:<10} (no traces)")
+                continue
+            parts = " ".join(f"{m[p]:>8.1f}" for p in PARTS)
+            steps = f"{m['steps_to_schedule']:.0f}, {m['steps_to_first_token']:.0f}"
+            lines.append(f"  {name:<5} {phase:<10} {parts} | {steps}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- main
 
 
 async def _measure(
-    base: str, keys: dict[str, str], policies: Sequence[str], work: Workload, args: Any
+    base: str,
+    keys: dict[str, str],
+    policies: Sequence[str],
+    work: Workload,
+    args: Any,
+    traces: TraceCollector,
 ) -> list[PoolRun]:
     """Each policy's pool in turn; the report so far is written after each (a run cut short
     by a time limit keeps what it measured)."""
@@ -439,7 +491,11 @@ async def _measure(
     for policy in policies:
         async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
             pool = f"fairness-{policy}"
-            runs.append(await run_pool(client, pool, keys, work, not args.no_progress))
+            run = await run_pool(client, pool, keys, work, not args.no_progress)
+        for phase, traced in (("alone", run.traced_alone), ("with_noisy", run.traced_with_noisy)):
+            rows = await asyncio.to_thread(collect, traces, traced)
+            run.breakdown[phase] = asdict(summarize(rows))
+        runs.append(run)
         write_report(build_report(runs, work, args.model, shlex.split(args.engine_args)), args)
     return runs
 
@@ -474,10 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_args = shlex.split(args.engine_args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     progress = not args.no_progress
-    with tempfile.TemporaryDirectory(prefix="fairness-gateway-") as tmp:
-        with serve(Path(tmp), args.model, policies, engine_args) as (base, keys):
+    with tempfile.TemporaryDirectory(prefix="fairness-gateway-") as tmp, TraceCollector() as traces:
+        with serve(Path(tmp), args.model, policies, engine_args, traces.env()) as (base, keys):
             _say(progress, f"gateway ready at {base}")
-            runs = asyncio.run(_measure(base, keys, policies, work, args))
+            runs = asyncio.run(_measure(base, keys, policies, work, args, traces))
     report = build_report(runs, work, args.model, engine_args)
     if args.plot:
         report["plots"] = plot_report(report, args.plot)

@@ -2,7 +2,7 @@
 
     portico bench gpu --out load/results/gpu.json --plot load/results/gpu.png
 
-Six sections, in order, each within its share of a 6-minute budget (one H200):
+Seven sections, in order, each within its share of a 6-minute budget (one H200):
 
 (a) kernels: the Triton paged attention and KV-cache write against the PyTorch references at
     real shapes (the default model's, a 1B-class, an 8B-class), float32 and bf16, bf16 and
@@ -18,7 +18,9 @@ Six sections, in order, each within its share of a 6-minute budget (one H200):
 (e) bandwidth: the card's measured copy bandwidth; the decode attention kernel's GB/s and a
     decode step's least bytes, for the default model's shape and a 1B-class shape;
 (f) fp8: ``--quantization fp8`` against bf16 on the 1B-class shape (dummy weights): one
-    stream's decode tok/s and 64 requests at once (issue 41: fp8 >= 1.5x bf16 at c=64).
+    stream's decode tok/s and 64 requests at once (issue 41: fp8 >= 1.5x bf16 at c=64);
+(g) async: ``--async-scheduling`` against synchronous steps on the default model's shape
+    (dummy weights, bf16, graphs on): one stream's decode tok/s and 64 requests at once.
 
 Refuses without CUDA. The pure parts (shapes, byte accounting, report) are load/gpu_shapes.py.
 """
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import random
 import sys
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from load.gpu_engine_pairs import async_section, fp8_section, free_cuda
 from load.gpu_shapes import (
     SECTIONS,
     SHAPES,
@@ -53,7 +55,6 @@ BUDGET_S = 330.0  # the whole run, leaving 30 s of the 6 minutes for start-up an
 KERNEL_STEP = [(1, 4000), (1, 1500), (1, 17), (1, 900), (256, 256), (64, 2100), (7, 7)]
 SERVED_LEVELS = {1: 8, 64: 256, 256: 512}  # concurrency -> requests
 OFFLINE_REQUESTS, OFFLINE_OUTPUT = 256, 128
-FP8_REQUESTS, FP8_OUTPUT = 64, 128  # (f): the 1B-class shape at c=64, bf16 vs fp8
 
 
 class Budget:
@@ -64,14 +65,6 @@ class Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
-
-
-def _free_cuda() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _sync_time(fn: Callable[[], object], repeats: int, device: str = "cuda") -> float:
@@ -166,7 +159,7 @@ def kernels_section(budget: Budget) -> dict[str, Any]:
         for dtype in (torch.float32, torch.bfloat16):
             for kv in ("auto", "int8"):
                 cases.append(kernel_case(shape, dtype, kv, seed=i))
-    _free_cuda()
+    free_cuda()
     return {"step": KERNEL_STEP, "cases": cases}
 
 
@@ -230,7 +223,7 @@ def greedy_section(
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)  # fmt: skip
             theirs.append(out[0, len(p) :].tolist())
     del model
-    _free_cuda()
+    free_cuda()
     equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
     equal_off = sum(a == b for a, b in zip(ours_uncached, theirs, strict=True))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
@@ -262,7 +255,7 @@ def _engine_greedy(
     cached = sum(o.num_cached_tokens for o in outs)
     engine.close()
     del engine, llm, outs
-    _free_cuda()
+    free_cuda()
     return tokens, cached
 
 
@@ -298,7 +291,7 @@ def offline_section(
     runs["portico_single_stream"] = single_stream(engine, work.prompts[0], 128)
     engine.close()
     del engine
-    _free_cuda()
+    free_cuda()
     hf_config = LlamaConfig(**SHAPES[shape].hf_config())
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).to(device).eval()
     run_hf(model, Workload(work.prompts[:2], [4, 4]), 2, 0)  # warm-up
@@ -306,7 +299,7 @@ def offline_section(
     if compile_hf and budget.left() > 150:
         runs["transformers_static_cache_compiled"] = _compiled_hf(model, work)
     del model
-    _free_cuda()
+    free_cuda()
     speedup = runs["portico"]["output_tokens_per_s"] / max(
         runs["transformers_static_batch_64"]["output_tokens_per_s"], 1e-9
     )
@@ -331,54 +324,6 @@ def _compiled_hf(model: Any, work: Any) -> dict[str, Any]:
         return run_hf(model, part, 64, 0)
     except Exception as exc:  # any compile failure is a result here
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "output_tokens_per_s": 0}
-
-
-# --------------------------------------------------------------------------- (f) fp8
-
-
-def fp8_section(
-    workdir: Path,
-    device: str = "cuda",
-    shape: Shape = SHAPES["llama-1b"],
-    requests: int = FP8_REQUESTS,
-    output: int = FP8_OUTPUT,
-) -> dict[str, Any]:
-    """``--quantization fp8`` against bf16 on ``shape`` (dummy weights, the 1B-class shape by
-    default): one stream's decode tok/s and ``requests`` at once (64: issue 41's c=64 row),
-    each engine warmed up first, one after the other on ``device``."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from load.engine_bench import Workload, run_portico, single_stream
-
-    folder = write_shape_folder(workdir / f"{shape.name}-shape", shape)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(10, shape.vocab_size) for _ in range(rng.randint(64, 256))]
-               for _ in range(requests)]  # fmt: skip
-    work = Workload(prompts, [output] * requests)
-    runs: dict[str, Any] = {}
-    on_cuda = device == "cuda"
-    for name in ("bf16", "fp8"):
-        config = EngineConfig(
-            model=str(folder), device=device, load_format="dummy", dtype="bfloat16",
-            quantization="fp8" if name == "fp8" else "none", max_num_seqs=max(requests, 1),
-            gpu_memory_utilization=0.4, num_gpu_blocks_override=None if on_cuda else 256,
-        )  # fmt: skip
-        engine = LLMEngine.from_config(config)
-        try:
-            run_portico(engine, Workload([[7 + i] * 32 for i in range(4)], [4] * 4))  # warm-up
-            runs[name] = {
-                "single_stream": single_stream(engine, prompts[0], output),
-                f"c{requests}": run_portico(engine, work),
-            }
-        finally:
-            engine.close()
-            del engine
-            _free_cuda()
-    speedup = runs["fp8"][f"c{requests}"]["output_tokens_per_s"] / max(
-        runs["bf16"][f"c{requests}"]["output_tokens_per_s"], 1e-9
-    )
-    return {"shape": shape.name, "requests": requests, "output_tokens": output, "runs": runs,
-            f"fp8_speedup_c{requests}": round(speedup, 3)}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- (d) served
@@ -458,7 +403,7 @@ def bandwidth_section(budget: Budget, served: dict[str, Any]) -> dict[str, Any]:
             seconds = attention_seconds(SHAPES[name], batch, context)
             measured = tpot if (name, batch) == ("smollm2-135m", 64) else None
             rows.append(bandwidth_row(SHAPES[name], batch, context, seconds, copy, measured))
-    _free_cuda()
+    free_cuda()
     return {"copy_gbs": copy, "dtype": "bfloat16", "rows": rows}
 
 
@@ -562,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         served = sections.get("served", {})
         run("bandwidth", 10, lambda: bandwidth_section(budget, served))
         run("fp8", 60, lambda: fp8_section(workdir))
+        run("async", 40, lambda: async_section(workdir))
     command = "portico bench gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     report = build_report(_card(), sections, time.monotonic() - start, command.strip())
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ Three tiers of one gateway, each in front of the fast fake OpenAI upstream
   ``engine_tcp`` is what the remote path itself adds, and ``engine_tcp`` minus ``engine`` what
   TCP costs over a Unix socket;
 * ``remote``: an OpenAI-compatible remote (``model: openai/...``, the fake on loopback TCP)
-  over the gateway's lean transport (``gateway/dataplane/openai_remote.py``);
+  over the gateway's lean transport (``gateway/remotes/openai_remote.py``);
 * ``litellm``: the same remote forced through litellm (``api: litellm``), the path translation
   providers (Anthropic, Bedrock, ...) take.
 

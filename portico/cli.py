@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("engine.server.cli", "serve one model behind an OpenAI-compatible API"),
     "models": ("portico.models_cli", "fetch and list local models"),
     "plan": (
-        "portico.plan_cli",
+        "engine.server.plan_cli",
         "size weights and KV cache; print the engine flags that fit",
     ),
     "keys": (

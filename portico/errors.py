@@ -39,6 +39,17 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
+class ParameterError(ValueError):
+    """Bad user input, naming the parameter (``param``) so the server can report it (a 400).
+
+    Raised by code that knows no HTTP (the engine core, the engine-hop contract); the servers
+    map it to :class:`InvalidRequestError`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class InvalidRequestError(APIError):
     status_code = 400
     error_type = "invalid_request_error"

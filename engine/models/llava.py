@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_config import VISION_ARCHITECTURES, ModelConfig, tokens_per_image
+from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from portico.contract import VISION_ARCHITECTURES, tokens_per_image
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": nn.functional.gelu,

@@ -1,5 +1,5 @@
 """``GET /v1/kv_events`` and ``GET /v1/kv_events/snapshot``: the prefix cache's block events
-for the gateway's prefix-aware replica choice (gateway/dataplane/prefix_index.py).
+for the gateway's prefix-aware replica choice (gateway/fleet/prefix_index.py).
 
 Why HTTP polling on the engine's own socket, not ZeroMQ or Redis streams: the gateway already
 holds one connection pool per replica on the loopback port or Unix socket it supervises (and the

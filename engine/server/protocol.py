@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from engine.server.structured_fields import ResponseFormat, StructuredOutputsField
+from portico.contract import MAX_CACHE_SALT_CHARS
 from portico.errors import EXPECTED_TYPES, InvalidRequestError, type_error
 
 MAX_N = 16
@@ -75,7 +76,7 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # structured outputs (engine/server/structured_fields.py): OpenAI's, vLLM's, vLLM's older
     response_format: ResponseFormat | None = None

@@ -18,6 +18,7 @@ from engine.server.protocol import (
     TokenIds,
     none_or,
 )
+from portico.contract import MAX_CACHE_SALT_CHARS
 
 MAX_PROMPTS = 64
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
@@ -71,7 +72,7 @@ class EmbeddingRequest(StrictModel):
     # vLLM's extras
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     add_special_tokens: bool = True
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
     @field_validator("input")

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from engine.server.protocol import StrictModel, none_or
 from engine.server.structured_fields import JsonSchemaFormat, ResponseFormat
+from portico.contract import MAX_CACHE_SALT_CHARS
 
 
 class ResponseFunctionTool(StrictModel):
@@ -92,7 +93,7 @@ class ResponsesRequest(StrictModel):
     # vLLM's extras
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     top_k: int | None = Field(default=None, ge=-1)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # OpenAI's, refused unless harmless (RESPONSES_UNSUPPORTED)
     reasoning: Any = None

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from engine.server.protocol import StrictModel
 from engine.server.protocol_completions import MAX_EMBEDDING_INPUTS
+from portico.contract import MAX_CACHE_SALT_CHARS
 from portico.errors import InvalidRequestError
 
 MAX_SCORE_TEXTS = MAX_EMBEDDING_INPUTS  # per side: each text is one engine request
@@ -25,7 +26,7 @@ class _ScoreFields(StrictModel):
     model: str
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the last N tokens
     user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
 

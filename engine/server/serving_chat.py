@@ -28,7 +28,7 @@ from engine.server.serving_engine import (
     tenant_of,
     usage,
 )
-from engine.server.shared_prefix import SharedPrefix, salt_with_prefix, shared_prefix_of
+from engine.server.shared_prefix import salt_with_prefix
 from engine.server.structured_fields import structured_outputs_for
 from engine.server.tool_calling import (
     NO_TOOLS,
@@ -42,6 +42,7 @@ from engine.server.tool_calling import (
     template_supports_tools,
 )
 from engine.tenancy import TenantTag
+from portico.contract import SharedPrefix, shared_prefix_of
 from portico.errors import InvalidRequestError
 
 

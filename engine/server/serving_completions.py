@@ -20,8 +20,9 @@ from engine.server.serving_engine import (
     tenant_of,
     usage,
 )
-from engine.server.shared_prefix import salt_with_prefix, shared_prefix_of
+from engine.server.shared_prefix import salt_with_prefix
 from engine.server.structured_fields import structured_outputs_for
+from portico.contract import shared_prefix_of
 from portico.errors import InvalidRequestError
 
 

@@ -2,7 +2,8 @@
 
 A plan may list prompt prefixes its tenants share in the prefix cache (a company's system
 prompt). The gateway, which alone knows plans, tells the engine that a request starts with one
-in the header ``x-portico-cache-shared-prefix: <characters>;<salt>``: the first ``characters``
+in the header ``x-portico-cache-shared-prefix: <characters>;<salt>`` (the header and its
+parsing are the contract's: :func:`portico.contract.shared_prefix_of`): the first ``characters``
 characters of the first message's text (chat) or of the prompt (completions) are the shared
 prefix, to be cached under ``salt``. Only the gateway sets it (it builds engine-hop headers
 itself; a client's ``x-portico-*`` headers never travel).
@@ -10,44 +11,15 @@ itself; a client's ``x-portico-*`` headers never travel).
 The engine turns the characters into tokens itself, on the exact prompt it will run: the shared
 tokens are the longest common start of the prompt's token ids and those of the prefix rendered
 alone (the chat template's header included). Only tokens of the declared text can be in it, so
-only they are ever hashed under the shared salt (:func:`engine.kv_cache_manager.
+only they are ever hashed under the shared salt (:func:`portico.contract.
 with_shared_prefix`); the rest of the request stays under its own salt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from engine.kv_cache_manager import with_shared_prefix
-from portico.errors import InvalidRequestError
-
-SHARED_PREFIX_HEADER = "x-portico-cache-shared-prefix"
-MAX_SALT_CHARS = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class SharedPrefix:
-    """``num_chars`` leading characters of the request's text, cached under ``salt``."""
-
-    num_chars: int
-    salt: str
-
-
-def shared_prefix_of(headers: Mapping[str, str]) -> SharedPrefix | None:
-    """The declared shared prefix, None without the header; a 400 naming it when malformed
-    (only the gateway sets it: a bad one is a bug to be loud about)."""
-    value = headers.get(SHARED_PREFIX_HEADER)
-    if value is None:
-        return None
-    count, sep, salt = value.partition(";")
-    if not sep or not count.isdigit() or int(count) < 1 or not 1 <= len(salt) <= MAX_SALT_CHARS:
-        raise InvalidRequestError(
-            f"{SHARED_PREFIX_HEADER} must be '<characters>;<salt>' (a positive count, a salt "
-            f"of 1 to {MAX_SALT_CHARS} characters).",
-            param=SHARED_PREFIX_HEADER,
-        )
-    return SharedPrefix(int(count), salt)
+from portico.contract import SharedPrefix, with_shared_prefix
 
 
 def common_start(a: Sequence[int], b: Sequence[int]) -> int:

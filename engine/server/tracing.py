@@ -5,7 +5,10 @@ A ``POST /v1/...`` request gets a SERVER span (``engine <path>``) whose parent i
 engine request finishes, two children are recorded from its own timestamps: ``queue`` (arrival
 to first scheduled: waiting for a batch slot and KV blocks) and ``execute`` (first scheduled to
 finished: prefill and decode), with the GenAI usage attributes, the prefix-cache hit and the
-time to first token.
+time to first token; ``queue`` counts the engine steps until the request was first scheduled
+(``portico.engine.steps_to_schedule``, 1: the first step planned after it came in) and
+``execute`` the steps from then to its first token (``portico.engine.steps_to_first_token``,
+1: its whole prompt in one step).
 
 Off by default (``portico/tracing.py`` reads ``OTEL_*``); off, ``create_app`` installs nothing
 and the request path is unchanged.
@@ -55,6 +58,11 @@ class EngineTracing:
         finished = _wall_ns(m.finished_time or m.last_token_time or time.monotonic(), offset)
         queue = self.tracer.start_span("queue", start_time=arrival)
         queue.set_attribute("portico.engine.request_id", output.request_id)
+        if m.added_step is not None and m.first_scheduled_step is not None:
+            # 1: it ran in the first step planned after it entered the engine
+            queue.set_attribute(
+                "portico.engine.steps_to_schedule", m.first_scheduled_step - m.added_step
+            )
         queue.end(end_time=scheduled)
         execute = self.tracer.start_span("execute", start_time=scheduled)
         execute.set_attributes(
@@ -69,6 +77,9 @@ class EngineTracing:
         if m.first_token_time is not None:
             ttft = m.first_token_time - m.arrival_time
             execute.set_attribute("gen_ai.server.time_to_first_token", ttft)
+            if m.first_token_step is not None and m.first_scheduled_step is not None:
+                steps = m.first_token_step - m.first_scheduled_step + 1
+                execute.set_attribute("portico.engine.steps_to_first_token", steps)
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
         if reasons:
             execute.set_attribute("gen_ai.response.finish_reasons", reasons)

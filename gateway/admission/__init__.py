@@ -9,5 +9,7 @@
 - ``usage_recorder.py``: usage summed in memory, written to identity's ledger in batches.
 - ``prompt_tokens.py``: exact prompt token counts for the reservation.
 
-Uses identity's ``Principal``; never the data plane.
+May import: ``portico/``, ``gateway.identity``, ``gateway.body`` (the prompt it counts),
+``gateway.store``; never the relay, fleet, remotes or batch wings
+(tests/gateway/test_import_rules.py).
 """

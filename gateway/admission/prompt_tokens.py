@@ -21,8 +21,8 @@ import json
 import logging
 from typing import Any
 
-from gateway.dataplane.fields import RequestFields, prompt_text
-from gateway.dataplane.image_parts import num_images, template_messages
+from gateway.body.fields import RequestFields, prompt_text
+from gateway.body.image_parts import num_images, template_messages
 
 log = logging.getLogger("portico.gateway.tokens")
 # An image whose model's token count is unknown: OpenAI's count for a high-detail 1024 x 1024
@@ -55,8 +55,8 @@ def load_image_tokens(model: str) -> int | None:
     """Prompt tokens one image fills in a local vision model (a LLaVA folder's config.json),
     or None (a text model, or a model whose files cannot be read)."""
     try:
-        from engine.model_config import tokens_per_image
         from portico import registry
+        from portico.contract import tokens_per_image
 
         source = registry.resolve(model)
         config = source.path / "config.json"
@@ -114,8 +114,12 @@ class PromptCounter:
                 template_messages(fields.messages), tokenize=False, add_generation_prompt=True
             )
             if backend is not None:
-                return len(backend.encode(text, add_special_tokens=False).ids)
-            return len(tok(text, add_special_tokens=False)["input_ids"])
+                ids = list(backend.encode(text, add_special_tokens=False).ids)
+            else:
+                ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            # kept for the prefix-aware router: the same rendering, the same encoding
+            fields.chat_prompt_ids = (tok, fields.messages, ids)
+            return len(ids)
         prompt = fields.prompt
         if isinstance(prompt, str):
             if backend is not None:

@@ -8,5 +8,7 @@
 - ``jwt_auth.py``, ``principal.py``: JWT verification; the ``Principal`` every part receives.
 - ``admin.py``, ``keys_cli.py``: the ``/admin/v1`` REST API and ``portico keys``, its client.
 
-Nothing here imports admission or the data plane.
+May import: ``portico/`` and ``gateway.store``; nothing of admission or the wings
+(tests/gateway/test_import_rules.py; ``portico keys`` reads the admin key file's name from
+``gateway.cli``, the one listed exception).
 """

@@ -33,7 +33,7 @@ from gateway.identity.principal import Principal
 log = logging.getLogger("portico.audit")
 
 STREAM_KEY = "portico:audit"
-REQUEST_CONTEXT_KEY = "portico.ctx"  # gateway/dataplane/request_context.py's CTX_KEY
+REQUEST_CONTEXT_KEY = "portico.ctx"  # gateway/relay/request_context.py's CTX_KEY
 # Fields that hold a secret, something derived from one, or an internal nonce (a tenant's
 # uid); dropped at any depth.
 SECRET_FIELDS = frozenset({"key", "secret", "digest", "uid", "tenant_uid", "password", "token"})

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from gateway.identity.principal import EngineShare, Limits
+from portico.contract import DEFAULT_TENANT, MAX_RUNNING, MAX_WEIGHT
 
 DEFAULT_PLANS_FILE = Path(__file__).resolve().parents[2] / "policies" / "plans.yaml"
 
@@ -86,12 +87,12 @@ class Plan(LimitsSpec):
     # of the request under the tenant's (gateway/identity/cache_salts.py).
     shared_prefixes: list[SharedPrefix] = Field(default_factory=list, max_length=32)
     model_limits: dict[ModelName, LimitsSpec] = Field(default_factory=dict)
-    # the engine's own bound is 1e6 (engine/tenancy.py): a larger weight is a typo
-    weight: float = Field(default=1.0, gt=0, le=1e6)
+    # the engine's own bound (the contract's): a larger weight is a typo
+    weight: float = Field(default=DEFAULT_TENANT.weight, gt=0, le=MAX_WEIGHT)
     priority_class: Literal["interactive", "batch"] = "interactive"
-    kv_share: float = Field(default=1.0, gt=0, le=1)
-    # the engine's own bound is 1e6 (engine/tenancy.py)
-    max_running: int | None = Field(default=None, ge=1, le=1_000_000)
+    kv_share: float = Field(default=DEFAULT_TENANT.kv_share, gt=0, le=1)
+    # the engine's own bound (the contract's)
+    max_running: int | None = Field(default=None, ge=1, le=MAX_RUNNING)
 
     def engine_share(self) -> EngineShare:
         return EngineShare(self.weight, self.priority_class, self.kv_share, self.max_running or 0)

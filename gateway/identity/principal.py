@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from portico.contract import DEFAULT_TENANT
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -32,10 +34,10 @@ class EngineShare:
     requests one engine runs at once (0: the engine's slot share alone). The defaults are the
     engine's own."""
 
-    weight: float = 1.0
+    weight: float = DEFAULT_TENANT.weight
     priority_class: Literal["interactive", "batch"] = "interactive"
-    kv_share: float = 1.0
-    max_running: int = 0
+    kv_share: float = DEFAULT_TENANT.kv_share
+    max_running: int = DEFAULT_TENANT.max_running
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Principal:
     calling key's own limits, if it has any; ``model_limits`` are optional per-model limits of
     the tenant. ``cache_salt`` is sent to engines so tenants never share prefix-cache entries
     unless their plan gives them the same salt. ``share`` is the plan's scheduling share,
-    sent on the engine hop (gateway/dataplane/engine_hop.py).
+    sent on the engine hop (gateway/relay/engine_hop.py).
     """
 
     tenant_id: str

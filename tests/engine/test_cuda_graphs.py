@@ -271,7 +271,9 @@ def _with_graph_buffers(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[in
     )  # fmt: skip
     buckets: list[int] = []
     load = buffers.load
-    monkeypatch.setattr(buffers, "load", lambda s, b: (buckets.append(b), load(s, b))[1])
+    monkeypatch.setattr(
+        buffers, "load", lambda s, b, *ids: (buckets.append(b), load(s, b, *ids))[1]
+    )  # ids: the previous step's sampled ids, with --async-scheduling
     return buckets
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from load import engine_bench
 
 
-def test_engine_bench_writes_both_systems_results(tiny_llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [[], ["--async-scheduling"]])
+def test_engine_bench_writes_both_systems_results(
+    tiny_llama_dir: Path, tmp_path: Path, flags: list[str]
+) -> None:
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()
     try:
@@ -18,7 +22,7 @@ def test_engine_bench_writes_both_systems_results(tiny_llama_dir: Path, tmp_path
             "--model", str(tiny_llama_dir), "--device", "cpu", "--threads", "1",
             "--num-requests", "3", "--min-prompt", "4", "--max-prompt", "20",
             "--min-output", "2", "--max-output", "6", "--single-stream-tokens", "4",
-            "--hf-batch-size", "2", "--output", str(out),
+            "--hf-batch-size", "2", "--output", str(out), *flags,
         ])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -30,4 +34,5 @@ def test_engine_bench_writes_both_systems_results(tiny_llama_dir: Path, tmp_path
         assert result[system]["output_tokens_per_s"] > 0
     assert result["single_stream"]["output_tokens"] == 4
     assert result["speedup"] > 0
+    assert result["engine_config"]["async_scheduling"] == bool(flags)
     assert set(result["targets"]) == {"speedup_at_least_3x", "single_stream_at_least_50_tok_s"}

@@ -175,15 +175,21 @@ def test_panel_linear_of_a_build_gives_the_native_builds_bits(
 ) -> None:
     """The batch invariant kernel is one chain of float32 FMAs per output element in every
     build (AVX2 vectors across output rows, or fmaf one element at a time): every build
-    computes the same bits as this machine's own library."""
+    computes the same bits as this machine's own library. 9 rows: tiles that unpack the
+    quants per tile; 70 rows: panels unpacked to floats for many rows (10 blocks: a partial
+    chunk) in the AVX2 builds."""
     _, library = build
-    blocks = random_blocks(kind, 37, 128, seed=9)
+    blocks = random_blocks(kind, 37, 320, seed=9)
     blocks.pack_panels()
     assert blocks.panels is not None
-    x, bias = torch.randn(9, 128) * 2, torch.randn(37)
-    native = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
-    monkeypatch.setattr(cpu, "load", lambda: library)
-    out = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
-    assert native is not None and out is not None
-    assert torch.equal(out, native)
-    torch.testing.assert_close(out, x @ blocks.dequantize().T + bias, atol=1e-4, rtol=1e-5)
+    bias = torch.randn(37)
+    for rows in (9, 70):
+        x = torch.randn(rows, 320) * 2
+        native = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu, "load", lambda: library)
+            out = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
+        assert native is not None and out is not None
+        assert torch.equal(out, native)
+        expected = x @ blocks.dequantize().T + bias
+        torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-5)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager, prefix_block_hashes, with_shared_prefix
+from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import CLEARED, EVICTED, STORED, KVEventLog
 from engine.lora.adapter import LoRARequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from portico.contract import prefix_block_hashes, with_shared_prefix
 
 BS = 4
 

@@ -1,4 +1,5 @@
-"""The batch invariant kernels (csrc/panel_linear.c, silu_mul in csrc/norm_rope.c) compute
+"""The batch invariant kernels (csrc/panel_linear.c, silu_mul in csrc/norm_rope.c, the softmax of
+csrc/paged_attention.c; the last two share common.h's exp8_clamped) compute
 what their definitions say, and a row's bits do not depend on the rows around it or on the
 number of threads: the property the default numerics rest on (issue 42)."""
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_oracle import attention_oracle, paged_case
 from gguf_blocks import random_blocks
 
 from engine import kernels
@@ -73,6 +75,36 @@ def test_one_row_has_the_same_bits_alone_as_inside_a_64_row_step(
         assert torch.equal(_panel(x[3:11], blocks), step[3:11])  # tiles start elsewhere
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "k", [320, 1536]
+)  # 10 blocks (a partial unpacked chunk), 48 (SmolLM2's down)
+def test_a_512_row_prefill_gives_each_row_its_bits_alone(
+    kind: str, k: int, restore_threads: None
+) -> None:
+    """Steps of 12 rows or more unpack each panel to floats once for many rows and run 6-row
+    tiles; smaller ones unpack per tile: every row still has the bits it gets alone, in steps of
+    7, 13 and 64 rows starting anywhere, at 1 and 2 threads, and the product is the dequantized
+    weight's within float tolerance."""
+    blocks = random_blocks(kind, 100, k, seed=k)
+    blocks.pack_panels()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(512, k, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    torch.set_num_threads(2)
+    step = _panel(x, blocks, bias)
+    expected = x.double() @ blocks.dequantize().double().T + bias.double()
+    torch.testing.assert_close(step.double(), expected, atol=3e-4, rtol=1e-5)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows, start in ((1, 0), (1, 300), (1, 511), (7, 3), (13, 250), (64, 0), (64, 441)):
+            assert torch.equal(
+                _panel(x[start : start + rows], blocks, bias), step[start : start + rows]
+            )
+    bf16 = x.bfloat16()
+    assert torch.equal(_panel(bf16[200:201], blocks, bias)[0], _panel(bf16, blocks, bias)[200])
+
+
 @pytest.mark.skipif(not cpu.int8_available(), reason="no int8-activation kernels here")
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_int8_path_gives_one_row_the_same_bits_alone_as_inside_a_64_row_step(
@@ -133,3 +165,63 @@ def test_silu_mul_matches_pytorch_and_is_position_invariant(
         torch.set_num_threads(threads)
         assert torch.equal(kernels.silu_mul(gate_up, intermediate), out)
         assert torch.equal(kernels.silu_mul(gate_up[41:42], intermediate)[0], out[41])
+
+
+STEP_ROWS = (1, 7, 64, 512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_rows_keep_their_bits_in_steps_of_1_7_64_and_512_rows(
+    dtype: torch.dtype, restore_threads: None
+) -> None:
+    """The native kernel (float32 and bf16 in and out): every row of a 512-row step equals its
+    value in steps of 7 and 64 rows and alone, and PyTorch's silu within float tolerance, across
+    the exp's whole range: gates out to +-40 and the clamp's edges (e^x is clamped to [-87, 88])."""
+    torch.set_num_threads(2)
+    gate_up = torch.randn(512, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 8
+    gate_up[:, :8] = torch.tensor([-200.0, -88.0, -87.5, 0.0, 1e-30, 87.0, 88.5, 300.0])
+    gate_up = gate_up.to(dtype)
+
+    def silu_mul(rows: torch.Tensor) -> torch.Tensor:
+        out = cpu.silu_mul_cpu(rows, 1536)
+        assert out is not None and out.dtype == dtype
+        return out
+
+    step = silu_mul(gate_up)
+    gate, up = gate_up.float().split(1536, dim=-1)
+    expected = (F.silu(gate) * up).to(dtype).float()  # bf16: the one rounding of the output
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(step.float(), expected, atol=tol, rtol=tol)
+    for rows in STEP_ROWS:
+        for start in (0, 512 - rows):
+            part = silu_mul(gate_up[start : start + rows])
+            assert torch.equal(part, step[start : start + rows])
+
+
+@pytest.mark.parametrize("q_mul", [1.0, 12.0])  # 12: scores far below the row's maximum
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_keep_their_bits_in_chunks_of_1_7_64_and_512_rows(
+    dtype: torch.dtype, q_mul: float
+) -> None:
+    """The last N query rows of a 520-position prompt as one chunk, N = 1 (a decode), 7, 64,
+    512: each row's output has the bits it has in the 512-row chunk, and the 512-row chunk
+    equals the float64 oracle within float tolerance (SmolLM2's shape: 9 heads, 3 KV heads,
+    head_dim 64, so the vectorized softmax runs)."""
+    q, cache, meta, ks, vs, _ = paged_case(9, 3, 64, 16, [(512, 520)], dtype, seed=9)
+    q = (q.float() * q_mul).to(dtype)
+    scale = 64**-0.5
+
+    def chunk(rows: int) -> torch.Tensor:
+        starts = torch.tensor([0, rows], dtype=torch.int32)
+        out = cpu.paged_attention_cpu(
+            q[512 - rows :], cache, meta.block_tables, starts, meta.seq_lens, scale
+        )
+        assert out is not None
+        return out
+
+    step = chunk(512)
+    expected = attention_oracle(q, ks, vs, [512], scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(step.double(), expected, atol=tol, rtol=tol)
+    for rows in STEP_ROWS[:-1]:
+        assert torch.equal(chunk(rows), step[512 - rows :])

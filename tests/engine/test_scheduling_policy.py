@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampling_params import ParameterError, SamplingParams
 from engine.scheduling_policy import FairPolicy, PriorityPolicy, SchedulingPolicy, make_policy
-from engine.tenancy import (
+from portico.contract import (
     KV_SHARE_HEADER,
     MAX_RUNNING_HEADER,
     PRIORITY_CLASS_HEADER,
@@ -412,7 +412,11 @@ def test_the_engine_flags_set_the_contended_step_cap_and_its_window() -> None:
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     default = EngineConfig.from_cli_args(parser.parse_args([]))
-    assert (default.fair_contended_prefill_tokens, default.fair_contention_window_s) == (256, 2.0)
+    assert (default.fair_contended_prefill_tokens, default.fair_contention_window_s) == (256, 300.0)
+    assert (default.fair_batch_prefill_tokens, default.fair_batch_window_s) == (64, 2.0)
+    assert EngineConfig.from_cli_args(parser.parse_args(["--fair-batch-window-s", "7"])) == (
+        EngineConfig(fair_batch_window_s=7.0)
+    )
     args = parser.parse_args(
         ["--fair-contended-prefill-tokens", "0", "--fair-contention-window-s", "0.5"]
     )
@@ -424,6 +428,8 @@ def test_the_engine_flags_set_the_contended_step_cap_and_its_window() -> None:
         EngineConfig(fair_contended_prefill_tokens=True)
     with pytest.raises(ValueError, match="--fair-contention-window-s"):
         EngineConfig(fair_contention_window_s=float("nan"))
+    with pytest.raises(ValueError, match="--fair-batch-window-s"):
+        EngineConfig(fair_batch_window_s=-1.0)
 
 
 def test_the_engine_flag_sets_the_short_prefill_limit() -> None:

@@ -3,9 +3,10 @@ salt (every tenant holding it hits them), everything after under the tenant's ow
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager, with_shared_prefix
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from portico.contract import with_shared_prefix
 
 BS = 16
 SHARED = list(range(5000, 5040))  # 40 tokens: 2 full blocks and half of a third

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.dataplane.batches import BatchLine, batch_model, parse_line, read_lines
+from gateway.batch.batches import BatchLine, batch_model, parse_line, read_lines
 from load.batch_bench import CHAT, SERVED_NAME, batch_file, has_content, main
 
 

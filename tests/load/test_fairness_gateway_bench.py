@@ -14,6 +14,7 @@ import yaml
 from load import cli as bench_cli
 from load.fairness_bench import Timing
 from load.fairness_gateway_bench import PoolRun, Workload, build_report, write_config
+from load.ttft_breakdown import PARTS
 
 
 def _timings(*ttfts_s: float) -> list[Timing]:
@@ -92,6 +93,14 @@ def test_quick_run_through_the_gateway_reports_both_policies(
         assert r["noisy_finished"] >= 2 and r["steps"] > 0 and r["mean_step_ms"] > 0
         # N's tokens as the engine counted them for the tenant the gateway named
         assert 0 < r["noisy_output_tok_s"] <= r["total_output_tok_s"]
+        # Q's TTFT in parts, from the gateway's and the engine's spans of each chat's trace
+        for phase in ("alone", "with_noisy"):
+            summary = r["quiet_ttft_breakdown_ms"][phase]
+            assert summary["num_requests"] == 3
+            for row in summary["rows"]:
+                assert sum(row[p] for p in PARTS) == pytest.approx(row["ttft"], abs=1.0)
+                assert row["engine_queue"] >= 0 and row["prefill"] > 0
+                assert row["steps_to_schedule"] >= 1 and row["steps_to_first_token"] >= 1
     # six of N's chats on four slots: under fair, Q's chats took slots back
     assert report["policies"]["fcfs"]["preemptions"] == 0
     assert report["policies"]["fair"]["preemptions"] > 0

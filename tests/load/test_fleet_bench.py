@@ -12,7 +12,7 @@ import yaml
 
 from engine.config import EngineConfig
 from engine.numerics import resolve_numerics
-from gateway.dataplane.routing import load_routing_policy
+from gateway.relay.routing import load_routing_policy
 from load.fleet_bench import kv_sizing, main, parse_args, workload, write_config
 
 

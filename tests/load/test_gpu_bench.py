@@ -151,3 +151,20 @@ def test_the_fp8_section_runs_both_engines_at_a_tiny_shape(tmp_path: Path) -> No
     lines = summary_lines(report)
     assert sum(line.startswith("(f) tiny ") for line in lines) == 2
     assert any("(greedy) not run" in line for line in lines)
+
+
+def test_the_async_section_runs_both_engines_at_a_tiny_shape(tmp_path: Path) -> None:
+    """Section (g) on the CPU: synchronous and --async-scheduling engines on dummy weights,
+    one stream and a batch (each produces every token, or run_portico raises); the report's
+    summary names both. Timings on a CPU say nothing of a GPU's overlap."""
+    torch.set_num_threads(1)
+    result = gpu_bench.async_section(tmp_path, "cpu", TINY, requests=3, output=4)
+    assert set(result["runs"]) == {"sync", "async"} and result["shape"] == "tiny"
+    for run in result["runs"].values():
+        assert run["single_stream"]["output_tokens"] == 4
+        assert run["c3"]["output_tokens_per_s"] > 0
+    assert result["async_speedup_c3"] > 0 and result["async_speedup_single_stream"] > 0
+    report = build_report({"name": "a CPU"}, {"async": result}, 1.0, "portico bench gpu")
+    lines = summary_lines(report)
+    assert sum(line.startswith("(g) tiny ") for line in lines) == 2
+    assert any("(fp8) not run" in line for line in lines)

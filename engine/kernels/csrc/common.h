@@ -72,6 +72,30 @@ static inline float hmax8(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for 8 floats, x clamped to [-87, 88] so 2^n fits the exponent bits (e^-87 is 1.6e-38: next
+ * to a softmax row's largest term, 1, it is 0 in any float sum): 2^n * p(r), r = x - n ln2 in two
+ * steps, p the degree-6 Taylor polynomial (relative error below 2e-7). A NaN lane comes out as
+ * e^-87. The one AVX2 exp: silu_mul (norm_rope.c) and the softmax (paged_attention.c) share it,
+ * so both keep the same bits whatever file calls it. */
+static inline __m256 exp8_clamped(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
 static inline float dot_f32(const float *a, const float *b, int n) {
     float s = 0.f;
 #ifdef __AVX512F__

@@ -93,25 +93,6 @@ void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* e^x for 8 floats, x clamped to [-87, 88] (no overflow of the exponent bits): 2^n * p(r),
- * r = x - n ln2, p the degree-6 Taylor polynomial (relative error below 2e-7). */
-static inline __m256 exp8_clamped(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
 /* silu(g) * u = g / (1 + e^-g) * u for 8 values. */
 static inline __m256 silu_mul8(__m256 g, __m256 u) {
     const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));

@@ -403,25 +403,6 @@ static void pv_portable(const Attn *a, const Item *it, const float *scores, floa
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* exp16's polynomial on 8 lanes; 2^n goes into the exponent bits, so x is clamped at -87 (e^-87
- * is 1.6e-38: next to the row's largest term, 1, it is 0 in any float sum). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
 #define SOFTMAX_AVX2 1
 #endif
 
@@ -455,7 +436,7 @@ static void softmax_row(float *s, int limit, int ctx_end) {
     vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
     for (; p + 8 <= limit; p += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
+        __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmx));
         _mm256_storeu_ps(s + p, e);
         vsum = _mm256_add_ps(vsum, e);
     }

@@ -26,6 +26,9 @@
 #define ROW_TILE 5      /* x rows per micro-tile (tiles of 1 row take 4 panels at once) */
 #define TASK_PANELS 4   /* panels per thread task */
 #define TASK_ROWS 64    /* x rows per thread task: a task's x rows stay in L2 */
+#define WIDE_TILE 6     /* x rows per micro-tile on an unpacked panel: 12 chains of 8 outputs */
+#define UNPACK_MIN_ROWS 12 /* a task with this many rows unpacks each panel to floats first */
+#define CHUNK_BLOCKS 8  /* blocks of a panel unpacked at a time: 16 KiB of floats, kept in L1 */
 enum { PANEL_Q4_1 = 0, PANEL_Q8_0 = 1 };
 
 typedef struct {
@@ -108,6 +111,77 @@ INLINE void micro(const Panels *w, const float *xf, const float *xs, int r0, con
         }
     }
 }
+
+#define HAVE_UNPACKED 1
+/* Blocks b0..b1-1 of panel p as float32 into wf, in each element's chain order: per block, per
+ * step s of the chain (Q4_1: inputs 0, 16, 1, 17, ..., 15, 31; Q8_0: 0..31), the 16 outputs.
+ * The quants are small integers: exact in float32, so the products are the ones above. */
+static void unpack_panel(const Panels *w, int p, int b0, int b1, float *wf) {
+    const int qbytes = panel_qbytes(w->kind);
+    for (int b = b0; b < b1; b++) {
+        const uint8_t *qb = w->q + ((int64_t)p * w->nb + b) * qbytes;
+        float *dst = wf + (b - b0) * 32 * PANEL;
+        for (int s = 0; s < 32; s++)
+            for (int v = 0; v < 2; v++) {
+                __m256 lo, hi;
+                if (w->kind == PANEL_Q4_1) {
+                    if (s & 1) continue; /* s and s + 1 come from the same bytes */
+                    q4_pair(qb, s / 2, v, &lo, &hi);
+                    _mm256_storeu_ps(dst + s * PANEL + v * 8, lo);
+                    _mm256_storeu_ps(dst + (s + 1) * PANEL + v * 8, hi);
+                } else {
+                    _mm256_storeu_ps(dst + s * PANEL + v * 8, q8_one(qb, s, v));
+                }
+            }
+    }
+}
+
+/* R rows (r0..) times unpacked blocks b0..b1-1 (wf) of panel p, added into acc[r][16] (the
+ * running sums, zeroed by the caller before block 0). The same chains as micro: per block, t
+ * over the 32 steps in order, then acc = fma(t, d, acc) and the minimum's term. All R rows
+ * take a step before the next one, so the 2R chains (12 vectors) hide the FMA latency, and
+ * the weights come from L1 once per R rows instead of being unpacked per tile. */
+INLINE void micro_unpacked(const Panels *w, const float *wf, const float *xf, const float *xs, int r0,
+                           const int R, int p, int b0, int b1, float *acc) {
+    for (int b = b0; b < b1; b++) {
+        __m256 t[WIDE_TILE][2];
+        const float *xb[WIDE_TILE];
+        for (int r = 0; r < R; r++) {
+            t[r][0] = t[r][1] = _mm256_setzero_ps();
+            xb[r] = xf + (int64_t)(r0 + r) * w->k + b * 32;
+        }
+        const float *wb = wf + (b - b0) * 32 * PANEL;
+#define STEP(s, j)                                                                                \
+    do {                                                                                          \
+        const __m256 w0 = _mm256_loadu_ps(wb + (s) * PANEL), w1 = _mm256_loadu_ps(wb + (s) * PANEL + 8); \
+        for (int r = 0; r < R; r++) {                                                             \
+            const __m256 xv = _mm256_broadcast_ss(xb[r] + (j));                                   \
+            t[r][0] = _mm256_fmadd_ps(xv, w0, t[r][0]);                                           \
+            t[r][1] = _mm256_fmadd_ps(xv, w1, t[r][1]);                                           \
+        }                                                                                         \
+    } while (0)
+        if (w->kind == PANEL_Q4_1) { /* step 2kk reads input kk, step 2kk + 1 input kk + 16 */
+            for (int kk = 0; kk < 16; kk++) {
+                STEP(2 * kk, kk);
+                STEP(2 * kk + 1, kk + 16);
+            }
+        } else {
+            for (int s = 0; s < 32; s++) STEP(s, s);
+        }
+#undef STEP
+        const int64_t at = ((int64_t)p * w->nb + b) * PANEL;
+        for (int v = 0; v < 2; v++) {
+            const __m256 d = _mm256_loadu_ps(w->d + at + v * 8);
+            const __m256 m = w->mn ? _mm256_loadu_ps(w->mn + at + v * 8) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                float *dst = acc + r * PANEL + v * 8;
+                __m256 a = _mm256_fmadd_ps(t[r][v], d, _mm256_loadu_ps(dst));
+                if (w->mn) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + (int64_t)(r0 + r) * w->nb + b), a);
+                _mm256_storeu_ps(dst, a);
+            }
+        }
+    }
+}
 #else
 /* Portable: the same chains, one element at a time (fmaf rounds once, as the vector FMA does). */
 INLINE void micro(const Panels *w, const float *xf, const float *xs, int r0, const int R, int p0, const int NP,
@@ -139,6 +213,22 @@ INLINE void micro(const Panels *w, const float *xf, const float *xs, int r0, con
 }
 #endif
 
+/* acc [R][NP * 16], rows r0.. times panels p0..p0+NP-1, stored into y (bias added, rounded to dt). */
+static void store_rows(const Panels *w, const float *acc, int r0, int R, int p0, int NP, const float *bias, int dt,
+                       void *y) {
+    for (int r = 0; r < R; r++)
+        for (int pp = 0; pp < NP; pp++)
+            for (int o = 0; o < PANEL; o++) {
+                const int out = (p0 + pp) * PANEL + o;
+                if (out >= w->n) break;
+                float v = acc[(r * NP + pp) * PANEL + o];
+                if (bias) v += bias[out];
+                const int64_t at = (int64_t)(r0 + r) * w->n + out;
+                if (dt == DT_F32) ((float *)y)[at] = v;
+                else ((uint16_t *)y)[at] = f32_to_bf16(v);
+            }
+}
+
 /* Rows r0..r0+R-1 times panels p0..p0+NP-1, stored into y (bias added, rounded to dt). */
 static void tile_store(const Panels *w, const float *xf, const float *xs, int r0, int R, int p0, int NP,
                        const float *bias, int dt, void *y) {
@@ -159,24 +249,51 @@ static void tile_store(const Panels *w, const float *xf, const float *xs, int r0
     default: micro(w, xf, xs, r0, 5, p0, 1, acc); break;
     }
 #undef MICRO_NP
-    for (int r = 0; r < R; r++)
-        for (int pp = 0; pp < NP; pp++)
-            for (int o = 0; o < PANEL; o++) {
-                const int out = (p0 + pp) * PANEL + o;
-                if (out >= w->n) break;
-                float v = acc[(r * NP + pp) * PANEL + o];
-                if (bias) v += bias[out];
-                const int64_t at = (int64_t)(r0 + r) * w->n + out;
-                if (dt == DT_F32) ((float *)y)[at] = v;
-                else ((uint16_t *)y)[at] = f32_to_bf16(v);
-            }
+    store_rows(w, acc, r0, R, p0, NP, bias, dt, y);
 }
+
+#ifdef HAVE_UNPACKED
+/* One task of at least UNPACK_MIN_ROWS rows: each panel is unpacked to floats CHUNK_BLOCKS
+ * blocks at a time, and every tile of up to WIDE_TILE rows runs over the chunk while it is in
+ * L1; each row's running sums wait in acc between chunks (stored and reloaded exactly), so each
+ * element's chain is still the one above, block by block in order. */
+static void run_task_unpacked(const Panels *w, const float *xf, const float *xs, int r0, int r1, int p0, int p1,
+                              const float *bias, int dt, void *y) {
+    float wf[CHUNK_BLOCKS * 32 * PANEL];
+    float acc[TASK_ROWS * PANEL];
+    for (int p = p0; p < p1; p++) {
+        memset(acc, 0, sizeof(float) * (size_t)(r1 - r0) * PANEL);
+        for (int b0 = 0; b0 < w->nb; b0 += CHUNK_BLOCKS) {
+            const int b1 = b0 + CHUNK_BLOCKS < w->nb ? b0 + CHUNK_BLOCKS : w->nb;
+            unpack_panel(w, p, b0, b1, wf);
+            for (int r = r0; r < r1; r += WIDE_TILE) {
+                float *a = acc + (r - r0) * PANEL;
+                switch (r1 - r < WIDE_TILE ? r1 - r : WIDE_TILE) { /* literal sizes: chains in registers */
+                case 1: micro_unpacked(w, wf, xf, xs, r, 1, p, b0, b1, a); break;
+                case 2: micro_unpacked(w, wf, xf, xs, r, 2, p, b0, b1, a); break;
+                case 3: micro_unpacked(w, wf, xf, xs, r, 3, p, b0, b1, a); break;
+                case 4: micro_unpacked(w, wf, xf, xs, r, 4, p, b0, b1, a); break;
+                case 5: micro_unpacked(w, wf, xf, xs, r, 5, p, b0, b1, a); break;
+                default: micro_unpacked(w, wf, xf, xs, r, 6, p, b0, b1, a); break;
+                }
+            }
+        }
+        store_rows(w, acc, r0, r1 - r0, p, 1, bias, dt, y);
+    }
+}
+#endif
 
 /* One task: panels p0..p1-1 for rows r0..r1-1. Several rows: tiles of up to ROW_TILE rows and
  * one panel; a lone row: tiles of one row and up to TASK_PANELS panels (enough chains to hide
  * the FMA latency). Either way each element's chain is the one above. */
 static void run_task(const Panels *w, const float *xf, const float *xs, int r0, int r1, int p0, int p1,
                      const float *bias, int dt, void *y) {
+#ifdef HAVE_UNPACKED
+    if (r1 - r0 >= UNPACK_MIN_ROWS) {
+        run_task_unpacked(w, xf, xs, r0, r1, p0, p1, bias, dt, y);
+        return;
+    }
+#endif
     for (int r = r0; r < r1; r += ROW_TILE) {
         const int R = r1 - r < ROW_TILE ? r1 - r : ROW_TILE;
         if (R == 1) {
@@ -202,16 +319,20 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
                  const float *bias, int n, int dt, void *y, int num_threads) {
     if (k % 32 || m <= 0 || n <= 0 || (kind == PANEL_Q4_1) != (mn != NULL)) return -1;
     const int nb = k / 32;
-    float *xf = (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
-    float *xs = (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb);
-    if (!xf || !xs) {
-        free(xf);
+    /* float32 rows are read in place; bf16 ones widened once. Q4_1 needs each block's sum. */
+    float *xwide = dt == DT_F32 ? NULL : (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
+    float *xs = kind == PANEL_Q4_1 ? (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb) : NULL;
+    if ((dt != DT_F32 && !xwide) || (kind == PANEL_Q4_1 && !xs)) {
+        free(xwide);
         free(xs);
         return -1;
     }
+    const float *xf = xwide ? xwide : (const float *)x;
+    /* Each row by itself (one thread, sums in input order): the split changes no bits. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (m >= 32)
     for (int i = 0; i < m; i++) {
-        load_row(x, dt, (int64_t)i * k, k, xf + (int64_t)i * k);
-        for (int b = 0; b < nb; b++) { /* the block's sum, in input order */
+        if (xwide) load_row(x, dt, (int64_t)i * k, k, xwide + (int64_t)i * k);
+        for (int b = 0; xs && b < nb; b++) { /* the block's sum, in input order */
             float s = 0.f;
             for (int j = 0; j < 32; j++) s += xf[(int64_t)i * k + b * 32 + j];
             xs[(int64_t)i * nb + b] = s;
@@ -230,7 +351,7 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
         const int r0 = rt * TASK_ROWS, r1 = r0 + TASK_ROWS < m ? r0 + TASK_ROWS : m;
         run_task(&w, xf, xs, r0, r1, p0, p1, bias, dt, y);
     }
-    free(xf);
+    free(xwide);
     free(xs);
     return 0;
 }

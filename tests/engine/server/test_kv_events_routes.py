@@ -9,9 +9,9 @@ import httpx
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.kv_cache_manager import prefix_block_hashes
 from engine.server.app import create_app
 from engine.server.settings import ServerSettings
+from portico.contract import prefix_block_hashes
 
 
 async def test_served_prompt_blocks_appear_as_events_a_router_can_match(

@@ -187,7 +187,7 @@ def test_kv_events_name_the_adapters_and_a_router_matches_an_adapters_blocks(
     """The poll a gateway's prefix index reads names each adapter with this engine's number
     for it and those in a slot; with them the router hashes an adapter's prompt as the engine
     did (the number is inside the block hash: the base model's blocks differ)."""
-    from gateway.dataplane.prefix_index import PrefixIndex, RouteTokens
+    from gateway.fleet.prefix_index import PrefixIndex, RouteTokens
 
     prompt = PROMPT * 6  # 36 tokens: two full blocks
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from engine_server_process import MODEL_NAME, EngineProcess, metric
 
-from engine.tenancy import (
+from portico.contract import (
     KV_SHARE_HEADER,
     MAX_RUNNING_HEADER,
     PRIORITY_CLASS_HEADER,

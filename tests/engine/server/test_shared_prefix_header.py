@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache_manager import with_shared_prefix
-from engine.server.shared_prefix import (
+from engine.server.shared_prefix import common_start, salt_with_prefix
+from portico.contract import (
     SHARED_PREFIX_HEADER,
     SharedPrefix,
-    common_start,
-    salt_with_prefix,
     shared_prefix_of,
+    with_shared_prefix,
 )
 from portico.errors import InvalidRequestError
 

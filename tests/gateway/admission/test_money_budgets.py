@@ -269,7 +269,7 @@ async def test_a_budget_that_cannot_pay_for_the_prompt_refuses_and_is_never_over
 
 
 def test_a_stream_cut_by_a_money_budget_ends_with_budget_exceeded() -> None:
-    from gateway.dataplane.budget_stop import BudgetStop
+    from gateway.relay.budget_stop import BudgetStop
 
     stop = BudgetStop("daily_budget_usd of key 'k1' of tenant 'acme'", 3)
     stop.feed(b'data: {"choices":[{"finish_reason":"length"}]}\n\n')

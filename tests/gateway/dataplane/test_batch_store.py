@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.dataplane.batch_runner import owner_principal
-from gateway.dataplane.batches import (
+from gateway.batch.batch_runner import owner_principal
+from gateway.batch.batches import (
     BatchLine,
     BatchStore,
     LineError,
@@ -21,11 +21,11 @@ from gateway.dataplane.batches import (
     completion_window_s,
     parse_line,
 )
-from gateway.dataplane.engine_hop import PRIORITY_CLASS_HEADER, engine_hop_headers
-from gateway.dataplane.files import DiskStorage, FileStorage, FileStore, read_upload
-from gateway.dataplane.s3_storage import S3Storage, S3StoreSettings
+from gateway.batch.files import DiskStorage, FileStorage, FileStore, read_upload
+from gateway.batch.s3_storage import S3Storage, S3StoreSettings
 from gateway.identity.auth import AuthSettings, open_identity
 from gateway.identity.records import KeyCreate, TenantCreate
+from gateway.relay.engine_hop import PRIORITY_CLASS_HEADER, engine_hop_headers
 from gateway.store import RedisClient, StoreSettings, open_shared_redis
 from portico.errors import (
     AuthenticationError,

@@ -6,8 +6,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from gateway.dataplane.budget_stop import watch_budget
-from gateway.dataplane.proxy import Exchange
+from gateway.relay.budget_stop import watch_budget
+from gateway.relay.proxy import Exchange
 
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'
 DONE = b"data: [DONE]\n\n"

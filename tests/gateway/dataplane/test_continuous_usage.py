@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from gateway.dataplane.fields import parse_fields
-from gateway.dataplane.usage_relay import Usage, UsageView, _take_usage, upstream_body, usage_view
+from gateway.body.fields import parse_fields
+from gateway.relay.usage_relay import Usage, UsageView, _take_usage, upstream_body, usage_view
 
 
 def _chunk(text: str, completion: int, final: bool = False) -> bytes:

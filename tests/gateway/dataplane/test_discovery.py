@@ -1,4 +1,4 @@
-"""gateway/dataplane/discovery.py: engine replicas found by DNS, as on Kubernetes (a headless
+"""gateway/fleet/discovery.py: engine replicas found by DNS, as on Kubernetes (a headless
 Service's A records), against a REAL `portico engine` process on a loopback port that the
 name ``localhost`` resolves to; and a real ``portico serve`` that finds it from its config and
 answers a real ``openai`` client through it.
@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.dataplane.discovery import DiscoverySpec, DNSDiscovery, resolve_addresses
-from gateway.dataplane.pool import Pool, Replica
-from gateway.dataplane.transport import LeanTransport
+from gateway.fleet.discovery import DiscoverySpec, DNSDiscovery, resolve_addresses
+from gateway.fleet.pool import Pool, Replica
+from gateway.relay.transport import LeanTransport
 from tests.engine.server.engine_server_process import MODEL_NAME, EngineProcess
 from tests.gateway.dataplane.harness import GatewayProcess
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.dataplane.engine_metrics import relabel
+from gateway.fleet.engine_metrics import relabel
 
 EXPOSITION = """# HELP vllm:num_requests_running Requests running.
 # TYPE vllm:num_requests_running gauge

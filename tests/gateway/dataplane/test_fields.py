@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.dataplane.fields import parse_fields
-from gateway.dataplane.usage_relay import Usage, _take_usage, upstream_body
+from gateway.body.fields import parse_fields
+from gateway.relay.usage_relay import Usage, _take_usage, upstream_body
 from portico.errors import InvalidRequestError
 
 ONE_TURN = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.dataplane.pool import _weight
-from gateway.dataplane.prefix_index import STALE_AFTER_S
+from gateway.fleet.pool import _weight
+from gateway.fleet.prefix_index import STALE_AFTER_S
 from tests.gateway.dataplane.harness import GatewayProcess, tiny_engine, wait_until
 
 pytestmark = pytest.mark.slow

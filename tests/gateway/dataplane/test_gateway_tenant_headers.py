@@ -27,17 +27,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.server.cli import add_arguments as add_engine_arguments
 from gateway.config import EngineSpec
-from gateway.dataplane.engine_admin import engine_gauges, tenant_rows
-from gateway.dataplane.engine_hop import ENGINE_HOP_HEADERS, engine_hop_headers
-from gateway.dataplane.openai_remote import OpenAIRemoteUpstream
-from gateway.dataplane.pool import Pool
-from gateway.dataplane.proxy import LocalUpstream
-from gateway.dataplane.remote import RemoteSpec
-from gateway.dataplane.retry import RetryPolicy
+from gateway.fleet.engine_admin import engine_gauges, tenant_rows
+from gateway.fleet.pool import Pool
 from gateway.identity.plans import load_plans
 from gateway.identity.principal import EngineShare, Limits, Principal
 from gateway.lifecycle import _engine_command
 from gateway.metrics import GatewayMetrics
+from gateway.relay.engine_hop import ENGINE_HOP_HEADERS, engine_hop_headers
+from gateway.relay.proxy import LocalUpstream
+from gateway.relay.retry import RetryPolicy
+from gateway.remotes.openai_remote import OpenAIRemoteUpstream
+from gateway.remotes.remote import RemoteSpec
 from tests.gateway.dataplane.harness import ADMIN_KEY, GatewayProcess, tiny_engine
 
 FORGED = {

@@ -17,7 +17,7 @@ from gateway.admission.prompt_tokens import (
     load_image_tokens,
     load_tokenizer,
 )
-from gateway.dataplane.fields import parse_fields
+from gateway.body.fields import parse_fields
 from portico.errors import InvalidRequestError
 
 

@@ -1,4 +1,4 @@
-"""The long-prompt policies (gateway/dataplane/long_prompts.py) with the tiny Llama's real
+"""The long-prompt policies (gateway/relay/long_prompts.py) with the tiny Llama's real
 tokenizer and chat template: what is cut, what is kept, and the counts after the cut."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
-from gateway.dataplane.fields import parse_fields
-from gateway.dataplane.long_prompts import PromptFit, context_length
+from gateway.body.fields import parse_fields
+from gateway.relay.long_prompts import PromptFit, context_length
 
 LIMIT = 200
 

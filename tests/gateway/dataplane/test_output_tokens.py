@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from gateway.dataplane.output_tokens import OutputCounter
+from gateway.relay.output_tokens import OutputCounter
 
 
 def _event(delta: dict[str, object]) -> bytes:

@@ -7,7 +7,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from gateway.dataplane.pool import Pool, Replica
+from gateway.fleet.pool import Pool, Replica
 from tests.gateway.dataplane.harness import free_port
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
-from gateway.dataplane.fields import parse_fields
+from gateway.body.fields import parse_fields
 
 
 def test_counts_match_the_tokenizer_with_the_chat_template(tiny_llama_dir: Path) -> None:

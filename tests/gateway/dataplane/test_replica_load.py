@@ -1,4 +1,4 @@
-"""A replica's live load (gateway/dataplane/replica_load.py): leases give back exactly what they
+"""A replica's live load (gateway/fleet/replica_load.py): leases give back exactly what they
 took, and the expected wait follows the engine's fair scheduler."""
 
 from __future__ import annotations
@@ -6,22 +6,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from engine.config import EngineConfig
-from gateway.dataplane.replica_load import (
-    PREFILL_CHUNK_TOKENS,
+from gateway.fleet.replica_load import (
     SHORT_PREFILL_TOKENS,
     STEP_OVERHEAD_TOKENS,
     ReplicaLoad,
     estimate_wait,
 )
-
-
-def test_the_estimates_step_budgets_are_the_engines_defaults() -> None:
-    """The gateway models the engine's fair scheduler with its defaults, kept as constants
-    (the gateway does not read an engine's flags): they must move together."""
-    engine = EngineConfig()
-    assert PREFILL_CHUNK_TOKENS == engine.fair_contended_prefill_tokens
-    assert SHORT_PREFILL_TOKENS == engine.fair_short_prefill_tokens
 
 
 def test_a_lease_moves_from_prefill_to_decode_and_gives_back_everything() -> None:
@@ -123,7 +113,7 @@ def test_the_opening_burst_worked_through() -> None:
     """The fleet bench's opening burst (~830-token prompts, no decodes yet): tenant A's second
     question (20 tokens past its system prompt, which its first, still prefilling on R1,
     is computing) on R1, against a spill to R2, which recomputes 810 more tokens (the pool
-    adds them to R2's score, gateway/dataplane/pool.py)."""
+    adds them to R2's score, gateway/fleet/pool.py)."""
     r1 = ReplicaLoad()
     for tenant in ("A", "B", "C"):
         r1.lease(830, tenant)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway.dataplane.fields import parse_fields
-from gateway.dataplane.routing import Router, RoutingPolicy
+from gateway.body.fields import parse_fields
 from gateway.identity.principal import Limits, Principal
+from gateway.relay.routing import Router, RoutingPolicy
 from portico.errors import NotFoundError, PermissionDeniedError
 
 POLICY = RoutingPolicy.model_validate(

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import redis as sync_redis
 
+from gateway.batch.files import FileStorageError, FileStore
+from gateway.batch.s3_storage import S3Storage, S3StoreSettings
 from gateway.config import ConfigError, parse_config
-from gateway.dataplane.files import FileStorageError, FileStore
-from gateway.dataplane.s3_storage import S3Storage, S3StoreSettings
 from gateway.store import RedisClient, StoreSettings, open_shared_redis
 from portico.errors import NotFoundError
 

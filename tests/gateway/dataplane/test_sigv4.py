@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 import httpx
 
-from gateway.dataplane.sigv4 import (
+from gateway.batch.sigv4 import (
     EMPTY_SHA256,
     Credentials,
     canonical_query,

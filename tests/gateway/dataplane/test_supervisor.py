@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.dataplane.pool import Replica
-from gateway.dataplane.supervisor import EngineProcess, Supervisor
+from gateway.fleet.pool import Replica
+from gateway.fleet.supervisor import EngineProcess, Supervisor
 
 
 def fake_process(tmp_path: Path, name: str) -> EngineProcess:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.dataplane.transport import LeanTransport
+from gateway.relay.transport import LeanTransport
 from tests.gateway.dataplane.harness import REPO_ROOT, wait_until
 
 

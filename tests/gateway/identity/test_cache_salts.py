@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway.dataplane.fields import match_shared_prefix, parse_fields
-from gateway.dataplane.usage_relay import upstream_body
+from gateway.body.fields import match_shared_prefix, parse_fields
 from gateway.identity.cache_salts import narrowed_salt
+from gateway.relay.usage_relay import upstream_body
 from portico.errors import InvalidRequestError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

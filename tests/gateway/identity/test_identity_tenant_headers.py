@@ -10,12 +10,12 @@ from pathlib import Path
 import jwt
 import pytest
 
-from gateway.dataplane.engine_hop import engine_hop_headers
 from gateway.identity.auth import AuthSettings, open_identity
 from gateway.identity.jwt_auth import JWTSettings
 from gateway.identity.plans import load_plans
 from gateway.identity.principal import EngineShare
 from gateway.identity.records import KeyCreate, TenantCreate
+from gateway.relay.engine_hop import engine_hop_headers
 from gateway.store import StoreSettings, open_shared_redis
 
 HMAC_SECRET = "s" * 48

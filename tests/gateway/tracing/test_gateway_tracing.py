@@ -157,7 +157,7 @@ async def test_request_spans_and_genai_attributes(
 
 
 async def test_each_attempt_carries_its_traceparent(memory: InMemorySpanExporter) -> None:
-    from gateway.dataplane.pool import Replica
+    from gateway.fleet.pool import Replica
 
     tracing = GatewayTracing.from_env({})
     assert tracing is not None
@@ -165,7 +165,7 @@ async def test_each_attempt_carries_its_traceparent(memory: InMemorySpanExporter
 
     async def send(replica: Any, url: Any, payload: bytes, headers: dict[str, str], fields: Any):
         seen.append(headers)
-        from gateway.dataplane.proxy import Exchange
+        from gateway.relay.proxy import Exchange
 
         return Exchange(200, "application/json", body=b"{}")
 
