@@ -163,6 +163,31 @@ def test_cached_image_is_not_encoded_again(
     assert again.num_cached_tokens >= mm[0].end
 
 
+def test_a_repeated_image_in_a_short_prompt_is_encoded_once_per_tenant(
+    loaded: LoadedModel, hf_model: Any, processor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's last block is not full, so the prefix cache cannot cover it: the encoder
+    cache (keyed by tenant salt and image hash) does, for the same tenant only."""
+    images, text = [picture(8)], "Describe it."
+    _, expected = hf_reference(hf_model, processor, text, images)
+    engine = make_engine(loaded)
+    encoded: list[int] = []
+    original = loaded.model.encode_images
+
+    def counting(pixels: torch.Tensor) -> torch.Tensor:
+        encoded.append(pixels.shape[0])
+        return original(pixels)
+
+    monkeypatch.setattr(loaded.model, "encode_images", counting)
+    [a] = run(engine, [(*engine_inputs(loaded, text, images), "tenant-a")])
+    [b] = run(engine, [(*engine_inputs(loaded, text, images), "tenant-a")])
+    [c] = run(engine, [(*engine_inputs(loaded, text, images), "tenant-b")])
+    _, mm = engine_inputs(loaded, text, images)
+    assert b.num_cached_tokens < mm[0].end  # the prefix cache did not hold the whole image
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids == expected
+    assert encoded == [1, 1]  # tenant-a once (its second request hit), tenant-b once
+
+
 def test_other_image_never_shares_its_blocks(loaded: LoadedModel) -> None:
     engine = make_engine(loaded)
     ids_a, mm_a = engine_inputs(loaded, "Describe it.", [picture(1)])
