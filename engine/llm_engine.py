@@ -139,6 +139,7 @@ class LLMEngine:
         self._waiting_for_grammar: dict[str, Request] = {}
         self._parents: dict[str, Parent] = {}
         self._completions: dict[str, tuple[Parent, Completion]] = {}
+        self._last_step = (0.0, 0.0)  # (start, end) of the latest step, monotonic
         self._counters: dict[str, int] = dict.fromkeys(
             (
                 "num_prompt_tokens", "num_computed_prompt_tokens", "num_generation_tokens",
@@ -257,6 +258,8 @@ class LLMEngine:
                 child_ids[0], len(prompt), params.pooling, params.prompt_logprobs
             )
         metrics = RequestMetrics(arrival_time=arrival, added_step=self._counters["num_steps"])
+        if self._last_step[0] <= arrival < self._last_step[1]:  # it came in during that step
+            metrics.inflight_step_start, metrics.inflight_step_end = self._last_step
         parent = Parent(request_id, prompt, [], metrics)
         for index, child_id in enumerate(child_ids):
             child_params = params
@@ -327,12 +330,15 @@ class LLMEngine:
 
         With ``--async-scheduling`` the step is launched before the previous one is read
         (:mod:`engine.async_scheduling`), or runs synchronously where it must."""
+        started = time.monotonic()
         touched: list[Parent] = []
         if self._waiting_for_grammar:
             self._admit_compiled(touched)
         if self._async is None or not self._async.step(touched):
             self._step_synchronously(touched)
-        return [self._make_output(p) for p in touched]
+        outputs = [self._make_output(p) for p in touched]
+        self._last_step = (started, time.monotonic())
+        return outputs
 
     def _step_synchronously(self, touched: list[Parent]) -> None:
         if self.speculation is not None:

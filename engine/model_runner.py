@@ -26,7 +26,7 @@ from engine.cuda_graphs import (
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.models.llava import LlavaForConditionalGeneration
-from engine.multimodal import ImageInput
+from engine.multimodal import EncoderCache, ImageInput
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -93,6 +93,7 @@ class ModelRunner:
         self.num_gpu_blocks = num_gpu_blocks
         self.lora: LoRAManager | None = None  # set by the engine with --enable-lora
         self.prompt_tap: PromptTap | None = None  # set by the engine: embeddings, prompt logprobs
+        self.encoder_cache = EncoderCache()  # encoded images (vision models only)
         cfg = loaded.config
         self.cache_dtype = cache_dtype_of(loaded, engine_config)
         # Decode steps replay CUDA graphs (engine.cuda_graphs) on one CUDA device unless
@@ -211,22 +212,24 @@ class ModelRunner:
         self, input_ids: torch.Tensor, spans: list[tuple[int, Request, int, int]]
     ) -> torch.Tensor:
         """The step's input embeddings with each scheduled image token's row replaced by its
-        image's encoded row. Images first computed in this step are encoded here, together
-        (an image whose tokens are all in the prefix cache is never encoded); an image's rows
-        are kept on it until its last token is computed (chunked prefill), then dropped."""
+        image's encoded row. An image first computed in this step is encoded here, alone (its
+        rows never depend on what else the step holds), unless the encoder cache has it (an
+        image whose tokens are all in the prefix cache is never encoded); an image's rows are
+        kept on it until its last token is computed (chunked prefill), then dropped."""
         model = self.model
         if not isinstance(model, LlavaForConditionalGeneration):
             raise ValueError(f"model '{self.config.architecture}' does not take images")
-        pending: dict[int, ImageInput] = {}
+        pending: dict[int, tuple[ImageInput, str | None]] = {}
         for _, req, start, end in spans:
             for image in req.mm_inputs:
                 if image.embeds is None and image.offset < end and image.end > start:
-                    pending[id(image)] = image
-        if pending:
-            todo = list(pending.values())
-            pixels = torch.stack([image.pixel_values for image in todo]).to(self.device)
-            for image, rows in zip(todo, model.encode_images(pixels), strict=True):
-                image.embeds = rows
+                    pending[id(image)] = (image, req.cache_salt)
+        for image, salt in pending.values():
+            rows = self.encoder_cache.get(salt, image.content_hash)
+            if rows is None:
+                rows = model.encode_images(image.pixel_values.unsqueeze(0).to(self.device))[0]
+                self.encoder_cache.put(salt, image.content_hash, rows)
+            image.embeds = rows
         embeds = model.model.embed_tokens(input_ids)
         done: list[ImageInput] = []
         for flat, req, start, end in spans:

@@ -35,7 +35,9 @@ class RequestMetrics:
     end-to-end latency (``finished_time - arrival_time``) from these. The ``*_step`` fields
     count the engine's steps (``num_steps``): the count when the request entered the engine,
     the step that first scheduled it and the step that produced its first token, so a trace
-    says how many steps a request waited and how many its prefill took.
+    says how many steps a request waited and how many its prefill took. ``inflight_step_*``:
+    the step that was running when the request arrived (None if the engine was between
+    steps), so its wait for that step can be told from the rest.
     """
 
     arrival_time: float
@@ -47,6 +49,8 @@ class RequestMetrics:
     added_step: int | None = None
     first_scheduled_step: int | None = None
     first_token_step: int | None = None
+    inflight_step_start: float | None = None
+    inflight_step_end: float | None = None
 
 
 @dataclass

@@ -42,6 +42,7 @@ from gateway.body.fields import (
     match_shared_prefix,
     parse_fields,
 )
+from gateway.body.image_parts import num_images
 from gateway.config import GatewayConfig
 from gateway.fleet.adapters import Adapter, AdapterCatalog
 from gateway.fleet.pool import Pool, Replica
@@ -77,6 +78,16 @@ FAILED_AUTH_MEMORY_S = 300.0
 # all it reserved (the request and its tokens), as if the gateway had refused it itself.
 REFUSED_INPUT_STATUSES = frozenset({400, 404, 413, 422})
 MAX_FAILED_AUTH_ADDRESSES = 10_000
+
+
+def _check_images(principal: Principal, model: str, fields: RequestFields) -> None:
+    """A 403 naming ``messages`` when the plan does not let images go to ``model``."""
+    if not principal.may_send_images(model) and num_images(fields.messages):
+        raise PermissionDeniedError(
+            f"Your plan does not allow images with the model '{model}'.",
+            param="messages",
+            code="images_not_allowed",
+        )
 
 
 def _mark_shared_prefix(fields: RequestFields, principal: Principal, kind: str) -> None:
@@ -258,6 +269,7 @@ class Gateway:
             await chain.prepare()
         adapter, decision, upstream, base, avoid = self._route(fields, principal, kind, path)
         ctx.model, ctx.tier = decision.model, decision.tier
+        _check_images(principal, base, fields)
         prompt_tokens = self.counter.count(base, fields)
         fit = self.fits.get(base)
         truncated = None

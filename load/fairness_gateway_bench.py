@@ -459,7 +459,8 @@ def print_summary(report: dict[str, Any]) -> None:
 
 def _breakdown_lines(report: dict[str, Any]) -> str:
     """Q's TTFT in parts (medians, ms; steps as counts) per policy and phase."""
-    head = "Q's TTFT in parts, median ms: " + " ".join(PARTS) + " | steps queued, to 1st token"
+    head = "Q's TTFT in parts, median ms: " + " ".join(PARTS)
+    head += " | step in flight ms | steps queued, to 1st token"
     lines = [head]
     for name, r in report["policies"].items():
         for phase, summary in r["quiet_ttft_breakdown_ms"].items():
@@ -469,7 +470,7 @@ def _breakdown_lines(report: dict[str, Any]) -> str:
                 continue
             parts = " ".join(f"{m[p]:>8.1f}" for p in PARTS)
             steps = f"{m['steps_to_schedule']:.0f}, {m['steps_to_first_token']:.0f}"
-            lines.append(f"  {name:<5} {phase:<10} {parts} | {steps}")
+            lines.append(f"  {name:<5} {phase:<10} {parts} | {m['inflight_step']:.1f} | {steps}")
     return "\n".join(lines)
 
 

@@ -11,8 +11,10 @@ spans of its trace (docs/observability.md names the spans):
 - ``gateway``: authenticate, route, admit: the gateway span's start to its upstream attempt;
 - ``to_engine``: the attempt's start to the engine's arrival stamp (the HTTP hop, the engine
   server's parsing, chat template and tokenization);
-- ``engine_queue``: arrival to first scheduled (the engine's ``queue`` span: the step in
-  flight, and any further steps it waited; ``steps_to_schedule``, 1: none);
+- ``step_in_flight``: arrival to the end of the step the engine was running then (a step
+  cannot be cut; ``inflight_step`` is that step's whole length);
+- ``to_schedule``: from there to first scheduled (the engine's ``queue`` span less the step in
+  flight: between steps, and any further steps it waited; ``steps_to_schedule``, 1: none);
 - ``prefill``: first scheduled to the engine's first token (the step(s) that computed the
   prompt; ``steps_to_first_token``, 1: one step);
 - ``relay``: the engine's first token to the client's (detokenized, framed as SSE by the
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PARTS = ("to_gateway", "gateway", "to_engine", "engine_queue", "prefill", "relay")
+PARTS = ("to_gateway", "gateway", "to_engine", "step_in_flight", "to_schedule", "prefill", "relay")
 
 
 @dataclass
@@ -150,26 +152,30 @@ def breakdown(traced: Traced, spans: Sequence[tuple[str, Any]]) -> dict[str, flo
     if engine_ttft is None:
         return None
     queue = found["queue"]
+    queued = _attributes(queue)
     first_token_ns = queue.start_time_unix_nano + int(engine_ttft * 1e9)
     client_first_ns = traced.sent_ns + int(traced.ttft_s * 1e9)
+    left_ns = int(queued.get("portico.engine.step_in_flight_left_s", 0.0) * 1e9)
     stamps = [
         traced.sent_ns,
         found["gateway"].start_time_unix_nano,
         found["attempt"].start_time_unix_nano,
         queue.start_time_unix_nano,
+        queue.start_time_unix_nano + left_ns,
         queue.end_time_unix_nano,
         first_token_ns,
         client_first_ns,
     ]
     out = {part: (b - a) / 1e6 for part, a, b in zip(PARTS, stamps, stamps[1:], strict=False)}
     out["ttft"] = traced.ttft_s * 1000
-    out["steps_to_schedule"] = float(_attributes(queue).get("portico.engine.steps_to_schedule", -1))
+    out["inflight_step"] = 1000 * queued.get("portico.engine.step_in_flight_s", 0.0)
+    out["steps_to_schedule"] = float(queued.get("portico.engine.steps_to_schedule", -1))
     out["steps_to_first_token"] = float(execute.get("portico.engine.steps_to_first_token", -1))
     return out
 
 
 def collect(
-    collector: TraceCollector, traced: Iterable[Traced], timeout_s: float = 10.0
+    collector: TraceCollector, traced: Iterable[Traced], timeout_s: float = 30.0
 ) -> list[dict[str, float]]:
     """Each traced request's breakdown, waiting up to ``timeout_s`` for its spans to arrive
     (the processes export in batches); requests whose spans never came are left out."""
@@ -207,7 +213,7 @@ def summarize(rows: Sequence[dict[str, float]]) -> Summary:
     summary = Summary(num_requests=len(rows), rows=list(rows))
     if not rows:
         return summary
-    for key in (*PARTS, "ttft", "steps_to_schedule", "steps_to_first_token"):
+    for key in (*PARTS, "ttft", "inflight_step", "steps_to_schedule", "steps_to_first_token"):
         values = [r[key] for r in rows]
         summary.median[key] = statistics.median(values)
         summary.mean[key] = statistics.fmean(values)

@@ -56,7 +56,7 @@ class VisionConfig:
     keep_cls: bool  # vision_feature_select_strategy "full"
     projector_act: str
     projector_bias: bool
-    # Decoder positions one image fills (engine.model_config.tokens_per_image)
+    # Decoder positions one image fills (portico.contract.tokens_per_image)
     num_image_tokens: int
 
     @classmethod

@@ -37,17 +37,19 @@ class ImageURL(StrictModel):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        if not value.startswith(("data:image/", "http://", "https://")):
+            raise ValueError("expected a data URL (data:image/png;base64,...) or an http(s) URL")
+        return value
+
 
 class ImagePart(StrictModel):
     """An image content part of a user message (a vision model only: engine/multimodal.py)."""
 
     type: Literal["image_url"]
     image_url: ImageURL
-
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _bare_url(cls, value: Any) -> Any:
-        return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare URL
 
 
 class FunctionDefinition(StrictModel):

@@ -64,6 +64,34 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _content_of(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A user message's content as chat takes it: its text, or, with ``input_image`` parts
+    (``{"type": "input_image", "image_url": "data:..."}``), chat's text and ``image_url``
+    parts in the order given (a vision model reads them: engine/server/chat_images.py)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_of(content, param)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                where = f"{param}[{i}].image_url"
+                raise InvalidRequestError(f"Missing required parameter: '{where}'.", param=where)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind != "refusal":
+            raise InvalidRequestError(
+                f"Invalid value for '{param}[{i}]': content part type {kind!r} is not supported "
+                f"by this engine (input_image and {', '.join(TEXT_PART_TYPES)} are).",
+                param=f"{param}[{i}]",
+            )
+    return parts
+
+
 def _string(item: dict[str, Any], key: str, param: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
@@ -90,7 +118,9 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     "developer.",
                     param=f"{param}.role",
                 )
-            text = _text_of(item.get("content"), f"{param}.content")
+            content = item.get("content")
+            where = f"{param}.content"
+            text = _content_of(content, where) if role == "user" else _text_of(content, where)
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
             call = {

@@ -8,7 +8,9 @@ finished: prefill and decode), with the GenAI usage attributes, the prefix-cache
 time to first token; ``queue`` counts the engine steps until the request was first scheduled
 (``portico.engine.steps_to_schedule``, 1: the first step planned after it came in) and
 ``execute`` the steps from then to its first token (``portico.engine.steps_to_first_token``,
-1: its whole prompt in one step).
+1: its whole prompt in one step); ``queue`` also has the step that was running when the
+request arrived: its length and what was left of it (``portico.engine.step_in_flight_s``,
+``portico.engine.step_in_flight_left_s``).
 
 Off by default (``portico/tracing.py`` reads ``OTEL_*``); off, ``create_app`` installs nothing
 and the request path is unchanged.
@@ -62,6 +64,13 @@ class EngineTracing:
             # 1: it ran in the first step planned after it entered the engine
             queue.set_attribute(
                 "portico.engine.steps_to_schedule", m.first_scheduled_step - m.added_step
+            )
+        if m.inflight_step_start is not None and m.inflight_step_end is not None:
+            queue.set_attributes(
+                {
+                    "portico.engine.step_in_flight_s": m.inflight_step_end - m.inflight_step_start,
+                    "portico.engine.step_in_flight_left_s": m.inflight_step_end - m.arrival_time,
+                }
             )
         queue.end(end_time=scheduled)
         execute = self.tracer.start_span("execute", start_time=scheduled)

@@ -78,6 +78,9 @@ class Plan(LimitsSpec):
 
     name: str = ""
     allowed_models: list[ModelName] | None = None
+    # Models the plan's tenants may send images to (docs/vision.md); None: every model they
+    # may use, []: none.
+    image_models: list[ModelName] | None = None
     share_prefix_cache: bool = False
     # Prompt starts every tenant of the plan shares in the engines' prefix cache (a company's
     # system prompt): the blocks of such a prefix are hashed under the plan's salt, the rest

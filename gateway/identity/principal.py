@@ -65,6 +65,10 @@ class Principal:
     # the plan's shared prompt prefixes (gateway/identity/cache_salts.py)
     shared_prefixes: tuple[str, ...] = ()
     share: EngineShare = EngineShare()
+    image_models: frozenset[str] | None = None  # the plan's image_models; None: every model
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+    def may_send_images(self, model: str) -> bool:
+        return self.image_models is None or model in self.image_models

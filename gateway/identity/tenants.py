@@ -392,6 +392,7 @@ class TenantStore:
             cache_salt=f"shared:{plan.name}" if shared else self.tenant_salt(tenant.id),
             shared_prefixes=tuple(plan.shared_prefixes),
             share=plan.engine_share(),
+            image_models=frozenset(plan.image_models) if plan.image_models is not None else None,
         )
 
     # ------------------------------------------------------------------ internals

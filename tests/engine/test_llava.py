@@ -163,6 +163,31 @@ def test_cached_image_is_not_encoded_again(
     assert again.num_cached_tokens >= mm[0].end
 
 
+def test_a_repeated_image_in_a_short_prompt_is_encoded_once_per_tenant(
+    loaded: LoadedModel, hf_model: Any, processor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's last block is not full, so the prefix cache cannot cover it: the encoder
+    cache (keyed by tenant salt and image hash) does, for the same tenant only."""
+    images, text = [picture(8)], "Describe it."
+    _, expected = hf_reference(hf_model, processor, text, images)
+    engine = make_engine(loaded)
+    encoded: list[int] = []
+    original = loaded.model.encode_images
+
+    def counting(pixels: torch.Tensor) -> torch.Tensor:
+        encoded.append(pixels.shape[0])
+        return original(pixels)
+
+    monkeypatch.setattr(loaded.model, "encode_images", counting)
+    [a] = run(engine, [(*engine_inputs(loaded, text, images), "tenant-a")])
+    [b] = run(engine, [(*engine_inputs(loaded, text, images), "tenant-a")])
+    [c] = run(engine, [(*engine_inputs(loaded, text, images), "tenant-b")])
+    _, mm = engine_inputs(loaded, text, images)
+    assert b.num_cached_tokens < mm[0].end  # the prefix cache did not hold the whole image
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids == expected
+    assert encoded == [1, 1]  # tenant-a once (its second request hit), tenant-b once
+
+
 def test_other_image_never_shares_its_blocks(loaded: LoadedModel) -> None:
     engine = make_engine(loaded)
     ids_a, mm_a = engine_inputs(loaded, "Describe it.", [picture(1)])
@@ -186,3 +211,20 @@ def test_tenants_do_not_share_cached_images(loaded: LoadedModel) -> None:
     )
     assert other.num_cached_tokens == 0
     assert same.num_cached_tokens >= mm[0].end // 16 * 16
+
+
+def test_dummy_weights_load_in_the_folders_shape(llava_dir: Path) -> None:
+    """--load-format dummy: random weights (the vision tower's too), LayerNorm scales 1,
+    so a benchmark runs images through a real-shaped tower without the checkpoint."""
+    dummy = load_model(
+        ModelSource("tiny-llava", llava_dir, "hf"), torch.float32, "cpu", load_format="dummy"
+    )
+    tower = dummy.model.vision_tower
+    assert torch.equal(tower.pre_layrnorm.weight, torch.ones(32))
+    assert tower.embeddings.class_embedding.abs().sum() > 0
+    rows = dummy.model.encode_images(torch.randn(1, 3, 32, 32))
+    assert rows.shape == (1, 16, 64) and torch.isfinite(rows).all()
+    engine = make_engine(dummy, load_format="dummy")
+    ids, mm = engine_inputs(dummy, "Describe it.", [picture(9)])
+    [out] = run(engine, [(ids, mm, None)])
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS

@@ -72,6 +72,9 @@ def well_formed(message: Any) -> bool:
             image = part.get("image_url")
             if not isinstance(image, dict) or not isinstance(image.get("url"), str):
                 return False
+            # a data URL the gateway decodes, or an http(s) URL (never generated: too short)
+            if not image["url"].startswith(("http://", "https://")):
+                return False
     return True
 
 

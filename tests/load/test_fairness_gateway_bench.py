@@ -99,7 +99,8 @@ def test_quick_run_through_the_gateway_reports_both_policies(
             assert summary["num_requests"] == 3
             for row in summary["rows"]:
                 assert sum(row[p] for p in PARTS) == pytest.approx(row["ttft"], abs=1.0)
-                assert row["engine_queue"] >= 0 and row["prefill"] > 0
+                assert row["to_schedule"] >= 0 and row["prefill"] > 0
+                assert 0 <= row["step_in_flight"] <= row["inflight_step"]
                 assert row["steps_to_schedule"] >= 1 and row["steps_to_first_token"] >= 1
     # six of N's chats on four slots: under fair, Q's chats took slots back
     assert report["policies"]["fcfs"]["preemptions"] == 0

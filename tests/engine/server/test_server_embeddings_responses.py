@@ -213,6 +213,8 @@ def test_responses_bad_input_is_refused_in_openai_shape(client: openai.OpenAI) -
     for kwargs, param in [
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+         "input[0].content[0].image_url"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "input[0].content[0]"),
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),

@@ -154,7 +154,7 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
         "messages[0]",
     ),
     (
-        "image content part",
+        "image content part on a text-only model",
         {
             "messages": [
                 {
@@ -163,7 +163,19 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None]] = [
                 }
             ]
         },
-        "messages[0].content",
+        "messages[0].content[0].image_url.url",
+    ),
+    (
+        "image URL of an unknown scheme",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "file:///etc/x"}}],
+                }
+            ]
+        },
+        "messages[0].content[0].image_url.url",
     ),
     (
         "message unknown field",

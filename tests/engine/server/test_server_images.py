@@ -165,3 +165,22 @@ def test_a_text_model_refuses_images_naming_the_part() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         ChatImages(model=None, max_images=4).decode([message])
     assert caught.value.param == "messages[0].content[1].image_url.url"
+
+
+def test_the_responses_api_takes_input_image_parts(client: openai.OpenAI) -> None:
+    """Responses' ``input_image`` parts answer as the same chat request does."""
+    _, url = picture(6, "GIF")
+    text = "What is this?"
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0,
+        messages=[{"role": "user", "content": [image_part(url), {"type": "text", "text": text}]}],
+    )  # fmt: skip
+    response = client.responses.create(
+        model=MODEL_NAME, max_output_tokens=MAX_TOKENS, temperature=0,
+        input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}, {"type": "input_text", "text": text},
+        ]}],
+    )  # fmt: skip
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens > 16

@@ -60,6 +60,12 @@ async def test_engine_spans_join_the_callers_trace(tiny: Any, stream: bool) -> N
     assert attrs["gen_ai.usage.input_tokens"] > 0 and attrs["gen_ai.usage.output_tokens"] == 4
     assert attrs["gen_ai.server.time_to_first_token"] > 0
     assert list(attrs["gen_ai.response.finish_reasons"]) == ["length"]
+    # the engine was idle: scheduled in the first step after it came in, its prompt in one
+    # step, and no step was in flight when it arrived
+    assert attrs["portico.engine.steps_to_first_token"] == 1
+    queued = dict(queue.attributes or {})
+    assert queued["portico.engine.steps_to_schedule"] == 1
+    assert "portico.engine.step_in_flight_s" not in queued
 
 
 def test_off_installs_nothing(tiny: Any) -> None:

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from tests.conftest import RedisServer
@@ -28,6 +29,15 @@ from tests.gateway.dataplane.test_gateway_check_order import counters, post
 
 pytestmark = pytest.mark.slow
 
+# standard: images on every model; text-only: none; elsewhere: images on another model only
+PLANS = {
+    "default_plan": "standard",
+    "plans": {
+        "standard": {},
+        "text-only": {"image_models": []},
+        "elsewhere": {"image_models": ["another-model"]},
+    },
+}
 TEXT = "Describe this picture in detail, every colour and shape that you can see in it please."
 
 
@@ -43,7 +53,13 @@ def store(module_tmp: Path) -> Iterator[RedisServer]:
 def gateway(module_tmp: Path, store: RedisServer, tiny_llava_dir: Path) -> Iterator[GatewayProcess]:
     engine = tiny_engine(tiny_llava_dir, "vision")
     engine["args"] = [*engine["args"], "--limit-mm-per-prompt", "image=2"]
-    gw = GatewayProcess(module_tmp, {"redis": {"url": store.url}, "engines": [engine]}, {})
+    plans = module_tmp / "plans.yaml"
+    plans.write_text(yaml.safe_dump(PLANS))
+    gw = GatewayProcess(
+        module_tmp,
+        {"redis": {"url": store.url, "plans_file": str(plans)}, "engines": [engine]},
+        {},
+    )
     gw.start(timeout=600)
     yield gw
     assert gw.terminate() == 0, gw.log()
@@ -132,3 +148,20 @@ def test_tenants_never_share_a_cached_image(gateway: GatewayProcess) -> None:
     assert cached(first) == 0
     assert cached(first) >= 16  # the same tenant again: its image's blocks are cached
     assert cached(second) == 0  # another tenant: none of them
+
+
+@pytest.mark.parametrize("plan", ["text-only", "elsewhere"])
+def test_a_plan_without_images_for_the_model_is_403_before_admission(
+    gateway: GatewayProcess, store: RedisServer, plan: str
+) -> None:
+    tenant_id, key = gateway.create_tenant(plan=plan, overrides={"requests_per_minute": 5})
+    _, url = picture(4)
+    before = counters(store, tenant_id)
+    r = post(gateway, key, {"model": "vision", "messages": messages([url]), "max_tokens": 2})
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["code"] == "images_not_allowed" and error["param"] == "messages"
+    assert counters(store, tenant_id) == before
+    text = [{"role": "user", "content": "Just text."}]
+    ok = post(gateway, key, {"model": "vision", "messages": text, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # the plan may still use the model without images
