@@ -20,7 +20,6 @@ MAX_FUNCTION_LINES = 80
 # (path, qualified name) -> its length today; shrink this list, never grow it.
 LONG_FUNCTIONS: dict[tuple[str, str], int] = {
     ("tests/gateway/console/test_console_browser.py", "test_console_end_to_end"): 132,
-    ("engine/server/serving_responses.py", "ResponsesServing.stream"): 107,
     ("engine/kernels/triton_paged_attention.py", "_paged_attention_kernel"): 85,
     ("engine/model_loader.py", "load_model"): 83,
     ("gateway/admission/admission.py", "build_plan"): 81,

@@ -392,37 +392,8 @@ class ResponsesServing:
             )
             return
         items: list[dict[str, Any]] = []
-        for item in output:
-            index = len(items)
-            if item is message:
-                done = self.message_item(item["id"], message_text)
-                part = done["content"][0]
-                yield events.emit(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=message_text,
-                    logprobs=[],
-                )
-                yield events.emit(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            else:
-                done = dict(item, status="completed")
-                yield events.emit(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            items.append(done)
-            yield events.emit("response.output_item.done", output_index=index, item=done)
+        for event in self._done_events(output, message, message_text, events, items):
+            yield event
         if not items:  # no text and no call: still one (empty) message, as the whole reply has
             items.append(self.message_item(new_id("msg"), ""))
         num_output = len(final.token_ids) if final is not None else 0
@@ -432,6 +403,57 @@ class ResponsesServing:
         # "incomplete" when max_output_tokens cut the reply.
         status = "incomplete" if incomplete else "completed"
         yield events.emit("response.completed", response=snapshot(status, items, usage))
+
+    def _done_events(
+        self,
+        output: list[dict[str, Any]],
+        message: dict[str, Any] | None,
+        message_text: str,
+        events: ResponseEvents,
+        items: list[dict[str, Any]],
+    ) -> list[bytes]:
+        """The closing events of each output item in output order (the message's text and
+        part, a call's arguments, then the item); each finished item is appended to
+        ``items``."""
+        emitted: list[bytes] = []
+        for item in output:
+            index = len(items)
+            if item is message:
+                done = self.message_item(item["id"], message_text)
+                part = done["content"][0]
+                emitted.append(
+                    events.emit(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=message_text,
+                        logprobs=[],
+                    )
+                )
+                emitted.append(
+                    events.emit(
+                        "response.content_part.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        part=part,
+                    )
+                )
+            else:
+                done = dict(item, status="completed")
+                emitted.append(
+                    events.emit(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
+            items.append(done)
+            emitted.append(events.emit("response.output_item.done", output_index=index, item=done))
+        return emitted
 
     def _call_events(
         self,
