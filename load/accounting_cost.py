@@ -37,11 +37,19 @@ CHAT = {
 }
 
 
+WINGS = ("body", "relay", "fleet", "remotes", "batch")
+
+
 def old_module(commit: str, path: str, name: str) -> types.ModuleType:
     """``path`` as it was at ``commit``, imported under ``name`` (its imports are today's)."""
     source = subprocess.run(
         ["git", "show", f"{commit}:{path}"], cwd=REPO_ROOT, check=True, capture_output=True
     ).stdout.decode()
+    for wing in WINGS:  # gateway/dataplane/ became wings (issue 44): today's module paths
+        for file in (REPO_ROOT / "gateway" / wing).glob("*.py"):
+            source = source.replace(
+                f"gateway.dataplane.{file.stem} ", f"gateway.{wing}.{file.stem} "
+            )
     module = types.ModuleType(name)
     module.__dict__["__name__"] = name
     sys.modules[name] = module
@@ -86,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args(argv)
-    fields_then = old_module(args.before, "gateway/body/fields.py", "_fields_then")
-    proxy_then = old_module(args.before, "gateway/relay/proxy.py", "_proxy_then")
+    fields_then = old_module(args.before, "gateway/dataplane/fields.py", "_fields_then")
+    proxy_then = old_module(args.before, "gateway/dataplane/proxy.py", "_proxy_then")
     n, r = args.number, args.repeat
     plain = json.dumps(CHAT).encode()
     salted = json.dumps({**CHAT, "cache_salt": "end-user-42"}).encode()

@@ -166,7 +166,9 @@ class TensorParallelLeader:
         return self.group
 
     def _broadcast_run(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        input_ids, positions, _, meta = args
+        input_ids, positions, _, meta = args[:4]
+        if len(args) > 4 and args[4] is not None:  # image embeddings: the plan does not carry them
+            raise ValueError("tensor parallelism does not run vision models' image steps")
         step_plan.send_run(self.check_alive(), input_ids, positions, meta)
 
     def make_runner(self, loaded: LoadedModel, config: EngineConfig) -> ModelRunner:
