@@ -11,7 +11,8 @@ supervises one ``portico engine`` per policy (``--policies``, default ``fcfs,fai
 with its own API key, call the gateway with the OpenAI wire format; nothing talks to an engine
 directly. On each pool in turn:
 
-1. **alone**: tenant Q sends ``--quiet-requests`` short streamed chats, one at a time;
+1. **alone**: tenant Q sends ``--quiet-requests`` short streamed chats, one at a time, each a
+   random 0 to 2 x ``--quiet-gap-s`` after the previous one ended;
 2. **with N**: tenant N keeps ``--noisy-concurrency`` long chats in flight (a prompt of about
    ``--noisy-prompt-tokens`` tokens, ``--noisy-output-len`` tokens out, a new one as soon as
    one ends); once ``--warmup-requests`` of them have finished, Q sends its chats again.
@@ -187,9 +188,13 @@ async def quiet_sequence(
     traced: list[Traced],
 ) -> list[Timing]:
     out = []
+    # Each gap is drawn from 0 to 2 x quiet_gap_s: a fixed gap after a chat that ended at a
+    # step's end lands every chat at the same point of the next step (measured: 0.50-0.54 s
+    # into it, with 0.5 s gaps), which times one phase of the step, not a user's arrival.
+    gaps = random.Random(work.seed + 7)
     for i in range(work.quiet_requests):
         if i and work.quiet_gap_s:
-            await asyncio.sleep(work.quiet_gap_s)
+            await asyncio.sleep(gaps.uniform(0.0, 2 * work.quiet_gap_s))
         text = f"{rng.randrange(10**9)}: say hello to the {rng.choice(WORDS)}"
         out.append(await stream_chat(client, key, pool, text, work.quiet_output_len, traced))
     return out
