@@ -53,6 +53,10 @@ class RequestFields:
     # narrows the tenant's salt (gateway/identity/cache_salts.py ``narrowed_salt``); the engine
     # never receives it raw.
     cache_salt: str | None = None
+    # (tenant salt, the engine's salt for it narrowed by ``cache_salt``): the narrowing is a
+    # SHA-256, computed once per request and reused by the router and the engine body
+    # (gateway/relay/usage_relay.py ``engine_salt``).
+    narrowed_salt: tuple[str, str] | None = None
     # (plan salt, number of characters): the request starts with one of its plan's shared
     # prefixes (:func:`match_shared_prefix`); set by the request path, told to local engines
     # in a header (gateway/relay/proxy.py SHARED_PREFIX_HEADER)

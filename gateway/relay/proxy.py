@@ -39,7 +39,6 @@ from gateway.body.fields import RequestFields
 from gateway.fleet.pool import Pool, Replica
 from gateway.fleet.prefix_index import RouteTokens, route_token_ids
 from gateway.fleet.replica_load import Lease
-from gateway.identity.cache_salts import narrowed_salt
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.relay.engine_hop import engine_hop_headers
@@ -51,6 +50,7 @@ from gateway.relay.usage_relay import (
     UsageView,
     _loads,
     _take_usage,
+    engine_salt,
     error_event,
     sse_blocks,
     upstream_body,
@@ -193,7 +193,7 @@ class LocalUpstream:
         if token_ids is None:
             return None
         tenant_salt = principal.cache_salt if principal is not None else None
-        salt = narrowed_salt(tenant_salt, fields.cache_salt) if tenant_salt is not None else None
+        salt = engine_salt(fields, tenant_salt) if tenant_salt is not None else None
         tenant = principal.tenant_id if principal is not None else None
         return RouteTokens(token_ids, salt, tenant=tenant, model=fields.model)
 

@@ -113,6 +113,20 @@ def error_event(message: str, code: str = "upstream_error") -> bytes:
     return b"data: " + payload + b"\n\n" + DONE_EVENT
 
 
+def engine_salt(fields: RequestFields, tenant_salt: str) -> str:
+    """The ``cache_salt`` the engine gets for a request of the tenant salted ``tenant_salt``:
+    the tenant's, narrowed by the client's own (:func:`narrowed_salt`, a SHA-256 computed once
+    per request and kept on ``fields``, so the router and the body agree without hashing
+    twice)."""
+    if fields.cache_salt is None:
+        return tenant_salt
+    memo = fields.narrowed_salt
+    if memo is None or memo[0] != tenant_salt:
+        memo = (tenant_salt, narrowed_salt(tenant_salt, fields.cache_salt))
+        fields.narrowed_salt = memo
+    return memo[1]
+
+
 def upstream_body(
     raw: bytes,
     fields: RequestFields,
@@ -155,7 +169,7 @@ def upstream_body(
     edited["model"] = model
     edited.pop("cache_salt", None)  # a client's salt only narrows its tenant's, never replaces
     if cache_salt is not None:
-        edited["cache_salt"] = narrowed_salt(cache_salt, fields.cache_salt)
+        edited["cache_salt"] = engine_salt(fields, cache_salt)
     if max_tokens is not None:
         edited.pop("max_completion_tokens", None)  # it would win over max_tokens
         edited[fields.max_tokens_field] = max_tokens
