@@ -231,3 +231,16 @@ def test_verdicts_name_each_target() -> None:
     assert met["gateway >= 1500 req/s on one core (json)"] is True
     assert not any("(stream)" in t and "req/s on one core" in t for t in met)
     assert len(met) == 6
+
+
+def test_requests_per_cpu_second_is_judged_only_when_the_gateway_was_saturated() -> None:
+    def judged(share: float, per_cpu_s: float) -> dict[str, object]:
+        run_ = {"requests_per_s": 4000.0, "core_share": share, "requests_per_cpu_second": per_cpu_s}
+        sat = {"saturation": {"gateway_json": run_}}
+        (verdict,) = [v for v in gb.verdicts(sat) if "CPU-second" in str(v["target"])]
+        return verdict
+
+    assert judged(0.95, 5200.0)["met"] is True
+    assert judged(0.95, 4800.0)["met"] is False
+    starved = judged(0.3, 9000.0)  # a starved run's figure is no verdict either way
+    assert starved["met"] is False and "not saturated" in str(starved["measured"])
