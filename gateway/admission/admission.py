@@ -45,6 +45,7 @@ from gateway.admission.spend import (
     money_cap,
     money_needs,
     money_refusal,
+    utc_day,
 )
 from gateway.identity.prices import PriceBook, usd_to_micro
 from gateway.identity.principal import Limits, Principal
@@ -213,11 +214,6 @@ def _money_left(plan: _Plan, decision: Decision) -> tuple[MoneyLeft, ...]:
 def utc_month(epoch_s: float) -> str:
     t = time.gmtime(epoch_s)
     return f"{t.tm_year:04d}-{t.tm_mon:02d}"
-
-
-def utc_day(epoch_s: float) -> str:
-    t = time.gmtime(epoch_s)
-    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
 
 
 class Admission:

@@ -41,7 +41,14 @@ def encode_command(args: tuple[Any, ...]) -> bytes:
     """RESP encoding of one command (str, bytes, int or float arguments)."""
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
-        if isinstance(arg, bytes):
+        kind = type(arg)  # exact types first: one lookup for the common arguments
+        if kind is str:
+            data = arg.encode()
+        elif kind is bytes:
+            data = arg
+        elif kind is int or kind is float:
+            data = repr(arg).encode()
+        elif isinstance(arg, bytes):
             data = arg
         elif isinstance(arg, str):
             data = arg.encode()

@@ -8,6 +8,8 @@ admission saw. All amounts are integer micro-dollars.
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -105,3 +107,16 @@ def money_refusal(limit_name: str, who: str, used: int, limit: int, need: int) -
         f"and the {limit_name} of {who} has only ${(limit - used) / MICRO:.6f} left: {spent}. "
         f"Shorten the prompt, or wait: it renews {renews}."
     )
+
+
+def utc_day(epoch_s: float) -> str:
+    """The UTC date of ``epoch_s`` (the period of daily budgets; POSIX days are 86,400 s),
+    formatted once per day: every request asks, and gmtime plus formatting showed in the
+    gateway's profile (docs/benchmarks.md, issue 44)."""
+    return _day_text(int(epoch_s // 86_400))
+
+
+@functools.lru_cache(maxsize=4)
+def _day_text(day_number: int) -> str:
+    t = time.gmtime(day_number * 86_400)
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
