@@ -136,39 +136,44 @@ static void unpack_panel(const Panels *w, int p, int b0, int b1, float *wf) {
     }
 }
 
-/* R rows (r0..) times unpacked blocks b0..b1-1 (wf) of panel p, added into acc[r][16] (the
- * running sums, zeroed by the caller before block 0). The same chains as micro: per block, t
- * over the 32 steps in order, then acc = fma(t, d, acc) and the minimum's term. All R rows
- * take a step before the next one, so the 2R chains (12 vectors) hide the FMA latency, and
- * the weights come from L1 once per R rows instead of being unpacked per tile. */
-INLINE void micro_unpacked(const Panels *w, const float *wf, const float *xf, const float *xs, int r0,
-                           const int R, int p, int b0, int b1, float *acc) {
+/* The x values of a tile of R rows (r0..) in the chains' step order, rows side by side:
+ * xt[(b * 32 + s) * R + i] is the input that step s of block b multiplies for row r0 + i, and
+ * xst[b * R + i] that row's block sum. A tile's broadcasts then read one stream, and the values
+ * (copied, not computed) are the ones the chains read from x. */
+static void pack_tile(const Panels *w, const float *xf, const float *xs, int r0, int R, float *xt, float *xst) {
+    for (int i = 0; i < R; i++) {
+        const float *xr = xf + (int64_t)(r0 + i) * w->k;
+        for (int b = 0; b < w->nb; b++) {
+            float *dst = xt + (int64_t)b * 32 * R + i;
+            for (int s = 0; s < 32; s++) {
+                const int j = w->kind == PANEL_Q4_1 ? (s >> 1) + ((s & 1) << 4) : s;
+                dst[s * R] = xr[b * 32 + j];
+            }
+            if (xs) xst[b * R + i] = xs[(int64_t)(r0 + i) * w->nb + b];
+        }
+    }
+}
+
+/* R rows of a packed tile (xt, xst) times unpacked blocks b0..b1-1 (wf) of panel p, added into
+ * acc[r][16] (the running sums, zeroed by the caller before block 0). The same chains as micro:
+ * per block, t over the 32 steps in order, then acc = fma(t, d, acc) and the minimum's term.
+ * All R rows take a step before the next one, so the 2R chains (12 vectors) hide the FMA
+ * latency, and the weights come from L1 once per R rows instead of being unpacked per tile. */
+INLINE void micro_unpacked(const Panels *w, const float *wf, const float *xt, const float *xst, const int R,
+                           int p, int b0, int b1, float *acc) {
     for (int b = b0; b < b1; b++) {
         __m256 t[WIDE_TILE][2];
-        const float *xb[WIDE_TILE];
-        for (int r = 0; r < R; r++) {
-            t[r][0] = t[r][1] = _mm256_setzero_ps();
-            xb[r] = xf + (int64_t)(r0 + r) * w->k + b * 32;
-        }
-        const float *wb = wf + (b - b0) * 32 * PANEL;
-#define STEP(s, j)                                                                                \
-    do {                                                                                          \
-        const __m256 w0 = _mm256_loadu_ps(wb + (s) * PANEL), w1 = _mm256_loadu_ps(wb + (s) * PANEL + 8); \
-        for (int r = 0; r < R; r++) {                                                             \
-            const __m256 xv = _mm256_broadcast_ss(xb[r] + (j));                                   \
-            t[r][0] = _mm256_fmadd_ps(xv, w0, t[r][0]);                                           \
-            t[r][1] = _mm256_fmadd_ps(xv, w1, t[r][1]);                                           \
-        }                                                                                         \
-    } while (0)
-        if (w->kind == PANEL_Q4_1) { /* step 2kk reads input kk, step 2kk + 1 input kk + 16 */
-            for (int kk = 0; kk < 16; kk++) {
-                STEP(2 * kk, kk);
-                STEP(2 * kk + 1, kk + 16);
+        for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
+        const float *wb = wf + (b - b0) * 32 * PANEL, *xb = xt + (int64_t)b * 32 * R;
+#pragma GCC unroll 4
+        for (int s = 0; s < 32; s++) {
+            const __m256 w0 = _mm256_loadu_ps(wb + s * PANEL), w1 = _mm256_loadu_ps(wb + s * PANEL + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_broadcast_ss(xb + s * R + r);
+                t[r][0] = _mm256_fmadd_ps(xv, w0, t[r][0]);
+                t[r][1] = _mm256_fmadd_ps(xv, w1, t[r][1]);
             }
-        } else {
-            for (int s = 0; s < 32; s++) STEP(s, s);
         }
-#undef STEP
         const int64_t at = ((int64_t)p * w->nb + b) * PANEL;
         for (int v = 0; v < 2; v++) {
             const __m256 d = _mm256_loadu_ps(w->d + at + v * 8);
@@ -176,7 +181,7 @@ INLINE void micro_unpacked(const Panels *w, const float *wf, const float *xf, co
             for (int r = 0; r < R; r++) {
                 float *dst = acc + r * PANEL + v * 8;
                 __m256 a = _mm256_fmadd_ps(t[r][v], d, _mm256_loadu_ps(dst));
-                if (w->mn) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + (int64_t)(r0 + r) * w->nb + b), a);
+                if (w->mn) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xst + b * R + r), a);
                 _mm256_storeu_ps(dst, a);
             }
         }
@@ -253,12 +258,12 @@ static void tile_store(const Panels *w, const float *xf, const float *xs, int r0
 }
 
 #ifdef HAVE_UNPACKED
-/* One task of at least UNPACK_MIN_ROWS rows: each panel is unpacked to floats CHUNK_BLOCKS
- * blocks at a time, and every tile of up to WIDE_TILE rows runs over the chunk while it is in
- * L1; each row's running sums wait in acc between chunks (stored and reloaded exactly), so each
- * element's chain is still the one above, block by block in order. */
+/* One task of at least UNPACK_MIN_ROWS rows, its x rows packed tile by tile (pack_rows): each panel is unpacked to floats CHUNK_BLOCKS blocks at a time, and every tile of up to
+ * WIDE_TILE rows runs over the chunk while it is in L1; each row's running sums wait in acc
+ * between chunks (stored and reloaded exactly), so each element's chain is still the one above,
+ * block by block in order. */
 static void run_task_unpacked(const Panels *w, const float *xf, const float *xs, int r0, int r1, int p0, int p1,
-                              const float *bias, int dt, void *y) {
+                              const float *bias, int dt, void *y, const float *xt, const float *xst) {
     float wf[CHUNK_BLOCKS * 32 * PANEL];
     float acc[TASK_ROWS * PANEL];
     for (int p = p0; p < p1; p++) {
@@ -268,18 +273,27 @@ static void run_task_unpacked(const Panels *w, const float *xf, const float *xs,
             unpack_panel(w, p, b0, b1, wf);
             for (int r = r0; r < r1; r += WIDE_TILE) {
                 float *a = acc + (r - r0) * PANEL;
+                const float *tx = xt + (int64_t)r * w->k, *ts = xst ? xst + (int64_t)r * w->nb : NULL;
                 switch (r1 - r < WIDE_TILE ? r1 - r : WIDE_TILE) { /* literal sizes: chains in registers */
-                case 1: micro_unpacked(w, wf, xf, xs, r, 1, p, b0, b1, a); break;
-                case 2: micro_unpacked(w, wf, xf, xs, r, 2, p, b0, b1, a); break;
-                case 3: micro_unpacked(w, wf, xf, xs, r, 3, p, b0, b1, a); break;
-                case 4: micro_unpacked(w, wf, xf, xs, r, 4, p, b0, b1, a); break;
-                case 5: micro_unpacked(w, wf, xf, xs, r, 5, p, b0, b1, a); break;
-                default: micro_unpacked(w, wf, xf, xs, r, 6, p, b0, b1, a); break;
+                case 1: micro_unpacked(w, wf, tx, ts, 1, p, b0, b1, a); break;
+                case 2: micro_unpacked(w, wf, tx, ts, 2, p, b0, b1, a); break;
+                case 3: micro_unpacked(w, wf, tx, ts, 3, p, b0, b1, a); break;
+                case 4: micro_unpacked(w, wf, tx, ts, 4, p, b0, b1, a); break;
+                case 5: micro_unpacked(w, wf, tx, ts, 5, p, b0, b1, a); break;
+                default: micro_unpacked(w, wf, tx, ts, 6, p, b0, b1, a); break;
                 }
             }
         }
         store_rows(w, acc, r0, r1 - r0, p, 1, bias, dt, y);
     }
+}
+
+/* Rows r0..r1-1 (one row task) packed for run_task_unpacked: the tile at row r (up to WIDE_TILE
+ * rows) at xt[r * k] and xst[r * nb]. */
+static void pack_rows(const Panels *w, const float *xf, const float *xs, int r0, int r1, float *xt, float *xst) {
+    for (int r = r0; r < r1; r += WIDE_TILE)
+        pack_tile(w, xf, xs, r, r1 - r < WIDE_TILE ? r1 - r : WIDE_TILE, xt + (int64_t)r * w->k,
+                  xst ? xst + (int64_t)r * w->nb : NULL);
 }
 #endif
 
@@ -287,10 +301,10 @@ static void run_task_unpacked(const Panels *w, const float *xf, const float *xs,
  * one panel; a lone row: tiles of one row and up to TASK_PANELS panels (enough chains to hide
  * the FMA latency). Either way each element's chain is the one above. */
 static void run_task(const Panels *w, const float *xf, const float *xs, int r0, int r1, int p0, int p1,
-                     const float *bias, int dt, void *y) {
+                     const float *bias, int dt, void *y, const float *xt, const float *xst) {
 #ifdef HAVE_UNPACKED
     if (r1 - r0 >= UNPACK_MIN_ROWS) {
-        run_task_unpacked(w, xf, xs, r0, r1, p0, p1, bias, dt, y);
+        run_task_unpacked(w, xf, xs, r0, r1, p0, p1, bias, dt, y, xt, xst);
         return;
     }
 #endif
@@ -342,6 +356,22 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
     const int panel_tasks = (w.np + TASK_PANELS - 1) / TASK_PANELS;
     const int row_tasks = (m + TASK_ROWS - 1) / TASK_ROWS;
     const int tasks = panel_tasks * row_tasks;
+    float *xt = NULL, *xst = NULL; /* x packed for the tasks on unpacked panels, once per call */
+#ifdef HAVE_UNPACKED
+    if (m >= UNPACK_MIN_ROWS) {
+        xt = (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
+        xst = xs ? (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb) : NULL;
+        if (!xt || (xs && !xst)) {
+            free(xwide), free(xs), free(xt), free(xst);
+            return -1;
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int rt = 0; rt < row_tasks; rt++) {
+            const int r0 = rt * TASK_ROWS, r1 = r0 + TASK_ROWS < m ? r0 + TASK_ROWS : m;
+            if (r1 - r0 >= UNPACK_MIN_ROWS) pack_rows(&w, xf, xs, r0, r1, xt, xst);
+        }
+    }
+#endif
     /* Dynamic tasks: a descheduled thread does not hold the call up. Each output element is
      * computed whole by the one task that owns it, so the schedule changes no result. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if ((int64_t)n * k * m >= (1 << 17))
@@ -349,9 +379,11 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
         const int pt = t % panel_tasks, rt = t / panel_tasks;
         const int p0 = pt * TASK_PANELS, p1 = p0 + TASK_PANELS < w.np ? p0 + TASK_PANELS : w.np;
         const int r0 = rt * TASK_ROWS, r1 = r0 + TASK_ROWS < m ? r0 + TASK_ROWS : m;
-        run_task(&w, xf, xs, r0, r1, p0, p1, bias, dt, y);
+        run_task(&w, xf, xs, r0, r1, p0, p1, bias, dt, y, xt, xst);
     }
     free(xwide);
     free(xs);
+    free(xt);
+    free(xst);
     return 0;
 }
