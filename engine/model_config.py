@@ -158,6 +158,8 @@ class ModelConfig:
     def _from_hf_vision(cls, architecture: str, raw: Mapping[str, Any]) -> ModelConfig:
         """A LLaVA folder: the decoder from ``text_config`` (a Llama-family model), the rest
         kept in ``multimodal``."""
+        if architecture == "Qwen2VLForConditionalGeneration":
+            return cls._from_hf_qwen2_vl(architecture, raw)
         text = dict(raw.get("text_config") or {})
         text_type = str(text.get("model_type", "llama"))
         text_arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(text_type)
@@ -169,6 +171,27 @@ class ModelConfig:
             text.setdefault(key, raw.get(key))
         text_cfg = cls.from_hf({**text, "architectures": [text_arch]})
         multimodal = {k: v for k, v in raw.items() if k != "text_config"}
+        return replace(text_cfg, architecture=architecture, multimodal=multimodal)
+
+    @classmethod
+    def _from_hf_qwen2_vl(cls, architecture: str, raw: Mapping[str, Any]) -> ModelConfig:
+        """A Qwen2-VL folder: the Qwen2 decoder from ``text_config`` (transformers 5) or the top
+        level (the original layout), its M-RoPE ``mrope_section`` moved into ``multimodal``
+        beside the vision config (engine/models/qwen2_vl.py)."""
+        text = dict(
+            raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
+        )
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            text.setdefault(key, raw.get(key))
+        rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+        section = rope.pop("mrope_section", None)
+        kind = rope.pop("rope_type", rope.pop("type", "default"))
+        if kind not in ("default", "mrope"):
+            raise ValueError(f"{architecture} with RoPE scaling '{kind}' is not supported")
+        text["rope_theta"] = rope.get("rope_theta", text.get("rope_theta", 1000000.0))
+        text_cfg = cls.from_hf({**text, "architectures": ["Qwen2ForCausalLM"]})
+        multimodal = {k: v for k, v in raw.items() if k != "text_config"}
+        multimodal["mrope_section"] = section
         return replace(text_cfg, architecture=architecture, multimodal=multimodal)
 
     @classmethod

@@ -34,6 +34,7 @@ from engine.models.fp8_linear import fp8_unsupported_reason, quantize_projection
 from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration, rename_llava_weights
+from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration, rename_qwen2_vl_weights
 from engine.numerics import NumericsPath
 from portico.registry import ModelNotFound, ModelSource, models_dir
 
@@ -131,19 +132,32 @@ def _merge_hf(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]) -> 
     return state
 
 
-def _renamed(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A LLaVA checkpoint's tensors under our names (engine/models/llava.py)."""
+def _renamed(
+    cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A vision model's tensors under our names (engine/models/llava.py, qwen2_vl.py)."""
+    qwen2_vl = cfg.architecture == "Qwen2VLForConditionalGeneration"
+    rename = rename_qwen2_vl_weights if qwen2_vl else rename_llava_weights
     for name, tensor in tensors:
-        ours = rename_llava_weights(name)
+        ours = rename(name)
         if ours is not None:
             yield ours, tensor
+
+
+def _model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module that serves ``cfg``: a text model, LLaVA or Qwen2-VL."""
+    if not cfg.is_multimodal:
+        return LlamaForCausalLM
+    if cfg.architecture == "Qwen2VLForConditionalGeneration":
+        return Qwen2VLForConditionalGeneration
+    return LlavaForConditionalGeneration
 
 
 def _load_hf(folder: Path) -> tuple[ModelConfig, dict[str, Any], PreTrainedTokenizerBase]:
     raw_config = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_hf(raw_config)
     tensors = _hf_tensors(folder)
-    state = _merge_hf(cfg, _renamed(tensors) if cfg.is_multimodal else tensors)
+    state = _merge_hf(cfg, _renamed(cfg, tensors) if cfg.is_multimodal else tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return cfg, state, tokenizer
 
@@ -434,9 +448,8 @@ def load_model(
     else:
         raise ValueError(f"Model '{source.name}': unknown format '{source.format}' (hf, gguf)")
     device = torch.device(device)
-    model_class = LlavaForConditionalGeneration if cfg.is_multimodal else LlamaForCausalLM
     with torch.device("meta"):
-        model = model_class(cfg)
+        model = _model_class(cfg)(cfg)
     if load_format == "dummy":
         state = _dummy_state(model, dtype, device)
     state = {name: tensor.to(dtype) for name, tensor in state.items()}

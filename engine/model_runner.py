@@ -26,6 +26,7 @@ from engine.cuda_graphs import (
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from engine.multimodal import EncoderCache, ImageInput
 
 if TYPE_CHECKING:
@@ -189,7 +190,9 @@ class ModelRunner:
             return to_sample, logits
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions if flat.mrope is None else flat.mrope, dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
         if from_sampled:
             _resolve_placeholders(input_ids, from_sampled, sampled)
         with torch.inference_mode():
@@ -217,7 +220,7 @@ class ModelRunner:
         image whose tokens are all in the prefix cache is never encoded); an image's rows are
         kept on it until its last token is computed (chunked prefill), then dropped."""
         model = self.model
-        if not isinstance(model, LlavaForConditionalGeneration):
+        if not isinstance(model, LlavaForConditionalGeneration | Qwen2VLForConditionalGeneration):
             raise ValueError(f"model '{self.config.architecture}' does not take images")
         pending: dict[int, tuple[ImageInput, str | None]] = {}
         for _, req, start, end in spans:
@@ -227,7 +230,10 @@ class ModelRunner:
         for image, salt in pending.values():
             rows = self.encoder_cache.get(salt, image.content_hash)
             if rows is None:
-                rows = model.encode_images(image.pixel_values.unsqueeze(0).to(self.device))[0]
+                if isinstance(model, Qwen2VLForConditionalGeneration):
+                    rows = model.encode_image(image.pixel_values, image.grid or (1, 1, 1))
+                else:
+                    rows = model.encode_images(image.pixel_values.unsqueeze(0).to(self.device))[0]
                 self.encoder_cache.put(salt, image.content_hash, rows)
             image.embeds = rows
         embeds = model.model.embed_tokens(input_ids)
@@ -306,6 +312,16 @@ class _FlatStep:
     placeholders: list[tuple[int, int]] = field(default_factory=list)  # (token index, row)
     # (flat row, request, start, end) of the requests whose scheduled tokens touch an image
     image_spans: list[tuple[int, Request, int, int]] = field(default_factory=list)
+    # M-RoPE: the step's (temporal, height, width) positions, once an image token needs them
+    mrope: list[list[int]] | None = None
+
+    def add_mrope(self, positions: list[int], three: list[list[int]] | None) -> None:
+        """Extend the three M-RoPE rows by one request's positions (``three``, or the same
+        numbers in every row), first filling them with the step's earlier positions."""
+        if self.mrope is None:
+            self.mrope = [list(self.positions) for _ in range(3)]
+        for row, add in zip(self.mrope, three or (positions, positions, positions), strict=True):
+            row.extend(add)
 
     @classmethod
     def of(
@@ -329,7 +345,10 @@ class _FlatStep:
                 placeholders.append((len(token_ids), row))
                 token_ids.append(0)
             token_ids.extend(guesses)
-            flat.positions.extend(range(start, end))
+            positions, three = req.positions(start, end)
+            if three is not None or flat.mrope is not None:
+                flat.add_mrope(positions, three)
+            flat.positions.extend(positions)
             flat.query_lens.append(num_new)
             flat.seq_lens.append(end)
             flat.tables.append(out.block_tables[req.request_id])

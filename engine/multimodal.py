@@ -52,8 +52,10 @@ class ImageInput:
     offset: int  # position of the first placeholder token in the prompt
     length: int  # placeholder tokens it fills (the model's tokens per image)
     content_hash: bytes  # sha256 of the preprocessed pixels (and their shape)
-    pixel_values: torch.Tensor  # [C, H, W], float32, on the CPU
+    pixel_values: torch.Tensor  # [C, H, W] (LLaVA) or [patches, values] (Qwen2-VL), float32
     embeds: torch.Tensor | None = field(default=None, repr=False)
+    # Qwen2-VL: the merged grid (t, h, w) the image's tokens fill, for M-RoPE; None: LLaVA.
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -163,26 +165,31 @@ def preprocess(images: Sequence[Any], image_processor: Any) -> torch.Tensor:
     return out["pixel_values"].to(torch.float32)
 
 
-def hash_pixels(pixels: torch.Tensor) -> bytes:
-    """SHA-256 of one preprocessed image (shape and float32 bytes): equal pictures, equal
-    hash, whatever file format or URL carried them."""
+def hash_pixels(pixels: torch.Tensor, grid: tuple[int, int, int] | None = None) -> bytes:
+    """SHA-256 of one preprocessed image (shape, grid and float32 bytes): equal pictures,
+    equal hash, whatever file format or URL carried them."""
     data = pixels.detach().to(torch.float32).contiguous().cpu()
-    h = hashlib.sha256(repr(tuple(data.shape)).encode())
+    shape = repr(tuple(data.shape)) if grid is None else repr((tuple(data.shape), grid))
+    h = hashlib.sha256(shape.encode())
     h.update(data.numpy().tobytes())
     return h.digest()
 
 
 def expand_placeholders(
-    token_ids: Sequence[int], image_token_id: int, tokens_per_image: int, pixels: torch.Tensor
+    token_ids: Sequence[int],
+    image_token_id: int,
+    prepared: Sequence[tuple[torch.Tensor, int, tuple[int, int, int] | None]],
 ) -> tuple[list[int], list[ImageInput]]:
-    """Repeat each image placeholder token ``tokens_per_image`` times and pair the runs with
-    the images in order. ValueError when the prompt's placeholders and the images disagree in
-    number (a template that dropped an image, or text that typed the placeholder itself)."""
+    """Repeat each image placeholder token as many times as its image fills (``prepared``:
+    per image, in order, its pixels, its token count and its M-RoPE grid or None) and pair
+    the runs with the images. ImageError when the prompt's placeholders and the images
+    disagree in number (a template that dropped an image, or text that typed the placeholder
+    itself)."""
     found = sum(1 for t in token_ids if t == image_token_id)
-    if found != pixels.shape[0]:
+    if found != len(prepared):
         raise ImageError(
             "messages",
-            f"the prompt has {found} image placeholders for {pixels.shape[0]} images "
+            f"the prompt has {found} image placeholders for {len(prepared)} images "
             "(the image token must not appear in the text)",
         )
     out: list[int] = []
@@ -191,10 +198,37 @@ def expand_placeholders(
         if token != image_token_id:
             out.append(token)
             continue
-        pixel = pixels[len(images)]
-        images.append(ImageInput(len(out), tokens_per_image, hash_pixels(pixel), pixel))
-        out.extend([image_token_id] * tokens_per_image)
+        pixel, length, grid = prepared[len(images)]
+        digest = hash_pixels(pixel) if grid is None else hash_pixels(pixel, grid)
+        images.append(ImageInput(len(out), length, digest, pixel, grid=grid))
+        out.extend([image_token_id] * length)
     return out, images
+
+
+def mrope_positions(num_tokens: int, images: Sequence[ImageInput]) -> tuple[list[list[int]], int]:
+    """A prompt's M-RoPE positions (engine/models/qwen2_vl.py): three rows (temporal, height,
+    width) of ``num_tokens`` numbers, and the delta a generated token adds to its index. Text
+    counts up by one in all three rows; an image starting at position ``p`` gives its cell
+    (t, row, column) of its grid ``(p + t, p + row, p + column)``, and the text after it
+    continues from ``p + max(h, w)`` (transformers' ``get_rope_index``)."""
+    rows: list[list[int]] = [[], [], []]
+    pos = cursor = 0
+    for image in images:
+        if image.grid is None:
+            continue
+        for row in rows:
+            row.extend(range(pos, pos + image.offset - cursor))
+        pos += image.offset - cursor
+        t, h, w = image.grid
+        rows[0].extend(pos + i for i in range(t) for _ in range(h * w))
+        rows[1].extend(pos + i for _ in range(t) for i in range(h) for _ in range(w))
+        rows[2].extend(pos + i for _ in range(t * h) for i in range(w))
+        pos += max(h, w)
+        cursor = image.end
+    for row in rows:
+        row.extend(range(pos, pos + num_tokens - cursor))
+    top = max(max(row) for row in rows) if num_tokens else -1
+    return rows, top + 1 - num_tokens
 
 
 def block_image_keys(images: Sequence[ImageInput], start: int, end: int) -> bytes:
@@ -208,12 +242,24 @@ def block_image_keys(images: Sequence[ImageInput], start: int, end: int) -> byte
 
 
 def attach_images(
-    token_ids: Sequence[int], images: Sequence[Any], image_processor: Any, model: Any
+    token_ids: Sequence[int],
+    images: Sequence[Any],
+    image_processor: Any,
+    model: Any,
+    options: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[ImageInput]]:
     """A rendered prompt with one placeholder token per image, and its Pillow ``images`` in
-    order, as the engine takes them: the placeholders expanded to the model's tokens per
-    image, each image preprocessed and hashed. ``model`` is a vision model
-    (:class:`~engine.models.llava.LlavaForConditionalGeneration`)."""
+    order, as the engine takes them: the placeholders expanded to each image's tokens, each
+    image preprocessed and hashed. ``model`` is a vision model (engine/models/llava.py or
+    qwen2_vl.py); ``options`` a request's ``mm_processor_kwargs`` (Qwen2-VL's pixel bounds)."""
     vision = model.vision
+    prepare = getattr(model, "prepare_images", None)
+    if prepare is not None:  # a size-dependent count (Qwen2-VL)
+        made = prepare(images, options)
+        prepared = [(p.pixel_values, p.num_tokens, p.grid) for p in made]
+        return expand_placeholders(token_ids, vision.image_token_id, prepared)
+    if options:
+        raise ImageError("mm_processor_kwargs", "this model takes no image processor settings")
     pixels = preprocess(images, image_processor) if images else torch.empty(0)
-    return expand_placeholders(token_ids, vision.image_token_id, vision.num_image_tokens, pixels)
+    fixed = [(pixel, vision.num_image_tokens, None) for pixel in pixels]
+    return expand_placeholders(token_ids, vision.image_token_id, fixed)

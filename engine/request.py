@@ -70,6 +70,8 @@ class Request:
         "spec_token_ids",
         "num_output_placeholders",
         "mm_inputs",
+        "mrope_positions",
+        "mrope_delta",
     )
 
     def __init__(
@@ -115,6 +117,29 @@ class Request:
         self.num_output_placeholders = 0
         # Images in the prompt (engine/multimodal.py): their placeholder runs and hashes.
         self.mm_inputs: tuple[ImageInput, ...] = tuple(mm_inputs)
+        # M-RoPE (Qwen2-VL images): the prompt's (temporal, height, width) positions, computed
+        # once here; a later token's position is its index + mrope_delta (engine/multimodal.py).
+        self.mrope_positions: list[list[int]] | None = None
+        self.mrope_delta = 0
+        if any(image.grid is not None for image in self.mm_inputs):
+            from engine.multimodal import mrope_positions
+
+            self.mrope_positions, self.mrope_delta = mrope_positions(
+                len(prompt_token_ids), self.mm_inputs
+            )
+
+    def positions(self, start: int, end: int) -> tuple[list[int], list[list[int]] | None]:
+        """Positions of tokens ``[start, end)``: one per token, and, where M-RoPE gives some
+        of them three different numbers (an image's tokens), the three rows; else None."""
+        rows = self.mrope_positions
+        if rows is None:
+            return list(range(start, end)), None
+        delta, prompt = self.mrope_delta, len(rows[0])
+        tail = range(max(start, prompt) + delta, end + delta)
+        if start >= prompt:
+            return list(tail), None
+        three = [[*row[start:end], *tail] for row in rows]
+        return three[0], (None if three[0] == three[1] == three[2] else three)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -15,8 +15,9 @@ What it holds:
 - the block hash (:func:`iter_prefix_block_hashes`): the engine's prefix cache and the
   gateway's prefix index hash the same token ids under the same salt to the same bytes;
 - the fair scheduler's default step budgets, which the gateway's wait estimate models;
-- the prompt positions one image fills in a vision model (:func:`tokens_per_image`), which
-  the engine expands and the gateway counts.
+- the prompt positions one image fills in a vision model (:func:`tokens_per_image`, and for
+  Qwen2-VL, whose count follows the picture's size, :func:`qwen2_vl_image_tokens`), which the
+  engine expands and the gateway counts.
 
 Tenant headers (absent: the tenant ``default`` with the defaults below):
 
@@ -280,8 +281,14 @@ def iter_prefix_block_hashes(
 
 # -- images ----------------------------------------------------------------------------------
 
-# Vision-language architectures the engine serves (engine/models/llava.py).
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+# Vision-language architectures the engine serves (engine/models/llava.py, qwen2_vl.py).
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+# Qwen2-VL's resize bounds (pixels of the resized picture): transformers' defaults, and the most
+# a request's mm_processor_kwargs.max_pixels may ask for (Qwen2-VL's own preprocessor_config).
+QWEN2_VL_MIN_PIXELS = 56 * 56
+QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
+QWEN2_VL_MAX_PIXELS_LIMIT = 28 * 28 * 16384
+QWEN2_VL_MAX_ASPECT = 200  # longer side / shorter side, as transformers refuses beyond it
 
 
 def tokens_per_image(raw: Mapping[str, Any]) -> int | None:
@@ -291,8 +298,53 @@ def tokens_per_image(raw: Mapping[str, Any]) -> int | None:
     counter (its reservations and usage) both read it here, so an image costs the same count
     on both sides of the hop."""
     architectures = raw.get("architectures") or []
-    if not architectures or architectures[0] not in VISION_ARCHITECTURES:
+    if not architectures or architectures[0] != VISION_ARCHITECTURES[0]:
         return None
     vision = raw.get("vision_config") or {}
     side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))
     return side * side + int(raw.get("vision_feature_select_strategy", "default") == "full")
+
+
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen2-VL's resize target (transformers' ``smart_resize``): each side a multiple of
+    ``factor`` (patch size x merge size), the area within ``[min_pixels, max_pixels]``, the
+    aspect ratio kept as closely as those allow. ValueError for an aspect ratio over 200."""
+    if max(height, width) > QWEN2_VL_MAX_ASPECT * min(height, width):
+        raise ValueError(f"the image's aspect ratio is over {QWEN2_VL_MAX_ASPECT}:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen2_vl_image_grid(
+    raw: Mapping[str, Any], height: int, width: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int, int]:
+    """The patch grid ``(t, h, w)`` of one picture in a Qwen2-VL model (its config.json): the
+    picture resized by :func:`smart_resize`, cut into ``patch_size`` squares, one temporal
+    patch (a still image is its own two frames)."""
+    vision = raw.get("vision_config") or {}
+    patch = int(vision.get("patch_size", 14))
+    merge = int(vision.get("spatial_merge_size", 2))
+    h, w = smart_resize(height, width, patch * merge, min_pixels, max_pixels)
+    return 1, h // patch, w // patch
+
+
+def qwen2_vl_image_tokens(
+    raw: Mapping[str, Any], height: int, width: int, min_pixels: int, max_pixels: int
+) -> int:
+    """Prompt positions one ``width`` x ``height`` picture fills in a Qwen2-VL model: its patch
+    grid (:func:`qwen2_vl_image_grid`) over the merger's ``spatial_merge_size`` squared patches per
+    token. The engine's expansion follows the same grid (engine/models/qwen2_vl.py)."""
+    t, h, w = qwen2_vl_image_grid(raw, height, width, min_pixels, max_pixels)
+    merge = int((raw.get("vision_config") or {}).get("spatial_merge_size", 2))
+    return t * h * w // (merge * merge)
