@@ -299,13 +299,18 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         """Pillow images resized, normalised and cut into patches by the folder's image
         processor, each with its size-dependent token count (portico.contract's rule, which
         the gateway counts by: the two must agree)."""
+        from engine.multimodal import ImageError
+
         low, high = self.pixel_bounds(options)
         merge = self.vision.spatial_merge_size
         out: list[PreparedImage] = []
         for image in images:
-            grid = qwen2_vl_image_grid(
-                self.config.multimodal or {}, image.height, image.width, low, high
-            )
+            try:
+                grid = qwen2_vl_image_grid(
+                    self.config.multimodal or {}, image.height, image.width, low, high
+                )
+            except ValueError as exc:  # an aspect ratio past 200:1
+                raise ImageError("messages", str(exc)) from None
             made = self.image_processor(
                 images=[image], return_tensors="pt",
                 size={"shortest_edge": low, "longest_edge": high},

@@ -62,11 +62,18 @@ class ChatImages:
                 raise InvalidRequestError(exc.message, param=exc.param) from None
         return images
 
-    def attach(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """The rendered prompt with each image's placeholder expanded, and the images."""
-        if not images:
-            return token_ids, []
+    def attach(
+        self, token_ids: list[int], images: list[Any], options: dict[str, Any] | None = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The rendered prompt with each image's placeholder expanded, and the images.
+        ``options`` (a request's ``mm_processor_kwargs``) are checked by a model that reads
+        them even without an image, and ignored by any other when there is none (vLLM's)."""
         try:
-            return attach_images(token_ids, images, self.model.image_processor, self.model)
+            if not images:
+                check = getattr(self.model, "pixel_bounds", None)
+                if options and check is not None:
+                    check(options)
+                return token_ids, []
+            return attach_images(token_ids, images, self.model.image_processor, self.model, options)
         except ImageError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None

@@ -197,7 +197,9 @@ class ChatCompletionRequest(SamplingFields):
     documents: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    mm_processor_kwargs: Any = None
+    # vLLM's per-request image processor settings (Qwen2-VL: min_pixels, max_pixels); checked
+    # against the served model when the prompt is rendered (engine/models/qwen2_vl.py)
+    mm_processor_kwargs: dict[str, Any] | None = None
     include_reasoning: Any = None
 
     @property
@@ -256,6 +258,5 @@ VLLM_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "documents": none_or(),
     "chat_template": none_or(),
     "chat_template_kwargs": none_or({}),
-    "mm_processor_kwargs": none_or({}),
     "include_reasoning": none_or(True, False),  # no reasoning parser: nothing to include
 }

@@ -93,9 +93,11 @@ class ChatServing:
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         plan: ToolPlan = NO_TOOLS,
+        mm_options: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[ImageInput]]:
         """Render the conversation (and the plan's tools) with the chat template; tokenize it;
-        expand its images' placeholders (engine/server/chat_images.py)."""
+        expand its images' placeholders (engine/server/chat_images.py; ``mm_options``: the
+        request's ``mm_processor_kwargs``)."""
         images = self.images.decode(messages)  # bad image parts fail before the template runs
         tokenizer = self.serving.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -115,7 +117,8 @@ class ChatServing:
             raise InvalidRequestError(
                 f"The chat template rejected the messages: {exc}", param="messages"
             ) from None
-        return self.images.attach(list(tokenizer.encode(text, add_special_tokens=False)), images)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        return self.images.attach(ids, images, mm_options)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         started = await self.start(
@@ -149,7 +152,7 @@ class ChatServing:
             )
         limits = serving.engine.engine.structured.limits
         plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice, limits)
-        prompt, images = self.render(req.messages, plan=plan)
+        prompt, images = self.render(req.messages, plan=plan, mm_options=req.mm_processor_kwargs)
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             prompt = prompt[-req.truncate_prompt_tokens :]
         elif shared is not None:  # the engine's salt for this request: the field's, widened
