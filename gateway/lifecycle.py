@@ -22,7 +22,12 @@ import httpx
 from gateway.admission.abuse import AbuseGuard
 from gateway.admission.admission import Admission
 from gateway.admission.limiter import RedisLimiter
-from gateway.admission.prompt_tokens import PromptCounter, load_image_tokens, load_tokenizer
+from gateway.admission.prompt_tokens import (
+    PromptCounter,
+    SizedImageTokens,
+    load_image_tokens,
+    load_tokenizer,
+)
 from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.batch.batch_runner import BatchRunner, owner_principal
@@ -437,7 +442,7 @@ async def _load_remote_tokenizers(config: GatewayConfig) -> dict[str, Any]:
     return {r.name: tok for r, tok in zip(wanted, loaded, strict=True) if tok is not None}
 
 
-def _image_tokens(config: GatewayConfig) -> dict[str, int]:
+def _image_tokens(config: GatewayConfig) -> dict[str, int | SizedImageTokens]:
     """Prompt tokens per image of each local vision model, by engine name."""
     found = {e.name: load_image_tokens(e.model) for e in config.engines if e.command is None}
     return {name: count for name, count in found.items() if count is not None}

@@ -348,3 +348,26 @@ def qwen2_vl_image_tokens(
     t, h, w = qwen2_vl_image_grid(raw, height, width, min_pixels, max_pixels)
     merge = int((raw.get("vision_config") or {}).get("spatial_merge_size", 2))
     return t * h * w // (merge * merge)
+
+
+def pixel_options_error(options: Any) -> tuple[str, str] | None:
+    """``(param, message)`` for a request's ``mm_processor_kwargs`` whose ``min_pixels`` or
+    ``max_pixels`` Qwen2-VL could not use (not a whole number >= 1, over
+    :data:`QWEN2_VL_MAX_PIXELS_LIMIT`, min over max); None when they are fine. The gateway
+    checks this before admission, the engine again when it resizes (engine/models/qwen2_vl.py),
+    so a bad value is the same 400 on both sides of the hop. Other keys are not judged here."""
+    if not isinstance(options, Mapping):
+        return "mm_processor_kwargs", "must be an object"
+    for key in ("min_pixels", "max_pixels"):
+        value = options.get(key)
+        if value is None:
+            continue
+        param = f"mm_processor_kwargs.{key}"
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return param, "must be a whole number of pixels >= 1"
+        if value > QWEN2_VL_MAX_PIXELS_LIMIT:
+            return param, f"must be at most {QWEN2_VL_MAX_PIXELS_LIMIT}"
+    low, high = options.get("min_pixels"), options.get("max_pixels")
+    if low is not None and high is not None and low > high:
+        return "mm_processor_kwargs", "min_pixels must not exceed max_pixels"
+    return None

@@ -69,6 +69,15 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2-VL as a Hugging Face folder (2-layer vision tower, 2-layer Qwen2
+    with M-RoPE; 2 to 24 tokens per image by size): tests/tiny_qwen2_vl.py."""
+    from tiny_qwen2_vl import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real default model's GGUF file (SmolLM2-135M-Instruct, Q4_1)."""
     path = default_model_gguf()

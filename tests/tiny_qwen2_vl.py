@@ -93,10 +93,13 @@ def build_tiny_qwen2_vl(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def reference_inputs(folder: Path, conversation: list[Any], images: list[Any]) -> dict[str, Any]:
+def reference_inputs(
+    folder: Path, conversation: list[Any], images: list[Any], options: Any = None
+) -> dict[str, Any]:
     """What transformers' ``Qwen2VLProcessor`` hands ``generate`` for this conversation
     (its class cannot be built here: it insists on a video processor, which needs the absent
     torchvision), made with its own steps: the template rendered by the folder's tokenizer,
+    ``options`` (a request's mm_processor_kwargs) over the pixel bounds,
     each ``<|image_pad|>`` repeated ``grid.prod() // merge**2`` times (the processor's
     ``replace_image_token``), the pixels and grids from the folder's image processor, and
     ``mm_token_type_ids`` marking the image tokens."""
@@ -107,8 +110,13 @@ def reference_inputs(folder: Path, conversation: list[Any], images: list[Any]) -
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     out: dict[str, Any] = {}
     if images:
+        options = options or {}
+        size = {
+            "shortest_edge": options.get("min_pixels") or MIN_PIXELS,
+            "longest_edge": options.get("max_pixels") or MAX_PIXELS,
+        }
         processed = AutoImageProcessor.from_pretrained(str(folder))(
-            images=images, return_tensors="pt"
+            images=images, return_tensors="pt", size=size
         )
         out["pixel_values"] = processed["pixel_values"]
         out["image_grid_thw"] = grids = processed["image_grid_thw"]

@@ -35,8 +35,8 @@ from engine.models.llava import _activation
 from engine.models.rotary import RopeAngles, RotaryEmbedding
 from portico.contract import (
     QWEN2_VL_MAX_PIXELS,
-    QWEN2_VL_MAX_PIXELS_LIMIT,
     QWEN2_VL_MIN_PIXELS,
+    pixel_options_error,
     qwen2_vl_image_grid,
 )
 
@@ -278,17 +278,16 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             "min_pixels": int(size.get("shortest_edge") or QWEN2_VL_MIN_PIXELS),
             "max_pixels": int(size.get("longest_edge") or QWEN2_VL_MAX_PIXELS),
         }
-        for key, value in (options or {}).items():
-            param = f"mm_processor_kwargs.{key}"
+        for key in options or {}:
             if key not in MM_PROCESSOR_KWARGS:
+                known = ", ".join(MM_PROCESSOR_KWARGS)
                 raise ImageError(
-                    param, f"not a setting of this model ({', '.join(MM_PROCESSOR_KWARGS)})"
+                    f"mm_processor_kwargs.{key}", f"not a setting of this model ({known})"
                 )
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ImageError(param, "must be a whole number of pixels >= 1")
-            if value > QWEN2_VL_MAX_PIXELS_LIMIT:
-                raise ImageError(param, f"must be at most {QWEN2_VL_MAX_PIXELS_LIMIT}")
-            bounds[key] = value
+        problem = pixel_options_error(options or {})
+        if problem is not None:
+            raise ImageError(*problem)
+        bounds.update({k: int(v) for k, v in (options or {}).items() if v is not None})
         if bounds["min_pixels"] > bounds["max_pixels"]:
             raise ImageError("mm_processor_kwargs", "min_pixels must not exceed max_pixels")
         return bounds["min_pixels"], bounds["max_pixels"]

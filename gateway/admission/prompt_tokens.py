@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.body.fields import RequestFields, prompt_text
-from gateway.body.image_parts import num_images, template_messages
+from gateway.body.image_parts import image_size, image_urls, num_images, template_messages
 
 log = logging.getLogger("portico.gateway.tokens")
 # An image whose model's token count is unknown: OpenAI's count for a high-detail 1024 x 1024
@@ -51,18 +53,54 @@ def load_tokenizer(model: str) -> Any | None:
         return None
 
 
-def load_image_tokens(model: str) -> int | None:
+@dataclass(frozen=True)
+class SizedImageTokens:
+    """A Qwen2-VL model's image count, which follows each picture's size: the contract's rule
+    (:func:`portico.contract.qwen2_vl_image_tokens`) over the folder's pixel bounds, or a
+    request's valid ``mm_processor_kwargs`` ones. A picture whose size the gateway cannot read
+    (an http URL) is reserved at the most ``max_pixels`` allows."""
+
+    config: Mapping[str, Any]  # the folder's config.json
+    min_pixels: int
+    max_pixels: int
+
+    def count(self, url: str, options: Any) -> int:
+        from portico.contract import pixel_options_error, qwen2_vl_image_tokens
+
+        low, high = self.min_pixels, self.max_pixels
+        if isinstance(options, Mapping) and pixel_options_error(options) is None:
+            low = int(options.get("min_pixels") or low)
+            high = int(options.get("max_pixels") or high)
+        size = image_size(url)
+        if size is None or low > high:
+            return max(1, high // (28 * 28))
+        try:
+            return qwen2_vl_image_tokens(self.config, size[1], size[0], low, high)
+        except ValueError:  # an aspect ratio the engine refuses with its own 400
+            return 1
+
+
+def load_image_tokens(model: str) -> int | SizedImageTokens | None:
     """Prompt tokens one image fills in a local vision model (a LLaVA folder's config.json),
-    or None (a text model, or a model whose files cannot be read)."""
+    the size-dependent rule of a Qwen2-VL folder, or None (a text model, or a model whose
+    files cannot be read)."""
     try:
         from portico import registry
-        from portico.contract import tokens_per_image
+        from portico.contract import QWEN2_VL_MAX_PIXELS, QWEN2_VL_MIN_PIXELS, tokens_per_image
 
         source = registry.resolve(model)
         config = source.path / "config.json"
         if source.format != "hf" or not config.is_file():
             return None
-        return tokens_per_image(json.loads(config.read_text()))
+        raw = json.loads(config.read_text())
+        if (raw.get("architectures") or [None])[0] == "Qwen2VLForConditionalGeneration":
+            pre = source.path / "preprocessor_config.json"
+            pre_raw = json.loads(pre.read_text()) if pre.is_file() else {}
+            size = pre_raw.get("size") or {}
+            low = size.get("shortest_edge") or pre_raw.get("min_pixels") or QWEN2_VL_MIN_PIXELS
+            high = size.get("longest_edge") or pre_raw.get("max_pixels") or QWEN2_VL_MAX_PIXELS
+            return SizedImageTokens(raw, int(low), int(high))
+        return tokens_per_image(raw)
     except Exception as exc:  # any failure means: estimate instead
         log.warning("no image token count for %s (%s)", model, exc)
         return None
@@ -73,9 +111,13 @@ class PromptCounter:
 
     ``image_tokens``: served model name -> prompt tokens per image (vision models)."""
 
-    def __init__(self, tokenizers: dict[str, Any], image_tokens: dict[str, int] | None = None):
+    def __init__(
+        self,
+        tokenizers: dict[str, Any],
+        image_tokens: Mapping[str, int | SizedImageTokens] | None = None,
+    ):
         self.tokenizers = tokenizers  # served model name -> tokenizer (absent: estimate)
-        self.image_tokens = image_tokens or {}
+        self.image_tokens = dict(image_tokens or {})
 
     def count(self, model: str, fields: RequestFields) -> int:
         tools = (
@@ -83,17 +125,27 @@ class PromptCounter:
         )
         tool_text = json.dumps(tools) if tools else ""
         images = num_images(fields.messages)
-        per_image = self.image_tokens.get(model)
+        image_total = self._image_tokens(model, fields, images)
         tok = self.tokenizers.get(model)
-        if tok is not None and (not images or per_image is not None):
+        if tok is not None and (not images or image_total is not None):
             try:
                 # the template wrote one placeholder token per image; the engine expands it
-                expansion = images * ((per_image or 1) - 1)
+                expansion = (image_total or images) - images
                 return self._exact(tok, fields) + self._text_tokens(tok, tool_text) + expansion
             except Exception:  # a template that rejects these messages: the engine will say why
                 pass
         estimate = (len(prompt_text(fields)) + len(tool_text)) // 4
-        return max(1, estimate + images * (per_image or IMAGE_TOKEN_ESTIMATE))
+        return max(1, estimate + (image_total or images * IMAGE_TOKEN_ESTIMATE))
+
+    def _image_tokens(self, model: str, fields: RequestFields, images: int) -> int | None:
+        """All the prompt positions the request's images fill on ``model``; None: unknown."""
+        rule = self.image_tokens.get(model)
+        if not images or rule is None:
+            return None
+        if isinstance(rule, SizedImageTokens):
+            options = fields.body.get("mm_processor_kwargs")
+            return sum(rule.count(url, options) for url in image_urls(fields.messages))
+        return images * rule
 
     @staticmethod
     def _text_tokens(tok: Any, text: str) -> int:

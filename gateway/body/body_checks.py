@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.body.image_parts import check_image_url
+from portico.contract import pixel_options_error
 from portico.errors import InvalidRequestError, type_error
 
 # Roles whose message must carry content (an assistant turn may carry tool_calls instead).
@@ -124,6 +125,12 @@ def check_sampling(body: dict[str, Any]) -> None:
                 f"Invalid value for '{name}': must be an integer from {lowest} to {highest}.",
                 param=name,
             )
+    options = body.get("mm_processor_kwargs")
+    problem = None if options is None else pixel_options_error(options)
+    if problem is not None:  # the engine's own check, before admission charges anything
+        raise InvalidRequestError(
+            f"Invalid value for '{problem[0]}': {problem[1]}.", param=problem[0]
+        )
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, list):

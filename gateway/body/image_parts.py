@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 from typing import Any
 
 from portico.errors import InvalidRequestError
@@ -82,3 +83,29 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             message = {**message, "content": parts}
         out.append(message)
     return out
+
+
+def image_urls(messages: list[dict[str, Any]] | None) -> list[str]:
+    """The (checked) messages' image URLs, in order."""
+    return [
+        part["image_url"]["url"]
+        for message in messages or ()
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
+
+
+def image_size(url: str) -> tuple[int, int] | None:
+    """``(width, height)`` of a data URL's picture, read from its header only (Pillow opens
+    lazily); None for an http(s) URL or a file Pillow cannot read (the engine names it)."""
+    if not url.startswith("data:"):
+        return None
+    try:
+        from PIL import Image
+
+        raw = base64.b64decode(url.partition(",")[2], validate=True)
+        with Image.open(io.BytesIO(raw)) as image:
+            return int(image.width), int(image.height)
+    except Exception:  # any unreadable picture: the engine answers the 400
+        return None

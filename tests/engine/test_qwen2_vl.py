@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from tiny_qwen2_vl import MAX_PIXELS, MIN_PIXELS, build_tiny_qwen2_vl, reference_inputs
+from tiny_qwen2_vl import MAX_PIXELS, MIN_PIXELS, reference_inputs
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -34,8 +34,8 @@ LONG_TEXT = " ".join(f"word{i} and some more text about picture number {i}." for
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+def folder(tiny_qwen2_vl_dir: Path) -> Path:
+    return tiny_qwen2_vl_dir
 
 
 @pytest.fixture(scope="module")

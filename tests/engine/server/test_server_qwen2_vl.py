@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_server_process import MODEL_NAME, EngineProcess
 from PIL import Image
-from tiny_qwen2_vl import build_tiny_qwen2_vl, reference_inputs
+from tiny_qwen2_vl import reference_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+def folder(tiny_qwen2_vl_dir: Path) -> Path:
+    return tiny_qwen2_vl_dir
 
 
 @pytest.fixture(scope="module")

@@ -96,3 +96,50 @@ def test_images_of_an_unknown_model_are_estimated() -> None:
     )
     assert PromptCounter({}).count("remote", fields) == 10 + IMAGE_TOKEN_ESTIMATE
     assert load_image_tokens("/no/such/model") is None
+
+
+def picture_url(size: tuple[int, int], seed: int) -> tuple[Image.Image, str]:
+    picture = Image.new("RGB", size, (seed * 40 % 256, 30, 90))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return picture, f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+@pytest.mark.parametrize(
+    "options", [None, {"max_pixels": 28 * 28 * 4}], ids=["folder", "max_pixels"]
+)
+def test_qwen2_vl_images_count_by_their_size(tiny_qwen2_vl_dir: Path, options: object) -> None:
+    """The tiny Qwen2-VL: each picture fills as many tokens as its resized grid holds
+    (portico/contract.py's rule), so two odd-sized pictures count what transformers' own
+    processing feeds the model."""
+    from tiny_qwen2_vl import reference_inputs
+
+    rule = load_image_tokens(str(tiny_qwen2_vl_dir))
+    counter = PromptCounter({"v": load_tokenizer(str(tiny_qwen2_vl_dir))}, {"v": rule})
+    (first, first_url), (second, second_url) = picture_url((101, 67), 1), picture_url((61, 90), 2)
+    content = [image(first_url), {"type": "text", "text": "and"}, image(second_url)]
+    body = {"model": "v", "messages": [{"role": "user", "content": content}]}
+    if options is not None:
+        body["mm_processor_kwargs"] = options
+    fields = parse_fields(json.dumps(body).encode(), "chat")
+    parts = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    expected = reference_inputs(
+        tiny_qwen2_vl_dir, [{"role": "user", "content": parts}], [first, second], options
+    )["input_ids"].shape[1]
+    assert counter.count("v", fields) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "param"),
+    [
+        ({"max_pixels": 0}, "mm_processor_kwargs.max_pixels"),
+        ({"min_pixels": "many"}, "mm_processor_kwargs.min_pixels"),
+        ({"min_pixels": 9000, "max_pixels": 800}, "mm_processor_kwargs"),
+        ([1, 2], "mm_processor_kwargs"),
+    ],
+)
+def test_bad_mm_processor_kwargs_are_400s_before_admission(options: object, param: str) -> None:
+    body = {"model": "v", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_fields(json.dumps({**body, "mm_processor_kwargs": options}).encode(), "chat")
+    assert caught.value.param == param
