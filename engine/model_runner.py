@@ -231,7 +231,9 @@ class ModelRunner:
             rows = self.encoder_cache.get(salt, image.content_hash)
             if rows is None:
                 if isinstance(model, Qwen2VLForConditionalGeneration):
-                    rows = model.encode_image(image.pixel_values, image.grid or (1, 1, 1))
+                    if image.grid is None:
+                        raise ValueError("a Qwen2-VL image needs its grid (prepare_images)")
+                    rows = model.encode_image(image.pixel_values, image.grid)
                 else:
                     rows = model.encode_images(image.pixel_values.unsqueeze(0).to(self.device))[0]
                 self.encoder_cache.put(salt, image.content_hash, rows)
@@ -345,10 +347,13 @@ class _FlatStep:
                 placeholders.append((len(token_ids), row))
                 token_ids.append(0)
             token_ids.extend(guesses)
-            positions, three = req.positions(start, end)
-            if three is not None or flat.mrope is not None:
-                flat.add_mrope(positions, three)
-            flat.positions.extend(positions)
+            if req.mrope_positions is None and flat.mrope is None:
+                flat.positions.extend(range(start, end))
+            else:  # M-RoPE (engine/models/qwen2_vl.py): the request's rows, sliced
+                positions, three = req.positions(start, end)
+                if three is not None or flat.mrope is not None:
+                    flat.add_mrope(positions, three)
+                flat.positions.extend(positions)
             flat.query_lens.append(num_new)
             flat.seq_lens.append(end)
             flat.tables.append(out.block_tables[req.request_id])

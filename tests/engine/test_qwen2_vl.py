@@ -306,3 +306,25 @@ def test_the_cuda_kernel_choice_gives_the_same_tokens(folder: Path) -> None:
     cpu = run_scenario(folder)
     assert cpu["attention"] == "cpu"
     assert triton["tokens"] == cpu["tokens"] and len(cpu["tokens"]) == 12
+
+
+def test_the_original_flat_config_layout_reads_the_same(folder: Path) -> None:
+    """Qwen/Qwen2-VL-*-Instruct's own config.json is flat (the decoder's numbers at the top,
+    ``rope_scaling: {"type": "mrope", ...}``): it reads as transformers 5's nested layout."""
+    import json
+
+    from engine.model_config import ModelConfig
+
+    nested = json.loads((folder / "config.json").read_text())
+    text = dict(nested["text_config"])
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in nested.items() if k != "text_config"}
+    flat.update(text, rope_theta=rope["rope_theta"], model_type="qwen2_vl")
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    a, b = ModelConfig.from_hf(nested), ModelConfig.from_hf(flat)
+    assert (
+        (a.multimodal or {})["mrope_section"] == (b.multimodal or {})["mrope_section"] == [2, 3, 3]
+    )
+    assert a.rope_scaling is None and b.rope_scaling is None and a.qkv_bias and b.qkv_bias
+    keep = ("hidden_size", "num_hidden_layers", "num_key_value_heads", "rope_theta", "vocab_size")
+    assert [getattr(a, k) for k in keep] == [getattr(b, k) for k in keep]
