@@ -96,10 +96,14 @@ def load_image_tokens(model: str) -> int | SizedImageTokens | None:
         if (raw.get("architectures") or [None])[0] == "Qwen2VLForConditionalGeneration":
             pre = source.path / "preprocessor_config.json"
             pre_raw = json.loads(pre.read_text()) if pre.is_file() else {}
+            # transformers 5 writes size.shortest_edge/longest_edge; Qwen's own folders write
+            # min_pixels/max_pixels at the top, which transformers maps onto them.
             size = pre_raw.get("size") or {}
-            low = size.get("shortest_edge") or pre_raw.get("min_pixels") or QWEN2_VL_MIN_PIXELS
-            high = size.get("longest_edge") or pre_raw.get("max_pixels") or QWEN2_VL_MAX_PIXELS
-            return SizedImageTokens(raw, int(low), int(high))
+            low = size.get("shortest_edge") or pre_raw.get("min_pixels")
+            high = size.get("longest_edge") or pre_raw.get("max_pixels")
+            return SizedImageTokens(
+                raw, int(low or QWEN2_VL_MIN_PIXELS), int(high or QWEN2_VL_MAX_PIXELS)
+            )
         return tokens_per_image(raw)
     except Exception as exc:  # any failure means: estimate instead
         log.warning("no image token count for %s (%s)", model, exc)

@@ -143,3 +143,29 @@ def test_bad_mm_processor_kwargs_are_400s_before_admission(options: object, para
     with pytest.raises(InvalidRequestError) as caught:
         parse_fields(json.dumps({**body, "mm_processor_kwargs": options}).encode(), "chat")
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    "pre",
+    [
+        {"min_pixels": 3136, "max_pixels": 12845056},
+        {"size": {"shortest_edge": 3136, "longest_edge": 12845056}},
+    ],
+    ids=["qwen-top-level", "transformers-5"],
+)
+def test_qwen2_vl_pixel_bounds_read_as_transformers_reads_them(
+    tiny_qwen2_vl_dir: Path, tmp_path: Path, pre: dict[str, object]
+) -> None:
+    """Qwen's own preprocessor_config.json layouts and transformers 5's give the gateway the
+    bounds the engine's image processor (transformers') uses."""
+    from transformers import AutoImageProcessor
+
+    (tmp_path / "config.json").write_text((tiny_qwen2_vl_dir / "config.json").read_text())
+    base = json.loads((tiny_qwen2_vl_dir / "preprocessor_config.json").read_text())
+    base.pop("size")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**base, **pre}))
+    rule = load_image_tokens(str(tmp_path))
+    theirs = AutoImageProcessor.from_pretrained(str(tmp_path)).size
+    assert rule is not None and not isinstance(rule, int)
+    assert (rule.min_pixels, rule.max_pixels) == (theirs["shortest_edge"], theirs["longest_edge"])
+    assert (rule.min_pixels, rule.max_pixels) == (3136, 12845056)
