@@ -2,7 +2,9 @@
 
 A chat message's image part becomes an :class:`ImageInput`: the preprocessed pixels (exactly
 what the model folder's transformers image processor makes of the picture), the run of
-placeholder tokens it fills in the prompt (``offset``, ``length``), and a hash of its pixels.
+placeholder tokens it fills in the prompt (``offset``, ``length``: fixed for LLaVA, by the
+picture's size for Qwen2-VL, whose images also carry their grid for M-RoPE,
+:func:`mrope_positions`), and a hash of its pixels.
 The scheduler and the KV cache manager see only token ids and that hash: image tokens' block
 hashes take the image's hash (engine/kv_cache_manager.py), so the same picture at the same
 place hits the prefix cache and two different pictures never share a block. The model runner

@@ -3,7 +3,8 @@
 Every image part is checked before anything is queued: a text-only model, too many images
 (``--limit-mm-per-prompt``), a URL that is not a ``data:`` URL, bad base64, bytes that are not
 a picture of a supported format: each is a 400 in OpenAI's shape naming the part
-(``messages[2].content[1].image_url.url``).
+(``messages[2].content[1].image_url.url``). A request's ``mm_processor_kwargs`` (Qwen2-VL's
+``min_pixels``/``max_pixels``) are checked by the model; a bad one is a 400 naming the key.
 """
 
 from __future__ import annotations
