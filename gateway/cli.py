@@ -29,6 +29,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="override log_level",
     )
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="override media.allowed_domains: host names whose http(s) image URLs the gateway "
+        "fetches for local engines (exact names; default none: image URLs to local engines "
+        "are a 400); private, loopback and reserved addresses are refused unless "
+        "--allowed-media-networks holds them",
+    )
+    parser.add_argument(
+        "--allowed-media-networks",
+        nargs="+",
+        default=None,
+        metavar="CIDR",
+        help="override media.allowed_networks: private networks an allowed host may resolve "
+        "to, e.g. 10.0.0.0/8 for an internal CDN (default none)",
+    )
+    parser.add_argument(
+        "--max-media-bytes",
+        type=int,
+        default=None,
+        help="override media.max_bytes: the most bytes one fetched image may have "
+        "(default 5 MiB; counted while reading)",
+    )
+    parser.add_argument(
+        "--media-fetch-timeout-s",
+        type=float,
+        default=None,
+        help="override media.fetch_timeout_s: the most seconds one image fetch may take, "
+        "redirects included (default 5)",
+    )
 
 
 def _first_start_admin_key(config: object) -> tuple[Path, bool] | None:
@@ -78,6 +110,28 @@ def _missing_models(config: object) -> list[str]:
     return missing
 
 
+def _override_media(config: object, args: argparse.Namespace) -> None:
+    """The ``--*media*`` flags over the config file's ``media:``, validated as the file is."""
+    from gateway.body.image_parts import MediaSettings
+    from gateway.config import ConfigError
+
+    media = config.media  # type: ignore[attr-defined]
+    given = {
+        "allowed_domains": getattr(args, "allowed_media_domains", None),
+        "allowed_networks": getattr(args, "allowed_media_networks", None),
+        "max_bytes": getattr(args, "max_media_bytes", None),
+        "fetch_timeout_s": getattr(args, "media_fetch_timeout_s", None),
+    }
+    changes = {k: v for k, v in given.items() if v is not None}
+    if not changes:
+        return
+    try:
+        merged = MediaSettings.model_validate({**media.model_dump(), **changes})
+    except ValueError as exc:
+        raise ConfigError(f"invalid media flags: {exc}") from None
+    config.media = merged  # type: ignore[attr-defined]
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway.config import ConfigError, load_config
 
@@ -89,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             config.listen.port = args.port
         if args.log_level is not None:
             config.log_level = args.log_level
+        _override_media(config, args)
     except ConfigError as exc:
         print(f"portico serve: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gateway.admission.admission import AdmissionSettings
 from gateway.batch.batches import BatchSettings
+from gateway.body.image_parts import MediaSettings
 from gateway.console.sessions import ConsoleSettings
 from gateway.fleet.discovery import DiscoverySpec
 from gateway.identity.audit import AuditSettings
@@ -147,6 +148,8 @@ class GatewayConfig(_Strict):
     responses_retention_s: int = Field(default=30 * 24 * 3600, ge=60)
     # the Files and Batch APIs: file and batch limits, the runner (batch/batches.py)
     batches: BatchSettings = Field(default_factory=BatchSettings)
+    # http(s) image URLs the gateway fetches for local engines (none unless domains are named)
+    media: MediaSettings = Field(default_factory=MediaSettings)
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:

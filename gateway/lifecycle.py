@@ -59,6 +59,7 @@ from gateway.remotes.remote import RemoteUpstream
 from gateway.request_path import Gateway
 from gateway.store import SharedRedis, open_shared_redis
 from gateway.tracing import GatewayTracing
+from portico.media_fetch import MediaFetcher
 
 log = logging.getLogger("portico.gateway")
 
@@ -138,6 +139,7 @@ async def start_gateway(
             fits=fits,
             runtime_dir=runtime_dir,
             tracing=tracing,
+            media=MediaFetcher(config.media.policy()),
             _resources=stack.pop_all(),
         )
     _start_batch_runner(gateway)

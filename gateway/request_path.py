@@ -42,7 +42,7 @@ from gateway.body.fields import (
     match_shared_prefix,
     parse_fields,
 )
-from gateway.body.image_parts import num_images
+from gateway.body.image_parts import inline_image_urls, num_images
 from gateway.config import GatewayConfig
 from gateway.fleet.adapters import Adapter, AdapterCatalog
 from gateway.fleet.pool import Pool, Replica
@@ -70,6 +70,7 @@ from portico.errors import (
     ServiceUnavailableError,
     UpstreamError,
 )
+from portico.media_fetch import MediaFetcher
 
 log = logging.getLogger("portico.gateway")
 
@@ -158,6 +159,7 @@ class Gateway:
     # feeds batch lines to serve(); made by start_gateway right after the gateway (it calls
     # back into it), None only in between
     batch_runner: BatchRunner | None = None
+    media: MediaFetcher | None = None  # image URL fetches for local engines (config.media)
 
     async def stop(self) -> None:
         """Stop the engines (they drain), then close clients, usage, admission, identity and
@@ -270,6 +272,7 @@ class Gateway:
         adapter, decision, upstream, base, avoid = self._route(fields, principal, kind, path)
         ctx.model, ctx.tier = decision.model, decision.tier
         _check_images(principal, base, fields)
+        await self._inline_images(fields, upstream)
         prompt_tokens = self.counter.count(base, fields)
         fit = self.fits.get(base)
         truncated = None
@@ -323,6 +326,16 @@ class Gateway:
                 await chain.keep_first(exchange.usage)
                 exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
         return _response(exchange, headers, finish)
+
+    async def _inline_images(self, fields: RequestFields, upstream: Upstream) -> None:
+        """For a local engine, each http(s) image URL fetched now (before admission: a failed
+        fetch is a 400 that charges nothing) and sent as a data URL; a remote tier gets the
+        URL unchanged (its provider fetches it)."""
+        if fields.kind != "chat" or not fields.messages or not isinstance(upstream, LocalUpstream):
+            return
+        fetcher = self.media or MediaFetcher(self.config.media.policy())
+        if await inline_image_urls(fields.messages, fetcher):
+            fields.edited = True
 
     async def _exchange_pinned(
         self,

@@ -2,9 +2,12 @@
 
 A ``data:`` URL must be ``data:image/<type>;base64,<payload>`` whose payload is valid base64,
 at most :data:`MAX_IMAGE_BYTES` decoded, and starts as a PNG, JPEG, WebP or GIF file does
-(the formats the engine decodes). An ``http(s)`` URL passes: a remote provider may fetch it;
-a local engine refuses it with its own 400 (it fetches nothing). The engine decodes the
-picture itself and answers a 400 naming the part for a file that is cut short or corrupt.
+(the formats the engine decodes). An ``http(s)`` URL passes the shape check: a remote
+provider gets it unchanged; for a local engine the gateway fetches it first, under the
+operator's :class:`MediaSettings` (portico/media_fetch.py), and sends the engine the image as
+a data URL (:func:`inline_image_urls`), so the engine never fetches on the gateway's behalf.
+The engine decodes the picture itself and answers a 400 naming the part for a file that is
+cut short or corrupt.
 """
 
 from __future__ import annotations
@@ -14,17 +17,42 @@ import binascii
 import io
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from portico.errors import InvalidRequestError
+from portico.media_fetch import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_MEDIA_BYTES,
+    MediaFetcher,
+    MediaPolicy,
+    image_type,
+    parse_networks,
+)
 
 MAX_IMAGE_BYTES = 20 * 2**20  # OpenAI's own limit per image
-# File signatures of the formats the engine decodes (engine/multimodal.py IMAGE_FORMATS).
-_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a")
 
 
-def _looks_like_image(raw: bytes) -> bool:
-    if raw.startswith(_SIGNATURES):
-        return True
-    return raw[:4] == b"RIFF" and raw[8:12] == b"WEBP"
+class MediaSettings(BaseModel):
+    """``media:`` in the gateway config: which image URLs the gateway fetches for local
+    engines (``portico serve --allowed-media-domains ...``). No domains: none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allowed_domains: list[str] = []  # exact host names, e.g. upload.wikimedia.org
+    allowed_networks: list[str] = []  # CIDRs a private address may be in, e.g. 10.0.0.0/8
+    max_bytes: int = Field(default=DEFAULT_MAX_MEDIA_BYTES, ge=1024)
+    fetch_timeout_s: float = Field(default=DEFAULT_FETCH_TIMEOUT_S, gt=0, le=300)
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        parse_networks(value)
+        return value
+
+    def policy(self) -> MediaPolicy:
+        return MediaPolicy.of(
+            self.allowed_domains, self.allowed_networks, self.max_bytes, self.fetch_timeout_s
+        )
 
 
 def check_image_url(url: str, param: str) -> None:
@@ -50,7 +78,7 @@ def check_image_url(url: str, param: str) -> None:
             f"Invalid value for '{param}': the data URL's payload is not valid base64.",
             param=param,
         ) from None
-    if not _looks_like_image(raw):
+    if image_type(raw) is None:
         raise InvalidRequestError(
             f"Invalid value for '{param}': the data is not a PNG, JPEG, WebP or GIF image.",
             param=param,
@@ -109,3 +137,24 @@ def image_size(url: str) -> tuple[int, int] | None:
             return int(image.width), int(image.height)
     except Exception:  # any unreadable picture: the engine answers the 400
         return None
+
+
+async def inline_image_urls(messages: list[dict[str, Any]], fetcher: MediaFetcher) -> int:
+    """Fetch every ``http(s)`` image URL of the (checked) chat messages and put the image in
+    its place as a data URL; returns how many were fetched. A 400 naming the part
+    (``messages[0].content[1].image_url.url``) for a URL the policy refuses or a failed
+    fetch; the fetches run one after another, so the first bad part is the one named."""
+    fetched = 0
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            image = part["image_url"]
+            if image["url"].startswith(("http://", "https://")):
+                param = f"messages[{i}].content[{j}].image_url.url"
+                image["url"] = await fetcher.data_url(image["url"], param)
+                fetched += 1
+    return fetched

@@ -96,3 +96,27 @@ def test_serve_refuses_an_engine_model_that_is_not_installed(tmp_path: Path) -> 
     )
     assert proc.returncode == 2
     assert "engines.0.model" in proc.stderr
+
+
+def test_media_flags_override_the_config_and_are_validated() -> None:
+    import argparse
+
+    from gateway import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    config = parse_config({"media": {"allowed_domains": ["a.example"], "max_bytes": 4096}})
+    args = parser.parse_args(
+        ["--allowed-media-domains", "img.example", "cdn.internal",
+         "--allowed-media-networks", "10.0.0.0/8", "--media-fetch-timeout-s", "3"]
+    )  # fmt: skip
+    cli._override_media(config, args)
+    assert config.media.allowed_domains == ["img.example", "cdn.internal"]
+    assert config.media.allowed_networks == ["10.0.0.0/8"] and config.media.fetch_timeout_s == 3
+    assert config.media.max_bytes == 4096  # not given: the file's value stays
+    policy = config.media.policy()
+    assert policy.enabled and policy.host_allowed("IMG.example")
+    bad = parser.parse_args(["--allowed-media-networks", "10.0.0.0/40"])
+    with pytest.raises(ConfigError, match="not an IP network"):
+        cli._override_media(config, bad)
+    assert not parse_config({}).media.policy().enabled  # the default fetches nothing
