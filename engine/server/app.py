@@ -103,7 +103,10 @@ class EngineRoutes:
         metrics = ServerMetrics(self.name, max_model_len, engine.stats)
         self.serving = OpenAIServing(engine, self.name, metrics)
         self.chat = ChatServing(
-            self.serving, settings.tool_call_parser, settings.enable_auto_tool_choice
+            self.serving,
+            settings.tool_call_parser,
+            settings.enable_auto_tool_choice,
+            settings.media,
         )
         self.completions = CompletionServing(self.serving)
         self.task = str(getattr(engine.config, "task", "auto"))

@@ -14,19 +14,39 @@ from typing import Any
 from engine.multimodal import ImageError, ImageInput, attach_images, decode_data_url
 from engine.server.protocol_chat import ChatMessage
 from portico.errors import InvalidRequestError
+from portico.media_fetch import MediaFetcher, MediaPolicy
 
 
 class ChatImages:
     """The image half of rendering a chat prompt for one served model.
 
     ``model`` is the engine's model (a vision model has ``vision`` and ``image_processor``);
-    ``max_images`` is ``--limit-mm-per-prompt``'s image count.
+    ``max_images`` is ``--limit-mm-per-prompt``'s image count; ``media`` which ``http(s)``
+    URLs :meth:`fetch` may fetch (``--allowed-media-domains``; default none).
     """
 
-    def __init__(self, model: Any, max_images: int) -> None:
+    def __init__(self, model: Any, max_images: int, media: MediaPolicy | None = None) -> None:
         self.model = model
         self.max_images = max_images
         self.accepts_images = getattr(model, "vision", None) is not None
+        self.fetcher = MediaFetcher(media) if media is not None and media.enabled else None
+
+    async def fetch(self, messages: list[ChatMessage]) -> None:
+        """Each ``http(s)`` image URL replaced by the fetched image as a data URL, when this
+        server fetches images (a 400 naming the part for a refused URL or a failed fetch);
+        otherwise nothing (:meth:`decode` refuses the URL). Only for a model that takes
+        images, and within ``--limit-mm-per-prompt``: nothing is fetched for a prompt that
+        :meth:`decode` would refuse anyway."""
+        if self.fetcher is None or not self.accepts_images:
+            return
+        parts = [part for message in messages for _, part in message.images()]
+        if len(parts) > self.max_images:
+            return
+        for m, message in enumerate(messages):
+            for p, part in message.images():
+                if part.image_url.url.startswith(("http://", "https://")):
+                    param = f"messages[{m}].content[{p}].image_url.url"
+                    part.image_url.url = await self.fetcher.data_url(part.image_url.url, param)
 
     def decode(self, messages: list[ChatMessage]) -> list[Any]:
         """The messages' images as Pillow images, in message order. InvalidRequestError
@@ -53,8 +73,8 @@ class ChatImages:
         for param, url in parts:
             if url.startswith(("http://", "https://")):
                 raise InvalidRequestError(
-                    "Image URLs are not fetched by this engine; send the image inline as a "
-                    "data URL (data:image/png;base64,...).",
+                    "Image URLs are not fetched by this engine (no --allowed-media-domains); "
+                    "send the image inline as a data URL (data:image/png;base64,...).",
                     param=param,
                 )
             try:

@@ -22,6 +22,12 @@ from engine.server.settings import (
     ServerSettings,
 )
 from engine.server.tool_parsers import TOOL_PARSERS
+from portico.media_fetch import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_MEDIA_BYTES,
+    MediaPolicy,
+    parse_networks,
+)
 
 API_KEY_ENV = "PORTICO_ENGINE_API_KEY"
 
@@ -76,10 +82,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allow tool_choice='auto' (the model decides whether to call tools); "
         "needs --tool-call-parser",
     )
+    _add_media_arguments(g)
     g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _add_media_arguments(g: argparse._ArgumentGroup) -> None:
+    """The image-URL fetching flags (vLLM's ``--allowed-media-domains`` and its limits)."""
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="host names whose http(s) image URLs this server fetches (exact names; default "
+        "none: an image URL is a 400); private, loopback, link-local, multicast and reserved "
+        "addresses are refused unless --allowed-media-networks holds them. Behind the "
+        "gateway this is not needed: the gateway fetches and sends data URLs",
+    )
+    g.add_argument(
+        "--allowed-media-networks",
+        nargs="+",
+        default=[],
+        metavar="CIDR",
+        help="private networks an allowed host may resolve to, e.g. 10.0.0.0/8 (default none)",
+    )
+    g.add_argument(
+        "--max-media-bytes",
+        type=int,
+        default=DEFAULT_MAX_MEDIA_BYTES,
+        help="the most bytes one fetched image may have, counted while reading (default 5 MiB)",
+    )
+    g.add_argument(
+        "--media-fetch-timeout-s",
+        type=float,
+        default=DEFAULT_FETCH_TIMEOUT_S,
+        help="the most seconds one image fetch may take, redirects included (default 5)",
+    )
 
 
 def _check_server_args(args: argparse.Namespace) -> str | None:
@@ -93,6 +133,12 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         return f"--health-stall-timeout must be > 0, got {args.health_stall_timeout}"
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         return "--enable-auto-tool-choice needs --tool-call-parser"
+    if args.max_media_bytes < 1024 or args.media_fetch_timeout_s <= 0:
+        return "--max-media-bytes must be >= 1024 and --media-fetch-timeout-s > 0"
+    try:
+        parse_networks(args.allowed_media_networks)
+    except ValueError as exc:
+        return f"--allowed-media-networks: {exc}"
     return None
 
 
@@ -106,6 +152,12 @@ def server_settings(args: argparse.Namespace, model_name: str) -> ServerSettings
         stall_timeout_s=args.health_stall_timeout,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        media=MediaPolicy.of(
+            args.allowed_media_domains,
+            args.allowed_media_networks,
+            args.max_media_bytes,
+            args.media_fetch_timeout_s,
+        ),
     )
 
 

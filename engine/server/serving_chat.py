@@ -44,6 +44,7 @@ from engine.server.tool_calling import (
 from engine.tenancy import TenantTag
 from portico.contract import SharedPrefix, shared_prefix_of
 from portico.errors import InvalidRequestError
+from portico.media_fetch import MediaPolicy
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ChatServing:
         serving: OpenAIServing,
         tool_call_parser: str | None = None,
         auto_tool_choice: bool = False,
+        media: MediaPolicy | None = None,
     ) -> None:
         self.serving = serving
         self.tool_call_parser = tool_call_parser
@@ -77,7 +79,7 @@ class ChatServing:
         engine = serving.engine.engine
         model = getattr(getattr(engine, "runner", None), "model", None)
         limit = parse_limit_mm_per_prompt(getattr(engine.config, "limit_mm_per_prompt", None))
-        self.images = ChatImages(model, limit)
+        self.images = ChatImages(model, limit, media)
 
     def prompt_token_ids(
         self,
@@ -152,6 +154,7 @@ class ChatServing:
             )
         limits = serving.engine.engine.structured.limits
         plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice, limits)
+        await self.images.fetch(req.messages)  # allowed image URLs, as data URLs
         prompt, images = self.render(req.messages, plan=plan, mm_options=req.mm_processor_kwargs)
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             prompt = prompt[-req.truncate_prompt_tokens :]

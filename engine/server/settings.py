@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from portico.media_fetch import MediaPolicy
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_STALL_TIMEOUT_S = 60.0
@@ -17,6 +19,8 @@ class ServerSettings:
     may go without progress while requests are pending before ``/health`` reports it stalled.
     ``tool_call_parser`` names the parser of :data:`~engine.server.tool_parsers.TOOL_PARSERS`
     that reads replies to ``tool_choice="auto"``, which ``enable_auto_tool_choice`` allows.
+    ``media`` says which ``http(s)`` image URLs the server fetches (``--allowed-media-domains``;
+    default none).
     """
 
     served_model_name: str
@@ -26,3 +30,4 @@ class ServerSettings:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    media: MediaPolicy = MediaPolicy()
