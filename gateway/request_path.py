@@ -81,14 +81,16 @@ REFUSED_INPUT_STATUSES = frozenset({400, 404, 413, 422})
 MAX_FAILED_AUTH_ADDRESSES = 10_000
 
 
-def _check_images(principal: Principal, model: str, fields: RequestFields) -> None:
-    """A 403 naming ``messages`` when the plan does not let images go to ``model``."""
-    if not principal.may_send_images(model) and num_images(fields.messages):
+def _check_images(principal: Principal, model: str, fields: RequestFields) -> int:
+    """The image count; a 403 naming ``messages`` when the plan forbids images on ``model``."""
+    count = num_images(fields.messages)
+    if count and not principal.may_send_images(model):
         raise PermissionDeniedError(
             f"Your plan does not allow images with the model '{model}'.",
             param="messages",
             code="images_not_allowed",
         )
+    return count
 
 
 def _mark_shared_prefix(fields: RequestFields, principal: Principal, kind: str) -> None:
@@ -151,6 +153,7 @@ class Gateway:
     batches: BatchStore  # the Batch API's records and line results (batch/batches.py)
     fits: Mapping[str, PromptFit]  # local model -> context length and long-prompt policy
     runtime_dir: Path
+    media: MediaFetcher  # fetches image URLs for local engines, before admission (config.media)
     _engine_tasks: list[asyncio.Task[None]]  # adapter loads into engines that became ready
     _resources: contextlib.AsyncExitStack
     draining: bool = False
@@ -159,7 +162,6 @@ class Gateway:
     # feeds batch lines to serve(); made by start_gateway right after the gateway (it calls
     # back into it), None only in between
     batch_runner: BatchRunner | None = None
-    media: MediaFetcher | None = None  # image URL fetches for local engines (config.media)
 
     async def stop(self) -> None:
         """Stop the engines (they drain), then close clients, usage, admission, identity and
@@ -271,8 +273,7 @@ class Gateway:
             await chain.prepare()
         adapter, decision, upstream, base, avoid = self._route(fields, principal, kind, path)
         ctx.model, ctx.tier = decision.model, decision.tier
-        _check_images(principal, base, fields)
-        await self._inline_images(fields, upstream)
+        images = await self._images(principal, base, fields, upstream)
         prompt_tokens = self.counter.count(base, fields)
         fit = self.fits.get(base)
         truncated = None
@@ -315,7 +316,7 @@ class Gateway:
 
         async def finish() -> None:
             try:
-                await self.settle(ticket, principal, served, exchange, prompt_tokens)
+                await self.settle(ticket, principal, served, exchange, prompt_tokens, images)
             finally:
                 trace.end(exchange)
 
@@ -327,15 +328,15 @@ class Gateway:
                 exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
         return _response(exchange, headers, finish)
 
-    async def _inline_images(self, fields: RequestFields, upstream: Upstream) -> None:
-        """For a local engine, each http(s) image URL fetched now (before admission: a failed
-        fetch is a 400 that charges nothing) and sent as a data URL; a remote tier gets the
-        URL unchanged (its provider fetches it)."""
-        if fields.kind != "chat" or not fields.messages or not isinstance(upstream, LocalUpstream):
-            return
-        fetcher = self.media or MediaFetcher(self.config.media.policy())
-        if await inline_image_urls(fields.messages, fetcher):
-            fields.edited = True
+    async def _images(
+        self, principal: Principal, base: str, fields: RequestFields, upstream: Upstream
+    ) -> int:
+        """The image count (plan checked); a local engine's image URLs fetched (docs/vision.md)."""
+        count = _check_images(principal, base, fields)
+        if count and fields.kind == "chat" and isinstance(upstream, LocalUpstream):
+            if await inline_image_urls(fields.messages or [], self.media):
+                fields.edited = True
+        return count
 
     async def _exchange_pinned(
         self,
@@ -405,6 +406,7 @@ class Gateway:
                     prompt_tokens,
                     fields.max_tokens,
                     fields.num_outputs,
+                    num_images(fields.messages),
                 )
                 return ticket, decision
             except LimitExceededError as exc:  # this tier's model is out of quota here
@@ -503,10 +505,11 @@ class Gateway:
         prompt_tokens: int,
         max_tokens: int | None,
         num_outputs: int = 1,
+        num_images: int = 0,
     ) -> Ticket:
         try:
             return await self.admission.admit(
-                principal, model, prompt_tokens, max_tokens, num_outputs
+                principal, model, prompt_tokens, max_tokens, num_outputs, num_images
             )
         except LimitExceededError as exc:
             self.metrics.rate_limited.labels(exc.limit).inc()
@@ -522,8 +525,10 @@ class Gateway:
         model: str,
         exchange: Exchange,
         prompt_tokens: int = 0,
+        images: int = 0,
     ) -> None:
-        """Settle with the real usage (or release the slot when there is none); record it.
+        """Settle with the real usage (or release the slot when there is none); record it;
+        ``images``: the request's input images, each charged the model's image price.
 
         Usage the gateway counted itself (the upstream reported none) takes the prompt tokens
         admission counted, and the usage record says how the output was counted."""
@@ -539,7 +544,7 @@ class Gateway:
                 cached = usage.cached_tokens if usage.source == "upstream" else 0
                 completion = usage.completion_tokens
                 # the served model's price: a fallback tier may differ from the one admitted
-                spend = self.prices.spend_micro_usd(model, prompt, cached, completion)
+                spend = self.prices.spend_micro_usd(model, prompt, cached, completion, images)
                 recorder.record(
                     principal.tenant_id,
                     model,

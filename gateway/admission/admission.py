@@ -272,8 +272,9 @@ class Admission:
         prompt_tokens: int,
         max_tokens: int | None,
         num_outputs: int = 1,
+        num_images: int = 0,
     ) -> Ticket:
-        """Admit one request or raise.
+        """Admit one request or raise (``num_images``: input images, for an image price).
 
         Raises :class:`LimitExceededError` (429, ``retry-after``), :class:`InsufficientQuotaError`
         (429, ``x-should-retry: false``) or ``ServiceUnavailableError`` (503: code
@@ -296,7 +297,7 @@ class Admission:
             )
         reserved, cap = self._reservation(plan, prompt_tokens, max_tokens, num_outputs)
         costs = [reserved if tokens else 1 for tokens in plan.counts_tokens]
-        needs = self._money_needs(plan, model, prompt_tokens, num_outputs)
+        needs = self._money_needs(plan, model, prompt_tokens, num_outputs, num_images)
         outcome = await self._limiter.acquire(plan.buckets, costs, slot_id, self._lease_us, needs)
         if outcome is None:  # Redis down, policy "open": admitted without limits
             return Ticket({}, 0, None, None, slot_id)
@@ -309,7 +310,9 @@ class Admission:
         ticket = Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
         _cap_at_token_budget(ticket, plan, decision, prompt_tokens, max_tokens, num_outputs)
         if money and self._prices is not None:  # the completion the money left pays for
-            capped = money_cap(money, self._prices.get(model), prompt_tokens, num_outputs)
+            capped = money_cap(
+                money, self._prices.get(model), prompt_tokens, num_outputs, num_images
+            )
             current = ticket.max_tokens if ticket.max_tokens is not None else max_tokens
             if capped is not None and (current is None or capped[0] < current):
                 ticket.max_tokens = capped[0]
@@ -320,11 +323,13 @@ class Admission:
         return ticket
 
     def _money_needs(
-        self, plan: _Plan, model: str, prompt_tokens: int, num_outputs: int
+        self, plan: _Plan, model: str, prompt_tokens: int, num_outputs: int, num_images: int
     ) -> tuple[int, ...]:
         if not plan.has_money or self._prices is None:
             return ()
-        return money_needs(plan.money, self._prices.get(model), prompt_tokens, num_outputs)
+        return money_needs(
+            plan.money, self._prices.get(model), prompt_tokens, num_outputs, num_images
+        )
 
     async def settle(
         self,

@@ -59,11 +59,16 @@ class BudgetGauges:
 
 
 def money_cap(
-    budgets: Iterable[MoneyLeft], price: ModelPrice | None, prompt_tokens: int, num_outputs: int
+    budgets: Iterable[MoneyLeft],
+    price: ModelPrice | None,
+    prompt_tokens: int,
+    num_outputs: int,
+    num_images: int = 0,
 ) -> tuple[int, MoneyLeft] | None:
     """The most completion tokens per output that the tightest budget still pays for at
     ``price`` after the prompt (all of it at the input price: which part the cache holds is
-    known only afterwards), at least 1, and that budget; None when output is free or unpriced.
+    known only afterwards) and its images, at least 1, and that budget; None when output is
+    free or unpriced.
     """
     if price is None:
         return None
@@ -73,7 +78,8 @@ def money_cap(
     tightest: tuple[int, MoneyLeft] | None = None
     for budget in budgets:
         # micro-dollars x 1e6 over micro-dollars per 1M tokens: tokens, rounded down
-        affordable = budget.left * MICRO - prompt_tokens * input_units
+        affordable = (budget.left - num_images * price.image_units) * MICRO
+        affordable -= prompt_tokens * input_units
         cap = max(1, affordable // (output_units * max(1, num_outputs)))
         if tightest is None or cap < tightest[0]:
             tightest = (cap, budget)
@@ -81,16 +87,22 @@ def money_cap(
 
 
 def money_needs(
-    money: tuple[bool, ...], price: ModelPrice | None, prompt_tokens: int, num_outputs: int
+    money: tuple[bool, ...],
+    price: ModelPrice | None,
+    prompt_tokens: int,
+    num_outputs: int,
+    num_images: int = 0,
 ) -> tuple[int, ...]:
     """Per budget (``money``: which are money budgets), the micro-dollars a request surely
-    costs: its prompt at the input price and one output token per completion, rounded up.
+    costs: its prompt at the input price, its images at the image price and one output token
+    per completion, rounded up.
     Admission refuses when that does not fit in what a money budget has left, so no budget
     pays for more than it holds. 0 for token budgets; empty for an unpriced model."""
     if price is None:
         return ()
     input_units, _, output_units = price.units
     least = -(-(prompt_tokens * input_units + num_outputs * output_units) // MICRO)
+    least += num_images * price.image_units
     return tuple(least if is_money else 0 for is_money in money)
 
 

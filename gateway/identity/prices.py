@@ -44,14 +44,22 @@ def usd_to_micro(usd: float) -> int:
 
 class ModelPrice(BaseModel):
     """A model's price in USD per 1M tokens; ``cached_input`` (prompt tokens the engine read
-    from its prefix cache) defaults to ``input``. Body of ``PUT /admin/v1/prices/{model}`` and
-    an entry of the config's ``pricing:``."""
+    from its prefix cache) defaults to ``input``; ``image`` is USD per input image (LiteLLM's
+    ``input_cost_per_image``), charged on top of the image's prompt tokens; absent: images
+    cost only their tokens. Body of ``PUT /admin/v1/prices/{model}`` and an entry of the
+    config's ``pricing:``."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     input: Price
     cached_input: Price | None = None
     output: Price
+    image: Price | None = None  # USD per image, not per 1M tokens
+
+    @cached_property
+    def image_units(self) -> int:
+        """Micro-dollars per input image (0 when images cost only their tokens)."""
+        return 0 if self.image is None else usd_to_micro(self.image)
 
     @cached_property  # once per price: Decimal is slow, and this is on every request's path
     def units(self) -> tuple[int, int, int]:
@@ -60,12 +68,13 @@ class ModelPrice(BaseModel):
         return usd_to_micro(self.input), usd_to_micro(cached), usd_to_micro(self.output)
 
     def spend_micro_usd(
-        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, num_images: int = 0
     ) -> int:
         """Spend of one request in micro-dollars, rounded half up once.
 
         ``prompt_tokens`` includes the cached ones (OpenAI's usage: ``cached_tokens`` is a
-        detail of ``prompt_tokens``): uncached = prompt - cached, each priced at its rate.
+        detail of ``prompt_tokens``): uncached = prompt - cached, each priced at its rate;
+        each of ``num_images`` input images adds the image price.
         """
         # comparisons, not min/max calls: this runs once per request
         prompt = prompt_tokens if prompt_tokens > 0 else 0
@@ -76,11 +85,16 @@ class ModelPrice(BaseModel):
         input_units, cached_units, output_units = self.units
         # tokens x micro-dollars per 1M tokens = micro-dollars x 1e6: divide once, at the end
         total = (prompt - cached) * input_units + cached * cached_units + completion * output_units
+        if num_images > 0:
+            total += num_images * self.image_units * MICRO
         return (total + MICRO // 2) // MICRO
 
     def public(self) -> dict[str, float]:
         cached = self.input if self.cached_input is None else self.cached_input
-        return {"input": self.input, "cached_input": cached, "output": self.output}
+        out = {"input": self.input, "cached_input": cached, "output": self.output}
+        if self.image is not None:  # USD per image (per_tokens does not apply to it)
+            out["image"] = self.image
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +144,18 @@ class PriceBook:
         return price if price is not None else self._configured.get(model)
 
     def spend_micro_usd(
-        self, model: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int
+        self,
+        model: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        num_images: int = 0,
     ) -> int:
         """A request's spend on ``model`` in micro-dollars; 0 when the model has no price."""
         price = self.get(model)
         if price is None:
             return 0
-        return price.spend_micro_usd(prompt_tokens, cached_tokens, completion_tokens)
+        return price.spend_micro_usd(prompt_tokens, cached_tokens, completion_tokens, num_images)
 
     def entries(self) -> list[PriceEntry]:
         """Every effective price, sorted by model name."""

@@ -84,6 +84,24 @@ def test_spend_is_the_price_formula_in_integer_micro_dollars() -> None:
     assert total == 4 * 10**4
 
 
+def test_an_image_price_is_per_image_on_top_of_the_tokens() -> None:
+    from gateway.admission.spend import MoneyLeft, money_cap, money_needs
+
+    price = ModelPrice(input=1, output=2, image=0.25)  # $0.25 a picture
+    assert price.image_units == 250_000
+    assert price.public()["image"] == 0.25
+    assert "image" not in ModelPrice(input=1, output=2).public()
+    # 600 prompt tokens (images' included) x 1 + 10 x 2 + 2 images x 250,000 micro-dollars
+    assert price.spend_micro_usd(600, 0, 10, 2) == 600 + 20 + 500_000
+    assert price.spend_micro_usd(600, 0, 10) == 620  # no image: tokens only
+    assert ModelPrice(input=1, output=2).spend_micro_usd(600, 0, 10, 2) == 620  # no image price
+    # admission: what a request surely costs includes its images; the cap leaves room for them
+    assert money_needs((True, False), price, 600, 1, 2) == (600 + 2 + 500_000, 0)
+    left = MoneyLeft("daily_budget", "tenant", "daily", 10**6, 10**6 - 500_000 - 600 - 100)
+    capped = money_cap([left], price, 600, 1, 2)
+    assert capped is not None and capped[0] == 50  # 100 micro-dollars at 2 a token
+
+
 def test_prices_and_budgets_are_validated() -> None:
     for bad in (-1.0, float("inf"), float("nan"), "1", None, 2e6):
         with pytest.raises(ValidationError):

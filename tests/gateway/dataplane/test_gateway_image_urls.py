@@ -6,11 +6,15 @@ Proves: an allowed URL is fetched by the gateway and answered exactly as the sam
 as a data URL (the engine itself fetches nothing); a disallowed host, a private address, a
 redirect to a disallowed host, an image too large, a server too slow, bytes that are not an
 image: each a 400 naming the part, before admission, with no bucket, slot or budget moved.
+The model's image price ($0.001 an image, on top of its tokens at $1 and $2 per 1M) is in the
+usage's spend and the money budget, and admission refuses a request whose images the budget
+left cannot pay for.
 """
 
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +22,10 @@ import openai
 import pytest
 
 from tests.conftest import RedisServer
-from tests.gateway.dataplane.harness import GatewayProcess, tiny_engine
+from tests.gateway.dataplane.harness import GatewayProcess, tiny_engine, wait_until
 from tests.gateway.dataplane.test_gateway_check_order import counters, post
 from tests.gateway.dataplane.test_gateway_images import messages
+from tests.gateway.dataplane.test_gateway_money import counted, new_key, oa, spend_key
 from tests.media_server import MediaServer, png
 
 pytestmark = pytest.mark.slow
@@ -58,7 +63,7 @@ def gateway(module_tmp: Path, store: RedisServer, tiny_llava_dir: Path) -> Itera
             "redis": {"url": store.url},
             "engines": [engine],
             "media": media,
-            "pricing": {"vision": {"input": 1.0, "output": 2.0}},
+            "pricing": {"vision": {"input": 1.0, "output": 2.0, "image": 0.001}},
         },
         {},
     )
@@ -129,3 +134,45 @@ def test_a_refused_fetch_is_a_400_naming_the_part_and_charges_nothing(
     ok = post(gateway, key, {"model": "vision", "messages": two_parts(images.url("/cat.png"))})
     assert ok.status_code == 200, ok.text
     assert counters(store, tenant_id) != before  # an admitted request does move them
+
+
+def test_the_image_price_settles_spend_and_budget_and_is_reserved(
+    gateway: GatewayProcess, store: RedisServer, images: MediaServer
+) -> None:
+    tenant_id, _ = gateway.create_tenant()
+    key_id, key = new_key(gateway, tenant_id, budget_usd=10, budget_period="daily")
+    data_url = "data:image/png;base64," + base64.b64encode(images.image).decode()
+    parts = [
+        *two_parts(data_url)[0]["content"],
+        {"type": "image_url", "image_url": {"url": images.url("/cat.png")}},
+    ]  # type: ignore[list-item]
+    reply = oa(gateway, key).chat.completions.create(
+        model="vision",
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=3,
+        temperature=0,  # type: ignore[list-item,misc]
+    )
+    usage = reply.usage
+    assert usage is not None
+    # micro-dollars: 1 a prompt token (cached ones too), 2 an output token, 1000 an image
+    expected = usage.prompt_tokens + 2 * usage.completion_tokens + 2 * 1000
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    assert wait_until(lambda: spend_key(store, tenant_id, f"k:{key_id}", f"d:{day}") > 0, 30)
+    assert spend_key(store, tenant_id, f"k:{key_id}", f"d:{day}") == expected
+    assert counted(gateway, tenant_id, 1)["keys"][key_id]["spend_micro_usd"] == expected
+
+    # a budget that pays for this prompt's tokens and one output token, but not its two images
+    # (it would be admitted if images were free): refused before anything is forwarded
+    short = (usage.prompt_tokens + 2 + 1500) / 1e6
+    short_id, short_key = new_key(gateway, tenant_id, budget_usd=short, budget_period="daily")
+    before = images.hits["/cat.png"]
+    with pytest.raises(openai.RateLimitError) as info:
+        oa(gateway, short_key).chat.completions.create(
+            model="vision",
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=3,  # type: ignore[list-item,misc]
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["code"] == "budget_exceeded", error
+    assert images.hits["/cat.png"] == before + 1  # fetched (before admission), never forwarded
+    assert spend_key(store, tenant_id, f"k:{short_id}", f"d:{day}") == 0
