@@ -310,9 +310,8 @@ class Admission:
         ticket = Ticket(headers, reserved, plan, limiter, slot_id, max_tokens=cap)
         _cap_at_token_budget(ticket, plan, decision, prompt_tokens, max_tokens, num_outputs)
         if money and self._prices is not None:  # the completion the money left pays for
-            capped = money_cap(
-                money, self._prices.get(model), prompt_tokens, num_outputs, num_images
-            )
+            price = self._prices.get(model)
+            capped = money_cap(money, price, prompt_tokens, num_outputs, num_images)
             current = ticket.max_tokens if ticket.max_tokens is not None else max_tokens
             if capped is not None and (current is None or capped[0] < current):
                 ticket.max_tokens = capped[0]
