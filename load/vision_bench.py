@@ -98,13 +98,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ready = f"http://127.0.0.1:{port}/ready"
     with server_process(cmd, None, ready, args.timeout_s, "portico engine"):
         base_url = f"http://127.0.0.1:{port}/v1"
-        warm = datasets.random_images(2, args.images, tuple(args.image_size), output_len=(2, 2))
+        warm = datasets.random_images(
+            2, args.images, tuple(args.image_size), output_len=(2, 2), seed=args.seed
+        )
         _bench(base_url, warm, 2)
-        for concurrency in args.concurrency:
+        for round_, concurrency in enumerate(args.concurrency):
+            # a seed per round: new texts and pictures, none of them in the prefix cache yet
+            # (the text-only run's prompts are no prefix of the image run's: those start with
+            # the picture)
+            seed = args.seed + 1 + round_
             for images in (0, args.images):
                 reqs = datasets.random_images(
                     args.num_requests, images, tuple(args.image_size), tuple(args.prompt_len),
-                    (args.output_len, args.output_len), args.seed,
+                    (args.output_len, args.output_len), seed,
                 )  # fmt: skip
                 summary = _bench(base_url, reqs, concurrency)
                 rows.append(_row(summary, images, concurrency))
