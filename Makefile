@@ -27,7 +27,7 @@ dev: $(VENV)/.dev-installed
 
 ## make run: gateway + one engine serving the default model, embedded Redis
 ## (engine defaults: fair policy, 64 running slots shared by plan weight — a tenant over its
-## share hands a slot back — and 256-token prefill steps while tenants contend; see
+## share hands a slot back — and 192-token prefill steps while tenants contend; see
 ## docs/configuration.md, "Slot share")
 run: install
 	$(PORTICO) models pull smollm2-135m

@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import json
 import sys
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,9 +19,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--model", required=True)
     serve.add_argument("--api-key", default=None)
     serve.add_argument(
-        "--dataset", choices=["synthetic", "sharegpt", "shared-prefix"], default="synthetic"
+        "--dataset",
+        choices=["synthetic", "sharegpt", "shared-prefix", "random-image"],
+        default="synthetic",
+        help="random-image: chat requests with random PNG pictures (--images-per-request, "
+        "--image-size) and --prompt-len random words of text",
     )
     serve.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
+    serve.add_argument(
+        "--images-per-request",
+        type=int,
+        default=1,
+        help="random-image: pictures per request (0: the same texts without pictures)",
+    )
+    serve.add_argument(
+        "--image-size",
+        type=int,
+        nargs=2,
+        default=(224, 224),
+        metavar=("MIN", "MAX"),
+        help="random-image: each picture's width and height in pixels, drawn from MIN-MAX",
+    )
     serve.add_argument("--num-requests", type=int, default=64)
     serve.add_argument("--prompt-len", type=int, nargs=2, default=(16, 600), metavar=("MIN", "MAX"))
     serve.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
@@ -69,24 +88,41 @@ def _delegated() -> list[tuple[str, str, str]]:
     return [c for c in candidates if importlib.util.find_spec(c[1]) is not None]
 
 
+def _workload(args: argparse.Namespace) -> list[Any] | None:
+    """``portico bench serve``'s requests, or None after printing why there are none."""
+    from load import datasets
+
+    if args.dataset == "synthetic":
+        return datasets.synthetic(
+            args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed
+        )
+    if args.dataset == "shared-prefix":
+        groups = max(1, args.num_requests // 8)
+        return datasets.shared_prefix(num_groups=groups, seed=args.seed)[: args.num_requests]
+    if args.dataset == "random-image":
+        try:
+            return datasets.random_images(
+                args.num_requests, args.images_per_request, tuple(args.image_size),
+                tuple(args.prompt_len), tuple(args.output_len), args.seed,
+            )  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return None
+    if not args.dataset_path:
+        print("error: --dataset sharegpt needs --dataset-path", file=sys.stderr)
+        return None
+    return datasets.sharegpt(args.dataset_path, args.num_requests, args.seed)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command != "serve":
         module = importlib.import_module(args._module)
         return int(module.main(args.rest) or 0)
-    from load import datasets, serve_bench
+    from load import serve_bench
 
-    if args.dataset == "synthetic":
-        reqs = datasets.synthetic(
-            args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed
-        )
-    elif args.dataset == "shared-prefix":
-        groups = max(1, args.num_requests // 8)
-        reqs = datasets.shared_prefix(num_groups=groups, seed=args.seed)[: args.num_requests]
-    else:
-        if not args.dataset_path:
-            print("error: --dataset sharegpt needs --dataset-path", file=sys.stderr)
-            return 2
-        reqs = datasets.sharegpt(args.dataset_path, args.num_requests, args.seed)
+    reqs = _workload(args)
+    if reqs is None:
+        return 2
     extra = {} if args.no_ignore_eos else {"ignore_eos": True}
     summary, results = asyncio.run(
         serve_bench.run_benchmark(

@@ -1,13 +1,15 @@
 """Workloads for the benchmarks: what each request asks for.
 
-Three sources, each deterministic for a given seed:
+Four sources, each deterministic for a given seed:
 
 * :func:`synthetic` — random token ids with prompt and output lengths drawn uniformly from
   ranges (the standard engine workload: 256 requests, prompts 16-600, outputs 16-256);
 * :func:`sharegpt` — a ShareGPT-format JSON file (first human turn as the prompt, the reply's
   length as the output budget);
 * :func:`shared_prefix` — groups of requests that share a long common prefix (the prefix-cache
-  workload).
+  workload);
+* :func:`random_images` — chat requests with random pictures as data-URL image parts beside a
+  text of random words (the vision workload; sent to ``/v1/chat/completions``).
 
 Prompts are token ids when the lengths must be exact (sent to ``/v1/completions``, which
 accepts token-id prompts), text otherwise.
@@ -15,6 +17,8 @@ accepts token-id prompts), text otherwise.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import random
 from dataclasses import dataclass
@@ -26,11 +30,16 @@ TOKEN_ID_RANGE = (1000, 30000)
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of a workload: its prompt (token ids or text) and output length."""
+    """One request of a workload: its prompt (token ids or text) and output length.
+
+    With ``images`` (data URLs) the request is a chat message: the images, then the prompt as
+    its text; ``prompt_len`` is then the text's word count (the server's usage gives the real
+    count, image tokens included)."""
 
     prompt: list[int] | str
     prompt_len: int
     output_len: int
+    images: tuple[str, ...] = ()
 
 
 def synthetic(
@@ -68,6 +77,59 @@ def shared_prefix(
             suffix = [rng.randint(lo, hi) for _ in range(suffix_len)]
             out.append(BenchRequest(prefix + suffix, prefix_len + suffix_len, output_len))
     return out
+
+
+# Everyday words for the vision workload's texts (each about one token in Llama vocabularies).
+_WORDS = (
+    "the a of and to in is it that for on with as this was at by from be are or an have not "
+    "what which their when there can all more one about would has will other time some these "
+    "picture colour shape light left right top bottom middle corner small large bright dark"
+).split()
+
+
+def random_images(
+    num_requests: int = 64,
+    images_per_request: int = 1,
+    image_size: tuple[int, int] = (224, 224),
+    prompt_len: tuple[int, int] = (16, 64),
+    output_len: tuple[int, int] = (16, 128),
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Chat requests with ``images_per_request`` random PNG pictures each, width and height each
+    drawn from ``image_size`` (inclusive), and a text of ``prompt_len`` random words.
+
+    The texts and output lengths come from their own random stream, so the same seed gives the
+    same texts whatever ``images_per_request`` is: ``images_per_request=0`` is the text-only
+    baseline of the same workload. A picture is a coarse grid of random colours scaled up, so it
+    compresses about as a photograph does rather than as noise."""
+    if images_per_request < 0:
+        raise ValueError("images_per_request must be >= 0")
+    if not 1 <= image_size[0] <= image_size[1]:
+        raise ValueError("image_size must be 1 <= MIN <= MAX")
+    texts = random.Random(seed)
+    pixels = random.Random(seed + 1_000_003)
+    out = []
+    for _ in range(num_requests):
+        n_words = texts.randint(*prompt_len)
+        words = " ".join(texts.choice(_WORDS) for _ in range(n_words))
+        prompt = f"Describe this picture. {words}"
+        n_out = texts.randint(*output_len)
+        images = tuple(
+            _png_data_url(pixels, pixels.randint(*image_size), pixels.randint(*image_size))
+            for _ in range(images_per_request)
+        )
+        out.append(BenchRequest(prompt, len(prompt.split()), n_out, images))
+    return out
+
+
+def _png_data_url(rng: random.Random, width: int, height: int) -> str:
+    from PIL import Image
+
+    grid = Image.frombytes("RGB", (8, 8), bytes(rng.randrange(256) for _ in range(8 * 8 * 3)))
+    picture = grid.resize((width, height), Image.Resampling.BILINEAR)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def sharegpt(

@@ -1,9 +1,10 @@
 """Serving benchmark: replay a workload against any OpenAI-compatible base URL.
 
 Requests go out at a request rate (Poisson or gamma arrivals) or as fast as a fixed
-concurrency allows, each as a streaming ``/v1/completions`` call so every token's arrival is
-timed. Results: TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99), request and
-token throughput, and goodput (requests/s meeting the latency targets).
+concurrency allows, each as a streaming ``/v1/completions`` call (a request with images: a
+streaming ``/v1/chat/completions`` call, the images as ``image_url`` parts) so every token's
+arrival is timed. Results: TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99),
+request and token throughput, and goodput (requests/s meeting the latency targets).
 
     portico bench serve --base-url http://127.0.0.1:8000/v1 --dataset synthetic \
         --num-requests 64 --max-concurrency 16 --out load/results/serve.json
@@ -103,21 +104,30 @@ async def _one(
     req: BenchRequest,
     extra_body: dict[str, Any],
 ) -> RequestResult:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": req.prompt,
         "max_tokens": req.output_len,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0.0,
         **extra_body,
     }
+    path = "completions"
+    if req.images:
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": url}} for url in req.images
+        ]
+        parts.append({"type": "text", "text": req.prompt})
+        body["messages"] = [{"role": "user", "content": parts}]
+        path = "chat/completions"
+    else:
+        body["prompt"] = req.prompt
     result = RequestResult(ok=False, prompt_len=req.prompt_len)
     start = time.perf_counter()
     last = start
     chunks = 0
     try:
-        async with client.stream("POST", "completions", json=body) as resp:
+        async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -134,7 +144,7 @@ async def _one(
                     result.output_tokens = int(usage.get("completion_tokens", 0))
                     if usage.get("prompt_tokens"):
                         result.prompt_len = int(usage["prompt_tokens"])
-                if not any(c.get("text") for c in event.get("choices", [])):
+                if not any(_piece(c) for c in event.get("choices", [])):
                     continue
                 now = time.perf_counter()
                 if chunks == 0:
@@ -151,6 +161,11 @@ async def _one(
         result.output_tokens = chunks
     result.ok = True
     return result
+
+
+def _piece(choice: dict[str, Any]) -> str:
+    """The text a stream chunk's choice carries: ``text`` (completions) or ``delta.content``."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def run_benchmark(

@@ -68,7 +68,7 @@ MAX_CACHE_SALT_CHARS = 1024  # a request's cache_salt, and a shared prefix's sal
 # --fair-short-prefill-tokens): the most prefill one step carries while two or more tenants
 # have work, and the prompt size under which a tenant with nothing waiting gets a step of its
 # own. The gateway's wait estimate (gateway/fleet/replica_load.py) models these defaults.
-FAIR_CONTENDED_PREFILL_TOKENS = 256
+FAIR_CONTENDED_PREFILL_TOKENS = 192
 FAIR_SHORT_PREFILL_TOKENS = 256
 
 

@@ -12,19 +12,10 @@ from pathlib import Path
 
 from tiny_llama import TINY_LLAMA_CONFIG, _load_real_tokenizer
 
+from load.vision_bench import CHAT_TEMPLATE  # LLaVA-1.5's, images before the text of a turn
+
 IMAGE_SIZE = 32
 PATCH_SIZE = 8  # (32 / 8)^2 = 16 patches: 16 image tokens per image (the CLS row dropped)
-# LLaVA-1.5's template (llava-hf/llava-1.5-7b-hf), images before the text of a turn.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
-    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}"
-    "{{ '<image>\n' }}{% endif %}{% endfor %}"
-    "{% for item in message['content'] %}{% if item['type'] == 'text' %}"
-    "{{ item['text'] + ' ' }}{% endif %}{% endfor %}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
 
 
 def build_tiny_llava(folder: Path, seed: int = 0) -> Path:

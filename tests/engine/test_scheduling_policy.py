@@ -412,7 +412,7 @@ def test_the_engine_flags_set_the_contended_step_cap_and_its_window() -> None:
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     default = EngineConfig.from_cli_args(parser.parse_args([]))
-    assert (default.fair_contended_prefill_tokens, default.fair_contention_window_s) == (256, 300.0)
+    assert (default.fair_contended_prefill_tokens, default.fair_contention_window_s) == (192, 300.0)
     assert (default.fair_batch_prefill_tokens, default.fair_batch_window_s) == (64, 2.0)
     assert EngineConfig.from_cli_args(parser.parse_args(["--fair-batch-window-s", "7"])) == (
         EngineConfig(fair_batch_window_s=7.0)

@@ -151,9 +151,11 @@ def test_in_steps_fair_serves_the_quiet_tenant_first_at_the_same_throughput(
     work = Workload(noisy_prompt_len=256, noisy_output_len=4, quiet_prompt_len=16)
     counts = {}
     for policy in ("fcfs", "fair"):
+        # the contended step cap at the budget: this counts the short steps' price alone (the
+        # cap's own, steps of fewer tokens, is the replay's and the cap tests' business)
         config = EngineConfig(
             model="tiny", device="cpu", scheduling_policy=policy, max_num_batched_tokens=256,
-            num_gpu_blocks_override=512,
+            num_gpu_blocks_override=512, fair_contended_prefill_tokens=256,
         )  # fmt: skip
         counts[policy] = count_steps(LLMEngine(config, loaded), policy, work, 60, 20)
     fcfs, fair = counts["fcfs"], counts["fair"]

@@ -138,3 +138,57 @@ def test_failures_are_counted_not_hidden(fake_base_url: str) -> None:
         )
     )
     assert summary["failed"] == 3 and "HTTP 503" in summary["errors"][0]
+
+
+def test_random_images_are_deterministic_pngs_of_the_asked_sizes() -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    a = datasets.random_images(6, images_per_request=2, image_size=(40, 90), seed=5)
+    assert a == datasets.random_images(6, images_per_request=2, image_size=(40, 90), seed=5)
+    assert a != datasets.random_images(6, images_per_request=2, image_size=(40, 90), seed=6)
+    sizes = set()
+    for req in a:
+        assert len(req.images) == 2 and isinstance(req.prompt, str)
+        assert req.prompt.startswith("Describe this picture.")
+        for url in req.images:
+            head, _, payload = url.partition(",")
+            assert head == "data:image/png;base64"
+            with Image.open(io.BytesIO(base64.b64decode(payload))) as picture:
+                assert picture.format == "PNG"
+                assert 40 <= picture.width <= 90 and 40 <= picture.height <= 90
+                sizes.add(picture.size)
+    assert len(sizes) > 1  # sizes are drawn, not fixed
+    # no pictures: the same texts and output lengths, the text-only baseline of the workload
+    bare = datasets.random_images(6, images_per_request=0, image_size=(40, 90), seed=5)
+    assert [(r.prompt, r.output_len) for r in bare] == [(r.prompt, r.output_len) for r in a]
+    assert all(r.images == () for r in bare)
+    with pytest.raises(ValueError, match="images_per_request"):
+        datasets.random_images(1, images_per_request=-1)
+    with pytest.raises(ValueError, match="image_size"):
+        datasets.random_images(1, image_size=(90, 40))
+
+
+def test_image_requests_go_to_chat_completions(fake_base_url: str) -> None:
+    reqs = datasets.random_images(4, image_size=(16, 24), prompt_len=(3, 5), output_len=(3, 5))
+    summary, results = asyncio.run(
+        serve_bench.run_benchmark(fake_base_url, "m", reqs, max_concurrency=2, progress=False)
+    )
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    # the fake answers a chat stream (delta.content) with exactly max_tokens tokens
+    assert [r.output_tokens for r in results] == [r.output_len for r in reqs]
+    assert all(r.ttft > 0 for r in results)
+
+
+def test_bench_cli_refuses_a_bad_image_workload(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "portico.cli", "bench", "serve", "--base-url",
+         "http://127.0.0.1:9/v1", "--model", "m", "--dataset", "random-image",
+         "--image-size", "300", "20", "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "image_size must be 1 <= MIN <= MAX" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

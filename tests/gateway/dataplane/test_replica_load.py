@@ -62,7 +62,8 @@ def test_a_newcomers_short_prompt_runs_in_a_step_of_its_own() -> None:
     load = ReplicaLoad()
     load.lease(2000, "other")
     assert estimate_wait(load, "t", 20) == 20 + STEP_OVERHEAD_TOKENS
-    assert estimate_wait(load, "t", SHORT_PREFILL_TOKENS) == 256 + STEP_OVERHEAD_TOKENS
+    # 256 tokens: a step of its own, in two capped chunks (192 + 64)
+    assert estimate_wait(load, "t", SHORT_PREFILL_TOKENS) == 256 + 2 * STEP_OVERHEAD_TOKENS
     load.lease(0, "x").first_token()
     load.lease(0, "x").first_token()
     assert estimate_wait(load, "t", 20) == 20 + (STEP_OVERHEAD_TOKENS + 2)
@@ -79,7 +80,8 @@ def test_a_newcomers_long_prompt_shares_each_step_with_every_other_tenant() -> N
     load.lease(40, None)
     need = 830
     ahead = need + 300 + 100  # min(2000, 830) + min(300, 830) + min(100, 830)
-    assert estimate_wait(load, "t", need) == ahead + need + 9 * STEP_OVERHEAD_TOKENS  # 2,060
+    # 2,060 tokens in ceil(2,060 / 192) = 11 steps
+    assert estimate_wait(load, "t", need) == ahead + need + 11 * STEP_OVERHEAD_TOKENS
 
 
 def test_a_tenant_with_prefill_pending_waits_for_at_most_its_need_of_each_other_tenant() -> None:
@@ -90,7 +92,7 @@ def test_a_tenant_with_prefill_pending_waits_for_at_most_its_need_of_each_other_
     load.lease(2000, "other")
     load.lease(600, "t")
     need = 600 + 20
-    assert estimate_wait(load, "t", 20) == need + need + 5 * STEP_OVERHEAD_TOKENS  # 1,240
+    assert estimate_wait(load, "t", 20) == need + need + 7 * STEP_OVERHEAD_TOKENS  # 1,240
     load.lease(100, None)
     need = 100 + 20  # None's own, then min(2000, 120) + min(600, 120) of the others
     assert estimate_wait(load, None, 20) == need + 2 * need + 2 * STEP_OVERHEAD_TOKENS
@@ -104,7 +106,7 @@ def test_own_and_another_tenants_equal_pending_weigh_the_same_for_a_long_prompt(
     another = ReplicaLoad()
     another.lease(600, "u")
     assert estimate_wait(own, "t", 700) == estimate_wait(another, "t", 700)
-    assert estimate_wait(own, "t", 700) == 1300 + 6 * STEP_OVERHEAD_TOKENS
+    assert estimate_wait(own, "t", 700) == 1300 + 7 * STEP_OVERHEAD_TOKENS
     # and the other tenant, asking the same of each, sees the mirror image
     assert estimate_wait(own, "u", 700) == estimate_wait(another, "u", 700)
 
@@ -117,42 +119,42 @@ def test_the_opening_burst_worked_through() -> None:
     r1 = ReplicaLoad()
     for tenant in ("A", "B", "C"):
         r1.lease(830, tenant)
-    # need = 830 + 20; B's and C's 830 each run beside it: 2,510 tokens in 10 steps
-    assert estimate_wait(r1, "A", 20) == 2510 + 10 * STEP_OVERHEAD_TOKENS  # 2,610
+    # need = 830 + 20; B's and C's 830 each run beside it: 2,510 tokens in 14 steps of 192
+    assert estimate_wait(r1, "A", 20) == 2510 + 14 * STEP_OVERHEAD_TOKENS  # 2,650
     spill = 830 - 20
     r2 = ReplicaLoad()
     r2.lease(830, "D")
     r2.lease(830, "E")
-    # two other tenants pending on R2 too: 830 + 1,660 in 10 steps, 2,590 + 810: stays on R1
-    # (one chunk of them, before: 1,086 in 5 steps, 1,136 + 810 = 1,946, and it spilled)
-    assert estimate_wait(r2, "A", 830) + spill == 2490 + 10 * STEP_OVERHEAD_TOKENS + spill
+    # two other tenants pending on R2 too: 830 + 1,660 in 13 steps, 2,620 + 810: stays on R1
+    # (when they counted as one chunk, R2 looked cheaper, and it spilled)
+    assert estimate_wait(r2, "A", 830) + spill == 2490 + 13 * STEP_OVERHEAD_TOKENS + spill
     assert estimate_wait(r2, "A", 830) + spill > estimate_wait(r1, "A", 20)
-    # one other tenant on R2: 1,660 in 7 steps, 1,730 + 810 = 2,540 against 2,610: a spill, by
+    # one other tenant on R2: 1,660 in 9 steps, 1,750 + 810 = 2,560 against 2,650: a spill, by
     # the step overheads. Processor sharing: R2's first token after 1,660 tokens, R1's after
     # 2,510, the difference about the recomputation; a tie, not the estimate's fault.
     r2 = ReplicaLoad()
     r2.lease(830, "D")
-    assert estimate_wait(r2, "A", 830) + spill == 1660 + 7 * STEP_OVERHEAD_TOKENS + spill
+    assert estimate_wait(r2, "A", 830) + spill == 1660 + 9 * STEP_OVERHEAD_TOKENS + spill
     assert estimate_wait(r2, "A", 830) + spill < estimate_wait(r1, "A", 20)
     # What keeps R1 from collecting three tenants against R2's one: C's cold first prompt saw
     # A's and B's on R1 as one chunk, as it saw D's on R2 (a tie); now twice D's.
     two = ReplicaLoad()
     two.lease(830, "A")
     two.lease(830, "B")
-    assert estimate_wait(two, "C", 830) == 2490 + 10 * STEP_OVERHEAD_TOKENS
-    assert estimate_wait(r2, "C", 830) == 1660 + 7 * STEP_OVERHEAD_TOKENS
+    assert estimate_wait(two, "C", 830) == 2490 + 13 * STEP_OVERHEAD_TOKENS
+    assert estimate_wait(r2, "C", 830) == 1660 + 9 * STEP_OVERHEAD_TOKENS
 
 
 def test_decode_rows_weigh_on_every_step_and_others_queued_count_as_ahead() -> None:
     load = ReplicaLoad()
     for _ in range(4):
         load.lease(20, "x").first_token()
-    assert estimate_wait(load, "t", 600) == 600 + 3 * (STEP_OVERHEAD_TOKENS + 4)
+    assert estimate_wait(load, "t", 600) == 600 + 4 * (STEP_OVERHEAD_TOKENS + 4)
     # the engine reports more rows than ours (another gateway's): the larger count
-    assert estimate_wait(load, "t", 600, num_decoding=9) == 600 + 3 * (STEP_OVERHEAD_TOKENS + 9)
-    assert estimate_wait(load, "t", 600, num_decoding=1) == 600 + 3 * (STEP_OVERHEAD_TOKENS + 4)
+    assert estimate_wait(load, "t", 600, num_decoding=9) == 600 + 4 * (STEP_OVERHEAD_TOKENS + 9)
+    assert estimate_wait(load, "t", 600, num_decoding=1) == 600 + 4 * (STEP_OVERHEAD_TOKENS + 4)
     # requests queued by others (tenants unknown) are ahead, not lifted past
-    assert estimate_wait(load, "t", 20, foreign_prefill=1000) == 1020 + 4 * (
+    assert estimate_wait(load, "t", 20, foreign_prefill=1000) == 1020 + 6 * (
         STEP_OVERHEAD_TOKENS + 4
     )
 
