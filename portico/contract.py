@@ -293,16 +293,19 @@ QWEN2_VL_MAX_ASPECT = 200  # longer side / shorter side, as transformers refuses
 
 def tokens_per_image(raw: Mapping[str, Any]) -> int | None:
     """Prompt positions one image fills in a LLaVA model (its config.json): the vision
-    tower's patches, plus the CLS row under the "full" feature strategy; None for a model
-    that takes no images. The engine (engine/models/llava.py) and the gateway's prompt
+    tower's rows (its patches, plus a CLS row for CLIP; SigLIP has none), less the first row
+    under the "default" feature strategy (transformers drops it whichever the tower); None for
+    a model that takes no images. The engine (engine/models/llava.py) and the gateway's prompt
     counter (its reservations and usage) both read it here, so an image costs the same count
     on both sides of the hop."""
     architectures = raw.get("architectures") or []
     if not architectures or architectures[0] != VISION_ARCHITECTURES[0]:
         return None
     vision = raw.get("vision_config") or {}
-    side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))
-    return side * side + int(raw.get("vision_feature_select_strategy", "default") == "full")
+    siglip = vision.get("model_type") == "siglip_vision_model"
+    side = int(vision.get("image_size", 224)) // int(vision.get("patch_size", 16 if siglip else 32))
+    dropped = int(raw.get("vision_feature_select_strategy", "default") == "default")
+    return side * side + int(not siglip) - dropped
 
 
 def smart_resize(

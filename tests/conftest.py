@@ -69,6 +69,15 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_siglip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA with a 2-layer SigLIP tower (pooling head included) and the "full"
+    strategy: 16 tokens per image, no CLS row (tests/tiny_llava.py)."""
+    from tiny_llava import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-siglip"), tower="siglip")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2-VL as a Hugging Face folder (2-layer vision tower, 2-layer Qwen2
     with M-RoPE; 2 to 24 tokens per image by size): tests/tiny_qwen2_vl.py."""

@@ -18,8 +18,13 @@ IMAGE_SIZE = 32
 PATCH_SIZE = 8  # (32 / 8)^2 = 16 patches: 16 image tokens per image (the CLS row dropped)
 
 
-def build_tiny_llava(folder: Path, seed: int = 0) -> Path:
-    """Write a random LLaVA (config, safetensors, processor files) to ``folder``."""
+def build_tiny_llava(
+    folder: Path, seed: int = 0, tower: str = "clip", strategy: str | None = None
+) -> Path:
+    """Write a random LLaVA (config, safetensors, processor files) to ``folder``: a CLIP tower
+    (``tower="clip"``, the "default" strategy: 16 tokens a picture) or a SigLIP one
+    (``"siglip"``, with its pooling head, "full" unless ``strategy`` says: 16 tokens, 15 under
+    "default")."""
     import torch
     from transformers import (
         CLIPImageProcessor,
@@ -28,6 +33,8 @@ def build_tiny_llava(folder: Path, seed: int = 0) -> Path:
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
     )
 
     tokenizer = _load_real_tokenizer()
@@ -40,14 +47,25 @@ def build_tiny_llava(folder: Path, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         **dict(TINY_LLAMA_CONFIG, tie_word_embeddings=False),
     )
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
-    )  # fmt: skip
+    shape = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE,
+    }  # fmt: skip
+    if tower == "siglip":
+        vision = SiglipVisionConfig(**shape)
+        strategy = strategy or "full"
+        images = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        extra_rows = 0  # no CLS row
+    else:
+        vision = CLIPVisionConfig(**shape, projection_dim=32)
+        strategy = strategy or "default"
+        crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=crop)
+        extra_rows = 1
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=image_token_id,
         projector_hidden_act="gelu", vision_feature_layer=-2,
-        vision_feature_select_strategy="default", image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        vision_feature_select_strategy=strategy, image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
         tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -58,13 +76,10 @@ def build_tiny_llava(folder: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.3 if "embed_tokens" in name else 0.08)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    images = CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-    )  # fmt: skip
     processor = LlavaProcessor(
         image_processor=images, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
-        num_additional_image_tokens=1,
+        vision_feature_select_strategy=strategy, chat_template=CHAT_TEMPLATE,
+        num_additional_image_tokens=extra_rows,
     )  # fmt: skip
     processor.save_pretrained(folder)
     return folder

@@ -1,14 +1,18 @@
-"""LLaVA: a CLIP vision tower and a two-layer projector in front of a Llama-family decoder.
+"""LLaVA: a CLIP or SigLIP vision tower and a two-layer projector in front of a Llama decoder.
 
 The decoder is :class:`~engine.models.llama.LlamaForCausalLM` unchanged (paged KV cache, the
 kernel front door); this module adds what turns an image into rows of the decoder's input:
 ``encode_images(pixel_values)`` returns ``[num_images, image_tokens, hidden]``, which the
 model runner writes over the embeddings of the prompt's image placeholder tokens in the step
 that prefills them. The numbers follow transformers' ``LlavaForConditionalGeneration`` and
-``CLIPVisionModel`` (hidden states of ``vision_feature_layer``, the CLS row dropped under the
-``default`` strategy, ``linear_2(act(linear_1(x)))``), so a folder saved by transformers loads
-and answers as it does there. The vision tower runs on plain torch ops: it is a few small
-matmuls per image, once per image, beside a prompt's worth of decoder work.
+``CLIPVisionModel`` / ``SiglipVisionModel`` (hidden states of ``vision_feature_layer``, the
+first row dropped under the ``default`` strategy, as transformers does for either tower,
+``linear_2(act(linear_1(x)))``), so a folder saved by transformers loads and answers as it does
+there. SigLIP differs from CLIP in its embeddings only (a patch convolution with a bias, one
+learned position per patch, no CLS row, no layer norm before the encoder); its encoder layers
+are CLIP's, and its pooling head, which LLaVA never reads, is not loaded. The vision tower
+runs on plain torch ops: it is a few small matmuls per image, once per image, beside a
+prompt's worth of decoder work.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def _activation(name: str, what: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _ACTIVATIONS[name]
 
 
+# transformers' defaults where the two towers' configs differ (CLIPVisionConfig,
+# SiglipVisionConfig): a config.json leaves out what equals its class's default.
+_TOWER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "clip_vision_model": {"num_hidden_layers": 24, "patch_size": 32, "layer_norm_eps": 1e-5,
+                          "hidden_act": "quick_gelu"},
+    "siglip_vision_model": {"num_hidden_layers": 12, "patch_size": 16, "layer_norm_eps": 1e-6,
+                            "hidden_act": "gelu_pytorch_tanh"},
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """The vision half of a LLaVA config.json (transformers' names and defaults)."""
@@ -59,14 +73,18 @@ class VisionConfig:
     # Decoder positions one image fills (portico.contract.tokens_per_image)
     num_image_tokens: int
 
+    tower: str  # "clip_vision_model" or "siglip_vision_model"
+
     @classmethod
     def from_multimodal(cls, raw: Mapping[str, Any]) -> VisionConfig:
         vision = dict(raw.get("vision_config") or {})
-        if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        tower = vision.get("model_type", "clip_vision_model")
+        if tower not in _TOWER_DEFAULTS:
             raise ValueError(
-                f"vision tower '{vision.get('model_type')}' is not supported (clip_vision_model)"
+                f"vision tower '{tower}' is not supported ({', '.join(_TOWER_DEFAULTS)})"
             )
-        layers = int(vision.get("num_hidden_layers", 24))
+        default = _TOWER_DEFAULTS[tower]
+        layers = int(vision.get("num_hidden_layers", default["num_hidden_layers"]))
         feature_layer = raw.get("vision_feature_layer", -2)
         if not isinstance(feature_layer, int) or not -layers - 1 <= feature_layer <= layers:
             raise ValueError(
@@ -84,16 +102,17 @@ class VisionConfig:
             num_hidden_layers=layers,
             num_attention_heads=int(vision.get("num_attention_heads", 12)),
             image_size=int(vision.get("image_size", 224)),
-            patch_size=int(vision.get("patch_size", 32)),
+            patch_size=int(vision.get("patch_size", default["patch_size"])),
             num_channels=int(vision.get("num_channels", 3)),
-            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-5)),
-            hidden_act=str(vision.get("hidden_act", "quick_gelu")),
+            layer_norm_eps=float(vision.get("layer_norm_eps", default["layer_norm_eps"])),
+            hidden_act=str(vision.get("hidden_act", default["hidden_act"])),
             image_token_id=int(image_token),
             feature_layer=feature_layer % (layers + 1),
             keep_cls=strategy == "full",
             projector_act=str(raw.get("projector_hidden_act", "gelu")),
             projector_bias=bool(raw.get("multimodal_projector_bias", True)),
             num_image_tokens=tokens_per_image({**raw, "architectures": VISION_ARCHITECTURES}) or 0,
+            tower=tower,
         )
 
 
@@ -199,6 +218,41 @@ class CLIPVisionTower(nn.Module):
         return x
 
 
+class SiglipEmbeddings(nn.Module):
+    """Patches (a strided convolution with a bias) plus one learned position per patch."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        size = cfg.hidden_size
+        self.patch_embedding = nn.Conv2d(
+            cfg.num_channels, size, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
+        self.position_embedding = nn.Embedding((cfg.image_size // cfg.patch_size) ** 2, size)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        return patches.flatten(2).transpose(1, 2) + self.position_embedding.weight
+
+
+class SiglipVisionTower(nn.Module):
+    """transformers' ``SiglipVisionModel`` up to the hidden states LLaVA reads (as
+    :class:`CLIPVisionTower`: later layers and ``post_layernorm`` loaded, never run)."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.feature_layer = cfg.feature_layer
+        self.embeddings = SiglipEmbeddings(cfg)
+        self.encoder = CLIPEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[N, patches, hidden]`` after ``feature_layer`` layers."""
+        x = self.embeddings(pixel_values)
+        for layer in self.encoder.layers[: self.feature_layer]:
+            x = layer(x)
+        return x
+
+
 class LlavaProjector(nn.Module):
     """Vision hidden size to the decoder's: ``linear_2(act(linear_1(x)))``."""
 
@@ -225,7 +279,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if cfg.multimodal is None:
             raise ValueError(f"{cfg.architecture} needs its vision config")
         self.vision = VisionConfig.from_multimodal(cfg.multimodal)
-        self.vision_tower = CLIPVisionTower(self.vision)
+        siglip = self.vision.tower == "siglip_vision_model"
+        self.vision_tower: nn.Module = (SiglipVisionTower if siglip else CLIPVisionTower)(
+            self.vision
+        )
         self.multi_modal_projector = LlavaProjector(self.vision, cfg.hidden_size)
         # transformers' image processor of the folder (set by the loader): what a picture
         # becomes before encode_images.
@@ -235,7 +292,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """``[N, C, H, W]`` preprocessed images to ``[N, num_image_tokens, hidden]`` rows in
         the decoder's dtype."""
         hidden = self.vision_tower(pixel_values)
-        if not self.vision.keep_cls:
+        if not self.vision.keep_cls:  # "default": the first row goes, whichever the tower
             hidden = hidden[:, 1:]
         return self.multi_modal_projector(hidden).to(self.model.embed_tokens.weight.dtype)
 
@@ -256,4 +313,6 @@ def rename_llava_weights(name: str) -> str | None:
             return ours + name[len(theirs) :]
     if name.startswith("vision_tower.") and name.endswith("position_ids"):
         return None
+    if name.startswith(("vision_tower.head.", "vision_tower.vision_model.head.")):
+        return None  # SigLIP's pooling head: LLaVA reads the hidden states, never the head
     return name

@@ -1,4 +1,4 @@
-"""A LLaVA model (CLIP tower + projector + Llama) answers as transformers' own does.
+"""A LLaVA model (CLIP or SigLIP tower + projector + Llama) answers as transformers' own does.
 
 A tiny random LLaVA is built at test time (tests/tiny_llava.py) and saved with transformers'
 ``save_pretrained``. The references come from transformers' ``LlavaForConditionalGeneration``
@@ -30,9 +30,11 @@ MAX_TOKENS = 12
 LONG_TEXT = " ".join(f"word{i} and some more text about picture number {i}." for i in range(40))
 
 
-@pytest.fixture(scope="module")
-def llava_dir(tiny_llava_dir: Path) -> Path:
-    return tiny_llava_dir
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def llava_dir(request: pytest.FixtureRequest) -> Path:
+    """Every test runs on both towers (tests/tiny_llava.py)."""
+    name = "tiny_llava_dir" if request.param == "clip" else "tiny_llava_siglip_dir"
+    return request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +222,8 @@ def test_dummy_weights_load_in_the_folders_shape(llava_dir: Path) -> None:
         ModelSource("tiny-llava", llava_dir, "hf"), torch.float32, "cpu", load_format="dummy"
     )
     tower = dummy.model.vision_tower
-    assert torch.equal(tower.pre_layrnorm.weight, torch.ones(32))
-    assert tower.embeddings.class_embedding.abs().sum() > 0
+    assert torch.equal(tower.post_layernorm.weight, torch.ones(32))  # both towers have one
+    assert tower.embeddings.position_embedding.weight.abs().sum() > 0
     rows = dummy.model.encode_images(torch.randn(1, 3, 32, 32))
     assert rows.shape == (1, 16, 64) and torch.isfinite(rows).all()
     engine = make_engine(dummy, load_format="dummy")

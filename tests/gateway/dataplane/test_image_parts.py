@@ -90,6 +90,32 @@ def test_image_tokens_count_as_the_engine_counts_them(tiny_llava_dir: Path) -> N
     assert counter.count("v", fields) - counter.count("v", text_only) >= 2 * 16
 
 
+@pytest.mark.parametrize("strategy", ["full", "default"])
+def test_siglip_image_tokens_count_as_transformers_counts_them(
+    strategy: str, tiny_llava_siglip_dir: Path, tmp_path: Path
+) -> None:
+    """A SigLIP tower has no CLS row: 16 patches fill 16 positions under "full" and 15 under
+    "default" (transformers drops the first row whichever the tower); the gateway's count of a
+    whole prompt equals the input transformers' own LlavaProcessor makes."""
+    from tiny_llava import build_tiny_llava
+    from transformers import AutoProcessor
+
+    folder = tiny_llava_siglip_dir
+    if strategy == "default":
+        folder = build_tiny_llava(tmp_path / "siglip-default", tower="siglip", strategy=strategy)
+    per_image = load_image_tokens(str(folder))
+    assert per_image == (16 if strategy == "full" else 15)
+    counter = PromptCounter({"v": load_tokenizer(str(folder))}, {"v": per_image})
+    content = [image(data_url("PNG")), {"type": "text", "text": "What is it?"}]
+    processor = AutoProcessor.from_pretrained(str(folder))
+    parts = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True
+    )
+    inputs = processor(text=prompt, images=[Image.new("RGB", (20, 12))], return_tensors="pt")
+    assert counter.count("v", parse_fields(chat(content), "chat")) == inputs["input_ids"].shape[1]
+
+
 def test_images_of_an_unknown_model_are_estimated() -> None:
     fields = parse_fields(
         chat([image(data_url("PNG")), {"type": "text", "text": "x" * 40}]), "chat"
