@@ -15,6 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics import GatewayMetrics
@@ -69,6 +70,33 @@ def _request_id(scope: Scope) -> str:
                 return value.decode("ascii")
             break
     return os.urandom(16).hex()
+
+
+async def read_body(request: Request) -> bytes:
+    """The whole body of ``request``, as ``await request.body()`` gives it (and kept on the
+    request, so a later ``request.body()`` returns it too), read with a plain loop over
+    ``receive``: starlette's wraps the same loop in two async generators, and the event loop
+    registers every async generator in a weak set (``Request.body`` was about 3% of the gateway's
+    event loop, a quarter of it that registration).
+    Raises :class:`ClientDisconnect` when the client leaves before its body arrived."""
+    if hasattr(request, "_body"):
+        return request._body
+    receive = request.receive
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            request._is_disconnected = True
+            raise ClientDisconnect()
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    request._body = body
+    return body
 
 
 class RequestContextMiddleware:
