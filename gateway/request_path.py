@@ -57,7 +57,7 @@ from gateway.relay.budget_stop import watch_budget
 from gateway.relay.long_prompts import HEADER as TRUNCATED_HEADER
 from gateway.relay.long_prompts import PromptFit
 from gateway.relay.proxy import Exchange, LocalUpstream, RelayResponse, Upstream
-from gateway.relay.request_context import CTX_KEY, InFlight, RequestContext
+from gateway.relay.request_context import CTX_KEY, InFlight, RequestContext, read_body
 from gateway.relay.responses_store import ResponseChain, ResponseStore, input_items_page
 from gateway.relay.routing import RouteDecision, Router, model_card
 from gateway.store import SharedRedis
@@ -245,7 +245,7 @@ class Gateway:
         with trace.phase("authenticate"):
             principal = await self.authenticate(request)
         ctx.tenant = principal.tenant_id
-        raw = await request.body()
+        raw = await read_body(request)
         return await self.serve(principal, raw, kind, path, ctx, trace)
 
     async def serve(

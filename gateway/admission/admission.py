@@ -5,8 +5,7 @@ request it builds the bucket set (tenant, key and model scopes; requests/min, to
 concurrency, monthly token budget, daily or monthly money budget), reserves tokens (exact prompt
 tokens + max_tokens, or a capped default), turns a refusal into a 429 in OpenAI's shape with an
 exact ``retry-after``, and writes OpenAI's ``x-ratelimit-*`` headers. Which limiter decides
-(Redis, or the fallback while Redis is unreachable) is
-:class:`~gateway.admission.failover.FailoverLimiter`'s business, not this one's.
+(Redis, or a fallback while it is down) is :class:`~gateway.admission.failover.FailoverLimiter`'s.
 
 The dataplane calls, per request::
 

@@ -38,7 +38,19 @@ DEFAULT_TIMEOUT_S = 1.0
 
 
 def encode_command(args: tuple[Any, ...]) -> bytes:
-    """RESP encoding of one command (str, bytes, int or float arguments)."""
+    """RESP encoding of one command (str, bytes, int or float arguments).
+
+    hiredis's C encoder writes the same bytes (strings as UTF-8, numbers as ``repr``) about
+    three times faster; it refuses what it does not know (a bool, an int or float subclass),
+    which the Python encoding below then writes or refuses as it always has (it also takes a
+    ``memoryview`` as bytes, which no caller sends)."""
+    try:
+        return hiredis.pack_command(args)  # type: ignore[no-any-return]
+    except TypeError:
+        return _encode_command(args)
+
+
+def _encode_command(args: tuple[Any, ...]) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         kind = type(arg)  # exact types first: one lookup for the common arguments

@@ -336,7 +336,8 @@ def _bearer(authorization: str | None) -> str:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise AuthenticationError(_NO_CREDENTIAL, code="missing_api_key")
-    if len(token) > MAX_CREDENTIAL_CHARS or any(c.isspace() for c in token):
+    # stripped, so whitespace anywhere in it splits it (str.split's is str.isspace's)
+    if len(token) > MAX_CREDENTIAL_CHARS or len(token.split(maxsplit=1)) > 1:
         raise AuthenticationError(_BAD_KEY)
     return token
 

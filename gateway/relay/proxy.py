@@ -44,7 +44,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay.engine_hop import engine_hop_headers
 from gateway.relay.output_tokens import OutputCounter
 from gateway.relay.retry import RetryPolicy
-from gateway.relay.transport import read_body
+from gateway.relay.transport import (
+    HttpxAnswer,
+    LeanTransport,
+    UpstreamAnswer,
+    header_text,
+    request_head,
+    request_start,
+)
 from gateway.relay.usage_relay import (
     Usage,
     UsageView,
@@ -167,6 +174,7 @@ class LocalUpstream:
         self.counter = counter
         # the served model's tokenizer, for the pool's prefix_aware policy (set at start-up)
         self.route_tokenizer: Any | None = None
+        self._starts: dict[str, str] = {}  # path -> request line and host (request_start)
 
     def payload(
         self,
@@ -230,6 +238,9 @@ class LocalUpstream:
             salt, num_chars = fields.shared_prefix
             headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
         url = self.request_url(path)
+        start = self._starts.get(path)
+        if start is None:  # written once per path
+            start = self._starts[path] = request_start("POST", url)
         tokens = self._route_tokens(fields, principal)
         tried: tuple[Replica, ...] = ()
         waited = 0.0
@@ -249,10 +260,12 @@ class LocalUpstream:
                 lease.streamed = fields.stream
                 try:
                     if self.tracer is None:
-                        result = await self._attempt(replica, url, payload, headers, fields, lease)
+                        result = await self._attempt(
+                            replica, url, payload, headers, fields, lease, start
+                        )
                     else:
                         result = await self.tracer.attempt(
-                            functools.partial(self._attempt, lease=lease),
+                            functools.partial(self._attempt, lease=lease, start=start),
                             replica, url, payload, headers, fields,
                         )  # fmt: skip
                 except (httpx.TransportError, _BrokenAnswer) as exc:
@@ -306,6 +319,7 @@ class LocalUpstream:
         headers: dict[str, str],
         fields: RequestFields,
         lease: Lease,
+        start: str,
     ) -> Exchange:
         # The caller took ``lease`` on the replica; every path below that does not hand the
         # open stream to ``close`` releases it.
@@ -313,10 +327,29 @@ class LocalUpstream:
             leader = lease.follows
             if leader is not None and leader.streamed:  # its prefill is ours: let it finish
                 await leader.wait_prefilled(FOLLOW_WAIT_S)
-            return await self._attempt_open(replica, url, payload, headers, fields, lease)
+            return await self._attempt_open(replica, url, payload, headers, fields, lease, start)
         except BaseException:
             lease.release()
             raise
+
+    async def _send(
+        self, replica: Replica, url: httpx.URL, payload: bytes, headers: dict[str, str], start: str
+    ) -> UpstreamAnswer:
+        """One request to ``replica``; its answer once the head is in. The lean transport gets
+        the head as bytes (no httpx models); any other transport goes through httpx."""
+        transport = replica.transport
+        if isinstance(transport, LeanTransport):
+            head = request_head(start, headers, len(payload))
+            return await transport.request(head, payload, replica.timeouts)
+        if transport is not None:
+            request = httpx.Request(
+                "POST", url, headers=headers, content=payload,
+                extensions={"timeout": replica.timeouts},
+            )  # fmt: skip
+            return HttpxAnswer(await transport.handle_async_request(request))
+        client = replica.client
+        request = client.build_request("POST", url, content=payload, headers=headers)
+        return HttpxAnswer(await client.send(request, stream=True))
 
     async def _attempt_open(
         self,
@@ -326,25 +359,13 @@ class LocalUpstream:
         headers: dict[str, str],
         fields: RequestFields,
         lease: Lease,
+        start: str,
     ) -> Exchange:
-        if replica.transport is not None:
-            request = httpx.Request(
-                "POST",
-                url,
-                headers=headers,
-                content=payload,
-                extensions={"timeout": replica.timeouts},
-            )
-            resp = await replica.transport.handle_async_request(request)
-        else:
-            client = replica.client
-            resp = await client.send(
-                client.build_request("POST", url, content=payload, headers=headers), stream=True
-            )
-        content_type = resp.headers.get("content-type", "application/json")
+        resp = await self._send(replica, url, payload, headers, start)
+        content_type = header_text(resp.header(b"content-type"), "application/json")
         if not fields.stream or resp.status_code != 200:
             try:
-                body = await read_body(resp)
+                body = await resp.read()
             except httpx.HTTPError as exc:
                 raise _BrokenAnswer(str(exc)) from exc
             finally:

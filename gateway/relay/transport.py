@@ -1,11 +1,19 @@
-"""A lean HTTP/1.1 transport for httpx: the gateway's engines (Unix socket or TCP) and its
+"""A lean HTTP/1.1 client transport: the gateway's engines (Unix socket or TCP) and its
 OpenAI-compatible remote upstreams (TCP, optionally TLS).
 
-The gateway keeps one ``httpx.AsyncClient`` per engine replica or remote endpoint (one HTTP
-client pool); this is the transport underneath it. httpcore, httpx's default, spends about a
-millisecond of CPU per request in its connection state machine and anyio layers, which is the
-whole overhead budget of the gateway; this transport parses responses with ``httptools`` (the
-parser uvicorn uses) on a plain asyncio protocol and costs a small fraction of that.
+The gateway keeps one connection pool per engine replica or remote endpoint; this is it.
+httpcore, httpx's default, spends about a millisecond of CPU per request in its connection
+state machine and anyio layers, which is the whole overhead budget of the gateway; this
+transport parses responses with ``httptools`` (the parser uvicorn uses) on a plain asyncio
+protocol and costs a small fraction of that.
+
+Two doors to the same pool. The proxy's hot path calls :meth:`LeanTransport.request` with the
+request head already written as bytes (:func:`request_head`, from the engine-hop headers) and
+gets a :class:`LeanResponse`: the status, the raw headers and the body stream, no httpx
+``Request``, ``Headers`` or ``Response`` built (URL parsing and header normalisation cost
+about 14% of the gateway's event loop when they were). Everything else (health probes, the
+prefix index's polls, a remote's ``httpx.AsyncClient``) uses it as an httpx transport
+(:meth:`LeanTransport.handle_async_request`), which wraps the same call in httpx's models.
 
 Scope, on purpose: HTTP/1.1, one request per connection at a time, idle connections reused
 last-in first-out (and closed once idle longer than ``idle_timeout_s``, so a server's own
@@ -24,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 
 import httptools
 import httpx
@@ -132,42 +141,155 @@ class _Connection(asyncio.Protocol):
         return data
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, conn: _Connection, pool: LeanTransport, timeout: float | None) -> None:
-        self.conn = conn
-        self.pool = pool
-        self.timeout = timeout
-        self.done = False
-        self.released = False
+class LeanResponse:
+    """An answer whose head has arrived: ``status_code``, the ``headers`` as the server sent
+    them (raw name/value bytes), and the body, read whole (:meth:`read`) or as it arrives
+    (:meth:`aiter_raw`, undecoded). :meth:`aclose` must be awaited once, on every path: it
+    gives the connection back to the pool when the body was read to its end, else closes it.
+    """
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        conn = self.conn
+    __slots__ = ("status_code", "headers", "_conn", "_pool", "_timeout", "_done", "_released")
+
+    def __init__(
+        self,
+        status_code: int,
+        headers: list[tuple[bytes, bytes]],
+        conn: _Connection,
+        pool: LeanTransport,
+        timeout: float | None,
+    ) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self._conn = conn
+        self._pool = pool
+        self._timeout = timeout
+        self._done = False
+        self._released = False
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lower-case), or None."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    async def _next(self) -> bytes | None:
+        """The body bytes received since the last call, waiting for some; None at the end."""
+        conn = self._conn
         while True:
             if conn.chunks:
-                yield conn.take()
-                continue
+                return conn.take()
             if conn.complete:
-                break
+                self._done = True
+                return None
             if conn.error is not None:
                 raise conn.error
-            await conn.wait(self.timeout)
-        if conn.error is not None and not conn.complete:
-            raise conn.error
-        self.done = True
+            await conn.wait(self._timeout)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, chunk framing removed, content encoding kept."""
+        while (data := await self._next()) is not None:
+            yield data
+
+    async def read(self) -> bytes:
+        """The whole body, decoded when the server sent it content-encoded."""
+        parts = []
+        while (data := await self._next()) is not None:
+            parts.append(data)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if body and self.header(b"content-encoding") is not None:
+            decoded = httpx.Response(self.status_code, headers=self.headers, content=body)
+            return decoded.content  # httpx's decoders (gzip, deflate, br, zstd)
+        return body
 
     async def aclose(self) -> None:
-        if not self.released:  # a connection goes back to the pool once, never twice
-            self.released = True
-            self.pool.release(self.conn, self.done and self.conn.keep_alive)
+        if not self._released:  # a connection goes back to the pool once, never twice
+            self._released = True
+            self._pool.release(self._conn, self._done and self._conn.keep_alive)
 
 
-async def read_body(response: httpx.Response) -> bytes:
-    """The whole body of ``response``: straight from this transport's stream when the body is
-    not content-encoded (httpx's decoder layers cost more than the read), else ``aread``."""
-    stream = response.stream
-    if isinstance(stream, _Body) and "content-encoding" not in response.headers:
-        return b"".join([chunk async for chunk in stream])
-    return await response.aread()
+class _Body(httpx.AsyncByteStream):
+    """A :class:`LeanResponse`'s body as httpx's stream (the httpx adapter)."""
+
+    def __init__(self, answer: LeanResponse) -> None:
+        self.answer = answer
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for data in self.answer.aiter_raw():
+            yield data
+
+    async def aclose(self) -> None:
+        await self.answer.aclose()
+
+
+class UpstreamAnswer(Protocol):
+    """What the proxy reads of an upstream's answer: a :class:`LeanResponse`, or an httpx
+    response behind the same four calls (:class:`HttpxAnswer`)."""
+
+    status_code: int
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    async def read(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxAnswer:
+    """An ``httpx.Response`` as an :class:`UpstreamAnswer`: replicas whose transport is not
+    this one (httpx's HTTP/2 transport for a remote, in-process test transports)."""
+
+    __slots__ = ("response", "status_code")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.status_code = response.status_code
+
+    def header(self, name: bytes) -> bytes | None:
+        values = self.response.headers.get_list(name.decode("ascii"))
+        return values[0].encode(self.response.headers.encoding) if values else None
+
+    async def read(self) -> bytes:
+        return await self.response.aread()
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self.response.aiter_raw()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+def header_text(value: bytes | None, default: str) -> str:
+    """A header value as text (UTF-8, else Latin-1, as httpx decodes them), or ``default``."""
+    if value is None:
+        return default
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
+def request_start(method: str, url: httpx.URL) -> str:
+    """The request line and ``host`` header of ``method url``, as httpx writes them; a
+    caller keeps it per URL and hands it to :func:`request_head` for every request."""
+    target = url.raw_path.decode("ascii")
+    return f"{method} {target} HTTP/1.1\r\nhost: {url.netloc.decode('ascii')}\r\n"
+
+
+def request_head(start: str, headers: Mapping[str, str], body_length: int) -> bytes:
+    """The whole head of a request: ``start`` (:func:`request_start`), ``headers`` (lower-case
+    names; any ``content-length`` or ``transfer-encoding`` among them is dropped) and the
+    body's length. Values are ASCII, as httpx requires of a ``str`` header value."""
+    if "content-length" in headers or "transfer-encoding" in headers:
+        headers = {
+            k: v for k, v in headers.items() if k not in ("content-length", "transfer-encoding")
+        }
+    lines = "\r\n".join(map(": ".join, headers.items()))
+    if lines:
+        lines += "\r\n"
+    return f"{start}{lines}content-length: {body_length}\r\n\r\n".encode("ascii")
 
 
 class LeanTransport(httpx.AsyncBaseTransport):
@@ -197,21 +319,26 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._busy: set[_Connection] = set()
         self._watchdog: asyncio.Task[None] | None = None
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        timeouts = request.extensions.get("timeout", {})
-        body = (
-            request.content
-            if isinstance(request.stream, httpx.ByteStream)
-            else await request.aread()
-        )
-        head = self._head(request, body)
+    async def request(
+        self, head: bytes, body: bytes, timeouts: Mapping[str, float | None]
+    ) -> LeanResponse:
+        """Send one request (``head`` from :func:`request_head`, then ``body``) and wait for
+        the answer's head. ``timeouts``: httpx's timeout mapping (``connect``, ``read``).
+
+        Raises ``httpx.ConnectError`` / ``ConnectTimeout`` before anything is written,
+        ``RemoteProtocolError`` / ``ReadTimeout`` after; the connection is freed on every path
+        that raises (a cancellation included), else by :meth:`LeanResponse.aclose`.
+        """
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
         conn = await self._connection(timeouts.get("connect"))
         self._busy.add(conn)
-        conn.transport.write(head + body if len(body) < 65536 else head)  # type: ignore[union-attr]
-        if len(body) >= 65536:
-            conn.transport.write(body)  # type: ignore[union-attr]
+        transport: asyncio.Transport = conn.transport  # type: ignore[assignment]  # connected
+        if len(body) < 65536:
+            transport.write(head + body)
+        else:
+            transport.write(head)
+            transport.write(body)
         read_timeout = timeouts.get("read")
         while not conn.headers_done:
             if conn.error is not None:
@@ -222,18 +349,29 @@ class LeanTransport(httpx.AsyncBaseTransport):
             except BaseException:
                 self.release(conn, False)
                 raise
+        return LeanResponse(conn.parser.get_status_code(), conn.headers, conn, self, read_timeout)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """httpx's transport interface (health probes, the prefix index's polls, clients that
+        hold this transport): the same :meth:`request`, with httpx's models around it."""
+        body = (
+            request.content
+            if isinstance(request.stream, httpx.ByteStream)
+            else await request.aread()
+        )
+        answer = await self.request(
+            self._head(request, body), body, request.extensions.get("timeout", {})
+        )
         return httpx.Response(
-            conn.parser.get_status_code(),
-            headers=conn.headers,
-            stream=_Body(conn, self, read_timeout),
+            answer.status_code,
+            headers=answer.headers,
+            stream=_Body(answer),
             extensions={"http_version": b"HTTP/1.1"},
         )
 
     @staticmethod
     def _head(request: httpx.Request, body: bytes) -> bytes:
-        url = request.url
-        target = url.raw_path
-        lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
+        lines = [request.method.encode() + b" " + request.url.raw_path + b" HTTP/1.1"]
         has_length = False
         for name, value in request.headers.raw:
             lower = name.lower()

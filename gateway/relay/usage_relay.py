@@ -16,11 +16,10 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from gateway.body.fields import RequestFields
 from gateway.identity.cache_salts import narrowed_salt
 from gateway.relay.output_tokens import OutputCounter
+from gateway.relay.transport import UpstreamAnswer
 from portico.errors import error_body
 
 log = logging.getLogger("portico.gateway.proxy")  # the proxy's channel, as before the split
@@ -271,7 +270,7 @@ def _take_response_completed(event: bytes, usage: Usage) -> None:
         usage.response = response
 
 
-async def sse_blocks(resp: httpx.Response) -> AsyncGenerator[bytes, None]:
+async def sse_blocks(resp: UpstreamAnswer) -> AsyncGenerator[bytes, None]:
     """Complete SSE events as they arrive (each yield holds one or more whole events)."""
     buffer = b""
     async for data in resp.aiter_raw():

@@ -395,3 +395,13 @@ async def _two_round_trips_on_a_cluster(identity) -> None:
     assert _delta(c1, await _command_calls(identity.redis)) == {"info": 3}
     with pytest.raises(AuthenticationError):
         await auth.resolve("Bearer sk-" + "y" * 43)  # no such digest: the index answers alone
+
+
+def test_a_token_with_any_whitespace_inside_is_refused() -> None:
+    from gateway.identity.auth import _bearer
+
+    for space in (" ", "\t", "\u00a0", "\u2003", "\u3000", "\x1c", "\x85"):
+        assert space.isspace()
+        with pytest.raises(AuthenticationError):
+            _bearer(f"Bearer sk-a{space}b")
+    assert _bearer(" Bearer  sk-ab\u2003") == "sk-ab"
