@@ -34,6 +34,7 @@ from engine.models.fp8_linear import fp8_unsupported_reason, quantize_projection
 from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration, rename_llava_weights
+from engine.models.panel_step import FusedPanelStep, use_native_norms
 from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration, rename_qwen2_vl_weights
 from engine.numerics import NumericsPath
 from portico.registry import ModelNotFound, ModelSource, models_dir
@@ -404,6 +405,21 @@ def _attach_blocks(
                 module.blocks = blocks
 
 
+def _attach_fused_step(model: LlamaForCausalLM, name: str, panels: bool, int8: bool) -> None:
+    """The small steps' one native call where it computes the same layers: the int8 one
+    (bfloat16 with int8 activations) or the panel one (float32 on the GGUF panels, whose
+    Python path then runs its norms through the same native kernel: the same bits)."""
+    if panels:
+        use_native_norms(model)
+    model.fused_step = None
+    if int8:
+        model.fused_step = FusedDecodeStep.build(model)
+    elif panels:
+        model.fused_step = FusedPanelStep.build(model)
+    if model.fused_step is not None:
+        log.info("%s: steps of up to %d tokens run in one native call", name, MAX_ROWS)
+
+
 def load_model(
     source: ModelSource,
     dtype: torch.dtype = torch.float32,
@@ -472,9 +488,8 @@ def load_model(
     packed = model.prepack_weights()
     if packed:
         log.info("%s: %d weight matrices prepacked for oneDNN", source.name, packed)
-    model.fused_step = FusedDecodeStep.build(model) if int8 else None
-    if model.fused_step is not None:
-        log.info("%s: steps of up to %d tokens run in one native call", source.name, MAX_ROWS)
+    panels = bool(found) and not int8 and dtype == torch.float32
+    _attach_fused_step(model, source.name, panels, int8)
     image_processor = None
     if cfg.is_multimodal:
         from transformers import AutoImageProcessor

@@ -173,14 +173,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    native_float32: bool = False,
 ) -> torch.Tensor:
     """``x += delta`` in place (the residual stream), then :func:`rms_norm` of ``x``.
 
-    bfloat16 runs both in one native kernel where chosen; float32 keeps PyTorch's ops, whose
-    results the tests compare with transformers bit for bit.
+    bfloat16 runs both in one native kernel where chosen; float32 too with ``native_float32``
+    (the batch invariant path, whose fused step calls the same kernel: the same bits either
+    way); otherwise float32 keeps PyTorch's ops, whose results the tests compare with
+    transformers bit for bit.
     """
-    if x.dtype == torch.bfloat16 and _choice(x).add_rms_norm == "cpu":
+    native = x.dtype == torch.bfloat16 or (native_float32 and x.dtype == torch.float32)
+    if native and _choice(x).add_rms_norm == "cpu":
         out = cpu.add_rms_norm_cpu(x, delta, weight, eps)
         if out is not None:
             return out

@@ -216,6 +216,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         _P, _P, _P, ctypes.c_float, ctypes.c_float, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I64,
         _I, _P, _I, _P, _P, _I, _P, _P, _I, _P, _I,
     ]  # fmt: skip
+    lib.panel_step_supported.restype = _I
+    lib.panel_step_supported.argtypes = [_P]
+    lib.panel_step.restype = _I
+    lib.panel_step.argtypes = lib.decode_step.argtypes
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _P, _I, _I, _I, _I]
     lib.silu_mul.restype = None

@@ -21,24 +21,30 @@ from engine.models.rotary import RopeAngles, RotaryEmbedding
 
 if TYPE_CHECKING:
     from engine.models.fused_step import FusedDecodeStep
+    from engine.models.panel_step import FusedPanelStep
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm scaled by a learned weight (as in HF Llama; the formula is
-    :func:`engine.kernels.rms_norm`)."""
+    :func:`engine.kernels.rms_norm`). ``native_float32`` (set by the loader on the batch
+    invariant float32 path, :func:`engine.models.panel_step.use_native_norms`): float32 runs the
+    native kernel the fused panel step calls, so both compute the same bits."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.native_float32 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_float32:
+            return kernels.add_rms_norm(x, None, self.weight, self.eps, True)
         return kernels.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """``x += delta`` in place (the residual stream), then the norm of ``x``, through
         :func:`engine.kernels.add_rms_norm` (one native call in bfloat16 on CPU)."""
-        return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps, self.native_float32)
 
 
 class LlamaAttention(nn.Module):
@@ -148,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_blocks: GGUFBlocks | None = None
         self.lm_head_packed: torch.Tensor | None = None
         # Small steps in one native call (set by the loader where it serves this model).
-        self.fused_step: FusedDecodeStep | None = None
+        self.fused_step: FusedDecodeStep | FusedPanelStep | None = None
 
     def forward(
         self,

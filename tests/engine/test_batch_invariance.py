@@ -27,6 +27,7 @@ from engine.llm import LLM
 from engine.model_loader import LoadedModel, load_model
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.llama import LlamaForCausalLM
+from engine.models.panel_step import FusedPanelStep, use_native_norms
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from portico.registry import ModelSource
@@ -51,7 +52,8 @@ def _random_blocks(kind: str, rows: int, cols: int, gen: torch.Generator) -> GGU
 
 def _in_blocks(model: LlamaForCausalLM, seed: int) -> None:
     """Every projection in Q4_1 blocks and the tied head in Q8_0, packed in panels, each dense
-    weight the one its blocks encode: what the GGUF loader builds under float32."""
+    weight the one its blocks encode, the native norms and the fused panel step: what the GGUF
+    loader builds under float32 (so small steps run natively, bigger ones in Python)."""
     gen = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if isinstance(module, BlockLinear):
@@ -64,6 +66,9 @@ def _in_blocks(model: LlamaForCausalLM, seed: int) -> None:
     head.scales *= 20
     head.pack_panels()
     model.lm_head_blocks = head
+    use_native_norms(model)  # as the loader does: steps of <= 8 tokens in one native call
+    model.fused_step = FusedPanelStep.build(model)
+    assert model.fused_step is not None
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,25 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
 }
 #endif
 
+/* silu_mul's values i0..i1-1 of row r (i0 a multiple of 8): 8 values at a time, each lane by
+ * itself, so any split of a row into such spans (the fused step's, panel_step.c) gives the
+ * bits of the whole row. */
+void silu_mul_span(const void *gate_up, int r, int inter, int i0, int i1, int dt, void *out) {
+    float g[8], u[8], o[8];
+    for (; i0 < i1; i0 += 8) {
+        const int n = i1 - i0 < 8 ? i1 - i0 : 8;
+        for (int i = n; i < 8; i++) g[i] = u[i] = 0.f;
+        load_row(gate_up, dt, (int64_t)r * 2 * inter + i0, n, g);
+        load_row(gate_up, dt, (int64_t)r * 2 * inter + inter + i0, n, u);
+#if defined(__AVX2__) && defined(__FMA__)
+        _mm256_storeu_ps(o, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+#else
+        for (int i = 0; i < 8; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+#endif
+        store_row(out, dt, (int64_t)r * inter + i0, n, o);
+    }
+}
+
 /*
  * SwiGLU's activation: out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] (gate
  * first), dtype dt, float32 arithmetic. Every element goes through the same code wherever it
@@ -109,19 +128,5 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
  */
 void silu_mul(const void *gate_up, int rows, int inter, int dt, void *out, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)rows * inter >= 65536)
-    for (int r = 0; r < rows; r++) {
-        float g[8], u[8], o[8];
-        for (int i0 = 0; i0 < inter; i0 += 8) {
-            const int n = inter - i0 < 8 ? inter - i0 : 8;
-            for (int i = n; i < 8; i++) g[i] = u[i] = 0.f;
-            load_row(gate_up, dt, (int64_t)r * 2 * inter + i0, n, g);
-            load_row(gate_up, dt, (int64_t)r * 2 * inter + inter + i0, n, u);
-#if defined(__AVX2__) && defined(__FMA__)
-            _mm256_storeu_ps(o, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
-#else
-            for (int i = 0; i < 8; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-#endif
-            store_row(out, dt, (int64_t)r * inter + i0, n, o);
-        }
-    }
+    for (int r = 0; r < rows; r++) silu_mul_span(gate_up, r, inter, 0, inter, dt, out);
 }

@@ -319,6 +319,29 @@ static void run_task(const Panels *w, const float *xf, const float *xs, int r0, 
     }
 }
 
+/* A float32 row's block sums (k / 32 of them, each in input order), as Q4_1's minimums need
+ * them: panel_linear and the fused step (panel_step.c) both call this. */
+void panel_block_sums(const float *x, int k, float *xs) {
+    for (int b = 0; b < k / 32; b++) {
+        float s = 0.f;
+        for (int j = 0; j < 32; j++) s += x[b * 32 + j];
+        xs[b] = s;
+    }
+}
+
+/* Rows 0..m-1 (m < UNPACK_MIN_ROWS) of float32 x [m, k] (block sums xs [m, k / 32] for Q4_1)
+ * times panels p0..p1-1 of the repack, into float32 y [m, n]: the tasks of panel_linear, whose
+ * elements' chains do not depend on which panels a call takes (the fused step hands panels to
+ * its threads in chunks). Returns -1 for a row count this entry does not take. */
+int panel_linear_panels(int kind, const float *x, const float *xs, int m, int k, const uint8_t *q, const float *d,
+                        const float *mn, const float *bias, int n, float *y, int p0, int p1) {
+    if (m <= 0 || m >= UNPACK_MIN_ROWS) return -1;
+    const Panels w = {kind, k, k / 32, n, (n + PANEL - 1) / PANEL, q, d, mn};
+    for (int p = p0; p < p1; p += TASK_PANELS)
+        run_task(&w, x, xs, 0, m, p, p + TASK_PANELS < p1 ? p + TASK_PANELS : p1, bias, DT_F32, y, NULL, NULL);
+    return 0;
+}
+
 /* Bytes of a panel repack for n output rows and k inputs (kind 0 = Q4_1, 1 = Q8_0). */
 int64_t panel_qs_bytes(int kind, int n, int k) {
     return (int64_t)((n + PANEL - 1) / PANEL) * (k / 32) * panel_qbytes(kind);
@@ -346,11 +369,7 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (m >= 32)
     for (int i = 0; i < m; i++) {
         if (xwide) load_row(x, dt, (int64_t)i * k, k, xwide + (int64_t)i * k);
-        for (int b = 0; xs && b < nb; b++) { /* the block's sum, in input order */
-            float s = 0.f;
-            for (int j = 0; j < 32; j++) s += xf[(int64_t)i * k + b * 32 + j];
-            xs[(int64_t)i * nb + b] = s;
-        }
+        if (xs) panel_block_sums(xf + (int64_t)i * k, k, xs + (int64_t)i * nb);
     }
     const Panels w = {kind, k, nb, n, (n + PANEL - 1) / PANEL, q, d, mn};
     const int panel_tasks = (w.np + TASK_PANELS - 1) / TASK_PANELS;

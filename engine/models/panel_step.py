@@ -1,0 +1,204 @@
+"""The batch invariant float32 path's small steps in one native call (``csrc/panel_step.c``).
+
+``--dtype auto`` on a GGUF model runs every linear on the panel kernel (``csrc/panel_linear.c``)
+so a row's bits never depend on its step (docs/numerics.md). Run op by op from Python, one
+stream decoding paid the interpreter, a tensor allocation and an OpenMP wake-up for each of
+~10 kernels per layer. :class:`FusedPanelStep` hands the native library one table of every
+layer's panels once; each step of at most :data:`MAX_ROWS` tokens then runs embedding-to-final
+norm, and the LM head on the rows to sample, in one call that keeps its threads in one
+parallel region.
+
+It computes the same bits as the Python path, op for op: every stage calls the C function the
+Python path calls (RMSNorm and the residual adds: ``add_rms_norm``, which the float32 Python
+path also runs once :func:`use_native_norms` has switched it; RoPE and the cache write; paged
+attention's work items; ``silu_mul``; the panel linears' tiles), on the same float32 rows.
+``tests/engine/test_panel_step.py`` checks the logits with ``torch.equal``.
+
+It serves a model only where that call computes the same layers: float32 weights on the CPU,
+every projection and the head in GGUF panels, sizes the kernels take (attention's head limits,
+widths a multiple of 32). LoRA steps with adapter rows take the Python path (no adapter deltas
+here), as does every rank of a tensor-parallel engine (no all-reduce inside; the sharding
+clears ``fused_step``), a vision model's steps that carry image rows (``inputs_embeds``), and
+a KV cache that is neither float32 nor int8 (fp8_e4m3, bfloat16).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from engine.kernels import cpu
+from engine.models.block_linear import BlockLinear, GGUFBlocks
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionMetadata
+    from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+# Steps of up to this many tokens take the fused call (the panel kernel's small-row tiles).
+MAX_ROWS = 8
+_KIND_CODES = {"q4_1": 0, "q8_0": 1}
+
+
+def use_native_norms(model: torch.nn.Module) -> None:
+    """Make every RMSNorm of ``model`` run float32 through the native ``add_rms_norm``
+    (csrc/norm_rope.c), the kernel the fused step calls, so the Python path's bits equal it."""
+    from engine.models.llama import RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.native_float32 = True
+
+
+def _panel_fields(
+    blocks: GGUFBlocks | None, last: int, keep: list[torch.Tensor]
+) -> list[int] | None:
+    """The five table fields of ``blocks``' panels (the fifth ``last``), or None."""
+    if blocks is None or blocks.panels is None or blocks.kind not in _KIND_CODES:
+        return None
+    q, d, mins = blocks.panels
+    keep.extend(t for t in (q, d, mins) if t is not None)
+    return [_KIND_CODES[blocks.kind], q.data_ptr(), d.data_ptr(),
+            mins.data_ptr() if mins is not None else 0, last]  # fmt: skip
+
+
+def _linear_fields(linear: BlockLinear, keep: list[torch.Tensor]) -> list[int] | None:
+    if linear.fp8 is not None:
+        return None
+    bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+    if bias is not None:
+        keep.append(bias)
+    return _panel_fields(linear.blocks, bias.data_ptr() if bias is not None else 0, keep)
+
+
+def _layer_row(layer: LlamaDecoderLayer, keep: list[torch.Tensor]) -> list[int] | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    fields = [_linear_fields(lin, keep) for lin in (attn.qkv_proj, attn.o_proj,
+                                                   mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+    norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+    if any(f is None for f in fields) or any(
+        n.dtype != torch.float32 or not n.is_contiguous() for n in norms
+    ):
+        return None
+    keep.extend(norms)
+    row = [norms[0].data_ptr(), norms[1].data_ptr()]
+    for f in fields:
+        row.extend(f or [])
+    return row
+
+
+class FusedPanelStep:
+    """A float32 panel model's layer table for the native fused step, built once
+    (:meth:`build`); the same interface as :class:`engine.models.fused_step.FusedDecodeStep`.
+
+    Holds references to every tensor whose address the table carries, so they outlive it.
+    Not thread-safe (one step at a time, as the model runner calls it).
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.table = table
+        self.keep = keep
+        self.dims = torch.tensor(
+            [cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+             cfg.intermediate_size, cfg.num_hidden_layers],
+            dtype=torch.int32,
+        )  # fmt: skip
+        self.final_norm = model.model.norm.weight.detach().contiguous()
+        self.eps = float(model.model.norm.eps)
+        self.scale = cfg.head_dim**-0.5
+        self._cache_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._first_qkv = cast("LlamaDecoderLayer", model.model.layers[0]).self_attn.qkv_proj
+        self.head: torch.Tensor | None = None
+        self.head_vocab = 0
+        fields = _panel_fields(model.lm_head_blocks, cfg.vocab_size, keep)
+        if fields is not None and model.lm_head_blocks is not None:
+            self.head = torch.tensor(fields, dtype=torch.int64)
+            self.head_vocab = model.lm_head_blocks.shape[0]
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> FusedPanelStep | None:
+        """The fused step for ``model``, or None where it would not compute the same layers."""
+        first = next(model.parameters())
+        lib = cpu.load()
+        if first.device.type != "cpu" or first.dtype != torch.float32 or lib is None:
+            return None
+        if model.model.norm.weight.dtype != torch.float32:
+            return None
+        keep: list[torch.Tensor] = []
+        rows = [_layer_row(cast("LlamaDecoderLayer", layer), keep) for layer in model.model.layers]
+        if not rows or any(r is None for r in rows):
+            return None
+        step = cls(model, torch.tensor(rows, dtype=torch.int64), keep)
+        if not lib.panel_step_supported(step.dims.data_ptr()):
+            return None
+        return step
+
+    def serves(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens takes the fused call now (LoRA steps with
+        adapter rows do not)."""
+        lora = self._first_qkv.lora
+        return 0 < num_tokens <= MAX_ROWS and (lora is None or lora.batch.slots is None)
+
+    def head_serves(self, num_rows: int) -> bool:
+        """Whether the fused call also runs the LM head for ``num_rows`` sampled rows."""
+        return self.head is not None and 0 < num_rows <= MAX_ROWS
+
+    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The caches' addresses as the native call takes them (rebuilt if they moved)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._cache_ptrs is None or self._cache_ptrs[0] != key:
+            self._cache_ptrs = (key, torch.tensor(key, dtype=torch.int64))
+        return self._cache_ptrs[1]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Final hidden states ``[T, hidden]`` of the step, its K/V written to the caches, and
+        the float32 logits of ``hidden[sample_rows]`` when asked and the head is in panels
+        (else None: the caller runs the head); None (nothing written) where the native call
+        declines."""
+        lib = cpu.load()
+        cache_dtype = kv_caches[0].dtype
+        if (
+            lib is None
+            or cache_dtype not in (torch.float32, torch.int8)
+            or not all(c.is_contiguous() for c in kv_caches)
+        ):
+            return None
+        x = self.model.model.embed_tokens(input_ids).contiguous()
+        out = torch.empty_like(x)
+        rotary = self.model.rotary_emb
+        pos = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        starts = meta.query_start_loc.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        head, rows, logits = None, None, None
+        if sample_rows is not None and self.head_serves(sample_rows.numel()):
+            head = self.head
+            rows = sample_rows.to(torch.int32).contiguous()
+            logits = torch.empty((rows.numel(), self.head_vocab), dtype=torch.float32)
+        status = lib.panel_step(
+            self.table.data_ptr(), self.dims.data_ptr(), self.final_norm.data_ptr(), self.eps,
+            self.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
+            rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+            self._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
+            block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
+            lens.shape[0], head.data_ptr() if head is not None else None,
+            rows.data_ptr() if rows is not None else None,
+            rows.numel() if rows is not None else 0,
+            logits.data_ptr() if logits is not None else None, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            return None
+        return out, logits
