@@ -25,6 +25,14 @@ the gateway's ``/metrics/engines``; the engine is never idle then); total output
 with N under fair <= Q's p90 alone + 2 x that step time; total output tok/s under fair >= 0.95x
 fcfs; N's tok/s under fair at most 10% below fcfs. JSON (``--out``) and plots (``--plot``).
 A benchmark, never a test: numbers depend on the machine and what else runs on it.
+
+Throughput like for like: the with-N window above lasts as long as Q's chats take, which under
+fcfs is minutes longer than under fair, so the two windows hold different parts of N's request
+cycle. ``--throughput-window-s W`` also reads the engine's counters W seconds after Q starts
+(N keeps going until then, however soon Q ends): the same W on every pool, and the targets'
+throughput ratios use it. ``--rounds R`` runs the policies R times, the order reversed every
+other round (fair, fcfs, fcfs, fair for two), so a machine whose speed drifts during the run
+weighs on both; each policy's figures pool its rounds, and each round's ratio is reported.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from load.fairness_bench import Timing, timed_stream
+from load.fairness_gateway_report import plot_report, print_summary
 from load.gateway_stack import (
     REPO_ROOT,
     admin_client,
@@ -61,7 +70,7 @@ from load.gateway_stack import (
     wait_for,
 )
 from load.serve_bench import percentiles
-from load.ttft_breakdown import PARTS, TraceCollector, Traced, collect, summarize, traceparent
+from load.ttft_breakdown import TraceCollector, Traced, collect, summarize, traceparent
 
 QUIET, NOISY = "quiet", "noisy"
 PLAN = "enterprise"  # the packaged plan issue 43 was measured on
@@ -116,6 +125,24 @@ class PoolRun:
     traced_alone: list[Traced] = field(default_factory=list)
     traced_with_noisy: list[Traced] = field(default_factory=list)
     breakdown: dict[str, Any] = field(default_factory=dict)
+    # the first ``fixed_window_s`` seconds of the with-N window (--throughput-window-s)
+    fixed_window_s: float = 0.0
+    fixed_generated: float = 0.0
+    fixed_noisy_generated: float = 0.0
+    round: int = 0
+
+
+def merge_runs(runs: Sequence[PoolRun]) -> PoolRun:
+    """One policy's rounds as one run: timings joined, windows, steps and tokens summed."""
+    merged = PoolRun(runs[0].policy)
+    for run in runs:
+        for name in ("alone", "with_noisy", "noisy", "traced_alone", "traced_with_noisy"):
+            getattr(merged, name).extend(getattr(run, name))
+        for name in ("window_s", "steps", "generated", "noisy_generated", "preemptions",
+                     "fixed_window_s", "fixed_generated", "fixed_noisy_generated"):  # fmt: skip
+            setattr(merged, name, getattr(merged, name) + getattr(run, name))
+    merged.breakdown = runs[0].breakdown  # Q's TTFT in parts: the first round's
+    return merged
 
 
 def words_prompt(rng: random.Random, num_tokens: int) -> str:
@@ -201,9 +228,16 @@ async def quiet_sequence(
 
 
 async def run_pool(
-    client: httpx.AsyncClient, pool: str, keys: dict[str, str], work: Workload, progress: bool
+    client: httpx.AsyncClient,
+    pool: str,
+    keys: dict[str, str],
+    work: Workload,
+    progress: bool,
+    fixed_window_s: float = 0.0,
 ) -> PoolRun:
-    """The alone and with-N phases on one pool (its policy is the pool's)."""
+    """The alone and with-N phases on one pool (its policy is the pool's); with
+    ``fixed_window_s``, N runs at least that long after Q starts, and the counters are read
+    then too."""
     run = PoolRun(pool.removeprefix("fairness-"))
     rng = random.Random(work.seed)
     await stream_chat(client, keys[QUIET], pool, "warm up", 2)  # one-time costs, untimed
@@ -236,11 +270,18 @@ async def run_pool(
         _say(progress, f"{run.policy}: N warm; Q with N")
         before = await engine_counters(client, pool)
         started = time.perf_counter()
+        fixed = asyncio.create_task(_counters_after(client, pool, fixed_window_s))
         run.with_noisy = await quiet_sequence(
             client, keys[QUIET], pool, rng, work, run.traced_with_noisy
         )
         run.window_s = time.perf_counter() - started
         after = await engine_counters(client, pool)
+        at_fixed = await fixed  # N still running until the fixed window ends
+        if fixed_window_s > 0:
+            run.fixed_window_s = fixed_window_s
+            run.fixed_generated = at_fixed["generated"] - before["generated"]
+            noisy = f"tenant:{NOISY}"
+            run.fixed_noisy_generated = at_fixed.get(noisy, 0.0) - before.get(noisy, 0.0)
     finally:
         stop.set()
         for task in workers:
@@ -252,6 +293,14 @@ async def run_pool(
     run.noisy_generated = delta.get(f"tenant:{NOISY}", 0.0)
     await _wait_idle(client, pool)
     return run
+
+
+async def _counters_after(client: httpx.AsyncClient, pool: str, delay_s: float) -> dict[str, float]:
+    """The engine's counters ``delay_s`` from now (none read for 0)."""
+    if delay_s <= 0:
+        return {}
+    await asyncio.sleep(delay_s)
+    return await engine_counters(client, pool)
 
 
 async def _wait_idle(client: httpx.AsyncClient, pool: str, timeout_s: float = 120.0) -> None:
@@ -377,7 +426,18 @@ def _pool_report(run: PoolRun) -> dict[str, Any]:
             "alone": [t.ttft for t in run.alone if t.ok],
             "with_noisy": [t.ttft for t in run.with_noisy if t.ok],
         },
+        "fixed_window_s": run.fixed_window_s,
+        "fixed_total_output_tok_s": _rate(run.fixed_generated, run.fixed_window_s),
+        "fixed_noisy_output_tok_s": _rate(run.fixed_noisy_generated, run.fixed_window_s),
     }
+
+
+def _rate(tokens: float, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b else 0.0
 
 
 def targets(pools: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -387,17 +447,12 @@ def targets(pools: dict[str, dict[str, Any]]) -> dict[str, Any]:
     fair, fcfs = pools["fair"], pools["fcfs"]
     step_ms = fair["mean_step_ms"] or 0.0
     bound = fair["quiet_ttft_ms_alone"]["p90"] + TARGET_STEPS * step_ms
-    total = (
-        fair["total_output_tok_s"] / fcfs["total_output_tok_s"]
-        if fcfs["total_output_tok_s"]
-        else 0.0
-    )
-    noisy = (
-        fair["noisy_output_tok_s"] / fcfs["noisy_output_tok_s"]
-        if fcfs["noisy_output_tok_s"]
-        else 0.0
-    )
+    # the fixed windows where both pools have them (like for like), else the Q windows
+    key = "fixed_" if fair.get("fixed_window_s") and fcfs.get("fixed_window_s") else ""
+    total = _ratio(fair[f"{key}total_output_tok_s"], fcfs[f"{key}total_output_tok_s"])
+    noisy = _ratio(fair[f"{key}noisy_output_tok_s"], fcfs[f"{key}noisy_output_tok_s"])
     return {
+        "throughput_window": "fixed" if key else "quiet tenant's",
         "fair_p90_bound_ms": bound,
         "fair_p90_ms": fair["quiet_ttft_ms_with_noisy"]["p90"],
         "fair_p90_within_alone_plus_2_steps": fair["quiet_ttft_ms_with_noisy"]["p90"] <= bound,
@@ -411,7 +466,16 @@ def targets(pools: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def build_report(
     runs: Sequence[PoolRun], work: Workload, model: str, engine_args: Sequence[str]
 ) -> dict[str, Any]:
-    pools = {run.policy: _pool_report(run) for run in runs}
+    """The report of every run, a policy's rounds pooled (:func:`merge_runs`), each round's
+    own fair / fcfs throughput ratios beside them."""
+    by_policy: dict[str, list[PoolRun]] = {}
+    for run in runs:
+        by_policy.setdefault(run.policy, []).append(run)
+    pools = {name: _pool_report(merge_runs(rs)) for name, rs in by_policy.items()}
+    rounds = []
+    for fair, fcfs in zip(by_policy.get("fair", []), by_policy.get("fcfs", []), strict=False):
+        a, b = _pool_report(fair), _pool_report(fcfs)
+        rounds.append(targets({"fair": a, "fcfs": b}) | {"round": fair.round})
     return {
         "benchmark": "fairness-through-gateway",
         "model": model,
@@ -421,62 +485,8 @@ def build_report(
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
         "policies": pools,
         "targets": targets(pools),
+        "rounds": rounds if len(rounds) > 1 else [],
     }
-
-
-def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
-    """``PREFIX_ttft.png`` (Q's TTFT CDFs alone and with N per policy) and
-    ``PREFIX_throughput.png`` (N's and total output tok/s per policy)."""
-    from load.report import plot_bars, plot_cdfs
-
-    pools = report["policies"]
-    series = {}
-    for name, r in pools.items():
-        series[f"Q alone ({name} engine)"] = [s * 1000 for s in r["quiet_ttft_s"]["alone"]]
-        series[f"Q with N, {name}"] = [s * 1000 for s in r["quiet_ttft_s"]["with_noisy"]]
-    title = "Quiet tenant's TTFT through the gateway"
-    ttft = plot_cdfs(series, f"{prefix}_ttft.png", "TTFT (ms)", title)
-    bars = {}
-    for name, r in pools.items():
-        bars[f"N {name}"] = r["noisy_output_tok_s"]
-        bars[f"total {name}"] = r["total_output_tok_s"]
-    rate = plot_bars(bars, f"{prefix}_throughput.png", "output tok/s", "Output tokens per second")
-    return [str(ttft), str(rate)]
-
-
-def print_summary(report: dict[str, Any]) -> None:
-    lines = ["Q's TTFT (ms)         p50      p90   | step ms  total tok/s  N tok/s  preempt"]
-    for name, r in report["policies"].items():
-        alone, with_n = r["quiet_ttft_ms_alone"], r["quiet_ttft_ms_with_noisy"]
-        lines.append(f"  alone ({name:<5})  {alone['p50']:>8.1f} {alone['p90']:>8.1f}")
-        step = r["mean_step_ms"] or 0.0
-        lines.append(
-            f"  with N, {name:<5} {with_n['p50']:>8.1f} {with_n['p90']:>8.1f}   | {step:>7.1f}"
-            f"  {r['total_output_tok_s']:>11.1f}  {r['noisy_output_tok_s']:>7.1f}"
-            f"  {r['preemptions']:>7.0f}"
-        )
-    lines.append(_breakdown_lines(report))
-    for key, value in report["targets"].items():
-        lines.append(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
-    lines.append(f"load average at the end: {' '.join(report['loadavg'])}")
-    print("\n".join(lines))
-
-
-def _breakdown_lines(report: dict[str, Any]) -> str:
-    """Q's TTFT in parts (medians, ms; steps as counts) per policy and phase."""
-    head = "Q's TTFT in parts, median ms: " + " ".join(PARTS)
-    head += " | step in flight ms | steps queued, to 1st token"
-    lines = [head]
-    for name, r in report["policies"].items():
-        for phase, summary in r["quiet_ttft_breakdown_ms"].items():
-            m = summary["median"]
-            if not m:
-                lines.append(f"  {name:<5} {phase:<10} (no traces)")
-                continue
-            parts = " ".join(f"{m[p]:>8.1f}" for p in PARTS)
-            steps = f"{m['steps_to_schedule']:.0f}, {m['steps_to_first_token']:.0f}"
-            lines.append(f"  {name:<5} {phase:<10} {parts} | {m['inflight_step']:.1f} | {steps}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -494,10 +504,15 @@ async def _measure(
     by a time limit keeps what it measured)."""
     limits = httpx.Limits(max_connections=work.noisy_concurrency + 8)
     runs = []
-    for policy in policies:
+    order = [
+        (r, p) for r in range(args.rounds) for p in (policies if r % 2 == 0 else policies[::-1])
+    ]
+    for round_, policy in order:
         async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
             pool = f"fairness-{policy}"
-            run = await run_pool(client, pool, keys, work, not args.no_progress)
+            window = args.throughput_window_s
+            run = await run_pool(client, pool, keys, work, not args.no_progress, window)
+        run.round = round_
         for phase, traced in (("alone", run.traced_alone), ("with_noisy", run.traced_with_noisy)):
             rows = await asyncio.to_thread(collect, traces, traced)
             run.breakdown[phase] = asdict(summarize(rows))
@@ -521,6 +536,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-args", default=DEFAULT_ENGINE_ARGS, help="every engine's flags")
     parser.add_argument("--policies", default="fcfs,fair", help="comma-separated, run in order")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the test's run)")
+    parser.add_argument("--rounds", type=int, default=1, help="the policies R times, ABBA order")
+    parser.add_argument(
+        "--throughput-window-s", type=float, default=0.0,
+        help="also count throughput over this many seconds from Q's start, on every pool",
+    )  # fmt: skip
     d = Workload()
     for name, value in asdict(d).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)

@@ -57,6 +57,40 @@ def test_targets_compare_fair_with_its_own_solo_p90_plus_two_steps_and_with_fcfs
     assert build_report([fair], Workload(), "m", [])["targets"] == {}
 
 
+def test_rounds_pool_per_policy_and_fixed_windows_make_the_throughput_ratios() -> None:
+    """Two rounds (ABBA): each policy's figures pool both rounds, each round's own ratios are
+    listed; with fixed windows on both pools the targets' ratios are theirs, not the Q
+    windows' (which under fcfs last longer and hold another part of N's cycle)."""
+    runs = []
+    for round_, (fair_tokens, fcfs_tokens) in enumerate([(950.0, 1000.0), (1020.0, 1000.0)]):
+        fair = _run("fair", _timings(*[0.030] * 10), generated=fair_tokens, noisy=900.0)
+        fcfs = _run("fcfs", _timings(*[2.0] * 10), generated=2400.0, noisy=2300.0)
+        fcfs.window_s = 6.0  # Q took three times as long under fcfs
+        for run, tokens in ((fair, fair_tokens), (fcfs, fcfs_tokens)):
+            run.round, run.fixed_window_s = round_, 2.0
+            run.fixed_generated, run.fixed_noisy_generated = tokens, tokens - 50.0
+        runs += [fair, fcfs] if round_ == 0 else [fcfs, fair]
+    report = build_report(runs, Workload(), "m", [])
+    fair_pool = report["policies"]["fair"]
+    assert len(fair_pool["quiet_ttft_s"]["with_noisy"]) == 20 and fair_pool["steps"] == 200.0
+    assert fair_pool["fixed_total_output_tok_s"] == pytest.approx((950 + 1020) / 4.0)
+    assert report["policies"]["fcfs"]["total_output_tok_s"] == pytest.approx(400.0)
+    targets = report["targets"]
+    assert targets["throughput_window"] == "fixed"
+    assert targets["fair_total_over_fcfs_total"] == pytest.approx(1970 / 2000)
+    assert targets["fair_noisy_over_fcfs_noisy"] == pytest.approx(1870 / 1900)
+    assert [r["round"] for r in report["rounds"]] == [0, 1]
+    assert [r["fair_total_over_fcfs_total"] for r in report["rounds"]] == pytest.approx(
+        [0.95, 1.02]
+    )
+    # without fixed windows: the Q windows, as before (fair 492.5 tok/s against fcfs's 400)
+    for run in runs:
+        run.fixed_window_s = 0.0
+    plain = build_report(runs, Workload(), "m", [])["targets"]
+    assert plain["throughput_window"] == "quiet tenant's"
+    assert plain["fair_total_over_fcfs_total"] == pytest.approx(492.5 / 400.0)
+
+
 def test_the_gateway_config_has_one_pool_per_policy_on_the_packaged_plans(tmp_path: Path) -> None:
     path = write_config(tmp_path, 8000, "unix:///r.sock", "m", ["fcfs", "fair"], ["--x", "1"])
     config = yaml.safe_load(path.read_text())
