@@ -40,11 +40,17 @@ CHAT = {
 WINGS = ("body", "relay", "fleet", "remotes", "batch")
 
 
-def old_module(commit: str, path: str, name: str) -> types.ModuleType:
-    """``path`` as it was at ``commit``, imported under ``name`` (its imports are today's)."""
+def old_module(
+    commit: str, path: str, name: str, also_then: dict[str, str] | None = None
+) -> types.ModuleType:
+    """``path`` as it was at ``commit``, imported under ``name`` (its imports are today's, but
+    for ``also_then``: module name -> an old module already loaded by this function, for a
+    module whose names today's no longer has)."""
     source = subprocess.run(
         ["git", "show", f"{commit}:{path}"], cwd=REPO_ROOT, check=True, capture_output=True
     ).stdout.decode()
+    for theirs, ours in (also_then or {}).items():
+        source = source.replace(f"from {theirs} import", f"from {ours} import")
     for wing in WINGS:  # gateway/dataplane/ became wings (issue 44): today's module paths
         for file in (REPO_ROOT / "gateway" / wing).glob("*.py"):
             source = source.replace(
@@ -95,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args(argv)
     fields_then = old_module(args.before, "gateway/dataplane/fields.py", "_fields_then")
-    proxy_then = old_module(args.before, "gateway/dataplane/proxy.py", "_proxy_then")
+    # the old proxy reads bodies with the old transport's read_body (gone with httpx's models)
+    old_module(args.before, "gateway/dataplane/transport.py", "_transport_then")
+    proxy_then = old_module(
+        args.before, "gateway/dataplane/proxy.py", "_proxy_then",
+        {"gateway.dataplane.transport": "_transport_then"},
+    )  # fmt: skip
     n, r = args.number, args.repeat
     plain = json.dumps(CHAT).encode()
     salted = json.dumps({**CHAT, "cache_salt": "end-user-42"}).encode()
