@@ -20,7 +20,8 @@ fp8_e4m3 cache takes the Python path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -50,6 +51,69 @@ def _linear_fields(linear: BlockLinear, keep: list[torch.Tensor]) -> list[int] |
         keep.append(bias)
     bias_ptr = bias.data_ptr() if bias is not None else 0
     return [_KIND_CODES[blocks.kind], blocks.packed_q8.data_ptr(), 0, 0, bias_ptr]
+
+
+class NativeStep(Protocol):
+    """What :func:`run_native_step` reads of a fused step (FusedDecodeStep, FusedPanelStep)."""
+
+    model: LlamaForCausalLM
+    table: torch.Tensor
+    dims: torch.Tensor
+    final_norm: torch.Tensor
+    eps: float
+    scale: float
+    head: torch.Tensor | None
+    head_vocab: int
+
+    def head_serves(self, num_rows: int) -> bool: ...
+
+    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+def run_native_step(
+    step: NativeStep,
+    entry: Callable[..., int],
+    cache_dtypes: tuple[torch.dtype, ...],
+    logits_dtype: torch.dtype,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+    sample_rows: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One fused step through ``entry`` (``decode_step`` or ``panel_step`` of the native
+    library: the same arguments): the final hidden states and the logits of ``sample_rows``
+    in ``logits_dtype`` when the step's head serves them; None (nothing written) for a cache
+    outside ``cache_dtypes``, a cache that is not contiguous, or a declining native call."""
+    cache_dtype = kv_caches[0].dtype
+    if cache_dtype not in cache_dtypes or not all(c.is_contiguous() for c in kv_caches):
+        return None
+    x = step.model.model.embed_tokens(input_ids).contiguous()
+    out = torch.empty_like(x)
+    rotary = step.model.rotary_emb
+    pos = positions.to(torch.int64).contiguous()
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    starts = meta.query_start_loc.to(torch.int32).contiguous()
+    lens = meta.seq_lens.to(torch.int32).contiguous()
+    _, num_blocks, block_size, _, _ = kv_caches[0].shape
+    head, rows, logits = None, None, None
+    if sample_rows is not None and step.head_serves(sample_rows.numel()):
+        head = step.head
+        rows = sample_rows.to(torch.int32).contiguous()
+        logits = torch.empty((rows.numel(), step.head_vocab), dtype=logits_dtype)
+    status = entry(
+        step.table.data_ptr(), step.dims.data_ptr(), step.final_norm.data_ptr(), step.eps,
+        step.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
+        rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+        step._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
+        block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
+        lens.shape[0], head.data_ptr() if head is not None else None,
+        rows.data_ptr() if rows is not None else None,
+        rows.numel() if rows is not None else 0,
+        logits.data_ptr() if logits is not None else None, torch.get_num_threads(),
+    )  # fmt: skip
+    return None if status != 0 else (out, logits)
 
 
 class FusedDecodeStep:
@@ -143,42 +207,15 @@ class FusedDecodeStep:
         serves them (:meth:`head_serves`; else None: the caller runs the head); None (nothing
         written) where the native call declines."""
         lib = cpu.load()
-        cache_dtype = kv_caches[0].dtype
-        if (
-            lib is None
-            or cache_dtype not in (torch.bfloat16, torch.int8)
-            or not all(c.is_contiguous() for c in kv_caches)
-        ):
+        if lib is None:
             return None
-        x = self.model.model.embed_tokens(input_ids).contiguous()
-        out = torch.empty_like(x)
-        rotary = self.model.rotary_emb
-        pos = positions.to(torch.int64).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        starts = meta.query_start_loc.to(torch.int32).contiguous()
-        lens = meta.seq_lens.to(torch.int32).contiguous()
-        _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        head, rows, logits = None, None, None
-        if sample_rows is not None and self.head_serves(sample_rows.numel()):
-            head = self.head
-            rows = sample_rows.to(torch.int32).contiguous()
-            logits = torch.empty((rows.numel(), self.head_vocab), dtype=torch.bfloat16)
-        status = lib.decode_step(
-            self.table.data_ptr(), self.dims.data_ptr(), self.final_norm.data_ptr(), self.eps,
-            self.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
-            rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
-            self._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
-            block_size, tables.data_ptr(),
-            tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0],
-            head.data_ptr() if head is not None else None,
-            rows.data_ptr() if rows is not None else None,
-            rows.numel() if rows is not None else 0,
-            logits.data_ptr() if logits is not None else None,
-            torch.get_num_threads(),
+        done = run_native_step(
+            self, lib.decode_step, (torch.bfloat16, torch.int8), torch.bfloat16,
+            input_ids, positions, kv_caches, meta, sample_rows,
         )  # fmt: skip
-        if status != 0:
+        if done is None:
             return None
+        out, logits = done
         # bf16 logits widened, as compute_logits returns the head's bf16 products
         return out, logits.float() if logits is not None else None
 

@@ -30,6 +30,7 @@ import torch
 
 from engine.kernels import cpu
 from engine.models.block_linear import BlockLinear, GGUFBlocks
+from engine.models.fused_step import run_native_step
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
@@ -167,38 +168,9 @@ class FusedPanelStep:
         (else None: the caller runs the head); None (nothing written) where the native call
         declines."""
         lib = cpu.load()
-        cache_dtype = kv_caches[0].dtype
-        if (
-            lib is None
-            or cache_dtype not in (torch.float32, torch.int8)
-            or not all(c.is_contiguous() for c in kv_caches)
-        ):
+        if lib is None:
             return None
-        x = self.model.model.embed_tokens(input_ids).contiguous()
-        out = torch.empty_like(x)
-        rotary = self.model.rotary_emb
-        pos = positions.to(torch.int64).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        starts = meta.query_start_loc.to(torch.int32).contiguous()
-        lens = meta.seq_lens.to(torch.int32).contiguous()
-        _, num_blocks, block_size, _, _ = kv_caches[0].shape
-        head, rows, logits = None, None, None
-        if sample_rows is not None and self.head_serves(sample_rows.numel()):
-            head = self.head
-            rows = sample_rows.to(torch.int32).contiguous()
-            logits = torch.empty((rows.numel(), self.head_vocab), dtype=torch.float32)
-        status = lib.panel_step(
-            self.table.data_ptr(), self.dims.data_ptr(), self.final_norm.data_ptr(), self.eps,
-            self.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
-            rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
-            self._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
-            block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
-            lens.shape[0], head.data_ptr() if head is not None else None,
-            rows.data_ptr() if rows is not None else None,
-            rows.numel() if rows is not None else 0,
-            logits.data_ptr() if logits is not None else None, torch.get_num_threads(),
+        return run_native_step(
+            self, lib.panel_step, (torch.float32, torch.int8), torch.float32,
+            input_ids, positions, kv_caches, meta, sample_rows,
         )  # fmt: skip
-        if status != 0:
-            return None
-        return out, logits
