@@ -21,7 +21,7 @@ fp8_e4m3 cache takes the Python path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
     from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-# Steps of up to this many tokens take the fused call; bigger ones the dense matmuls win.
+# Steps of up to this many tokens take either fused call (panel_step.c's MAX_STEP_ROWS too);
+# bigger ones run layer by layer, where the dense and unpacked-panel tiles win.
 MAX_ROWS = 8
 _KIND_CODES = {"q4_1": 0, "q8_0": 1}
 
@@ -53,21 +54,52 @@ def _linear_fields(linear: BlockLinear, keep: list[torch.Tensor]) -> list[int] |
     return [_KIND_CODES[blocks.kind], blocks.packed_q8.data_ptr(), 0, 0, bias_ptr]
 
 
-class NativeStep(Protocol):
-    """What :func:`run_native_step` reads of a fused step (FusedDecodeStep, FusedPanelStep)."""
+class NativeStep:
+    """What both fused steps (:class:`FusedDecodeStep`, the float32 FusedPanelStep) hold and
+    do alike: the layer table, the model's sizes and final norm, the cache addresses, and
+    when a step takes the fused call. Each sets ``head`` and ``head_vocab`` when its LM head
+    runs inside the call.
 
-    model: LlamaForCausalLM
-    table: torch.Tensor
-    dims: torch.Tensor
-    final_norm: torch.Tensor
-    eps: float
-    scale: float
-    head: torch.Tensor | None
-    head_vocab: int
+    Holds references to every tensor whose address the table carries, so they outlive it.
+    Not thread-safe (one step at a time, as the model runner calls it).
+    """
 
-    def head_serves(self, num_rows: int) -> bool: ...
+    def __init__(
+        self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.table = table
+        self.keep = keep
+        self.dims = torch.tensor(
+            [cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+             cfg.intermediate_size, cfg.num_hidden_layers],
+            dtype=torch.int32,
+        )  # fmt: skip
+        self.final_norm = model.model.norm.weight.detach().contiguous()
+        self.eps = float(model.model.norm.eps)
+        self.scale = cfg.head_dim**-0.5
+        self._cache_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._first_qkv = _layers(model)[0].self_attn.qkv_proj
+        self.head: torch.Tensor | None = None
+        self.head_vocab = 0
 
-    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor: ...
+    def serves(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens takes the fused call now (LoRA steps with
+        adapter rows do not)."""
+        lora = self._first_qkv.lora
+        return 0 < num_tokens <= MAX_ROWS and (lora is None or lora.batch.slots is None)
+
+    def head_serves(self, num_rows: int) -> bool:
+        """Whether the fused call also runs the LM head for ``num_rows`` sampled rows."""
+        raise NotImplementedError
+
+    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The caches' addresses as the native call takes them (rebuilt if they moved)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._cache_ptrs is None or self._cache_ptrs[0] != key:
+            self._cache_ptrs = (key, torch.tensor(key, dtype=torch.int64))
+        return self._cache_ptrs[1]
 
 
 def run_native_step(
@@ -116,34 +148,17 @@ def run_native_step(
     return None if status != 0 else (out, logits)
 
 
-class FusedDecodeStep:
-    """A model's layer table for the native fused step, built once (:meth:`build`).
-
-    Holds references to every tensor whose address the table carries, so they outlive it.
-    Not thread-safe (one step at a time, as the model runner calls it).
-    """
+class FusedDecodeStep(NativeStep):
+    """A bfloat16 int8-blocks model's layer table for the native fused step, built once
+    (:meth:`build`)."""
 
     def __init__(
         self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]
     ) -> None:
-        cfg = model.config
-        self.model = model
-        self.table = table
-        self.keep = keep
-        self.dims = torch.tensor(
-            [cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-             cfg.intermediate_size, cfg.num_hidden_layers],
-            dtype=torch.int32,
-        )  # fmt: skip
-        self.final_norm = model.model.norm.weight.detach().contiguous()
-        self.eps = float(model.model.norm.eps)
-        self.scale = cfg.head_dim**-0.5
-        self._cache_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._first_qkv = _layers(model)[0].self_attn.qkv_proj
+        super().__init__(model, table, keep)
         # The LM head, when its int8 block kernel is what compute_logits would call.
         head = model.lm_head_blocks
-        self.head: torch.Tensor | None = None
-        self.head_max_rows = self.head_vocab = 0
+        self.head_max_rows = 0
         if head is not None and head.packed_q8 is not None and head.kind in _KIND_CODES:
             self.keep.append(head.packed_q8)
             fields = [_KIND_CODES[head.kind], head.packed_q8.data_ptr(), head.shape[0]]
@@ -180,19 +195,6 @@ class FusedDecodeStep:
         if not lib.decode_step_supported(step.dims.data_ptr()):
             return None
         return step
-
-    def serves(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens takes the fused call now (LoRA steps with
-        adapter rows do not)."""
-        lora = self._first_qkv.lora
-        return 0 < num_tokens <= MAX_ROWS and (lora is None or lora.batch.slots is None)
-
-    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The caches' addresses as the native call takes them (rebuilt if they moved)."""
-        key = tuple(c.data_ptr() for c in kv_caches)
-        if self._cache_ptrs is None or self._cache_ptrs[0] != key:
-            self._cache_ptrs = (key, torch.tensor(key, dtype=torch.int64))
-        return self._cache_ptrs[1]
 
     def run(
         self,

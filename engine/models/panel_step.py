@@ -30,14 +30,12 @@ import torch
 
 from engine.kernels import cpu
 from engine.models.block_linear import BlockLinear, GGUFBlocks
-from engine.models.fused_step import run_native_step
+from engine.models.fused_step import MAX_ROWS, NativeStep, run_native_step
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
     from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-# Steps of up to this many tokens take the fused call (the panel kernel's small-row tiles).
-MAX_ROWS = 8
 _KIND_CODES = {"q4_1": 0, "q8_0": 1}
 
 
@@ -88,33 +86,15 @@ def _layer_row(layer: LlamaDecoderLayer, keep: list[torch.Tensor]) -> list[int] 
     return row
 
 
-class FusedPanelStep:
+class FusedPanelStep(NativeStep):
     """A float32 panel model's layer table for the native fused step, built once
-    (:meth:`build`); the same interface as :class:`engine.models.fused_step.FusedDecodeStep`.
-
-    Holds references to every tensor whose address the table carries, so they outlive it.
-    Not thread-safe (one step at a time, as the model runner calls it).
-    """
+    (:meth:`build`); the same interface as :class:`engine.models.fused_step.FusedDecodeStep`."""
 
     def __init__(
         self, model: LlamaForCausalLM, table: torch.Tensor, keep: list[torch.Tensor]
     ) -> None:
+        super().__init__(model, table, keep)
         cfg = model.config
-        self.model = model
-        self.table = table
-        self.keep = keep
-        self.dims = torch.tensor(
-            [cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-             cfg.intermediate_size, cfg.num_hidden_layers],
-            dtype=torch.int32,
-        )  # fmt: skip
-        self.final_norm = model.model.norm.weight.detach().contiguous()
-        self.eps = float(model.model.norm.eps)
-        self.scale = cfg.head_dim**-0.5
-        self._cache_ptrs: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._first_qkv = cast("LlamaDecoderLayer", model.model.layers[0]).self_attn.qkv_proj
-        self.head: torch.Tensor | None = None
-        self.head_vocab = 0
         fields = _panel_fields(model.lm_head_blocks, cfg.vocab_size, keep)
         if fields is not None and model.lm_head_blocks is not None:
             self.head = torch.tensor(fields, dtype=torch.int64)
@@ -138,22 +118,9 @@ class FusedPanelStep:
             return None
         return step
 
-    def serves(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens takes the fused call now (LoRA steps with
-        adapter rows do not)."""
-        lora = self._first_qkv.lora
-        return 0 < num_tokens <= MAX_ROWS and (lora is None or lora.batch.slots is None)
-
     def head_serves(self, num_rows: int) -> bool:
         """Whether the fused call also runs the LM head for ``num_rows`` sampled rows."""
         return self.head is not None and 0 < num_rows <= MAX_ROWS
-
-    def _caches(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The caches' addresses as the native call takes them (rebuilt if they moved)."""
-        key = tuple(c.data_ptr() for c in kv_caches)
-        if self._cache_ptrs is None or self._cache_ptrs[0] != key:
-            self._cache_ptrs = (key, torch.tensor(key, dtype=torch.int64))
-        return self._cache_ptrs[1]
 
     def run(
         self,
