@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from portico.contract import VISION_ARCHITECTURES
+from portico.contract import QWEN_VL_ARCHITECTURES, VISION_ARCHITECTURES
 
 # Architectures that share engine/models/llama.py. Qwen2 differs only by q/k/v biases. The
 # *ForSequenceClassification checkpoints are the same decoder with a score head in place of the
@@ -158,7 +158,7 @@ class ModelConfig:
     def _from_hf_vision(cls, architecture: str, raw: Mapping[str, Any]) -> ModelConfig:
         """A LLaVA folder: the decoder from ``text_config`` (a Llama-family model), the rest
         kept in ``multimodal``."""
-        if architecture == "Qwen2VLForConditionalGeneration":
+        if architecture in QWEN_VL_ARCHITECTURES:
             return cls._from_hf_qwen2_vl(architecture, raw)
         text = dict(raw.get("text_config") or {})
         text_type = str(text.get("model_type", "llama"))
@@ -175,9 +175,9 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_qwen2_vl(cls, architecture: str, raw: Mapping[str, Any]) -> ModelConfig:
-        """A Qwen2-VL folder: the Qwen2 decoder from ``text_config`` (transformers 5) or the top
-        level (the original layout), its M-RoPE ``mrope_section`` moved into ``multimodal``
-        beside the vision config (engine/models/qwen2_vl.py)."""
+        """A Qwen2-VL or Qwen2.5-VL folder: the Qwen2 decoder from ``text_config``
+        (transformers 5) or the top level (the original layout), its M-RoPE ``mrope_section``
+        moved into ``multimodal`` beside the vision config (engine/models/qwen2_vl.py)."""
         text = dict(
             raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
         )

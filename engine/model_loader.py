@@ -35,8 +35,10 @@ from engine.models.fused_step import MAX_ROWS, FusedDecodeStep
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration, rename_llava_weights
 from engine.models.panel_step import FusedPanelStep, use_native_norms
+from engine.models.qwen2_5_vl import Qwen25VLForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration, rename_qwen2_vl_weights
 from engine.numerics import NumericsPath
+from portico.contract import QWEN_VL_ARCHITECTURES
 from portico.registry import ModelNotFound, ModelSource, models_dir
 
 log = logging.getLogger(__name__)
@@ -136,8 +138,9 @@ def _merge_hf(cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]) -> 
 def _renamed(
     cfg: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A vision model's tensors under our names (engine/models/llava.py, qwen2_vl.py)."""
-    qwen2_vl = cfg.architecture == "Qwen2VLForConditionalGeneration"
+    """A vision model's tensors under our names (engine/models/llava.py, qwen2_vl.py; a
+    Qwen2.5-VL checkpoint is named as a Qwen2-VL one)."""
+    qwen2_vl = cfg.architecture in QWEN_VL_ARCHITECTURES
     rename = rename_qwen2_vl_weights if qwen2_vl else rename_llava_weights
     for name, tensor in tensors:
         ours = rename(name)
@@ -146,11 +149,13 @@ def _renamed(
 
 
 def _model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    """The module that serves ``cfg``: a text model, LLaVA or Qwen2-VL."""
+    """The module that serves ``cfg``: a text model, LLaVA, Qwen2-VL or Qwen2.5-VL."""
     if not cfg.is_multimodal:
         return LlamaForCausalLM
     if cfg.architecture == "Qwen2VLForConditionalGeneration":
         return Qwen2VLForConditionalGeneration
+    if cfg.architecture == "Qwen2_5_VLForConditionalGeneration":
+        return Qwen25VLForConditionalGeneration
     return LlavaForConditionalGeneration
 
 

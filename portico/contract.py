@@ -281,8 +281,10 @@ def iter_prefix_block_hashes(
 
 # -- images ----------------------------------------------------------------------------------
 
-# Vision-language architectures the engine serves (engine/models/llava.py, qwen2_vl.py).
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+# Vision-language architectures the engine serves (engine/models/llava.py, qwen2_vl.py,
+# qwen2_5_vl.py); the Qwen ones count an image's tokens by its size (qwen2_vl_image_tokens).
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", *QWEN_VL_ARCHITECTURES)
 # Qwen2-VL's resize bounds (pixels of the resized picture): transformers' defaults, and the most
 # a request's mm_processor_kwargs.max_pixels may ask for (Qwen2-VL's own preprocessor_config).
 QWEN2_VL_MIN_PIXELS = 56 * 56

@@ -87,6 +87,15 @@ def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2-VL's decoder and processor with a Qwen2.5-VL vision tower (RMSNorm,
+    SwiGLU, window attention over 2x2 merged cells in block 0): tests/tiny_qwen2_vl.py."""
+    from tiny_qwen2_vl import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), version="2.5")
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real default model's GGUF file (SmolLM2-135M-Instruct, Q4_1)."""
     path = default_model_gguf()

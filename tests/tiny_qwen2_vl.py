@@ -1,9 +1,13 @@
-"""A tiny random Qwen2-VL for tests, as a real Hugging Face folder.
+"""A tiny random Qwen2-VL (or Qwen2.5-VL) for tests, as a real Hugging Face folder.
 
 A 2-layer Qwen2-VL vision tower (patch 14, temporal patch 2, 2x2 merger) and a 2-layer Qwen2
 text model with M-RoPE (``mrope_section`` [2, 3, 3] over a head of 16), saved with
 transformers' ``save_pretrained`` together with a ``Qwen2VLProcessor`` (its image processor,
 SmolLM2's tokenizer with Qwen2-VL's vision tokens added, and a Qwen2-VL style chat template).
+``version="2.5"`` builds a Qwen2.5-VL instead: the same decoder and processor, its vision
+tower with RMSNorm, a SwiGLU MLP and window attention (windows of 2x2 merged cells, block 0
+windowed and block 1 over the whole image), so pictures of 4 to 24 tokens span several
+windows, some of them cut short at the grid's edge.
 Importable by any test (``from tiny_qwen2_vl import build_tiny_qwen2_vl``).
 """
 
@@ -29,14 +33,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_qwen2_vl(folder: Path, seed: int = 0) -> Path:
-    """Write a random Qwen2-VL (config, safetensors, processor files) to ``folder``."""
+def build_tiny_qwen2_vl(folder: Path, seed: int = 0, version: str = "2") -> Path:
+    """Write a random Qwen2-VL (``version`` "2") or Qwen2.5-VL ("2.5") (config, safetensors,
+    processor files) to ``folder``."""
     import torch
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
 
     tokenizer = _load_real_tokenizer()
     target = folder / "_tokenizer_src"
@@ -60,11 +62,19 @@ def build_tiny_qwen2_vl(folder: Path, seed: int = 0) -> Path:
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "tie_word_embeddings": False,
     }  # fmt: skip
-    vision = {
+    vision: dict[str, Any] = {
         "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 2,
         "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
     }  # fmt: skip
-    config = Qwen2VLConfig(
+    prefix = "Qwen2VL"
+    if version == "2.5":  # the tower's width is hidden_size, the decoder's out_hidden_size
+        prefix = "Qwen2_5_VL"
+        vision = {
+            "depth": 2, "hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 48,
+            "num_heads": 4, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+            "window_size": 56, "fullatt_block_indexes": [1],
+        }  # fmt: skip
+    config = getattr(transformers, f"{prefix}Config")(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
@@ -72,7 +82,7 @@ def build_tiny_qwen2_vl(folder: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

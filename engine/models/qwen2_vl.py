@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ from portico.contract import (
 
 # What a request's mm_processor_kwargs may set (vLLM's names for Qwen2-VL).
 MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+# A vision block's attention spans: consecutive row counts, or None for all rows at once.
+Windows = Sequence[int] | None
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Qwen2VLVisionConfig:
     mrope_section: tuple[int, ...]
 
     @classmethod
-    def from_multimodal(cls, raw: Mapping[str, Any]) -> Qwen2VLVisionConfig:
+    def from_multimodal(cls, raw: Mapping[str, Any]) -> Self:
         vision = dict(raw.get("vision_config") or {})
         rope = dict(vision.get("rope_parameters") or {})
         section = raw.get("mrope_section")
@@ -103,13 +105,24 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim)
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: Windows = None
+    ) -> torch.Tensor:
+        """``windows`` (consecutive row counts) cuts the rows into spans that attend only
+        within themselves (Qwen2.5-VL's window attention); None: one span, every patch."""
         rows = x.shape[0]
         q, k, v = self.qkv(x).view(rows, 3, self.num_heads, -1).unbind(1)  # [rows, heads, d]
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        spans = list(windows) if windows is not None else [rows]
+        out = torch.cat(
+            [
+                nn.functional.scaled_dot_product_attention(*parts)
+                for parts in zip(*(t.split(spans, dim=2) for t in (q, k, v)), strict=True)
+            ],
+            dim=2,
+        )
         return self.proj(out[0].transpose(0, 1).reshape(rows, -1))
 
 
@@ -128,17 +141,23 @@ class VisionMlp(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)). ``norm`` and ``mlp`` are
+    Qwen2-VL's (LayerNorm, fc1/fc2) unless a subclass's tower passes its own."""
 
-    def __init__(self, cfg: Qwen2VLVisionConfig) -> None:
+    def __init__(
+        self, cfg: Qwen2VLVisionConfig, norm: type[nn.Module] = nn.LayerNorm,
+        mlp: type[nn.Module] = VisionMlp,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm1 = norm(cfg.embed_dim, eps=1e-6)
+        self.norm2 = norm(cfg.embed_dim, eps=1e-6)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMlp(cfg)
+        self.mlp = mlp(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: Windows = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, windows)
         return x + self.mlp(self.norm2(x))
 
 
@@ -159,12 +178,13 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm, then an MLP over each 2x2 block of patches (their rows side by side)."""
+    """A norm (LayerNorm; RMSNorm in Qwen2.5-VL), then an MLP over each 2x2 block of patches
+    (their rows side by side)."""
 
-    def __init__(self, cfg: Qwen2VLVisionConfig) -> None:
+    def __init__(self, cfg: Qwen2VLVisionConfig, norm: type[nn.Module] = nn.LayerNorm) -> None:
         super().__init__()
         self.width = cfg.embed_dim * cfg.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.ln_q = norm(cfg.embed_dim, eps=1e-6)
         self.mlp = nn.Sequential(
             nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_dim)
         )
@@ -176,12 +196,15 @@ class PatchMerger(nn.Module):
 class Qwen2VisionTower(nn.Module):
     """transformers' ``Qwen2VisionTransformerPretrainedModel`` for one image at a time."""
 
-    def __init__(self, cfg: Qwen2VLVisionConfig) -> None:
+    def __init__(
+        self, cfg: Qwen2VLVisionConfig, norm: type[nn.Module] = nn.LayerNorm,
+        mlp: type[nn.Module] = VisionMlp,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg, norm, mlp) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, norm)
 
     def rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, ...]:
         """Cos and sin ``[patches, 1, head_dim]`` of each patch's (row, column), the patches
@@ -263,10 +286,14 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(cfg)
         if cfg.multimodal is None:
             raise ValueError(f"{cfg.architecture} needs its vision config")
-        self.vision = Qwen2VLVisionConfig.from_multimodal(cfg.multimodal)
-        self.visual = Qwen2VisionTower(self.vision)
+        self.vision, self.visual = self.vision_tower(cfg.multimodal)
         self.rotary_emb = MRotaryEmbedding(cfg, self.vision.mrope_section)
         self.image_processor: Any = None  # the folder's transformers image processor (loader)
+
+    def vision_tower(self, raw: Mapping[str, Any]) -> tuple[Qwen2VLVisionConfig, Qwen2VisionTower]:
+        """The vision config read from config.json, and the tower it builds."""
+        vision = Qwen2VLVisionConfig.from_multimodal(raw)
+        return vision, Qwen2VisionTower(vision)
 
     def pixel_bounds(self, options: Mapping[str, Any] | None) -> tuple[int, int]:
         """``(min_pixels, max_pixels)``: the folder's, with a request's mm_processor_kwargs

@@ -55,10 +55,10 @@ def load_tokenizer(model: str) -> Any | None:
 
 @dataclass(frozen=True)
 class SizedImageTokens:
-    """A Qwen2-VL model's image count, which follows each picture's size: the contract's rule
-    (:func:`portico.contract.qwen2_vl_image_tokens`) over the folder's pixel bounds, or a
-    request's valid ``mm_processor_kwargs`` ones. A picture whose size the gateway cannot read
-    (an http URL) is reserved at the most ``max_pixels`` allows."""
+    """A Qwen2-VL or Qwen2.5-VL model's image count, which follows each picture's size: the
+    contract's rule (:func:`portico.contract.qwen2_vl_image_tokens`) over the folder's pixel
+    bounds, or a request's valid ``mm_processor_kwargs`` ones. A picture whose size the
+    gateway cannot read (an http URL) is reserved at the most ``max_pixels`` allows."""
 
     config: Mapping[str, Any]  # the folder's config.json
     min_pixels: int
@@ -82,18 +82,23 @@ class SizedImageTokens:
 
 def load_image_tokens(model: str) -> int | SizedImageTokens | None:
     """Prompt tokens one image fills in a local vision model (a LLaVA folder's config.json),
-    the size-dependent rule of a Qwen2-VL folder, or None (a text model, or a model whose
-    files cannot be read)."""
+    the size-dependent rule of a Qwen2-VL or Qwen2.5-VL folder, or None (a text model, or a
+    model whose files cannot be read)."""
     try:
         from portico import registry
-        from portico.contract import QWEN2_VL_MAX_PIXELS, QWEN2_VL_MIN_PIXELS, tokens_per_image
+        from portico.contract import (
+            QWEN2_VL_MAX_PIXELS,
+            QWEN2_VL_MIN_PIXELS,
+            QWEN_VL_ARCHITECTURES,
+            tokens_per_image,
+        )
 
         source = registry.resolve(model)
         config = source.path / "config.json"
         if source.format != "hf" or not config.is_file():
             return None
         raw = json.loads(config.read_text())
-        if (raw.get("architectures") or [None])[0] == "Qwen2VLForConditionalGeneration":
+        if (raw.get("architectures") or [None])[0] in QWEN_VL_ARCHITECTURES:
             pre = source.path / "preprocessor_config.json"
             pre_raw = json.loads(pre.read_text()) if pre.is_file() else {}
             # transformers 5 writes size.shortest_edge/longest_edge; Qwen's own folders write

@@ -6,6 +6,10 @@ transformers' ``save_pretrained``. The references come from transformers'
 make (tests/tiny_qwen2_vl.py ``reference_inputs``); the engine gets the same conversation
 through its own path (engine/multimodal.py, engine/models/qwen2_vl.py). Greedy tokens must be
 equal, and so must the prompt lengths.
+
+Every test runs twice: on the tiny Qwen2-VL, and on a tiny Qwen2.5-VL (the same decoder and
+processor, its windowed vision tower: engine/models/qwen2_5_vl.py) against transformers'
+``Qwen2_5_VLForConditionalGeneration``.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ MAX_TOKENS = 12
 LONG_TEXT = " ".join(f"word{i} and some more text about picture number {i}." for i in range(30))
 
 
-@pytest.fixture(scope="module")
-def folder(tiny_qwen2_vl_dir: Path) -> Path:
-    return tiny_qwen2_vl_dir
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+def folder(request: pytest.FixtureRequest) -> Path:
+    name = {"qwen2-vl": "tiny_qwen2_vl_dir", "qwen2.5-vl": "tiny_qwen2_5_vl_dir"}[request.param]
+    return Path(request.getfixturevalue(name))
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +50,13 @@ def loaded(folder: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def hf_model(folder: Path) -> Any:
-    from transformers import Qwen2VLForConditionalGeneration
+    """transformers' own class for the folder (Qwen2VL... or Qwen2_5_VL...)."""
+    import json
 
-    return Qwen2VLForConditionalGeneration.from_pretrained(str(folder)).eval()
+    import transformers
+
+    [architecture] = json.loads((folder / "config.json").read_text())["architectures"]
+    return getattr(transformers, architecture).from_pretrained(str(folder)).eval()
 
 
 def picture(seed: int, size: tuple[int, int] = (84, 56)) -> Image.Image:
@@ -328,3 +337,20 @@ def test_the_original_flat_config_layout_reads_the_same(folder: Path) -> None:
     assert a.rope_scaling is None and b.rope_scaling is None and a.qkv_bias and b.qkv_bias
     keep = ("hidden_size", "num_hidden_layers", "num_key_value_heads", "rope_theta", "vocab_size")
     assert [getattr(a, k) for k in keep] == [getattr(b, k) for k in keep]
+
+
+@pytest.mark.parametrize("patches", [(1, 4, 6), (1, 8, 8), (1, 10, 14), (1, 6, 20)])
+def test_window_order_equals_transformers(patches: tuple[int, int, int]) -> None:
+    """Qwen2.5-VL's windows (engine/models/qwen2_5_vl.py): the same reordering and window
+    sizes as transformers' ``get_vision_window_index``, squares cut short at the edges
+    included."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from engine.models.qwen2_5_vl import window_order
+
+    order, sizes = window_order(patches, 2, 2)
+    theirs, cu = get_vision_window_index(
+        torch.tensor([patches]), spatial_merge_size=2, window_size=56, patch_size=14
+    )
+    assert order.tolist() == theirs.tolist()
+    assert sizes == torch.diff(cu).tolist()

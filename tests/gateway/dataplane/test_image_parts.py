@@ -131,15 +131,19 @@ def picture_url(size: tuple[int, int], seed: int) -> tuple[Image.Image, str]:
     return picture, f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
+@pytest.mark.parametrize("folder", ["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"])
 @pytest.mark.parametrize(
     "options", [None, {"max_pixels": 28 * 28 * 4}], ids=["folder", "max_pixels"]
 )
-def test_qwen2_vl_images_count_by_their_size(tiny_qwen2_vl_dir: Path, options: object) -> None:
-    """The tiny Qwen2-VL: each picture fills as many tokens as its resized grid holds
-    (portico/contract.py's rule), so two odd-sized pictures count what transformers' own
-    processing feeds the model."""
+def test_qwen2_vl_images_count_by_their_size(
+    request: pytest.FixtureRequest, folder: str, options: object
+) -> None:
+    """The tiny Qwen2-VL and Qwen2.5-VL: each picture fills as many tokens as its resized
+    grid holds (portico/contract.py's rule), so two odd-sized pictures count what
+    transformers' own processing feeds the model."""
     from tiny_qwen2_vl import reference_inputs
 
+    tiny_qwen2_vl_dir = Path(request.getfixturevalue(folder))
     rule = load_image_tokens(str(tiny_qwen2_vl_dir))
     counter = PromptCounter({"v": load_tokenizer(str(tiny_qwen2_vl_dir))}, {"v": rule})
     (first, first_url), (second, second_url) = picture_url((101, 67), 1), picture_url((61, 90), 2)
