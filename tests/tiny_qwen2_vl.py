@@ -18,19 +18,12 @@ from typing import Any
 
 from tiny_llama import _load_real_tokenizer
 
+from load.vision_bench import QWEN2_VL_CHAT_TEMPLATE
+
 MIN_PIXELS = 28 * 28 * 2
 MAX_PIXELS = 28 * 28 * 24  # at most 24 image tokens per image: small steps in tests
-# Qwen2-VL-Instruct's template, cut to what the tests use (no default system turn):
-# <|vision_start|><|image_pad|><|vision_end|> where the message puts each image.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen2-VL-Instruct's template without its default system turn (the vision bench's).
+CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE
 
 
 def build_tiny_qwen2_vl(folder: Path, seed: int = 0, version: str = "2") -> Path:

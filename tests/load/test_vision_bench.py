@@ -1,23 +1,31 @@
-"""The vision benchmark's model folder: a LLaVA transformers reads as the bench says (SmolLM2's
+"""The vision benchmark's model folders: a LLaVA transformers reads as the bench says (SmolLM2's
 decoder, CLIP ViT-B/16 at 224 pixels: 196 image tokens), its tokenizer's ``<image>`` is the
-config's image token, and its chat template puts the picture before the text."""
+config's image token, and its chat template puts the picture before the text; a Qwen2-VL
+(the same decoder with M-RoPE, Qwen2-VL's tower) whose pictures count by their size."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
-from load.vision_bench import table, write_llava_folder
+from load.vision_bench import table, write_llava_folder, write_qwen2_vl_folder
 from portico.registry import DEFAULT_MODEL, resolve, tokenizer_folder
 
 
-def test_llava_folder_has_the_benchmarked_shape(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def decoder() -> Path:
+    """The default model's folder (its config.json and tokenizer): the benches' decoder."""
+    folder = tokenizer_folder(resolve(DEFAULT_MODEL))
+    if folder is None:
+        pytest.skip("the default model is not pulled (make test pulls it)")
+    return folder
+
+
+def test_llava_folder_has_the_benchmarked_shape(tmp_path: Path, decoder: Path) -> None:
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-    decoder = tokenizer_folder(resolve(DEFAULT_MODEL))
-    if decoder is None:
-        pytest.skip("the default model is not pulled (make test pulls it)")
     folder = write_llava_folder(tmp_path / "llava", decoder)
     config = AutoConfig.from_pretrained(str(folder))
     assert config.model_type == "llava"
@@ -37,11 +45,42 @@ def test_llava_folder_has_the_benchmarked_shape(tmp_path: Path) -> None:
     assert processor.crop_size == {"height": 224, "width": 224}
 
 
+def test_qwen2_vl_folder_has_the_benchmarked_shape(tmp_path: Path, decoder: Path) -> None:
+    import json
+
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    from engine.model_config import ModelConfig
+    from engine.models.qwen2_vl import Qwen2VLVisionConfig
+    from portico.contract import QWEN2_VL_MAX_PIXELS, QWEN2_VL_MIN_PIXELS, qwen2_vl_image_tokens
+
+    folder = write_qwen2_vl_folder(tmp_path / "qwen2-vl", decoder)
+    config = AutoConfig.from_pretrained(str(folder))
+    assert config.model_type == "qwen2_vl"
+    assert config.text_config.hidden_size == 576 and config.text_config.num_hidden_layers == 30
+    assert (config.vision_config.depth, config.vision_config.embed_dim) == (32, 1280)
+    raw = json.loads((folder / "config.json").read_text())
+    ours = ModelConfig.from_hf(raw)
+    vision = Qwen2VLVisionConfig.from_multimodal(ours.multimodal or {})
+    assert vision.mrope_section == (8, 12, 12) and vision.out_dim == 576
+    assert (vision.depth, vision.embed_dim, vision.num_heads) == (32, 1280, 16)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == config.image_token_id
+    assert ours.vocab_size == len(tokenizer)
+    processor = AutoImageProcessor.from_pretrained(str(folder))
+    for side, tokens in ((112, 16), (224, 64)):
+        made = processor(images=[Image.new("RGB", (side, side))], return_tensors="pt")
+        assert int(made["image_grid_thw"][0].prod()) // 4 == tokens
+        count = qwen2_vl_image_tokens(raw, side, side, QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS)
+        assert count == tokens
+
+
 def test_table_has_one_line_per_row() -> None:
     row = {
-        "images": 1, "concurrency": 4, "prompt_tokens_mean": 229.0, "ttft_p50_ms": 400.0,
-        "ttft_p90_ms": 900.0, "tpot_p50_ms": 80.25, "output_tok_s": 20.0, "requests_s": 0.5,
+        "images": 1, "picture_px": "224", "concurrency": 4, "prompt_tokens_mean": 229.0,
+        "ttft_p50_ms": 400.0, "ttft_p90_ms": 900.0, "tpot_p50_ms": 80.25, "output_tok_s": 20.0,
+        "requests_s": 0.5,
     }  # fmt: skip
     lines = table({"rows": [row, dict(row, images=0)]}).splitlines()
     assert len(lines) == 4
-    assert lines[2] == "| 1 | 4 | 229.0 | 400 ms | 900 ms | 80.2 ms | 20.0 | 0.50 |"
+    assert lines[2] == "| 1 | 224 | 4 | 229.0 | 400 ms | 900 ms | 80.2 ms | 20.0 | 0.50 |"
