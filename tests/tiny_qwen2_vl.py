@@ -96,6 +96,17 @@ def build_tiny_qwen2_vl(folder: Path, seed: int = 0, version: str = "2") -> Path
     return folder
 
 
+def reference_model(folder: Path) -> Any:
+    """transformers' own model for the folder (``Qwen2VLForConditionalGeneration`` or
+    ``Qwen2_5_VLForConditionalGeneration``, as its config.json names), in eval mode."""
+    import json
+
+    import transformers
+
+    [architecture] = json.loads((folder / "config.json").read_text())["architectures"]
+    return getattr(transformers, architecture).from_pretrained(str(folder)).eval()
+
+
 def reference_inputs(
     folder: Path, conversation: list[Any], images: list[Any], options: Any = None
 ) -> dict[str, Any]:

@@ -46,10 +46,11 @@ class Qwen25VLVisionConfig(Qwen2VLVisionConfig):
     @classmethod
     def from_multimodal(cls, raw: Mapping[str, Any]) -> Self:
         vision = dict(raw.get("vision_config") or {})
-        # Qwen2-VL's names for the same numbers: the tower's width, the decoder's width.
+        # Qwen2-VL's names for the same numbers: the tower's width, the decoder's width
+        # (transformers' defaults when absent).
         renamed = {
             **vision,
-            "embed_dim": vision.get("hidden_size", 1280),
+            "embed_dim": vision.get("hidden_size", 3584),
             "hidden_size": vision.get("out_hidden_size", 3584),
             "hidden_act": vision.get("hidden_act", "silu"),
         }

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from tiny_qwen2_vl import MAX_PIXELS, MIN_PIXELS, reference_inputs
+from tiny_qwen2_vl import MAX_PIXELS, MIN_PIXELS, reference_inputs, reference_model
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -50,13 +50,7 @@ def loaded(folder: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def hf_model(folder: Path) -> Any:
-    """transformers' own class for the folder (Qwen2VL... or Qwen2_5_VL...)."""
-    import json
-
-    import transformers
-
-    [architecture] = json.loads((folder / "config.json").read_text())["architectures"]
-    return getattr(transformers, architecture).from_pretrained(str(folder)).eval()
+    return reference_model(folder)
 
 
 def picture(seed: int, size: tuple[int, int] = (84, 56)) -> Image.Image:
@@ -354,3 +348,48 @@ def test_window_order_equals_transformers(patches: tuple[int, int, int]) -> None
     )
     assert order.tolist() == theirs.tolist()
     assert sizes == torch.diff(cu).tolist()
+
+
+def test_a_released_qwen2_5_vl_config_builds_transformers_tower_shapes() -> None:
+    """Qwen/Qwen2.5-VL-3B-Instruct's config.json layout (flat, ``rope_scaling`` mrope, the
+    vision config's own names): our tower has the parameters, under the loader's names and of
+    the shapes, that transformers' model has for it (both built on the meta device), so such a
+    checkpoint's tensors land in place; the window settings read as transformers reads them."""
+    import transformers
+
+    from engine.model_config import ModelConfig
+    from engine.model_loader import _model_class
+    from engine.models.qwen2_vl import rename_qwen2_vl_weights
+
+    vision = {
+        "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+        "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+        "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    }  # fmt: skip
+    flat = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 2,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": True, "image_token_id": 151655, "video_token_id": 151656,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_config": vision,
+    }  # fmt: skip
+    cfg = ModelConfig.from_hf(flat)
+    with torch.device("meta"):
+        ours = _model_class(cfg)(cfg)
+        theirs = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig(**flat)
+        )
+    shapes = {n: tuple(p.shape) for n, p in ours.named_parameters() if n.startswith("visual.")}
+    expected = {
+        name: tuple(p.shape)
+        for n, p in theirs.named_parameters()
+        if (name := rename_qwen2_vl_weights(n) or "").startswith("visual.")
+    }
+    assert shapes == expected and len(shapes) > 300
+    window = ours.vision
+    assert (window.window_size, window.fullatt_block_indexes) == (112, (7, 15, 23, 31))
+    assert (window.embed_dim, window.out_dim, window.mrope_section) == (1280, 2048, (16, 24, 24))

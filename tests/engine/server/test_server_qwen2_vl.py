@@ -1,7 +1,8 @@
 """Qwen2-VL through a real `portico engine` process with the real `openai` client: a data-URL
 image (of an odd size, not a multiple of 28) answers as transformers' own greedy generate
 does, usage counts its size-dependent image tokens, and ``mm_processor_kwargs`` changes the
-resize or is a 400 naming the field."""
+resize or is a 400 naming the field. Every test runs on the tiny Qwen2-VL and on the tiny
+Qwen2.5-VL (its windowed tower)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ import pytest
 import torch
 from engine_server_process import MODEL_NAME, EngineProcess
 from PIL import Image
-from tiny_qwen2_vl import reference_inputs
+from tiny_qwen2_vl import reference_inputs, reference_model
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def folder(tiny_qwen2_vl_dir: Path) -> Path:
-    return tiny_qwen2_vl_dir
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+def folder(request: pytest.FixtureRequest) -> Path:
+    name = {"qwen2-vl": "tiny_qwen2_vl_dir", "qwen2.5-vl": "tiny_qwen2_5_vl_dir"}[request.param]
+    return Path(request.getfixturevalue(name))
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +67,11 @@ def content(url: str, text: str) -> list[dict[str, Any]]:
 
 def hf_reference(folder: Path, text: str, image: Image.Image) -> tuple[int, str]:
     """transformers' prompt length and greedy continuation's text."""
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import AutoTokenizer
 
     parts = [{"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "text", "text": text}]
     inputs = reference_inputs(folder, [{"role": "user", "content": parts}], [image])
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(folder)).eval()
+    model = reference_model(folder)
     with torch.no_grad():
         out = model.generate(
             **inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,

@@ -1,5 +1,6 @@
 """Qwen2-VL through the real gateway: ``portico serve`` in front of a tiny Qwen2-VL engine, a
-Redis of the module's own, the real `openai` client.
+Redis of the module's own, the real `openai` client; every test again in front of a tiny
+Qwen2.5-VL engine.
 
 Proves: the gateway reserves exactly the prompt tokens the engine then reports for an
 odd-sized image, with and without ``mm_processor_kwargs.max_pixels`` (the count follows each
@@ -38,12 +39,18 @@ def store(module_tmp: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+def folder(request: pytest.FixtureRequest) -> Path:
+    name = {"qwen2-vl": "tiny_qwen2_vl_dir", "qwen2.5-vl": "tiny_qwen2_5_vl_dir"}[request.param]
+    return Path(request.getfixturevalue(name))
+
+
 @pytest.fixture(scope="module")
-def gateway(
-    module_tmp: Path, store: RedisServer, tiny_qwen2_vl_dir: Path
-) -> Iterator[GatewayProcess]:
-    engine = tiny_engine(tiny_qwen2_vl_dir, "qwen-vision")
-    gw = GatewayProcess(module_tmp, {"redis": {"url": store.url}, "engines": [engine]}, {})
+def gateway(module_tmp: Path, store: RedisServer, folder: Path) -> Iterator[GatewayProcess]:
+    engine = tiny_engine(folder, "qwen-vision")
+    home = module_tmp / folder.name
+    home.mkdir()
+    gw = GatewayProcess(home, {"redis": {"url": store.url}, "engines": [engine]}, {})
     gw.start(timeout=600)
     yield gw
     assert gw.terminate() == 0, gw.log()
@@ -65,7 +72,7 @@ def messages(url: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("options", [None, {"max_pixels": 28 * 28 * 4}], ids=["folder", "small"])
 def test_the_reservation_equals_the_engines_count_for_an_odd_sized_image(
-    gateway: GatewayProcess, tiny_qwen2_vl_dir: Path, options: dict[str, int] | None
+    gateway: GatewayProcess, folder: Path, options: dict[str, int] | None
 ) -> None:
     from tiny_qwen2_vl import reference_inputs
 
@@ -84,9 +91,7 @@ def test_the_reservation_equals_the_engines_count_for_an_odd_sized_image(
     )
     assert reserved == usage.prompt_tokens + 4
     parts = [{"type": "image"}, {"type": "text", "text": TEXT}]
-    inputs = reference_inputs(
-        tiny_qwen2_vl_dir, [{"role": "user", "content": parts}], [image], options
-    )
+    inputs = reference_inputs(folder, [{"role": "user", "content": parts}], [image], options)
     assert usage.prompt_tokens == inputs["input_ids"].shape[1]
 
 
