@@ -13,7 +13,9 @@ vision tower shape (the 2B's and 7B's: 32 blocks, width 1280, 16 heads, patch 14
 merger), with Qwen2-VL's image processor (dynamic resolution: a picture of ``H x W`` pixels
 fills ``H / 28 x W / 28`` tokens) and chat template. :func:`write_qwen2_vl_folder` writes it.
 Its pictures come at each of ``--image-sizes`` (square sides), so the table shows how the
-cost follows the size.
+cost follows the size. ``--model-kind qwen2.5-vl``: the same with Qwen2.5-VL's tower shape
+(the 3B's and 7B's: 32 blocks, width 1280, SwiGLU of 3420, 16 heads, windows of 112 pixels,
+full attention in blocks 7, 15, 23 and 31).
 
 One ``portico engine`` serves it; the serve benchmark (``load/serve_bench.py``) sends the
 ``random-image`` workload (``load.datasets.random_images``) at each concurrency: with
@@ -37,7 +39,7 @@ from load import datasets, serve_bench
 from load.llamacpp_bench import server_process
 from load.standard import free_port
 
-MODEL_KINDS = ("llava", "qwen2-vl")
+MODEL_KINDS = ("llava", "qwen2-vl", "qwen2.5-vl")
 # CLIP ViT-B/16 (openai/clip-vit-base-patch16) at 224 pixels: (224 / 16)^2 = 196 patches.
 CLIP_B16: dict[str, Any] = {
     "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -96,6 +98,14 @@ QWEN2_VL_TOWER: dict[str, Any] = {
     "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
     "hidden_act": "quick_gelu", "model_type": "qwen2_vl",
 }  # fmt: skip
+# Qwen2.5-VL's (Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct share it); hidden_size is the
+# tower's width here, out_hidden_size (the decoder's) is set when the folder is written.
+QWEN2_5_VL_TOWER: dict[str, Any] = {
+    "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+    "in_channels": 3, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+    "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+    "model_type": "qwen2_5_vl",
+}  # fmt: skip
 # Qwen2-VL-Instruct's template without its default system turn (the tests' tiny Qwen2-VL
 # uses it too): <|vision_start|><|image_pad|><|vision_end|> where the message puts an image.
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -110,11 +120,11 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def write_qwen2_vl_folder(folder: Path, decoder_dir: Path) -> Path:
+def write_qwen2_vl_folder(folder: Path, decoder_dir: Path, version: str = "2") -> Path:
     """A Qwen2-VL folder ``--load-format dummy`` serves: ``decoder_dir``'s config.json (a
     Llama, read as a Qwen2 with M-RoPE) as the text model and its tokenizer plus Qwen2-VL's
     vision tokens, Qwen2-VL's vision tower and image processor (transformers' default pixel
-    bounds, 56 x 56 to 28 x 28 x 1280)."""
+    bounds, 56 x 56 to 28 x 28 x 1280). ``version="2.5"``: Qwen2.5-VL's tower instead."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -133,11 +143,15 @@ def write_qwen2_vl_folder(folder: Path, decoder_dir: Path) -> Path:
             "rope_theta": text.get("rope_theta", 1000000.0),
         },
     )  # fmt: skip
+    vision = {**QWEN2_VL_TOWER, "hidden_size": text["hidden_size"]}
+    if version == "2.5":
+        vision = {**QWEN2_5_VL_TOWER, "out_hidden_size": text["hidden_size"]}
+    kind = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL"}[version]
     config = {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
+        "architectures": [f"{kind}ForConditionalGeneration"],
+        "model_type": {"2": "qwen2_vl", "2.5": "qwen2_5_vl"}[version],
         "text_config": text,
-        "vision_config": {**QWEN2_VL_TOWER, "hidden_size": text["hidden_size"]},
+        "vision_config": vision,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
@@ -166,8 +180,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decoder_dir = tokenizer_folder(resolve(DEFAULT_MODEL))
     if decoder_dir is None or not (decoder_dir / "config.json").is_file():
         raise SystemExit(f"no tokenizer folder for {DEFAULT_MODEL}: run `portico models pull`")
-    write = write_qwen2_vl_folder if args.model_kind == "qwen2-vl" else write_llava_folder
-    folder = write(Path(args.folder or f"/tmp/portico-{args.model_kind}-smol"), decoder_dir)
+    kind = args.model_kind
+    folder = Path(args.folder or f"/tmp/portico-{kind}-smol")
+    if kind == "llava":
+        write_llava_folder(folder, decoder_dir)
+    else:
+        write_qwen2_vl_folder(folder, decoder_dir, {"qwen2-vl": "2", "qwen2.5-vl": "2.5"}[kind])
     served = f"{args.model_kind}-smol"
     port = free_port()
     cmd = [sys.executable, "-m", "portico.cli", "engine", "--model", str(folder),

@@ -45,23 +45,31 @@ def test_llava_folder_has_the_benchmarked_shape(tmp_path: Path, decoder: Path) -
     assert processor.crop_size == {"height": 224, "width": 224}
 
 
-def test_qwen2_vl_folder_has_the_benchmarked_shape(tmp_path: Path, decoder: Path) -> None:
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen2_vl_folder_has_the_benchmarked_shape(
+    tmp_path: Path, decoder: Path, version: str
+) -> None:
+    """Qwen2-VL's tower (``version`` "2") or Qwen2.5-VL's ("2.5", windowed) before the small
+    decoder, as transformers and the engine read the folder."""
     import json
 
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
     from engine.model_config import ModelConfig
+    from engine.models.qwen2_5_vl import Qwen25VLVisionConfig
     from engine.models.qwen2_vl import Qwen2VLVisionConfig
     from portico.contract import QWEN2_VL_MAX_PIXELS, QWEN2_VL_MIN_PIXELS, qwen2_vl_image_tokens
 
-    folder = write_qwen2_vl_folder(tmp_path / "qwen2-vl", decoder)
+    folder = write_qwen2_vl_folder(tmp_path / "qwen2-vl", decoder, version)
     config = AutoConfig.from_pretrained(str(folder))
-    assert config.model_type == "qwen2_vl"
+    assert config.model_type == {"2": "qwen2_vl", "2.5": "qwen2_5_vl"}[version]
     assert config.text_config.hidden_size == 576 and config.text_config.num_hidden_layers == 30
-    assert (config.vision_config.depth, config.vision_config.embed_dim) == (32, 1280)
+    width = "embed_dim" if version == "2" else "hidden_size"
+    assert (config.vision_config.depth, getattr(config.vision_config, width)) == (32, 1280)
     raw = json.loads((folder / "config.json").read_text())
     ours = ModelConfig.from_hf(raw)
-    vision = Qwen2VLVisionConfig.from_multimodal(ours.multimodal or {})
+    read = Qwen2VLVisionConfig if version == "2" else Qwen25VLVisionConfig
+    vision = read.from_multimodal(ours.multimodal or {})
     assert vision.mrope_section == (8, 12, 12) and vision.out_dim == 576
     assert (vision.depth, vision.embed_dim, vision.num_heads) == (32, 1280, 16)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -73,6 +81,10 @@ def test_qwen2_vl_folder_has_the_benchmarked_shape(tmp_path: Path, decoder: Path
         assert int(made["image_grid_thw"][0].prod()) // 4 == tokens
         count = qwen2_vl_image_tokens(raw, side, side, QWEN2_VL_MIN_PIXELS, QWEN2_VL_MAX_PIXELS)
         assert count == tokens
+    if isinstance(vision, Qwen25VLVisionConfig):
+        assert (vision.window_size, vision.intermediate_size) == (112, 3420)
+        assert vision.fullatt_block_indexes == (7, 15, 23, 31)
+        assert config.vision_config.out_hidden_size == 576
 
 
 def test_table_has_one_line_per_row() -> None:
