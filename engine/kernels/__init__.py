@@ -238,7 +238,7 @@ def quantized_linear(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed_q8: torch.Tensor | None = None,
-    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    panels: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (:func:`cpu.quantized_linear`), or ``None``
     where no block kernel serves these inputs (the caller then uses the dense weight).

@@ -206,7 +206,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q8_pack.restype = _I
     lib.q8_pack.argtypes = [_I, _I, _I, _P, _P, _P, _P]
     lib.panel_linear.restype = _I
-    lib.panel_linear.argtypes = [_I, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I]
+    lib.panel_linear.argtypes = [_I, _P, _I, _I, _P, _P, _I, _I, _P, _I]
+    lib.panel_bytes.restype = ctypes.c_int64
+    lib.panel_bytes.argtypes = [_I, _I, _I]
     lib.q8_supported.restype = _I
     lib.q8_supported.argtypes = [_I]
     lib.decode_step_supported.restype = _I
@@ -335,7 +337,7 @@ def quantized_linear(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     packed_q8: torch.Tensor | None = None,
-    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    panels: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T (+ bias)`` for W in GGUF blocks (``kind`` "q4_1" or "q8_0"), or ``None`` when
     the kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16.
@@ -382,29 +384,24 @@ def quantized_linear(
 
 
 def panel_linear(
-    x: torch.Tensor,
-    kind: str,
-    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    n: int,
-    bias: torch.Tensor | None,
+    x: torch.Tensor, kind: str, panels: torch.Tensor, n: int, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """``x @ W.T (+ bias)`` for W [n, K] in GGUF blocks repacked in panels of 16 output rows
-    (``panels``: quants, scales, minimums; :meth:`GGUFBlocks.pack_panels`), or ``None`` when the
-    kernels are unavailable for these inputs. ``x`` is [M, K] float32 or bfloat16; the output has
-    its dtype. Batch invariant: each output element is one fixed chain of float32 FMAs, whatever
-    ``M``, the thread count or the other rows (csrc/panel_linear.c)."""
+    """``x @ W.T (+ bias)`` for W [n, K] in GGUF blocks repacked as panel records of 16 output
+    rows (:meth:`GGUFBlocks.pack_panels`), or ``None`` when the kernels are unavailable for these
+    inputs. ``x`` is [M, K] float32 or bfloat16; the output has its dtype. Batch invariant: each
+    row is written in integers on its own, the products are exact integer dot products and each
+    output element is one fixed chain of float32 operations, whatever ``M``, the thread count or
+    the other rows (csrc/panel_linear.c)."""
     lib = load()
     if lib is None or x.dtype not in _DTYPE_CODES or x.dim() != 2 or x.shape[0] == 0:
         return None
     x = x.contiguous()
     rows, k = x.shape
-    q, d, mins = panels
-    if d.shape[1] * 32 != k or d.shape[0] * d.shape[2] < n:  # not these panels' shape
+    if k % 32 or panels.numel() != lib.panel_bytes(_Q8_KINDS[kind], n, k):  # not these panels
         return None
     out = torch.empty((rows, n), dtype=x.dtype)
     status = lib.panel_linear(
-        _Q8_KINDS[kind], x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(),
-        mins.data_ptr() if mins is not None else None,
+        _Q8_KINDS[kind], x.data_ptr(), rows, k, panels.data_ptr(),
         bias.data_ptr() if bias is not None else None, n, _DTYPE_CODES[x.dtype],
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

@@ -57,7 +57,7 @@ class GGUFBlocks:
     scales: torch.Tensor
     mins: torch.Tensor | None = None
     packed_q8: torch.Tensor | None = None
-    panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    panels: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -80,25 +80,35 @@ class GGUFBlocks:
 
     def pack_panels(self) -> None:
         """Attach :attr:`panels`: the blocks repacked for the batch invariant kernel
-        (csrc/panel_linear.c): output rows in panels of 16 (the last padded with zero weights),
-        each panel's blocks in input order, a block's 16 rows' quants side by side (Q4_1: one
-        byte per pair of inputs j and j + 16, as in the file; Q8_0: one per input), then their
-        scales and minimums. From then on every step of this linear runs on them."""
-        out, _ = self.shape
-        num_panels = -(-out // _PANEL)
+        (csrc/panel_linear.c) as one uint8 tensor of records: output rows in panels of 16 (the
+        last padded with zero weights), for each panel each block in input order, the block's
+        quants 4 inputs x 16 rows at a time (a row's 4 bytes side by side; Q4_1: a byte holds
+        inputs j and j + 16, as in the file; Q8_0: one input, offset by 128 to unsigned), then
+        the 16 rows' scales and (Q4_1) minimums as float16, as the file stores them. From then
+        on every step of this linear runs on them. Raises ``ValueError`` for scales that are
+        not float16 values."""
+        out, k = self.shape
+        num_panels, blocks = -(-out // _PANEL), k // 32
         pad = num_panels * _PANEL - out
 
-        def panel_major(t: torch.Tensor, dim_per_block: int | None) -> torch.Tensor:
-            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
-            if dim_per_block is None:  # [out, blocks] -> [panels, blocks, 16]
-                return t.view(num_panels, _PANEL, -1).permute(0, 2, 1).contiguous()
-            grid = t.view(num_panels, _PANEL, -1, dim_per_block)  # [panels, 16, blocks, per]
-            return grid.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(-1)
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
 
         per_block = 16 if self.kind == "q4_1" else 32
-        mins = panel_major(self.mins.float(), None) if self.mins is not None else None
-        scales = panel_major(self.scales.float(), None)
-        self.panels = (panel_major(self.qs, per_block), scales, mins)
+        quants = self.qs.view(torch.uint8)
+        if self.kind == "q8_0":
+            quants = quants ^ 0x80  # signed to unsigned: the integer kernels' weight operand
+        grid = padded(quants).view(num_panels, _PANEL, blocks, per_block // 4, 4)
+        parts = [grid.permute(0, 2, 3, 1, 4).reshape(num_panels, blocks, per_block * _PANEL)]
+        for values in (self.scales, self.mins):
+            if values is None:
+                continue
+            half = values.half()
+            if not torch.equal(half.float(), values.float()):
+                raise ValueError("GGUF block scales and minimums must be float16 values")
+            by_panel = padded(half).view(num_panels, _PANEL, blocks).permute(0, 2, 1).contiguous()
+            parts.append(by_panel.view(torch.uint8))
+        self.panels = torch.cat(parts, dim=2).reshape(-1)
 
     @classmethod
     def from_raw(cls, kind: str, raw: np.ndarray) -> GGUFBlocks:

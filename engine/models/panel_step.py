@@ -52,13 +52,11 @@ def use_native_norms(model: torch.nn.Module) -> None:
 def _panel_fields(
     blocks: GGUFBlocks | None, last: int, keep: list[torch.Tensor]
 ) -> list[int] | None:
-    """The five table fields of ``blocks``' panels (the fifth ``last``), or None."""
+    """The three table fields of ``blocks``' panels (the third ``last``), or None."""
     if blocks is None or blocks.panels is None or blocks.kind not in _KIND_CODES:
         return None
-    q, d, mins = blocks.panels
-    keep.extend(t for t in (q, d, mins) if t is not None)
-    return [_KIND_CODES[blocks.kind], q.data_ptr(), d.data_ptr(),
-            mins.data_ptr() if mins is not None else 0, last]  # fmt: skip
+    keep.append(blocks.panels)
+    return [_KIND_CODES[blocks.kind], blocks.panels.data_ptr(), last]
 
 
 def _linear_fields(linear: BlockLinear, keep: list[torch.Tensor]) -> list[int] | None:

@@ -62,8 +62,8 @@ def _in_blocks(model: LlamaForCausalLM, seed: int) -> None:
             blocks.pack_panels()
             module.blocks = blocks
     head = _random_blocks("q8_0", *model.model.embed_tokens.weight.shape, gen)
-    model.model.embed_tokens.weight.data = head.dequantize() * 20  # clear greedy winners
-    head.scales *= 20
+    head.scales = (head.scales * 20).half().float()  # clear greedy winners; float16, as a file's
+    model.model.embed_tokens.weight.data = head.dequantize()
     head.pack_panels()
     model.lm_head_blocks = head
     use_native_norms(model)  # as the loader does: steps of <= 8 tokens in one native call

@@ -56,8 +56,8 @@ def _in_panels(model: LlamaForCausalLM, seed: int) -> None:
             if name.endswith("qkv_proj"):
                 module.bias = torch.nn.Parameter(torch.randn(module.weight.shape[0], generator=gen))
     head = _random_blocks("q8_0", *model.model.embed_tokens.weight.shape, gen)
-    model.model.embed_tokens.weight.data = head.dequantize() * 20
-    head.scales *= 20
+    head.scales = (head.scales * 20).half().float()  # float16 values, as a file's
+    model.model.embed_tokens.weight.data = head.dequantize()
     head.pack_panels()
     model.lm_head_blocks = head
     use_native_norms(model)

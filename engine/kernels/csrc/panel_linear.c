@@ -1,224 +1,357 @@
 /* panel_linear: y = x W^T for W in GGUF Q4_1 / Q8_0 blocks, batch invariant by construction.
  *
- * The weights are repacked once (engine/models/block_linear.py, GGUFBlocks.pack_panels) into
- * panels of 16 output rows: for each panel and each block of 32 inputs, the 16 rows' quants side
- * by side (Q4_1: 16 bytes per pair of inputs kk and kk + 16, low nibble kk, high nibble kk + 16;
- * Q8_0: 16 bytes per input), then the 16 rows' scales (and minimums). The vectors run across
- * output rows, so every output element is one scalar chain, the same whatever the step:
+ * Each float32 input row is first written in integers, block by block (panel_quantize_row): a
+ * block of 32 inputs gets a power-of-two scale s from its largest magnitude, and each input x
+ * becomes X = rint(x / s) with |X| <= 2^20 (21 significant bits against the block's largest
+ * value, where float32 carries 24), written as three int8 digits. The products of the weights'
+ * small integers with those digits are integer dot products (AVX512-VNNI's vpdpbusd, AVX2's
+ * vpmaddubsw + vpmaddwd, or plain C): exact, so their order, the vector width, the tile and
+ * the thread that computes them cannot change a bit. Then each output element is one fixed
+ * chain of float32 operations, block by block in order:
  *
  *     acc = 0
- *     for each block b:                       (in order)
- *         t = 0
- *         for each input j of b:              (Q4_1: 0, 16, 1, 17, ..., 15, 31; Q8_0: 0..31)
- *             t = fma(x[j], q[j], t)          (q the small integer, exact in float32)
- *         acc = fma(t, d_b, acc)
- *         acc = fma(m_b, sum(x in b), acc)    (Q4_1; the sum in input order, once per row)
+ *     for each block b:
+ *         D0, D1, D2 = the block's integer dot products of the quants with digits c, b, a
+ *                      (Q8_0: quants + 128 as stored, less 128 x the digits' sums)
+ *         t = fma(D2, 2^14, D1 * 2^7) + D0          (int -> float conversions exact)
+ *         acc = fma(t, d_b * s_b, acc)               (d_b * s_b exact: s_b a power of two)
+ *         acc = fma(m_b, s_b * sum(X), acc)          (Q4_1's minimum)
  *     y = acc (+ bias)
  *
- * The rows of a step, how many rows share a tile, how the output rows are split across threads,
- * the vector width: none of them changes a single element's operations, so a request's logits do
- * not depend on what else is in its step. The AVX2 path and the portable one (fmaf) compute the
- * same bits; AVX-512 CPUs run the AVX2 path (a wider one would compute the same bits too).
+ * so a request's logits do not depend on what else is in its step, on the thread count or on
+ * the instruction set. The weights are repacked once (engine/models/block_linear.py,
+ * GGUFBlocks.pack_panels) into panels of 16 output rows: per panel and block, the quants of 4
+ * inputs x 16 rows at a time (64 bytes: row o's 4 bytes at 4 * o), Q4_1 as in the file (byte j:
+ * input j in the low nibble, j + 16 in the high), Q8_0 offset by 128; then the 16 rows' scales
+ * (and minimums) as float32.
  */
+#include "panel_linear.h"
+
 #include "common.h"
 
 #define PANEL 16
-#define ROW_TILE 5      /* x rows per micro-tile (tiles of 1 row take 4 panels at once) */
-#define TASK_PANELS 4   /* panels per thread task */
-#define TASK_ROWS 64    /* x rows per thread task: a task's x rows stay in L2 */
-#define WIDE_TILE 6     /* x rows per micro-tile on an unpacked panel: 12 chains of 8 outputs */
-#define UNPACK_MIN_ROWS 12 /* a task with this many rows unpacks each panel to floats first */
-#define CHUNK_BLOCKS 8  /* blocks of a panel unpacked at a time: 16 KiB of floats, kept in L1 */
+#define TASK_PANELS 4 /* panels per thread task */
+#define TASK_ROWS 64  /* x rows per thread task */
+#ifndef ONE_ROW_PANELS
+#define ONE_ROW_PANELS 1 /* panels a lone row's tile takes at once: one stream of records (4 were 1.5x slower) */
+#endif
+#define X_BITS (7 * PANEL_LIMBS - 1) /* |X| <= 2^X_BITS */
+#define DIGIT_WEIGHT(l) ((float)(1 << (7 * (l)))) /* digit l counts 2^(7 l) */
 enum { PANEL_Q4_1 = 0, PANEL_Q8_0 = 1 };
+#define DIGITS_PER_BLOCK (PANEL_LIMBS * 32)
 
 typedef struct {
     int kind, k, nb, n, np;
-    const uint8_t *q;  /* [np][nb][qbytes] */
-    const float *d;    /* [np][nb][16] */
-    const float *mn;   /* [np][nb][16] (Q4_1) or NULL */
+    const uint8_t *rec; /* [np][nb][record_bytes]: quants, then float16 scales (and minimums) */
 } Panels;
 
 static inline int panel_qbytes(int kind) { return kind == PANEL_Q4_1 ? 256 : 512; }
+static inline int record_bytes(int kind) { return kind == PANEL_Q4_1 ? 256 + 64 : 512 + 32; }
+/* Panel p's record of block b. */
+static inline const uint8_t *record(const Panels *w, int p, int b) {
+    return w->rec + ((int64_t)p * w->nb + b) * record_bytes(w->kind);
+}
 
 #define INLINE static inline __attribute__((always_inline))
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* Eight output rows' quants of input pair kk (Q4_1: lo = input kk, hi = input kk + 16) or of
- * input kk (Q8_0: lo only), as float32. */
-INLINE void q4_pair(const uint8_t *qb, int kk, int v, __m256 *lo, __m256 *hi) {
-    const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + kk * PANEL + v * 8)));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(raw, _mm256_set1_epi32(0x0f)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 4));
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+size_t panel_rows_bytes(int m, int k) {
+    const size_t blocks = (size_t)m * (size_t)(k / 32);
+    return align64(blocks * DIGITS_PER_BLOCK) + 2 * align64(blocks * sizeof(float)) + align64(blocks * 4 * sizeof(int32_t));
 }
 
-INLINE __m256 q8_one(const uint8_t *qb, int j, int v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j * PANEL + v * 8))));
+void panel_rows_init(PanelRows *rows, int m, int k, void *scratch) {
+    const size_t blocks = (size_t)m * (size_t)(k / 32);
+    char *p = (char *)scratch;
+    rows->m = m, rows->k = k, rows->nb = k / 32;
+    rows->limbs = (int8_t *)p;
+    p += align64(blocks * DIGITS_PER_BLOCK);
+    rows->scale = (float *)p;
+    p += align64(blocks * sizeof(float));
+    rows->xsum = (float *)p;
+    p += align64(blocks * sizeof(float));
+    rows->lsum = (int32_t *)p;
 }
 
-/* R rows (r0..) times NP panels (p0..), all blocks, into acc[r][pp * 16 + o] (zeroed here). */
-INLINE void micro(const Panels *w, const float *xf, const float *xs, int r0, const int R, int p0, const int NP,
-                  float *acc) {
-    const int qbytes = panel_qbytes(w->kind);
-    for (int i = 0; i < R * NP * PANEL; i++) acc[i] = 0.f;
+static inline float float_of_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* A block whose largest magnitude's bits are top: its scale, the factor up = 1 / scale, or 0
+ * when the block is taken as zeros (largest below 2^-107) and -1 when it holds inf or NaN. */
+static inline int block_scale(uint32_t top, float *up, float *scale) {
+    if (top >= 0x7f800000u) return -1;
+    const int e = (int)(top >> 23); /* largest in [2^(e-127), 2^(e-126)) */
+    if (e < X_BITS + 1) return 0;
+    *up = float_of_bits((uint32_t)(X_BITS + 253 - e) << 23); /* 2^(X_BITS + 126 - e) */
+    *scale = float_of_bits((uint32_t)(e - X_BITS + 1) << 23); /* 2^(e - 126 - X_BITS) */
+    return 1;
+}
+
+static void zero_block(int8_t *limbs, float *scale, float *xsum, int32_t *lsum, float fill) {
+    memset(limbs, 0, DIGITS_PER_BLOCK);
+    memset(lsum, 0, 4 * sizeof(int32_t));
+    *scale = fill;
+    *xsum = fill;
+}
+
+/* One block of 32 inputs into its digits, scale, sums: the definition (every build's vector
+ * version computes these same integers). */
+static void quantize_block(const float *xb, int8_t *limbs, float *scale, float *xsum, int32_t *lsum) {
+    uint32_t top = 0;
+    for (int j = 0; j < 32; j++) {
+        uint32_t u;
+        memcpy(&u, xb + j, 4);
+        u &= 0x7fffffffu;
+        top = u > top ? u : top;
+    }
+    float up = 0.f, s = 0.f;
+    const int how = block_scale(top, &up, &s);
+    if (how <= 0) {
+        zero_block(limbs, scale, xsum, lsum, how < 0 ? NAN : 0.f);
+        return;
+    }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 vup = _mm512_set1_ps(up);
+    const __m512i half = _mm512_set1_epi32(64);
+    __m512i sx = _mm512_setzero_si512(), sl[PANEL_LIMBS];
+    for (int l = 0; l < PANEL_LIMBS; l++) sl[l] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), vup));
+        __m512i rest = x;
+        for (int l = 0; l < PANEL_LIMBS; l++) {
+            const __m512i q = l + 1 < PANEL_LIMBS ? _mm512_srai_epi32(_mm512_add_epi32(rest, half), 7)
+                                                  : _mm512_setzero_si512();
+            const __m512i digit = _mm512_sub_epi32(rest, _mm512_slli_epi32(q, 7));
+            _mm_storeu_si128((__m128i *)(limbs + l * 32 + 16 * h), _mm512_cvtepi32_epi8(digit));
+            sl[l] = _mm512_add_epi32(sl[l], digit);
+            rest = q;
+        }
+        sx = _mm512_add_epi32(sx, x);
+    }
+    for (int l = 0; l < PANEL_LIMBS; l++) lsum[l] = _mm512_reduce_add_epi32(sl[l]);
+    const int32_t sum = _mm512_reduce_add_epi32(sx);
+#else
+    int32_t sum = 0;
+    memset(lsum, 0, 4 * sizeof(int32_t));
+    for (int j = 0; j < 32; j++) {
+        const int32_t x = (int32_t)rintf(xb[j] * up);
+        int32_t rest = x;
+        for (int l = 0; l < PANEL_LIMBS; l++) {
+            const int32_t q = l + 1 < PANEL_LIMBS ? (rest + 64) >> 7 : 0, digit = rest - q * 128;
+            limbs[l * 32 + j] = (int8_t)digit;
+            lsum[l] += digit;
+            rest = q;
+        }
+        sum += x;
+    }
+#endif
+    *scale = s;
+    *xsum = (float)sum * s;
+}
+
+void panel_quantize_row(const float *x, const PanelRows *rows, int i) {
+    const int64_t at = (int64_t)i * rows->nb;
+    for (int b = 0; b < rows->nb; b++)
+        quantize_block(x + b * 32, rows->limbs + (at + b) * DIGITS_PER_BLOCK, rows->scale + at + b, rows->xsum + at + b,
+                       rows->lsum + (at + b) * 4);
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return float_of_bits(sign | 0x7f800000u | (m << 13));     /* inf, NaN */
+    if (e) return float_of_bits(sign | ((e + 112) << 23) | (m << 13));       /* normal */
+    const float sub = (float)m * 0x1p-24f;                                     /* subnormal: exact */
+    return sign ? -sub : sub;
+}
+
+/* The float chain's step for one block of one element (see the top): every build runs it. */
+static inline float chain_step(float acc, const int32_t *dsum, float d, float s, const float *mn, float xsum) {
+    float t = (float)dsum[PANEL_LIMBS - 1] * DIGIT_WEIGHT(PANEL_LIMBS - 1);
+    for (int l = PANEL_LIMBS - 2; l >= 0; l--) t = fmaf((float)dsum[l], DIGIT_WEIGHT(l), t);
+    acc = fmaf(t, d * s, acc);
+    return mn ? fmaf(*mn, xsum, acc) : acc;
+}
+
+/* Rows r0.. of x (R of them) times panels p0.. (NP of them) into out[(r * NP + pp) * 16 + o]. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define PANEL_ISA 512
+#define TILE_ROWS 6
+/* One block's step for 16 elements; rec: the panel's record of the block. */
+INLINE __m512 chain16(__m512 acc, const __m512i *dsum, const uint8_t *rec, int qbytes, int has_min, float s,
+                      float xsum) {
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dsum[PANEL_LIMBS - 1]), _mm512_set1_ps(DIGIT_WEIGHT(PANEL_LIMBS - 1)));
+    for (int l = PANEL_LIMBS - 2; l >= 0; l--)
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dsum[l]), _mm512_set1_ps(DIGIT_WEIGHT(l)), t);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + qbytes)));
+    acc = _mm512_fmadd_ps(t, _mm512_mul_ps(d, _mm512_set1_ps(s)), acc);
+    if (!has_min) return acc;
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + qbytes + 32)));
+    return _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum), acc);
+}
+
+INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int p0, const int NP, float *out) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int q4 = w->kind == PANEL_Q4_1, qbytes = panel_qbytes(w->kind);
+    __m512 acc[TILE_ROWS];
+    for (int i = 0; i < R * NP; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < w->nb; b++) {
-        __m256 t[ROW_TILE][8];
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < 2 * NP; v++) t[r][v] = _mm256_setzero_ps();
-        const float *xb[ROW_TILE];
-        for (int r = 0; r < R; r++) xb[r] = xf + (int64_t)(r0 + r) * w->k + b * 32;
-        const uint8_t *qb[4];
-        for (int pp = 0; pp < NP; pp++) qb[pp] = w->q + ((int64_t)(p0 + pp) * w->nb + b) * qbytes;
-        /* A panel's two weight vectors are unpacked at a time and each x value is broadcast
-         * once per panel: the chains (R * 2 * NP <= 10 vectors) stay in registers. */
-        if (w->kind == PANEL_Q4_1) {
-            for (int kk = 0; kk < 16; kk++)
+        __m512i dsum[TILE_ROWS][PANEL_LIMBS];
+        for (int i = 0; i < R * NP; i++)
+            for (int l = 0; l < PANEL_LIMBS; l++) dsum[i][l] = _mm512_setzero_si512();
+        const int8_t *lb[TILE_ROWS];
+        for (int r = 0; r < R; r++) lb[r] = x->limbs + ((int64_t)(r0 + r) * x->nb + b) * DIGITS_PER_BLOCK;
+        const uint8_t *rec[TILE_ROWS];
+        for (int pp = 0; pp < NP; pp++) rec[pp] = record(w, p0 + pp, b);
+        if (q4) {
+            for (int j = 0; j < 4; j++)
                 for (int pp = 0; pp < NP; pp++) {
-                    __m256 lo0, hi0, lo1, hi1;
-                    q4_pair(qb[pp], kk, 0, &lo0, &hi0);
-                    q4_pair(qb[pp], kk, 1, &lo1, &hi1);
-                    for (int r = 0; r < R; r++) {
-                        const __m256 xl = _mm256_broadcast_ss(xb[r] + kk);
-                        t[r][2 * pp] = _mm256_fmadd_ps(xl, lo0, t[r][2 * pp]);
-                        t[r][2 * pp + 1] = _mm256_fmadd_ps(xl, lo1, t[r][2 * pp + 1]);
-                        const __m256 xh = _mm256_broadcast_ss(xb[r] + kk + 16);
-                        t[r][2 * pp] = _mm256_fmadd_ps(xh, hi0, t[r][2 * pp]);
-                        t[r][2 * pp + 1] = _mm256_fmadd_ps(xh, hi1, t[r][2 * pp + 1]);
-                    }
+                    const __m512i raw = _mm512_loadu_si512((const void *)(rec[pp] + j * 64));
+                    const __m512i lo = _mm512_and_si512(raw, low);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < R; r++)
+                        for (int l = 0; l < PANEL_LIMBS; l++) {
+                            __m512i *s = &dsum[r * NP + pp][l];
+                            *s = _mm512_dpbusd_epi32(*s, lo, _mm512_set1_epi32(load_i32(lb[r] + l * 32 + 4 * j)));
+                            *s = _mm512_dpbusd_epi32(*s, hi, _mm512_set1_epi32(load_i32(lb[r] + l * 32 + 16 + 4 * j)));
+                        }
                 }
         } else {
-            for (int j = 0; j < 32; j++)
+            for (int j = 0; j < 8; j++)
                 for (int pp = 0; pp < NP; pp++) {
-                    const __m256 w0 = q8_one(qb[pp], j, 0), w1 = q8_one(qb[pp], j, 1);
-                    for (int r = 0; r < R; r++) {
-                        const __m256 xv = _mm256_broadcast_ss(xb[r] + j);
-                        t[r][2 * pp] = _mm256_fmadd_ps(xv, w0, t[r][2 * pp]);
-                        t[r][2 * pp + 1] = _mm256_fmadd_ps(xv, w1, t[r][2 * pp + 1]);
+                    const __m512i raw = _mm512_loadu_si512((const void *)(rec[pp] + j * 64));
+                    for (int r = 0; r < R; r++)
+                        for (int l = 0; l < PANEL_LIMBS; l++)
+                            dsum[r * NP + pp][l] = _mm512_dpbusd_epi32(
+                                dsum[r * NP + pp][l], raw, _mm512_set1_epi32(load_i32(lb[r] + l * 32 + 4 * j)));
+                }
+            for (int r = 0; r < R; r++)
+                for (int l = 0; l < PANEL_LIMBS; l++) {
+                    const __m512i off = _mm512_set1_epi32(128 * x->lsum[((int64_t)(r0 + r) * x->nb + b) * 4 + l]);
+                    for (int pp = 0; pp < NP; pp++) dsum[r * NP + pp][l] = _mm512_sub_epi32(dsum[r * NP + pp][l], off);
+                }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t xb = (int64_t)(r0 + r) * x->nb + b;
+            for (int pp = 0; pp < NP; pp++)
+                acc[r * NP + pp] =
+                    chain16(acc[r * NP + pp], dsum[r * NP + pp], rec[pp], qbytes, q4, x->scale[xb], x->xsum[xb]);
+        }
+    }
+    for (int i = 0; i < R * NP; i++) _mm512_storeu_ps(out + i * PANEL, acc[i]);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PANEL_ISA 256
+#define TILE_ROWS 2
+INLINE __m256i dot4(__m256i sum, __m256i w, const int8_t *digits) {
+    const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(digits)));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* One block's step for 8 elements (half h of the panel). */
+INLINE __m256 chain8(__m256 acc, const __m256i *dsum, const uint8_t *rec, int qbytes, int has_min, int h, float s,
+                     float xsum) {
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dsum[PANEL_LIMBS - 1]), _mm256_set1_ps(DIGIT_WEIGHT(PANEL_LIMBS - 1)));
+    for (int l = PANEL_LIMBS - 2; l >= 0; l--)
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dsum[l]), _mm256_set1_ps(DIGIT_WEIGHT(l)), t);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + qbytes + 16 * h)));
+    acc = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(s)), acc);
+    if (!has_min) return acc;
+    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + qbytes + 32 + 16 * h)));
+    return _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum), acc);
+}
+
+/* Eight output rows at a time (half h of each panel: bytes 32 h.. of each 64-byte group). */
+INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int p0, const int NP, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int q4 = w->kind == PANEL_Q4_1, qbytes = panel_qbytes(w->kind);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE_ROWS * 2];
+        for (int i = 0; i < R * NP; i++) acc[i] = _mm256_setzero_ps();
+        for (int b = 0; b < w->nb; b++) {
+            __m256i dsum[TILE_ROWS * 2][PANEL_LIMBS];
+            for (int i = 0; i < R * NP; i++)
+                for (int l = 0; l < PANEL_LIMBS; l++) dsum[i][l] = _mm256_setzero_si256();
+            const int8_t *lb[TILE_ROWS];
+            for (int r = 0; r < R; r++) lb[r] = x->limbs + ((int64_t)(r0 + r) * x->nb + b) * DIGITS_PER_BLOCK;
+            const uint8_t *rec[TILE_ROWS * 2];
+            for (int pp = 0; pp < NP; pp++) rec[pp] = record(w, p0 + pp, b);
+            for (int j = 0; j < qbytes / 64; j++)
+                for (int pp = 0; pp < NP; pp++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec[pp] + j * 64 + h * 32));
+                    if (q4) {
+                        const __m256i lo = _mm256_and_si256(raw, low);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        for (int r = 0; r < R; r++)
+                            for (int l = 0; l < PANEL_LIMBS; l++) {
+                                __m256i *s = &dsum[r * NP + pp][l];
+                                *s = dot4(dot4(*s, lo, lb[r] + l * 32 + 4 * j), hi, lb[r] + l * 32 + 16 + 4 * j);
+                            }
+                    } else {
+                        for (int r = 0; r < R; r++)
+                            for (int l = 0; l < PANEL_LIMBS; l++)
+                                dsum[r * NP + pp][l] = dot4(dsum[r * NP + pp][l], raw, lb[r] + l * 32 + 4 * j);
                     }
                 }
-        }
-        for (int pp = 0; pp < NP; pp++) {
-            const int64_t at = ((int64_t)(p0 + pp) * w->nb + b) * PANEL;
-            for (int v = 0; v < 2; v++) {
-                const __m256 d = _mm256_loadu_ps(w->d + at + v * 8);
-                const __m256 m = w->mn ? _mm256_loadu_ps(w->mn + at + v * 8) : _mm256_setzero_ps();
-                for (int r = 0; r < R; r++) {
-                    float *dst = acc + (r * NP + pp) * PANEL + v * 8;
-                    __m256 a = _mm256_fmadd_ps(t[r][pp * 2 + v], d, _mm256_loadu_ps(dst));
-                    if (w->mn) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + (int64_t)(r0 + r) * w->nb + b), a);
-                    _mm256_storeu_ps(dst, a);
+            for (int r = 0; r < R; r++) {
+                const int64_t xb = (int64_t)(r0 + r) * x->nb + b;
+                for (int pp = 0; pp < NP; pp++) {
+                    __m256i *s = dsum[r * NP + pp];
+                    if (!q4)
+                        for (int l = 0; l < PANEL_LIMBS; l++)
+                            s[l] = _mm256_sub_epi32(s[l], _mm256_set1_epi32(128 * x->lsum[xb * 4 + l]));
+                    acc[r * NP + pp] = chain8(acc[r * NP + pp], s, rec[pp], qbytes, q4, h, x->scale[xb], x->xsum[xb]);
                 }
             }
         }
-    }
-}
-
-#define HAVE_UNPACKED 1
-/* Blocks b0..b1-1 of panel p as float32 into wf, in each element's chain order: per block, per
- * step s of the chain (Q4_1: inputs 0, 16, 1, 17, ..., 15, 31; Q8_0: 0..31), the 16 outputs.
- * The quants are small integers: exact in float32, so the products are the ones above. */
-static void unpack_panel(const Panels *w, int p, int b0, int b1, float *wf) {
-    const int qbytes = panel_qbytes(w->kind);
-    for (int b = b0; b < b1; b++) {
-        const uint8_t *qb = w->q + ((int64_t)p * w->nb + b) * qbytes;
-        float *dst = wf + (b - b0) * 32 * PANEL;
-        for (int s = 0; s < 32; s++)
-            for (int v = 0; v < 2; v++) {
-                __m256 lo, hi;
-                if (w->kind == PANEL_Q4_1) {
-                    if (s & 1) continue; /* s and s + 1 come from the same bytes */
-                    q4_pair(qb, s / 2, v, &lo, &hi);
-                    _mm256_storeu_ps(dst + s * PANEL + v * 8, lo);
-                    _mm256_storeu_ps(dst + (s + 1) * PANEL + v * 8, hi);
-                } else {
-                    _mm256_storeu_ps(dst + s * PANEL + v * 8, q8_one(qb, s, v));
-                }
-            }
-    }
-}
-
-/* The x values of a tile of R rows (r0..) in the chains' step order, rows side by side:
- * xt[(b * 32 + s) * R + i] is the input that step s of block b multiplies for row r0 + i, and
- * xst[b * R + i] that row's block sum. A tile's broadcasts then read one stream, and the values
- * (copied, not computed) are the ones the chains read from x. */
-static void pack_tile(const Panels *w, const float *xf, const float *xs, int r0, int R, float *xt, float *xst) {
-    for (int i = 0; i < R; i++) {
-        const float *xr = xf + (int64_t)(r0 + i) * w->k;
-        for (int b = 0; b < w->nb; b++) {
-            float *dst = xt + (int64_t)b * 32 * R + i;
-            for (int s = 0; s < 32; s++) {
-                const int j = w->kind == PANEL_Q4_1 ? (s >> 1) + ((s & 1) << 4) : s;
-                dst[s * R] = xr[b * 32 + j];
-            }
-            if (xs) xst[b * R + i] = xs[(int64_t)(r0 + i) * w->nb + b];
-        }
-    }
-}
-
-/* R rows of a packed tile (xt, xst) times unpacked blocks b0..b1-1 (wf) of panel p, added into
- * acc[r][16] (the running sums, zeroed by the caller before block 0). The same chains as micro:
- * per block, t over the 32 steps in order, then acc = fma(t, d, acc) and the minimum's term.
- * All R rows take a step before the next one, so the 2R chains (12 vectors) hide the FMA
- * latency, and the weights come from L1 once per R rows instead of being unpacked per tile. */
-INLINE void micro_unpacked(const Panels *w, const float *wf, const float *xt, const float *xst, const int R,
-                           int p, int b0, int b1, float *acc) {
-    for (int b = b0; b < b1; b++) {
-        __m256 t[WIDE_TILE][2];
-        for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
-        const float *wb = wf + (b - b0) * 32 * PANEL, *xb = xt + (int64_t)b * 32 * R;
-#pragma GCC unroll 4
-        for (int s = 0; s < 32; s++) {
-            const __m256 w0 = _mm256_loadu_ps(wb + s * PANEL), w1 = _mm256_loadu_ps(wb + s * PANEL + 8);
-            for (int r = 0; r < R; r++) {
-                const __m256 xv = _mm256_broadcast_ss(xb + s * R + r);
-                t[r][0] = _mm256_fmadd_ps(xv, w0, t[r][0]);
-                t[r][1] = _mm256_fmadd_ps(xv, w1, t[r][1]);
-            }
-        }
-        const int64_t at = ((int64_t)p * w->nb + b) * PANEL;
-        for (int v = 0; v < 2; v++) {
-            const __m256 d = _mm256_loadu_ps(w->d + at + v * 8);
-            const __m256 m = w->mn ? _mm256_loadu_ps(w->mn + at + v * 8) : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                float *dst = acc + r * PANEL + v * 8;
-                __m256 a = _mm256_fmadd_ps(t[r][v], d, _mm256_loadu_ps(dst));
-                if (w->mn) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xst + b * R + r), a);
-                _mm256_storeu_ps(dst, a);
-            }
-        }
+        for (int i = 0; i < R * NP; i++) _mm256_storeu_ps(out + i * PANEL + 8 * h, acc[i]);
     }
 }
 #else
-/* Portable: the same chains, one element at a time (fmaf rounds once, as the vector FMA does). */
-INLINE void micro(const Panels *w, const float *xf, const float *xs, int r0, const int R, int p0, const int NP,
-                  float *acc) {
-    const int qbytes = panel_qbytes(w->kind);
+#define PANEL_ISA 0
+#define TILE_ROWS 4
+/* Portable: the same integers and the same chain, one element at a time. */
+INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int p0, const int NP, float *out) {
+    const int q4 = w->kind == PANEL_Q4_1, qbytes = panel_qbytes(w->kind);
     for (int r = 0; r < R; r++)
         for (int pp = 0; pp < NP; pp++)
             for (int o = 0; o < PANEL; o++) {
-                const float *xr = xf + (int64_t)(r0 + r) * w->k;
-                float a = 0.f;
+                float acc = 0.f;
                 for (int b = 0; b < w->nb; b++) {
-                    const uint8_t *qb = w->q + ((int64_t)(p0 + pp) * w->nb + b) * qbytes;
-                    const int64_t at = ((int64_t)(p0 + pp) * w->nb + b) * PANEL + o;
-                    float t = 0.f;
-                    if (w->kind == PANEL_Q4_1) {
-                        for (int kk = 0; kk < 16; kk++) {
-                            const uint8_t byte = qb[kk * PANEL + o];
-                            t = fmaf(xr[b * 32 + kk], (float)(byte & 0x0f), t);
-                            t = fmaf(xr[b * 32 + kk + 16], (float)(byte >> 4), t);
+                    const int64_t xb = (int64_t)(r0 + r) * x->nb + b;
+                    const int8_t *lb = x->limbs + xb * DIGITS_PER_BLOCK;
+                    const uint8_t *rec = record(w, p0 + pp, b);
+                    int32_t dsum[PANEL_LIMBS] = {0};
+                    for (int j = 0; j < qbytes / 64; j++)
+                        for (int i = 0; i < 4; i++) {
+                            const int byte = rec[j * 64 + o * 4 + i];
+                            for (int l = 0; l < PANEL_LIMBS; l++)
+                                dsum[l] += q4 ? (byte & 0x0f) * lb[l * 32 + 4 * j + i] + (byte >> 4) * lb[l * 32 + 16 + 4 * j + i]
+                                              : byte * lb[l * 32 + 4 * j + i];
                         }
-                    } else {
-                        for (int j = 0; j < 32; j++) t = fmaf(xr[b * 32 + j], (float)((const int8_t *)qb)[j * PANEL + o], t);
-                    }
-                    a = fmaf(t, w->d[at], a);
-                    if (w->mn) a = fmaf(w->mn[at], xs[(int64_t)(r0 + r) * w->nb + b], a);
+                    if (!q4)
+                        for (int l = 0; l < PANEL_LIMBS; l++) dsum[l] -= 128 * x->lsum[xb * 4 + l];
+                    uint16_t half[2];
+                    memcpy(half, rec + qbytes + 2 * o, 2);
+                    if (q4) memcpy(half + 1, rec + qbytes + 32 + 2 * o, 2);
+                    const float mn = q4 ? half_to_float(half[1]) : 0.f;
+                    acc = chain_step(acc, dsum, half_to_float(half[0]), x->scale[xb], q4 ? &mn : NULL, x->xsum[xb]);
                 }
-                acc[(r * NP + pp) * PANEL + o] = a;
+                out[(r * NP + pp) * PANEL + o] = acc;
             }
 }
 #endif
 
-/* acc [R][NP * 16], rows r0.. times panels p0..p0+NP-1, stored into y (bias added, rounded to dt). */
+/* acc [R][NP * 16], rows r0.. times panels p0.., stored into y (bias added, rounded to dt). */
 static void store_rows(const Panels *w, const float *acc, int r0, int R, int p0, int NP, const float *bias, int dt,
                        void *y) {
     for (int r = 0; r < R; r++)
@@ -234,163 +367,100 @@ static void store_rows(const Panels *w, const float *acc, int r0, int R, int p0,
             }
 }
 
-/* Rows r0..r0+R-1 times panels p0..p0+NP-1, stored into y (bias added, rounded to dt). */
-static void tile_store(const Panels *w, const float *xf, const float *xs, int r0, int R, int p0, int NP,
-                       const float *bias, int dt, void *y) {
-    float acc[ROW_TILE * TASK_PANELS * PANEL]; /* >= R * NP * PANEL */
-    /* Literal sizes let the compiler keep the chains in registers. */
-#define MICRO_NP(RR)                                                                      \
-    switch (NP) {                                                                          \
-    case 1: micro(w, xf, xs, r0, RR, p0, 1, acc); break;                                   \
-    case 2: micro(w, xf, xs, r0, RR, p0, 2, acc); break;                                   \
-    case 3: micro(w, xf, xs, r0, RR, p0, 3, acc); break;                                   \
-    default: micro(w, xf, xs, r0, RR, p0, 4, acc); break;                                  \
+/* Rows r0..r0+R-1 (R <= TILE_ROWS) times panels p0..p0+NP-1 (NP > 1 only for one row). */
+static void tile_store(const Panels *w, const PanelRows *x, int r0, int R, int p0, int NP, const float *bias, int dt,
+                       void *y) {
+    float acc[TILE_ROWS * TASK_PANELS * PANEL];
+    /* Literal sizes keep the sums in registers. */
+    if (R == 1) {
+        switch (NP) {
+        case 1: micro(w, x, r0, 1, p0, 1, acc); break;
+        case 2: micro(w, x, r0, 1, p0, 2, acc); break;
+#if PANEL_ISA == 512
+        case 3: micro(w, x, r0, 1, p0, 3, acc); break;
+        default: micro(w, x, r0, 1, p0, 4, acc); break;
+#else
+        default: micro(w, x, r0, 1, p0, 2, acc), micro(w, x, r0, 1, p0 + 2, NP - 2, acc + 2 * PANEL); break;
+#endif
+        }
+    } else {
+        switch (R) {
+        case 2: micro(w, x, r0, 2, p0, 1, acc); break;
+#if TILE_ROWS >= 4
+        case 3: micro(w, x, r0, 3, p0, 1, acc); break;
+        case 4: micro(w, x, r0, 4, p0, 1, acc); break;
+#endif
+#if TILE_ROWS >= 6
+        case 5: micro(w, x, r0, 5, p0, 1, acc); break;
+        case 6: micro(w, x, r0, 6, p0, 1, acc); break;
+#endif
+        default: break;
+        }
     }
-    switch (R) {
-    case 1: MICRO_NP(1) break;
-    case 2: micro(w, xf, xs, r0, 2, p0, 1, acc); break;
-    case 3: micro(w, xf, xs, r0, 3, p0, 1, acc); break;
-    case 4: micro(w, xf, xs, r0, 4, p0, 1, acc); break;
-    default: micro(w, xf, xs, r0, 5, p0, 1, acc); break;
-    }
-#undef MICRO_NP
     store_rows(w, acc, r0, R, p0, NP, bias, dt, y);
 }
 
-#ifdef HAVE_UNPACKED
-/* One task of at least UNPACK_MIN_ROWS rows, its x rows packed tile by tile (pack_rows): each panel is unpacked to floats CHUNK_BLOCKS blocks at a time, and every tile of up to
- * WIDE_TILE rows runs over the chunk while it is in L1; each row's running sums wait in acc
- * between chunks (stored and reloaded exactly), so each element's chain is still the one above,
- * block by block in order. */
-static void run_task_unpacked(const Panels *w, const float *xf, const float *xs, int r0, int r1, int p0, int p1,
-                              const float *bias, int dt, void *y, const float *xt, const float *xst) {
-    float wf[CHUNK_BLOCKS * 32 * PANEL];
-    float acc[TASK_ROWS * PANEL];
-    for (int p = p0; p < p1; p++) {
-        memset(acc, 0, sizeof(float) * (size_t)(r1 - r0) * PANEL);
-        for (int b0 = 0; b0 < w->nb; b0 += CHUNK_BLOCKS) {
-            const int b1 = b0 + CHUNK_BLOCKS < w->nb ? b0 + CHUNK_BLOCKS : w->nb;
-            unpack_panel(w, p, b0, b1, wf);
-            for (int r = r0; r < r1; r += WIDE_TILE) {
-                float *a = acc + (r - r0) * PANEL;
-                const float *tx = xt + (int64_t)r * w->k, *ts = xst ? xst + (int64_t)r * w->nb : NULL;
-                switch (r1 - r < WIDE_TILE ? r1 - r : WIDE_TILE) { /* literal sizes: chains in registers */
-                case 1: micro_unpacked(w, wf, tx, ts, 1, p, b0, b1, a); break;
-                case 2: micro_unpacked(w, wf, tx, ts, 2, p, b0, b1, a); break;
-                case 3: micro_unpacked(w, wf, tx, ts, 3, p, b0, b1, a); break;
-                case 4: micro_unpacked(w, wf, tx, ts, 4, p, b0, b1, a); break;
-                case 5: micro_unpacked(w, wf, tx, ts, 5, p, b0, b1, a); break;
-                default: micro_unpacked(w, wf, tx, ts, 6, p, b0, b1, a); break;
-                }
-            }
-        }
-        store_rows(w, acc, r0, r1 - r0, p, 1, bias, dt, y);
-    }
-}
-
-/* Rows r0..r1-1 (one row task) packed for run_task_unpacked: the tile at row r (up to WIDE_TILE
- * rows) at xt[r * k] and xst[r * nb]. */
-static void pack_rows(const Panels *w, const float *xf, const float *xs, int r0, int r1, float *xt, float *xst) {
-    for (int r = r0; r < r1; r += WIDE_TILE)
-        pack_tile(w, xf, xs, r, r1 - r < WIDE_TILE ? r1 - r : WIDE_TILE, xt + (int64_t)r * w->k,
-                  xst ? xst + (int64_t)r * w->nb : NULL);
-}
-#endif
-
-/* One task: panels p0..p1-1 for rows r0..r1-1. Several rows: tiles of up to ROW_TILE rows and
- * one panel; a lone row: tiles of one row and up to TASK_PANELS panels (enough chains to hide
- * the FMA latency). Either way each element's chain is the one above. */
-static void run_task(const Panels *w, const float *xf, const float *xs, int r0, int r1, int p0, int p1,
-                     const float *bias, int dt, void *y, const float *xt, const float *xst) {
-#ifdef HAVE_UNPACKED
-    if (r1 - r0 >= UNPACK_MIN_ROWS) {
-        run_task_unpacked(w, xf, xs, r0, r1, p0, p1, bias, dt, y, xt, xst);
+/* One task: panels p0..p1-1 for rows r0..r1-1. A lone row: tiles of up to TASK_PANELS panels;
+ * several: for each panel (its quants stay in L1), tiles of up to TILE_ROWS rows. */
+static void run_task(const Panels *w, const PanelRows *x, int r0, int r1, int p0, int p1, const float *bias, int dt,
+                     void *y) {
+    if (r1 - r0 == 1) {
+        for (int p = p0; p < p1; p += ONE_ROW_PANELS)
+            tile_store(w, x, r0, 1, p, p1 - p < ONE_ROW_PANELS ? p1 - p : ONE_ROW_PANELS, bias, dt, y);
         return;
     }
-#endif
-    for (int r = r0; r < r1; r += ROW_TILE) {
-        const int R = r1 - r < ROW_TILE ? r1 - r : ROW_TILE;
-        if (R == 1) {
-            for (int p = p0; p < p1; p += TASK_PANELS)
-                tile_store(w, xf, xs, r, 1, p, p1 - p < TASK_PANELS ? p1 - p : TASK_PANELS, bias, dt, y);
-        } else {
-            for (int p = p0; p < p1; p++) tile_store(w, xf, xs, r, R, p, 1, bias, dt, y);
+    for (int p = p0; p < p1; p++)
+        for (int r = r0; r < r1; r += TILE_ROWS) {
+            const int R = r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS;
+            tile_store(w, x, r, R, p, 1, bias, dt, y);
         }
-    }
 }
 
-/* A float32 row's block sums (k / 32 of them, each in input order), as Q4_1's minimums need
- * them: panel_linear and the fused step (panel_step.c) both call this. */
-void panel_block_sums(const float *x, int k, float *xs) {
-    for (int b = 0; b < k / 32; b++) {
-        float s = 0.f;
-        for (int j = 0; j < 32; j++) s += x[b * 32 + j];
-        xs[b] = s;
-    }
-}
-
-/* Rows 0..m-1 (m < UNPACK_MIN_ROWS) of float32 x [m, k] (block sums xs [m, k / 32] for Q4_1)
- * times panels p0..p1-1 of the repack, into float32 y [m, n]: the tasks of panel_linear, whose
- * elements' chains do not depend on which panels a call takes (the fused step hands panels to
- * its threads in chunks). Returns -1 for a row count this entry does not take. */
-int panel_linear_panels(int kind, const float *x, const float *xs, int m, int k, const uint8_t *q, const float *d,
-                        const float *mn, const float *bias, int n, float *y, int p0, int p1) {
-    if (m <= 0 || m >= UNPACK_MIN_ROWS) return -1;
-    const Panels w = {kind, k, k / 32, n, (n + PANEL - 1) / PANEL, q, d, mn};
+int panel_linear_panels(int kind, const PanelRows *rows, const uint8_t *records, const float *bias, int n, float *y,
+                        int p0, int p1) {
+    if (rows->m <= 0 || rows->k % 32) return -1;
+    const Panels w = {kind, rows->k, rows->nb, n, (n + PANEL - 1) / PANEL, records};
     for (int p = p0; p < p1; p += TASK_PANELS)
-        run_task(&w, x, xs, 0, m, p, p + TASK_PANELS < p1 ? p + TASK_PANELS : p1, bias, DT_F32, y, NULL, NULL);
+        run_task(&w, rows, 0, rows->m, p, p + TASK_PANELS < p1 ? p + TASK_PANELS : p1, bias, DT_F32, y);
     return 0;
 }
 
 /* Bytes of a panel repack for n output rows and k inputs (kind 0 = Q4_1, 1 = Q8_0). */
-int64_t panel_qs_bytes(int kind, int n, int k) {
-    return (int64_t)((n + PANEL - 1) / PANEL) * (k / 32) * panel_qbytes(kind);
+int64_t panel_bytes(int kind, int n, int k) {
+    return (int64_t)((n + PANEL - 1) / PANEL) * (k / 32) * record_bytes(kind);
 }
 
 /*
- * x [m, k] (dtype dt) times the panel repack (q [np][nb][256 | 512] uint8, d and mn [np][nb][16]
- * float32, mn NULL for Q8_0) of W [n, k]; y [m, n] (dtype dt) = x W^T (+ bias [n] float32).
- * k a multiple of 32. Returns 0, or -1 (bad shape, no memory).
+ * x [m, k] (dtype dt) times the panel repack of W [n, k] (records [np][nb][320 | 544] uint8: a
+ * block's quants, then its 16 rows' float16 scales and, Q4_1, minimums); y [m, n] (dtype dt) =
+ * x W^T (+ bias [n] float32). k a multiple of 32. Returns 0, or -1 (bad shape, no memory).
  */
-int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const float *d, const float *mn,
-                 const float *bias, int n, int dt, void *y, int num_threads) {
-    if (k % 32 || m <= 0 || n <= 0 || (kind == PANEL_Q4_1) != (mn != NULL)) return -1;
-    const int nb = k / 32;
-    /* float32 rows are read in place; bf16 ones widened once. Q4_1 needs each block's sum. */
+int panel_linear(int kind, const void *x, int m, int k, const uint8_t *records, const float *bias, int n, int dt,
+                 void *y, int num_threads) {
+    if (k % 32 || m <= 0 || n <= 0 || (kind != PANEL_Q4_1 && kind != PANEL_Q8_0)) return -1;
+    void *scratch = aligned_alloc(64, align64(panel_rows_bytes(m, k)));
     float *xwide = dt == DT_F32 ? NULL : (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
-    float *xs = kind == PANEL_Q4_1 ? (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb) : NULL;
-    if ((dt != DT_F32 && !xwide) || (kind == PANEL_Q4_1 && !xs)) {
+    if (!scratch || (dt != DT_F32 && !xwide)) {
+        free(scratch);
         free(xwide);
-        free(xs);
         return -1;
     }
-    const float *xf = xwide ? xwide : (const float *)x;
-    /* Each row by itself (one thread, sums in input order): the split changes no bits. */
+    PanelRows rows;
+    panel_rows_init(&rows, m, k, scratch);
+    /* Each row by itself: the split changes no bits. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (m >= 32)
     for (int i = 0; i < m; i++) {
-        if (xwide) load_row(x, dt, (int64_t)i * k, k, xwide + (int64_t)i * k);
-        if (xs) panel_block_sums(xf + (int64_t)i * k, k, xs + (int64_t)i * nb);
+        const float *xf = (const float *)x + (int64_t)i * k;
+        if (xwide) {
+            load_row(x, dt, (int64_t)i * k, k, xwide + (int64_t)i * k);
+            xf = xwide + (int64_t)i * k;
+        }
+        panel_quantize_row(xf, &rows, i);
     }
-    const Panels w = {kind, k, nb, n, (n + PANEL - 1) / PANEL, q, d, mn};
+    const Panels w = {kind, k, k / 32, n, (n + PANEL - 1) / PANEL, records};
     const int panel_tasks = (w.np + TASK_PANELS - 1) / TASK_PANELS;
     const int row_tasks = (m + TASK_ROWS - 1) / TASK_ROWS;
     const int tasks = panel_tasks * row_tasks;
-    float *xt = NULL, *xst = NULL; /* x packed for the tasks on unpacked panels, once per call */
-#ifdef HAVE_UNPACKED
-    if (m >= UNPACK_MIN_ROWS) {
-        xt = (float *)malloc(sizeof(float) * (size_t)m * (size_t)k);
-        xst = xs ? (float *)malloc(sizeof(float) * (size_t)m * (size_t)nb) : NULL;
-        if (!xt || (xs && !xst)) {
-            free(xwide), free(xs), free(xt), free(xst);
-            return -1;
-        }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int rt = 0; rt < row_tasks; rt++) {
-            const int r0 = rt * TASK_ROWS, r1 = r0 + TASK_ROWS < m ? r0 + TASK_ROWS : m;
-            if (r1 - r0 >= UNPACK_MIN_ROWS) pack_rows(&w, xf, xs, r0, r1, xt, xst);
-        }
-    }
-#endif
     /* Dynamic tasks: a descheduled thread does not hold the call up. Each output element is
      * computed whole by the one task that owns it, so the schedule changes no result. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if ((int64_t)n * k * m >= (1 << 17))
@@ -398,11 +468,9 @@ int panel_linear(int kind, const void *x, int m, int k, const uint8_t *q, const 
         const int pt = t % panel_tasks, rt = t / panel_tasks;
         const int p0 = pt * TASK_PANELS, p1 = p0 + TASK_PANELS < w.np ? p0 + TASK_PANELS : w.np;
         const int r0 = rt * TASK_ROWS, r1 = r0 + TASK_ROWS < m ? r0 + TASK_ROWS : m;
-        run_task(&w, xf, xs, r0, r1, p0, p1, bias, dt, y, xt, xst);
+        run_task(&w, &rows, r0, r1, p0, p1, bias, dt, y);
     }
     free(xwide);
-    free(xs);
-    free(xt);
-    free(xst);
+    free(scratch);
     return 0;
 }

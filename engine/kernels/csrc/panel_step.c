@@ -10,7 +10,7 @@
  * Bit for bit the Python path: every stage calls the very function the Python path calls for
  * that op, on the same float32 rows: add_rms_norm and rope_write_kv (norm_rope.c, by one
  * thread), the paged attention work items (paged_attention.c), silu_mul's spans (norm_rope.c)
- * and the panel linears' tasks (panel_linear.c: panel_block_sums, then panel_linear_panels on
+ * and the panel linears' tasks (panel_linear.c: panel_quantize_row, then panel_linear_panels on
  * chunks of panels handed out from a shared counter). Each output element is computed whole by
  * one thread with the same chain of operations as in the Python path, so neither the schedule
  * nor the thread count changes a bit (tests/engine/test_panel_step.py checks it).
@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include "paged_attention.h"
+#include "panel_linear.h"
 #include "step_sync.h"
 
 void add_rms_norm(void *x, const void *delta, const void *weight, float eps, void *out, int rows,
@@ -28,20 +29,15 @@ void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_
                    void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
                    int kv_int8, int num_threads);
 void silu_mul_span(const void *gate_up, int r, int inter, int i0, int i1, int dt, void *out);
-void panel_block_sums(const float *x, int k, float *xs);
-int panel_linear_panels(int kind, const float *x, const float *xs, int m, int k, const uint8_t *q,
-                        const float *d, const float *mn, const float *bias, int n, float *y, int p0,
-                        int p1);
-int64_t panel_qs_bytes(int kind, int n, int k);
 
 /* A layer's row of the table the model passes: the two norm weights (float32), then four linears
- * of five fields each: kind (0 Q4_1, 1 Q8_0), the panel repack's quants, scales and minimums
- * (0 for Q8_0), bias float32 (0 for none). Pointers as int64. The head: the same five fields
- * with the vocabulary size in place of the bias. */
-enum { PF_IN_NORM = 0, PF_POST_NORM = 1, PF_QKV = 2, PF_O = 7, PF_GATE_UP = 12, PF_DOWN = 17, PF_FIELDS = 22 };
+ * of three fields each: kind (0 Q4_1, 1 Q8_0), the panel records, bias float32 (0 for none).
+ * Pointers as int64. The head: the same three fields with the vocabulary size in place of the
+ * bias. */
+enum { PF_IN_NORM = 0, PF_POST_NORM = 1, PF_QKV = 2, PF_O = 5, PF_GATE_UP = 8, PF_DOWN = 11, PF_FIELDS = 14 };
 enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_FIELDS };
 
-#define MAX_STEP_ROWS 8   /* the most rows a step takes (panel_linear_panels' tiles) */
+#define MAX_STEP_ROWS 8   /* the most rows a step takes */
 #define CHUNK_PANELS 4    /* panels a thread takes at a time */
 #define SILU_SPAN 256     /* values of a row a thread takes at a time in the activation stage */
 #define STAGES 6          /* stages per layer that hand out work (one counter each) */
@@ -65,20 +61,21 @@ typedef struct {
 } PanelStep;
 
 /* Stage: y [m, n] = x [m, k] W^T (+ f's bias, unless head), chunks of panels handed out; xs:
- * this thread's scratch for x's block sums (Q4_1). */
+ * this thread's scratch for x in integers (every thread quantizes the rows itself: a few
+ * hundred instructions a row, cheaper than a barrier). */
 static void linear_stage(PanelStep *st, int stage, int region, const int64_t *f, int head, int m, int n, int k,
-                         const float *x, float *y, float *xs) {
+                         const float *x, float *y, void *xs) {
     atomic_store_explicit(&st->pf.consumed, st->linear_start[region], memory_order_relaxed);
     const int kind = (int)f[0];
-    const float *mn = (const float *)(intptr_t)f[3];
-    if (mn)
-        for (int r = 0; r < m; r++) panel_block_sums(x + (int64_t)r * k, k, xs + (int64_t)r * (k / 32));
+    PanelRows rows;
+    panel_rows_init(&rows, m, k, xs);
+    for (int r = 0; r < m; r++) panel_quantize_row(x + (int64_t)r * k, &rows, r);
     const int panels = (n + 15) / 16;
     for (;;) {
         const int p = atomic_fetch_add_explicit(&st->counters[stage], CHUNK_PANELS, memory_order_relaxed);
         if (p >= panels) break;
-        panel_linear_panels(kind, x, mn ? xs : NULL, m, k, (const uint8_t *)(intptr_t)f[1], (const float *)(intptr_t)f[2],
-                            mn, head ? NULL : (const float *)(intptr_t)f[4], n, y, p, p + CHUNK_PANELS < panels ? p + CHUNK_PANELS : panels);
+        panel_linear_panels(kind, &rows, (const uint8_t *)(intptr_t)f[1], head ? NULL : (const float *)(intptr_t)f[2],
+                            n, y, p, p + CHUNK_PANELS < panels ? p + CHUNK_PANELS : panels);
     }
 }
 
@@ -105,7 +102,7 @@ static void silu_stage(PanelStep *st, int stage) {
 }
 
 /* One decoder layer, run by every thread of the team (tid 0 does the serial parts). */
-static void run_layer(PanelStep *st, int layer, int tid, Scratch *s, float *xs) {
+static void run_layer(PanelStep *st, int layer, int tid, Scratch *s, void *xs) {
     const int *d = st->dims;
     const int hidden = d[D_HIDDEN], heads = d[D_HEADS], kvh = d[D_KV_HEADS], hd = d[D_HEAD_DIM];
     const int inter = d[D_INTER], m = st->m, qkv_n = (heads + 2 * kvh) * hd;
@@ -142,7 +139,7 @@ static void run_layer(PanelStep *st, int layer, int tid, Scratch *s, float *xs) 
 /* The final norm, then the LM head on the sampled rows of it: logits [num_sample, vocab]
  * float32, as the head's panel linear called on those rows alone gives them. */
 static void run_tail(PanelStep *st, const void *final_norm, const int64_t *head, const int32_t *sample_rows,
-                     int num_sample, float *logits, int tid, float *xs) {
+                     int num_sample, float *logits, int tid, void *xs) {
     const int hidden = st->dims[D_HIDDEN];
     if (tid == 0) {
         add_rms_norm(st->x, st->pending, final_norm, st->eps, st->out, st->m, hidden, DT_F32, 1);
@@ -152,7 +149,7 @@ static void run_tail(PanelStep *st, const void *final_norm, const int64_t *head,
     if (!head) return;
     barrier_wait(&st->barrier, &st->pf);
     const int layers = st->dims[D_LAYERS];
-    linear_stage(st, layers * STAGES, layers * 4, head, 1, num_sample, (int)head[4], hidden, st->h, logits, xs);
+    linear_stage(st, layers * STAGES, layers * 4, head, 1, num_sample, (int)head[2], hidden, st->h, logits, xs);
 }
 
 static int64_t add_region(PanelStep *st, int64_t at, const void *base, int64_t bytes) {
@@ -164,9 +161,9 @@ static int64_t add_region(PanelStep *st, int64_t at, const void *base, int64_t b
     return at + (bytes + PF_UNIT - 1) / PF_UNIT * PF_UNIT;
 }
 
-/* The prefetcher's regions: each linear's quants, scales and minimums, layer by layer, then the
- * head's, in use order; linear_start[4 * layer + i] is where linear i's begin (linear_stage
- * marks it consumed when it starts). */
+/* The prefetcher's regions: each linear's panel records, layer by layer, then the head's, in
+ * use order; linear_start[4 * layer + i] is where linear i's begin (linear_stage marks it
+ * consumed when it starts). */
 static void plan_prefetch(PanelStep *st, const int64_t *head) {
     const int *d = st->dims;
     const int hidden = d[D_HIDDEN], inter = d[D_INTER], qkv_n = (d[D_HEADS] + 2 * d[D_KV_HEADS]) * d[D_HEAD_DIM];
@@ -176,13 +173,10 @@ static void plan_prefetch(PanelStep *st, const int64_t *head) {
     st->pf.count = 0;
     for (int j = 0; j < 4 * layers + (head ? 1 : 0); j++) {
         const int in_layer = j < 4 * layers, i = j % 4;
-        const int64_t *f = in_layer ? st->table + (int64_t)(j / 4) * PF_FIELDS + PF_QKV + 5 * i : head;
-        const int rows = in_layer ? n[i] : (int)head[4], cols = in_layer ? k[i] : hidden;
-        const int64_t scales = (int64_t)(rows + 15) / 16 * (cols / 32) * 16 * (int64_t)sizeof(float);
+        const int64_t *f = in_layer ? st->table + (int64_t)(j / 4) * PF_FIELDS + PF_QKV + 3 * i : head;
+        const int rows = in_layer ? n[i] : (int)head[2], cols = in_layer ? k[i] : hidden;
         st->linear_start[j] = at;
-        at = add_region(st, at, (const void *)(intptr_t)f[1], panel_qs_bytes((int)f[0], rows, cols));
-        at = add_region(st, at, (const void *)(intptr_t)f[2], scales);
-        at = add_region(st, at, (const void *)(intptr_t)f[3], scales);
+        at = add_region(st, at, (const void *)(intptr_t)f[1], panel_bytes((int)f[0], rows, cols));
     }
     st->pf.total = at;
     atomic_init(&st->pf.next, 0);
@@ -229,7 +223,7 @@ static int run_team(PanelStep *st, const void *final_norm, const int64_t *head, 
         st->barrier.threads = omp_get_num_threads();
         /* (the single's implicit barrier publishes the team size) */
         Scratch s;
-        float *xs = (float *)malloc(sizeof(float) * (size_t)st->m * (size_t)(widest / 32));
+        void *xs = aligned_alloc(64, (panel_rows_bytes(st->m, widest) + 63) & ~(size_t)63);
         if (scratch_alloc(&s, st->attn.max_seq, d[D_HEAD_DIM]) != 0 || !xs) {
 #pragma omp atomic write
             failed = 1;
@@ -252,7 +246,7 @@ static int run_team(PanelStep *st, const void *final_norm, const int64_t *head, 
  * slots, cos/sin tables, block tables, query_start, seq_lens as rope_write_kv and
  * paged_attention take them; caches [layers] pointers to each layer's float32 cache
  * [2, num_blocks, block_size, kv_heads, head_dim], or with kv_int8 its int8 cache. head: NULL,
- * or the LM head's five fields (vocab last), whose float32 logits [num_sample, vocab] of rows
+ * or the LM head's three fields (vocab last), whose float32 logits [num_sample, vocab] of rows
  * sample_rows of out are then written to logits. Returns 0; -2 when these sizes or this many
  * rows are not served; -1 out of memory.
  */
@@ -271,7 +265,7 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     float *arena = (float *)malloc(sizeof(float) * arena_floats(dims, m));
     st.counters = (atomic_int *)calloc((size_t)layers * STAGES + 1, sizeof(atomic_int)); /* + the head */
-    st.pf.regions = (Region *)malloc(sizeof(Region) * (size_t)(layers * 4 + 1) * 3);
+    st.pf.regions = (Region *)malloc(sizeof(Region) * (size_t)(layers * 4 + 1));
     st.linear_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(layers * 4 + 1));
     int failed = !item_start || !arena || !st.counters || !st.pf.regions || !st.linear_start;
     if (!failed) {
