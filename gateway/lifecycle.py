@@ -87,8 +87,9 @@ async def start_gateway(
         stack.push_async_callback(identity.aclose)
         if config.admission.redis_down_policy != "closed":  # closed: an outage refuses all
             identity.authenticator.keep_outage_copy(config.auth.outage_copy_seconds)
-        admission, prices = await _open_admission(stack, redis, config, metrics)
-        usage = _start_usage(stack, identity.store.ledger)
+        pipe = _open_pipe(stack, redis)
+        admission, prices = await _open_admission(stack, redis, config, metrics, pipe)
+        usage = _start_usage(stack, identity.store.ledger, pipe)
         guard = AbuseGuard(redis.url, config.admission.abuse, registry=metrics.registry)
         retry = load_retry_policy(config.policies_dir / "retry.yaml")
         routing = load_routing_policy(config.policies_dir / "routing.yaml")
@@ -147,10 +148,21 @@ async def start_gateway(
     return gateway
 
 
-def _start_usage(stack: contextlib.AsyncExitStack, ledger: UsageLedger) -> UsageRecorder:
+def _open_pipe(stack: contextlib.AsyncExitStack, redis: SharedRedis) -> RedisPipe | None:
+    """The pipelined connection admission's scripts and the usage recorder's batches share
+    (redis_pipe.py), closing with ``stack``; None over TLS, on a cluster or through Sentinel."""
+    pipe = RedisPipe.from_client(redis.client)
+    if pipe is not None:
+        stack.push_async_callback(pipe.aclose)
+    return pipe
+
+
+def _start_usage(
+    stack: contextlib.AsyncExitStack, ledger: UsageLedger, pipe: RedisPipe | None
+) -> UsageRecorder:
     """The usage recorder, started; it closes with ``stack`` after the engines drained (its
-    callback is pushed before theirs), so every request is counted."""
-    usage = UsageRecorder(ledger)
+    callback is pushed before theirs, and after the pipe's), so every request is counted."""
+    usage = UsageRecorder(ledger, pipe=pipe)
     usage.start()
     stack.push_async_callback(usage.aclose)
     return usage
@@ -161,15 +173,12 @@ async def _open_admission(
     redis: SharedRedis,
     config: GatewayConfig,
     metrics: GatewayMetrics,
+    pipe: RedisPipe | None,
 ) -> tuple[Admission, PriceBook]:
     """Admission over the shared Redis, with its price book; both close with ``stack``."""
-    # Admission's two scripts per request go over one pipelined connection
-    # (redis_pipe.py); redis-py's per-command cost was the largest single share of the
-    # gateway's CPU.
-    # None over TLS, on a cluster or through Sentinel: redis-py's client then
-    pipe = RedisPipe.from_client(redis.client)
-    if pipe is not None:
-        stack.push_async_callback(pipe.aclose)
+    # Admission's two scripts per request go over ``pipe`` (redis_pipe.py); redis-py's
+    # per-command cost was the largest single share of the gateway's CPU. Without a pipe
+    # (TLS, a cluster, Sentinel): redis-py's client
     limiter = RedisLimiter(
         redis.client, budget_ttl_s=config.admission.budget_key_ttl_seconds, pipe=pipe
     )

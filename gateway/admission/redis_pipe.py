@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
+from collections.abc import Sequence
 from typing import Any, cast
 
 import hiredis
@@ -187,6 +189,30 @@ class RedisPipe:
         if wire is None:
             wire = await self._connect()
         return await self._send(wire, encode_command(args))
+
+    async def execute_many(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Send ``commands`` in one write; their replies in order. The first error reply is
+        raised once every reply is in (the other commands ran: Redis does not stop a
+        pipeline at an error, as redis-py's ``pipeline(transaction=False)`` does not)."""
+        if not commands:
+            return []
+        wire = self._wire
+        if wire is None:
+            wire = await self._connect()
+        futures = [self._send(wire, encode_command(command)) for command in commands]
+        # replies resolve their futures in order, and a lost connection fails them all at
+        # once: when the last is done, every one is
+        with contextlib.suppress(redis.exceptions.RedisError):
+            await futures[-1]
+        error: BaseException | None = None
+        results = []
+        for future in futures:  # every error retrieved: none is logged as forgotten
+            exc = future.exception()
+            error = error or exc
+            results.append(exc or future.result())
+        if error is not None:
+            raise error
+        return results
 
     async def evalsha(
         self, sha: str, source: str, keys: tuple[str, ...] | list[str], args: list[Any]

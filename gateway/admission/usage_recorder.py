@@ -16,7 +16,8 @@ import logging
 import time
 from datetime import datetime, timedelta, timezone
 
-from gateway.identity.usage import UsageLedger, usage_fields
+from gateway.admission.redis_pipe import RedisPipe
+from gateway.identity.usage import UsageLedger, usage_commands, usage_fields
 
 log = logging.getLogger("portico.gateway.usage")
 
@@ -26,11 +27,17 @@ class UsageRecorder:
     background.
 
     ``record`` never waits and never raises; ``start`` begins the periodic flush; ``flush``
-    writes everything pending now; ``aclose`` stops the loop and flushes once more.
+    writes everything pending now; ``aclose`` stops the loop and flushes once more. With a
+    ``pipe`` (admission's pipelined connection to the same Redis) a flush's commands go over
+    it, encoded by hiredis, instead of through redis-py's pipeline (its Python encoding of
+    some hundred ``HINCRBY`` a flush was ~2% of the gateway's event loop under load).
     """
 
-    def __init__(self, ledger: UsageLedger, interval_s: float = 0.25) -> None:
+    def __init__(
+        self, ledger: UsageLedger, interval_s: float = 0.25, pipe: RedisPipe | None = None
+    ) -> None:
         self._ledger = ledger
+        self._pipe = pipe
         self._interval_s = interval_s
         self._pending: dict[tuple[str, str], dict[str, int]] = {}
         # (tenant, day, key id, model) -> [requests, prompt tokens, completion tokens, requests
@@ -126,7 +133,10 @@ class UsageRecorder:
             return
         batch, self._pending = self._pending, {}
         try:
-            await self._ledger.add_usage(batch)
+            if self._pipe is not None:
+                await self._pipe.execute_many(usage_commands(batch))
+            else:
+                await self._ledger.add_usage(batch)
         except Exception as exc:  # Redis down or busy: retried with the next flush
             for key, fields in batch.items():
                 self._add(key, fields)

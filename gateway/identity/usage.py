@@ -220,11 +220,8 @@ class UsageLedger:
         by one.
         """
         pipe = self.redis.pipeline(transaction=False)
-        for (tenant_id, day), fields in counts.items():
-            key = usage_key(tenant_id, day)
-            for field, amount in fields.items():
-                pipe.hincrby(key, field, amount)
-            pipe.expire(key, USAGE_TTL_SECONDS)
+        for command in usage_commands(counts):
+            pipe.execute_command(*command)
         await pipe.execute()
 
     async def days(self, tenant_id: str, start: date, end: date) -> list[tuple[date, DayRecord]]:
@@ -273,3 +270,17 @@ def check_range(start: date, end: date) -> None:
         raise InvalidRequestError("'end' is before 'start'.", param="end")
     if (end - start).days + 1 > MAX_USAGE_DAYS:
         raise InvalidRequestError(f"At most {MAX_USAGE_DAYS} days per query.", param="end")
+
+
+def usage_commands(
+    counts: Mapping[tuple[str, str], Mapping[str, int]],
+) -> list[tuple[str | int, ...]]:
+    """The Redis commands that add ``counts`` (see :meth:`UsageLedger.add_usage`): an
+    ``HINCRBY`` per field and an ``EXPIRE`` per day's hash, in that order."""
+    commands: list[tuple[str | int, ...]] = []
+    for (tenant_id, day), fields in counts.items():
+        key = usage_key(tenant_id, day)
+        for field, amount in fields.items():
+            commands.append(("HINCRBY", key, field, amount))
+        commands.append(("EXPIRE", key, USAGE_TTL_SECONDS))
+    return commands

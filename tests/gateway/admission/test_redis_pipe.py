@@ -261,3 +261,22 @@ async def test_a_password_in_the_url_is_sent_before_any_command(password_redis: 
         assert "WRONGPASS" in str(info.value)
     finally:
         await bad.aclose()
+
+
+async def test_many_commands_go_in_one_write_and_an_error_is_raised_after_all_ran(
+    redis_client: Redis,
+) -> None:
+    await redis_client.hset("h", "f", "1")
+    pipe = RedisPipe.from_client(redis_client)
+    assert pipe is not None
+    try:
+        assert await pipe.execute_many([]) == []
+        replies = await pipe.execute_many([("INCR", "n")] * 100 + [("GET", "n")])
+        assert replies == list(range(1, 101)) + [b"100"]
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            await pipe.execute_many(
+                [("SET", "a", "1"), ("INCR", "h"), ("INCR", "h"), ("SET", "b", "2")]
+            )
+        assert await pipe.execute_many([("GET", "a"), ("GET", "b")]) == [b"1", b"2"]
+    finally:
+        await pipe.aclose()

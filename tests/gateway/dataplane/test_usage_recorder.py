@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.admission.redis_pipe import RedisPipe
 from gateway.admission.usage_recorder import UsageRecorder
 from gateway.identity.plans import load_plans
 from gateway.identity.tenants import TenantStore
@@ -82,3 +83,56 @@ async def test_the_background_loop_flushes_and_close_flushes_the_rest(
     recorder.record("acme", "m", 1, 2)
     await recorder.aclose()
     assert (await store.ledger.usage("acme", day, day)).totals.requests == 2
+
+
+async def test_a_batch_over_the_pipe_lands_as_one_through_redis_py(client: aioredis.Redis) -> None:
+    store = TenantStore(client, SECRET, load_plans())
+    pipe = RedisPipe.from_client(client)
+    assert pipe is not None
+    try:
+        piped = UsageRecorder(store.ledger, interval_s=3600, pipe=pipe)
+        plain = UsageRecorder(store.ledger, interval_s=3600)
+        for i in range(50):
+            for recorder, tenant in ((piped, "acme"), (plain, "other")):
+                recorder.record(
+                    tenant,
+                    f"m{i % 3}",
+                    10,
+                    3,
+                    "estimate" if i % 5 else "upstream",
+                    key_id=f"k{i % 2}",
+                    cached_tokens=i,
+                    spend_micro_usd=7,
+                )
+        await piped.flush()
+        await plain.flush()
+        day = today().date()
+        acme = await client.hgetall(f"portico:usage:{{acme}}:{day.isoformat()}")
+        other = await client.hgetall(f"portico:usage:{{other}}:{day.isoformat()}")
+        assert acme == other and len(acme) > 20
+        assert await client.ttl(f"portico:usage:{{acme}}:{day.isoformat()}") > 0
+    finally:
+        await pipe.aclose()
+
+
+async def test_counts_over_the_pipe_survive_a_redis_outage(private_redis) -> None:  # type: ignore[no-untyped-def]
+    c = aioredis.Redis.from_url(private_redis.url, socket_timeout=1, socket_connect_timeout=1)
+    pipe = RedisPipe.from_client(c)
+    assert pipe is not None
+    try:
+        store = TenantStore(c, SECRET, load_plans())
+        recorder = UsageRecorder(store.ledger, interval_s=3600, pipe=pipe)
+        assert await pipe.execute("PING") == b"PONG"  # connected: the outage cuts a live socket
+        private_redis.stop()
+        recorder.record("acme", "m", 5, 5)
+        await recorder.flush()  # fails: kept
+        recorder.record("acme", "m", 5, 5)
+        await recorder.flush()  # fails again (refused): kept, summed
+        private_redis.start()
+        await recorder.aclose()  # the final flush writes both
+        day = today().date()
+        usage = await store.ledger.usage("acme", day, day)
+        assert (usage.totals.requests, usage.totals.prompt_tokens) == (2, 10)
+    finally:
+        await pipe.aclose()
+        await c.aclose()
