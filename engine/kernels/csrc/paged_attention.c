@@ -31,40 +31,58 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Scores of nq queries (qbuf, float32, [nq, d]) against 16 positions whose cache rows start at
- * element offsets rows[i] (valid lanes in mask), written to out[q * stride + 0..15]. The 16
- * positions are lanes: one gather per element of d (a pair of elements for bf16, multiplied with
- * vdpbf16ps), so no horizontal sum is needed. */
-static inline void scores16(const void *cache, int dt, __m512i rows, __mmask16 mask, int head_dim,
-                            const float *qbuf, const uint32_t *qpairs, int nq, float scale,
-                            float *out, int64_t stride) {
-    __m512 acc[MAX_QUERIES];
-    for (int q = 0; q < nq; q++) acc[q] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-    if (dt == DT_BF16) {
-        const int *base = (const int *)cache; /* rows[] are in bf16 elements: halve to pairs */
-        __m512i pair_rows = _mm512_srli_epi32(rows, 1);
-        for (int e = 0; e < head_dim / 2; e++) {
-            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, pair_rows, base + e, 4);
-            for (int q = 0; q < nq; q++)
-                acc[q] = _mm512_dpbf16_ps(acc[q], (__m512bh)g,
-                                          (__m512bh)_mm512_set1_epi32((int)qpairs[q * (head_dim / 2) + e]));
-        }
-    } else
-#endif
-    {
-        (void)qpairs;
-        const float *base = (const float *)cache;
-        for (int e = 0; e < head_dim; e++) {
-            __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, rows, base + e, 4);
-            for (int q = 0; q < nq; q++)
-                acc[q] = _mm512_fmadd_ps(g, _mm512_set1_ps(qbuf[q * head_dim + e]), acc[q]);
-        }
+/* v[j] = column j of the 16 x 16 block whose row i is r[i]: lane i of v[j] is r[i][j]. Four
+ * rounds of lane moves (pairs, quads, 128-bit chunks twice); exact, the values only move. */
+static inline void transpose16(const __m512 r[16], __m512 v[16]) {
+    __m512 t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
     }
-    __m512 sc = _mm512_set1_ps(scale);
-    for (int q = 0; q < nq; q++) _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(acc[q], sc));
+    for (int k = 0; k < 4; k++) { /* u[4k + j], chunk c: element 4c + j of rows 4k..4k+3 */
+        const __m512d a0 = _mm512_castps_pd(t[4 * k]), a1 = _mm512_castps_pd(t[4 * k + 1]);
+        const __m512d b0 = _mm512_castps_pd(t[4 * k + 2]), b1 = _mm512_castps_pd(t[4 * k + 3]);
+        u[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
+        u[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
+        u[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
+        u[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
+    }
+    for (int j = 0; j < 4; j++) { /* chunk k of v[4c + j]: chunk c of u[4k + j] */
+        const __m512 w02 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 w13 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512 x02 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 x13 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        v[j] = _mm512_shuffle_f32x4(w02, x02, _MM_SHUFFLE(2, 0, 2, 0));
+        v[8 + j] = _mm512_shuffle_f32x4(w02, x02, _MM_SHUFFLE(3, 1, 3, 1));
+        v[4 + j] = _mm512_shuffle_f32x4(w13, x13, _MM_SHUFFLE(2, 0, 2, 0));
+        v[12 + j] = _mm512_shuffle_f32x4(w13, x13, _MM_SHUFFLE(3, 1, 3, 1));
+    }
 }
 
+/* Scores of nq float32 queries (qbuf, [nq, d]) against 16 positions whose cache rows are
+ * rows[0..15] (rows past the valid ones repeat a valid row; mask stores only the valid lanes),
+ * written to out[q * stride + 0..15]. The 16 positions are lanes: each 16 x 16 block of the rows
+ * is read with plain loads and transposed, so v[j] holds element e0 + j of every position (what
+ * a gather per element would read, at a few shuffles instead), and each score is one chain of
+ * FMAs over e = 0..d-1, no horizontal sum. */
+static inline void scores16(const float *const rows[16], __mmask16 mask, int head_dim, const float *qbuf,
+                            int nq, float scale, float *out, int64_t stride) {
+    __m512 acc[MAX_QUERIES];
+    for (int q = 0; q < nq; q++) acc[q] = _mm512_setzero_ps();
+    for (int e0 = 0; e0 < head_dim; e0 += 16) {
+        __m512 r[16], v[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i] + e0);
+        transpose16(r, v);
+        for (int q = 0; q < nq; q++) {
+            const float *qe = qbuf + q * head_dim + e0;
+            __m512 s = acc[q];
+            for (int j = 0; j < 16; j++) s = _mm512_fmadd_ps(v[j], _mm512_set1_ps(qe[j]), s);
+            acc[q] = s;
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int q = 0; q < nq; q++) _mm512_mask_storeu_ps(out + q * stride, mask, _mm512_mul_ps(acc[q], sc));
+}
 
 /* Bytes to prefetch from each cache row an item reads: every head's row of the position from
  * the item of KV head 0 (the other heads' items run next and find theirs in cache), else its own. */
@@ -134,9 +152,12 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
                               it->per_kv, a->scale, scores + (int64_t)q0 * a->max_seq + p0, a->max_seq);
             } else
 #endif
-                scores16(a->cache, a->dt, _mm512_add_epi32(_mm512_loadu_si512(rows_at), _mm512_set1_epi32(shift)),
-                         mask, a->head_dim, qbuf + (int64_t)q0 * a->head_dim, qpairs, it->per_kv, a->scale,
+            {
+                const float *rows[16];
+                for (int i = 0; i < 16; i++) rows[i] = (const float *)a->cache + rows_at[i] + shift;
+                scores16(rows, mask, a->head_dim, qbuf + (int64_t)q0 * a->head_dim, it->per_kv, a->scale,
                          scores + (int64_t)q0 * a->max_seq + p0, a->max_seq);
+            }
         }
     }
 }
@@ -224,8 +245,8 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
     }
 }
 
-/* Gathers take 32-bit element offsets: the vector path needs the K half of the cache to hold
- * fewer than 2^31 elements. */
+/* Pass 1 keeps its row offsets in 32 bits (group_rows): the vector path needs the K half of the
+ * cache to hold fewer than 2^31 elements. */
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
     (void)dt;
 #ifndef __AVX512BF16__

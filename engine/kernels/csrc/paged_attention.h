@@ -42,8 +42,8 @@ static inline __m512 row_dot(const uint16_t *k, const __m512bh *qv, int chunks) 
 /* Scores of nq bf16 queries against 16 positions whose cache rows are rows[0..15] (rows past the
  * valid ones repeat a valid row; mask stores only the valid lanes). Each row is read with plain
  * loads, dotted with a query in 16 lanes and the 16 rows' lanes summed by a transpose tree: a
- * few shuffles per row instead of the gathers of scores16, which cost more than the arithmetic
- * on CPUs with slow gathers. Rows stay in L1 between the queries. */
+ * few shuffles per row instead of a gather per pair of elements, which costs more than the
+ * arithmetic on CPUs with slow gathers. Rows stay in L1 between the queries. */
 static inline void scores16_rows(const uint16_t *const rows[16], __mmask16 mask, int head_dim,
                                  const __m512bh *qv, int nq, float scale, float *out, int64_t stride) {
     const int chunks = head_dim / 32;
