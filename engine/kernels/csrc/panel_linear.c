@@ -23,7 +23,8 @@
  * GGUFBlocks.pack_panels) into panels of 16 output rows: per panel and block, the quants of 4
  * inputs x 16 rows at a time (64 bytes: row o's 4 bytes at 4 * o), Q4_1 as in the file (byte j:
  * input j in the low nibble, j + 16 in the high), Q8_0 offset by 128; then the 16 rows' scales
- * (and minimums) as float32.
+ * (and minimums) as float16, as the file stores them: one record of 320 (Q4_1) or 544 (Q8_0)
+ * bytes, so a panel is one forward stream.
  */
 #include "panel_linear.h"
 
