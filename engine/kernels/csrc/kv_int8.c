@@ -216,31 +216,6 @@ static void queries_split(const Attn *a, const Item *it, const float *qbuf, Spli
     }
 }
 
-/* r[0..15]: 16 rows of 16 dwords; t[j]: dword j of each row, lane i from row i. */
-static inline void transpose16x16(const __m512i r[16], __m512i t[16]) {
-    __m512i a[16], b[16];
-    for (int k = 0; k < 8; k++) {
-        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-    }
-    for (int m = 0; m < 4; m++) { /* b[4m + c], 128-bit lane L: rows 4m..4m+3, dword 4L + c */
-        b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
-        b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
-        b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
-        b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512i v1 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-        const __m512i v2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512i v3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-        t[c] = _mm512_shuffle_i32x4(v0, v2, _MM_SHUFFLE(2, 0, 2, 0));
-        t[8 + c] = _mm512_shuffle_i32x4(v0, v2, _MM_SHUFFLE(3, 1, 3, 1));
-        t[4 + c] = _mm512_shuffle_i32x4(v1, v3, _MM_SHUFFLE(2, 0, 2, 0));
-        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
-
 static inline __m512i bcast_dword(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);

@@ -31,32 +31,13 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* v[j] = column j of the 16 x 16 block whose row i is r[i]: lane i of v[j] is r[i][j]. Four
- * rounds of lane moves (pairs, quads, 128-bit chunks twice); exact, the values only move. */
+/* v[j] = column j of the 16 x 16 block whose row i is r[i]: lane i of v[j] is r[i][j] (common.h's
+ * transpose16x16 on the bits; exact, the values only move). */
 static inline void transpose16(const __m512 r[16], __m512 v[16]) {
-    __m512 t[16], u[16];
-    for (int k = 0; k < 8; k++) {
-        t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
-    }
-    for (int k = 0; k < 4; k++) { /* u[4k + j], chunk c: element 4c + j of rows 4k..4k+3 */
-        const __m512d a0 = _mm512_castps_pd(t[4 * k]), a1 = _mm512_castps_pd(t[4 * k + 1]);
-        const __m512d b0 = _mm512_castps_pd(t[4 * k + 2]), b1 = _mm512_castps_pd(t[4 * k + 3]);
-        u[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
-        u[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
-        u[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
-        u[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
-    }
-    for (int j = 0; j < 4; j++) { /* chunk k of v[4c + j]: chunk c of u[4k + j] */
-        const __m512 w02 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512 w13 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
-        const __m512 x02 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512 x13 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
-        v[j] = _mm512_shuffle_f32x4(w02, x02, _MM_SHUFFLE(2, 0, 2, 0));
-        v[8 + j] = _mm512_shuffle_f32x4(w02, x02, _MM_SHUFFLE(3, 1, 3, 1));
-        v[4 + j] = _mm512_shuffle_f32x4(w13, x13, _MM_SHUFFLE(2, 0, 2, 0));
-        v[12 + j] = _mm512_shuffle_f32x4(w13, x13, _MM_SHUFFLE(3, 1, 3, 1));
-    }
+    __m512i ri[16], vi[16];
+    for (int i = 0; i < 16; i++) ri[i] = _mm512_castps_si512(r[i]);
+    transpose16x16(ri, vi);
+    for (int j = 0; j < 16; j++) v[j] = _mm512_castsi512_ps(vi[j]);
 }
 
 /* Scores of nq float32 queries (qbuf, [nq, d]) against 16 positions whose cache rows are

@@ -48,21 +48,30 @@ async def test_a_batch_lands_exactly_as_one_by_one_writes(client: aioredis.Redis
     assert ttl > 0
 
 
+async def _records_outlive_an_outage(
+    recorder: UsageRecorder, private_redis, store: TenantStore
+) -> None:  # type: ignore[no-untyped-def]
+    """Two records while Redis is down, each flush failing (kept, summed); once it is back the
+    final flush writes both."""
+    recorder.record("acme", "m", 5, 5)
+    private_redis.stop()
+    await recorder.flush()  # fails: kept
+    recorder.record("acme", "m", 5, 5)
+    await recorder.flush()  # fails again (refused): kept, summed
+    private_redis.start()
+    await recorder.aclose()  # the final flush writes both
+    day = today().date()
+    usage = await store.ledger.usage("acme", day, day)
+    assert (usage.totals.requests, usage.totals.prompt_tokens) == (2, 10)
+
+
 async def test_counts_survive_a_redis_outage_and_land_after_it(private_redis) -> None:  # type: ignore[no-untyped-def]
     c = aioredis.Redis.from_url(private_redis.url, socket_timeout=1, socket_connect_timeout=1)
     try:
         store = TenantStore(c, SECRET, load_plans())
-        recorder = UsageRecorder(store.ledger, interval_s=3600)
-        recorder.record("acme", "m", 5, 5)
-        private_redis.stop()
-        await recorder.flush()  # fails: kept
-        recorder.record("acme", "m", 5, 5)
-        await recorder.flush()  # fails again: kept, summed
-        private_redis.start()
-        await recorder.aclose()  # the final flush writes both
-        day = today().date()
-        usage = await store.ledger.usage("acme", day, day)
-        assert (usage.totals.requests, usage.totals.prompt_tokens) == (2, 10)
+        await _records_outlive_an_outage(
+            UsageRecorder(store.ledger, interval_s=3600), private_redis, store
+        )
     finally:
         await c.aclose()
 
@@ -123,16 +132,7 @@ async def test_counts_over_the_pipe_survive_a_redis_outage(private_redis) -> Non
         store = TenantStore(c, SECRET, load_plans())
         recorder = UsageRecorder(store.ledger, interval_s=3600, pipe=pipe)
         assert await pipe.execute("PING") == b"PONG"  # connected: the outage cuts a live socket
-        private_redis.stop()
-        recorder.record("acme", "m", 5, 5)
-        await recorder.flush()  # fails: kept
-        recorder.record("acme", "m", 5, 5)
-        await recorder.flush()  # fails again (refused): kept, summed
-        private_redis.start()
-        await recorder.aclose()  # the final flush writes both
-        day = today().date()
-        usage = await store.ledger.usage("acme", day, day)
-        assert (usage.totals.requests, usage.totals.prompt_tokens) == (2, 10)
+        await _records_outlive_an_outage(recorder, private_redis, store)
     finally:
         await pipe.aclose()
         await c.aclose()
