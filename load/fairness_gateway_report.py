@@ -11,7 +11,8 @@ from load.ttft_breakdown import PARTS
 def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
     """``PREFIX_ttft.png`` (Q's TTFT CDFs alone and with N per policy) and
     ``PREFIX_throughput.png`` (N's and total output tok/s per policy)."""
-    from load.report import plot_bars, plot_cdfs
+    from load.fairness_bench import plot_throughput
+    from load.report import plot_cdfs
 
     pools = report["policies"]
     series = {}
@@ -20,12 +21,7 @@ def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
         series[f"Q with N, {name}"] = [s * 1000 for s in r["quiet_ttft_s"]["with_noisy"]]
     title = "Quiet tenant's TTFT through the gateway"
     ttft = plot_cdfs(series, f"{prefix}_ttft.png", "TTFT (ms)", title)
-    bars = {}
-    for name, r in pools.items():
-        bars[f"N {name}"] = r["noisy_output_tok_s"]
-        bars[f"total {name}"] = r["total_output_tok_s"]
-    rate = plot_bars(bars, f"{prefix}_throughput.png", "output tok/s", "Output tokens per second")
-    return [str(ttft), str(rate)]
+    return [str(ttft), plot_throughput(pools, prefix)]
 
 
 def print_summary(report: dict[str, Any]) -> None:

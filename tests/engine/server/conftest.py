@@ -25,3 +25,19 @@ def engine_server(
     finally:
         code = server.stop()
         assert code == 0, server.logs()
+
+
+@pytest.fixture(scope="module")
+def llava_server(
+    tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    """A real engine serving the tiny random LLaVA, up to 2 images a prompt, for one module."""
+    logs = tmp_path_factory.mktemp("llava-logs")
+    server = EngineProcess(
+        tiny_llava_dir, logs / "engine.log", extra=["--limit-mm-per-prompt", "image=2"]
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        assert server.stop() == 0, server.logs()

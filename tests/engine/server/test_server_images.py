@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +24,6 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def llava_dir(tiny_llava_dir: Path) -> Path:
     return tiny_llava_dir
-
-
-@pytest.fixture(scope="module")
-def llava_server(
-    llava_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    logs = tmp_path_factory.mktemp("llava-logs")
-    server = EngineProcess(
-        llava_dir, logs / "engine.log", extra=["--limit-mm-per-prompt", "image=2"]
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        assert server.stop() == 0, server.logs()
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ requests the engine refuses are counted as failures with the engine's message.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from engine_server_process import MODEL_NAME, EngineProcess
@@ -17,21 +15,6 @@ from load import datasets, serve_bench
 pytestmark = pytest.mark.slow
 
 IMAGE_TOKENS = 16  # tests/tiny_llava.py: (32 / 8)^2 patches per picture, whatever its size
-
-
-@pytest.fixture(scope="module")
-def llava_server(
-    tiny_llava_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    logs = tmp_path_factory.mktemp("llava-bench-logs")
-    server = EngineProcess(
-        tiny_llava_dir, logs / "engine.log", extra=["--limit-mm-per-prompt", "image=2"]
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        assert server.stop() == 0, server.logs()
 
 
 def bench(server: EngineProcess, reqs: list[datasets.BenchRequest]) -> tuple[dict, list]:
