@@ -465,6 +465,7 @@ def build_report(
 def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
     """``PREFIX_ttft.png`` (Q's TTFT CDFs: alone, with N per policy) and
     ``PREFIX_throughput.png`` (N's and total output tok/s per policy)."""
+    from load.fairness_gateway_report import plot_throughput
     from load.report import plot_cdfs
 
     policies = report["policies"]
@@ -474,18 +475,6 @@ def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
         series[f"Q with N, {name}"] = [s * 1000 for s in r["quiet_ttft_s"]["with_noisy"]]
     ttft = plot_cdfs(series, f"{prefix}_ttft.png", "TTFT (ms)", "Quiet tenant's TTFT")
     return [str(ttft), plot_throughput(policies, prefix)]
-
-
-def plot_throughput(policies: dict[str, Any], prefix: str) -> str:
-    """``PREFIX_throughput.png``: N's and the total output tok/s of each policy's run."""
-    from load.report import plot_bars
-
-    bars = {}
-    for name, r in policies.items():
-        bars[f"N {name}"] = r["noisy_output_tok_s"]
-        bars[f"total {name}"] = r["total_output_tok_s"]
-    rate = plot_bars(bars, f"{prefix}_throughput.png", "output tok/s", "Output tokens per second")
-    return str(rate)
 
 
 def print_summary(report: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ from load.ttft_breakdown import PARTS
 def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
     """``PREFIX_ttft.png`` (Q's TTFT CDFs alone and with N per policy) and
     ``PREFIX_throughput.png`` (N's and total output tok/s per policy)."""
-    from load.fairness_bench import plot_throughput
     from load.report import plot_cdfs
 
     pools = report["policies"]
@@ -22,6 +21,19 @@ def plot_report(report: dict[str, Any], prefix: str) -> list[str]:
     title = "Quiet tenant's TTFT through the gateway"
     ttft = plot_cdfs(series, f"{prefix}_ttft.png", "TTFT (ms)", title)
     return [str(ttft), plot_throughput(pools, prefix)]
+
+
+def plot_throughput(policies: dict[str, Any], prefix: str) -> str:
+    """``PREFIX_throughput.png``: N's and the total output tok/s of each policy's run (this
+    bench's plot and the engine-only fairness bench's)."""
+    from load.report import plot_bars
+
+    bars = {}
+    for name, r in policies.items():
+        bars[f"N {name}"] = r["noisy_output_tok_s"]
+        bars[f"total {name}"] = r["total_output_tok_s"]
+    rate = plot_bars(bars, f"{prefix}_throughput.png", "output tok/s", "Output tokens per second")
+    return str(rate)
 
 
 def print_summary(report: dict[str, Any]) -> None:
