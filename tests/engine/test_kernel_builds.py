@@ -193,3 +193,32 @@ def test_panel_linear_of_a_build_gives_the_native_builds_bits(
         assert torch.equal(out, native)
         expected = x @ blocks.dequantize().T + bias
         torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_panel_linear_of_a_build_keeps_its_bits_at_the_integer_extremes(
+    build, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The largest integers the products can meet: every quant at its end of the range (Q4_1
+    nibbles 15, Q8_0 -128 and 127) against inputs just under a power of two, whose top digit
+    is +-64. The AVX2 build sums Q4_1's pairs in int16 lanes over a whole block; a lane that
+    saturated would change these bits against the portable build's plain integers."""
+    _, library = build
+    blocks = random_blocks(kind, 32, 256, seed=4)
+    if kind == "q4_1":
+        blocks.qs.fill_(0xFF)
+    else:
+        ends = torch.where(torch.arange(256) % 2 == 0, -128, 127).to(torch.int8)
+        blocks.qs.copy_(ends.expand(32, -1))
+    blocks.pack_panels()
+    assert blocks.panels is not None
+    sign = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    x = torch.stack([sign * 1.9999999, -sign * 1.9999999, torch.full((256,), 1.9999999)])
+    native = cpu.panel_linear(x, kind, blocks.panels, 32, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu, "load", lambda: library)
+        out = cpu.panel_linear(x, kind, blocks.panels, 32, None)
+    assert native is not None and out is not None
+    assert torch.equal(out, native)
+    expected = x.double() @ blocks.dequantize().double().T
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)

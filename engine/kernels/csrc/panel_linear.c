@@ -98,6 +98,15 @@ static inline int block_scale(uint32_t top, float *up, float *scale) {
     return 1;
 }
 
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+static inline int32_t hsum_epi32_256(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
 static void zero_block(int8_t *limbs, float *scale, float *xsum, int32_t *lsum, float fill) {
     memset(limbs, 0, DIGITS_PER_BLOCK);
     memset(lsum, 0, 4 * sizeof(int32_t));
@@ -141,6 +150,28 @@ static void quantize_block(const float *xb, int8_t *limbs, float *scale, float *
     }
     for (int l = 0; l < PANEL_LIMBS; l++) lsum[l] = _mm512_reduce_add_epi32(sl[l]);
     const int32_t sum = _mm512_reduce_add_epi32(sx);
+#elif defined(__AVX2__)
+    const __m256 vup = _mm256_set1_ps(up);
+    const __m256i half = _mm256_set1_epi32(64);
+    __m256i sx = _mm256_setzero_si256(), sl[PANEL_LIMBS];
+    for (int l = 0; l < PANEL_LIMBS; l++) sl[l] = _mm256_setzero_si256();
+    for (int h = 0; h < 4; h++) {
+        const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), vup));
+        __m256i rest = x;
+        for (int l = 0; l < PANEL_LIMBS; l++) {
+            const __m256i q = l + 1 < PANEL_LIMBS ? _mm256_srai_epi32(_mm256_add_epi32(rest, half), 7)
+                                                  : _mm256_setzero_si256();
+            const __m256i digit = _mm256_sub_epi32(rest, _mm256_slli_epi32(q, 7));
+            /* digits lie in [-64, 64]: the packs do not saturate */
+            const __m128i d16 = _mm_packs_epi32(_mm256_castsi256_si128(digit), _mm256_extracti128_si256(digit, 1));
+            _mm_storel_epi64((__m128i *)(limbs + l * 32 + 8 * h), _mm_packs_epi16(d16, d16));
+            sl[l] = _mm256_add_epi32(sl[l], digit);
+            rest = q;
+        }
+        sx = _mm256_add_epi32(sx, x);
+    }
+    for (int l = 0; l < PANEL_LIMBS; l++) lsum[l] = hsum_epi32_256(sl[l]);
+    const int32_t sum = hsum_epi32_256(sx);
 #else
     int32_t sum = 0;
     memset(lsum, 0, 4 * sizeof(int32_t));
@@ -258,6 +289,14 @@ INLINE __m256i dot4(__m256i sum, __m256i w, const int8_t *digits) {
     return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+/* Q4_1's pairs of products summed in int16 lanes, widened once a block: a digit is in
+ * [-64, 64] and a nibble in [0, 15], so each vpmaddubsw lane is at most 2 * 15 * 64 = 1920 in
+ * magnitude and a block's 8 of them (4 groups x low and high nibbles) at most 15360 < 2^15:
+ * no lane saturates, the sums are the same integers. */
+INLINE __m256i pairs4(__m256i sum16, __m256i w, const int8_t *digits) {
+    return _mm256_add_epi16(sum16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(digits))));
+}
+
 /* One block's step for 8 elements (half h of the panel). */
 INLINE __m256 chain8(__m256 acc, const __m256i *dsum, const uint8_t *rec, int qbytes, int has_min, int h, float s,
                      float xsum) {
@@ -286,23 +325,30 @@ INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int 
             for (int r = 0; r < R; r++) lb[r] = x->limbs + ((int64_t)(r0 + r) * x->nb + b) * DIGITS_PER_BLOCK;
             const uint8_t *rec[TILE_ROWS * 2];
             for (int pp = 0; pp < NP; pp++) rec[pp] = record(w, p0 + pp, b);
-            for (int j = 0; j < qbytes / 64; j++)
-                for (int pp = 0; pp < NP; pp++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec[pp] + j * 64 + h * 32));
-                    if (q4) {
+            if (q4) {
+                /* dsum holds int16 pair sums until the block's end (pairs4). */
+                for (int j = 0; j < 4; j++)
+                    for (int pp = 0; pp < NP; pp++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec[pp] + j * 64 + h * 32));
                         const __m256i lo = _mm256_and_si256(raw, low);
                         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                         for (int r = 0; r < R; r++)
                             for (int l = 0; l < PANEL_LIMBS; l++) {
                                 __m256i *s = &dsum[r * NP + pp][l];
-                                *s = dot4(dot4(*s, lo, lb[r] + l * 32 + 4 * j), hi, lb[r] + l * 32 + 16 + 4 * j);
+                                *s = pairs4(pairs4(*s, lo, lb[r] + l * 32 + 4 * j), hi, lb[r] + l * 32 + 16 + 4 * j);
                             }
-                    } else {
+                    }
+                for (int i = 0; i < R * NP; i++)
+                    for (int l = 0; l < PANEL_LIMBS; l++) dsum[i][l] = _mm256_madd_epi16(dsum[i][l], _mm256_set1_epi16(1));
+            } else {
+                for (int j = 0; j < 8; j++)
+                    for (int pp = 0; pp < NP; pp++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec[pp] + j * 64 + h * 32));
                         for (int r = 0; r < R; r++)
                             for (int l = 0; l < PANEL_LIMBS; l++)
                                 dsum[r * NP + pp][l] = dot4(dsum[r * NP + pp][l], raw, lb[r] + l * 32 + 4 * j);
                     }
-                }
+            }
             for (int r = 0; r < R; r++) {
                 const int64_t xb = (int64_t)(r0 + r) * x->nb + b;
                 for (int pp = 0; pp < NP; pp++) {
@@ -316,6 +362,57 @@ INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int 
         }
         for (int i = 0; i < R * NP; i++) _mm256_storeu_ps(out + i * PANEL + 8 * h, acc[i]);
     }
+}
+
+/* A lone row times one panel, both halves at once: each digit's broadcast serves 16 outputs. */
+INLINE void micro_row(const Panels *w, const PanelRows *x, int r0, int p0, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int q4 = w->kind == PANEL_Q4_1, qbytes = panel_qbytes(w->kind);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < w->nb; b++) {
+        __m256i dsum[2][PANEL_LIMBS];
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < PANEL_LIMBS; l++) dsum[h][l] = _mm256_setzero_si256();
+        const int64_t xb = (int64_t)r0 * x->nb + b;
+        const int8_t *lb = x->limbs + xb * DIGITS_PER_BLOCK;
+        const uint8_t *rec = record(w, p0, b);
+        if (q4) {
+            for (int j = 0; j < 4; j++) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + h * 32));
+                    lo[h] = _mm256_and_si256(raw, low);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                }
+                for (int l = 0; l < PANEL_LIMBS; l++) {
+                    const __m256i dl = _mm256_set1_epi32(load_i32(lb + l * 32 + 4 * j));
+                    const __m256i dh = _mm256_set1_epi32(load_i32(lb + l * 32 + 16 + 4 * j));
+                    for (int h = 0; h < 2; h++)
+                        dsum[h][l] = _mm256_add_epi16(_mm256_add_epi16(dsum[h][l], _mm256_maddubs_epi16(lo[h], dl)),
+                                                      _mm256_maddubs_epi16(hi[h], dh));
+                }
+            }
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < PANEL_LIMBS; l++) dsum[h][l] = _mm256_madd_epi16(dsum[h][l], ones);
+        } else {
+            for (int j = 0; j < 8; j++) {
+                const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(rec + j * 64));
+                const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + 32));
+                for (int l = 0; l < PANEL_LIMBS; l++) {
+                    const __m256i d = _mm256_set1_epi32(load_i32(lb + l * 32 + 4 * j));
+                    dsum[0][l] = _mm256_add_epi32(dsum[0][l], _mm256_madd_epi16(_mm256_maddubs_epi16(raw0, d), ones));
+                    dsum[1][l] = _mm256_add_epi32(dsum[1][l], _mm256_madd_epi16(_mm256_maddubs_epi16(raw1, d), ones));
+                }
+            }
+            for (int l = 0; l < PANEL_LIMBS; l++) {
+                const __m256i off = _mm256_set1_epi32(128 * x->lsum[xb * 4 + l]);
+                for (int h = 0; h < 2; h++) dsum[h][l] = _mm256_sub_epi32(dsum[h][l], off);
+            }
+        }
+        for (int h = 0; h < 2; h++) acc[h] = chain8(acc[h], dsum[h], rec, qbytes, q4, h, x->scale[xb], x->xsum[xb]);
+    }
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
 }
 #else
 #define PANEL_ISA 0
@@ -375,11 +472,17 @@ static void tile_store(const Panels *w, const PanelRows *x, int r0, int R, int p
     /* Literal sizes keep the sums in registers. */
     if (R == 1) {
         switch (NP) {
+#if PANEL_ISA != 256
         case 1: micro(w, x, r0, 1, p0, 1, acc); break;
         case 2: micro(w, x, r0, 1, p0, 2, acc); break;
+#endif
 #if PANEL_ISA == 512
         case 3: micro(w, x, r0, 1, p0, 3, acc); break;
         default: micro(w, x, r0, 1, p0, 4, acc); break;
+#elif PANEL_ISA == 256
+        default: /* micro_row, a panel at a time */
+            for (int pp = 0; pp < NP; pp++) micro_row(w, x, r0, p0 + pp, acc + pp * PANEL);
+            break;
 #else
         default: micro(w, x, r0, 1, p0, 2, acc), micro(w, x, r0, 1, p0 + 2, NP - 2, acc + 2 * PANEL); break;
 #endif
