@@ -6,9 +6,11 @@ one after the other, and the serve benchmark (``load/serve_bench.py``) streams t
 synthetic workload (token-id prompts, forced output lengths, greedy) to each at every
 concurrency: the numbers a client sees, from the HTTP request to the last SSE chunk.
 
-* Portico tuned: ``portico engine`` with ``make bench``'s flags (``--dtype bfloat16``, so
-  ``--gguf-activations int8``, or what ``--portico-flags`` adds) and ``GOMP_SPINCOUNT=30000``
-  (a bounded spin for engines with cores of their own; the CLI's default is passive waiting);
+* Portico tuned: ``portico engine`` with ``make bench``'s serving flags (KV cache, slots,
+  context) but the default numerics (``--dtype auto``: the batch invariant float32 path;
+  ``--portico-flags "--dtype bfloat16"`` runs the faster, load-dependent one), plus what
+  ``--portico-flags`` adds, and ``GOMP_SPINCOUNT=30000`` (a bounded spin for engines with
+  cores of their own; the CLI's default is passive waiting);
 * Portico defaults (``--portico-defaults``): ``portico engine --model smollm2-135m`` with no
   other flag and the environment ``portico serve`` gives its engines (``make run``'s numbers);
 * llama.cpp: ``llama-server -m FILE -t THREADS -np SLOTS -c CONTEXT*SLOTS``, once per slot
@@ -168,6 +170,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, concurrency: str,
     parser.add_argument("--seed", type=int, default=0)
 
 
+def tuned_extra(flags: str) -> list[str]:
+    """The flags a tuned row adds to ``make bench``'s (``ENGINE_FLAGS``, which say
+    ``--dtype bfloat16``): the default numerics, then ``flags`` (a later ``--dtype`` wins)."""
+    return ["--dtype", "auto", *flags.split()]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every system at every concurrency; rows of the report."""
     model = resolve(DEFAULT_MODEL).path
@@ -191,8 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 summary, _ = serve(base_url, requests_for(workload, c, args), c)
                 add(summary_row("portico defaults", c, summary, flags="", numerics=numerics))
     for flags in args.portico_flags.split(";"):
-        extra = flags.split()
-        system = "portico" if not extra else f"portico {' '.join(extra)}"
+        system = "portico" if not flags.split() else f"portico {flags.strip()}"
+        extra = tuned_extra(flags)
         tuned = " ".join([*ENGINE_FLAGS, *extra])
         with engine_process(extra, args.timeout) as (_, base_url):
             numerics = served_numerics(base_url)

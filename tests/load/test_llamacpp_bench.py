@@ -13,7 +13,8 @@ from engine.config import EngineConfig
 from engine.server.cli import add_arguments
 from gateway.config import GatewayConfig
 from gateway.lifecycle import _engine_command
-from load.llamacpp_bench import defaults_engine_command, llama_command
+from load.llamacpp_bench import defaults_engine_command, llama_command, tuned_extra
+from load.standard import ENGINE_FLAGS
 
 
 def _engine_config(argv: list[str]) -> EngineConfig:
@@ -44,3 +45,13 @@ def test_llama_server_default_slots_pass_no_threads_slots_or_context() -> None:
     assert not {"-t", "-np", "-c"} & set(default) and default[1:3] == ["-m", str(model)]
     tuned = llama_command("llama-server", model, 9000, "16", 2, 1024)
     assert tuned[-6:] == ["-t", "2", "-np", "16", "-c", str(16 * 1024)]
+
+
+def test_the_tuned_row_serves_the_default_numerics_unless_its_flags_name_a_dtype() -> None:
+    """The side by side with llama.cpp measures the default (issue 42's requirement 3):
+    make bench's serving flags, the default dtype; ``--portico-flags`` can still pick bf16."""
+    assert _engine_config([*ENGINE_FLAGS, *tuned_extra("")]).dtype == "auto"
+    assert _engine_config([*ENGINE_FLAGS]).dtype == "bfloat16"
+    bf16 = _engine_config([*ENGINE_FLAGS, *tuned_extra("--dtype bfloat16")])
+    assert bf16.dtype == "bfloat16"
+    assert _engine_config([*ENGINE_FLAGS, *tuned_extra("")]).max_num_seqs == 64
