@@ -18,6 +18,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_kv(
+    cache_ptr, scale_ptr, slots, kv_head, offs_d, n_mask, d_mask, v_offset,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr,
+):  # fmt: skip
+    """K and V of the cache slots ``slots`` for ``kv_head``, as float32 ``[BLOCK_N, BLOCK_D]``
+    (an int8 cache's rows times their scales); masked positions and dims read 0."""
+    row = HEAD_DIM + 4 if KV_INT8 else HEAD_DIM
+    rows = (slots * NUM_KV_HEADS + kv_head) * row
+    kv_off = rows[:, None] + offs_d[None, :]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    if KV_INT8:
+        k_scale = tl.load(scale_ptr + (rows + HEAD_DIM) // 4, mask=n_mask, other=0.0)
+        v_scale = tl.load(scale_ptr + (v_offset + rows + HEAD_DIM) // 4, mask=n_mask, other=0.0)
+        k = k * k_scale[:, None]
+        v = v * v_scale[:, None]
+    return k, v
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     cache_ptr,
@@ -74,18 +95,10 @@ def _paged_attention_kernel(
                 block_tables_ptr + req * bt_stride + offs_n // BLOCK_SIZE, mask=n_mask, other=0
             ).to(tl.int64)
             slots = block * BLOCK_SIZE + offs_n % BLOCK_SIZE
-            row = HEAD_DIM + 4 if KV_INT8 else HEAD_DIM
-            rows = (slots * NUM_KV_HEADS + kv_head) * row
-            kv_off = rows[:, None] + offs_d[None, :]
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(cache_ptr + v_offset + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            if KV_INT8:
-                k_scale = tl.load(scale_ptr + (rows + HEAD_DIM) // 4, mask=n_mask, other=0.0)
-                v_rows = v_offset + rows + HEAD_DIM
-                v_scale = tl.load(scale_ptr + v_rows // 4, mask=n_mask, other=0.0)
-                k = k * k_scale[:, None]
-                v = v * v_scale[:, None]
+            k, v = _load_kv(
+                cache_ptr, scale_ptr, slots, kv_head, offs_d, n_mask, d_mask, v_offset,
+                NUM_KV_HEADS, HEAD_DIM, KV_INT8,
+            )  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             scores = tl.where(allowed, scores, float("-inf"))

@@ -516,6 +516,25 @@ class Admission:
         return plan
 
 
+def _scopes(
+    principal: Principal, model: str, model_limits: Limits | None
+) -> list[tuple[str, str, str, Limits]]:
+    """(scope, key prefix, who for messages, limits) of each level that limits the request:
+    the tenant, its key where the key has limits of its own, the model where the plan has."""
+    tenant = principal.tenant_id
+    base = f"portico:rl:{{{tenant}}}"
+    scopes: list[tuple[str, str, str, Limits]] = [
+        ("tenant", f"{base}:t", f"tenant '{tenant}'", principal.limits)
+    ]
+    if principal.key_id is not None and principal.key_limits is not None:
+        who = f"key '{principal.key_id}' of tenant '{tenant}'"
+        scopes.append(("key", f"{base}:k:{principal.key_id}", who, principal.key_limits))
+    if model_limits is not None:
+        who = f"model '{model}' for tenant '{tenant}'"
+        scopes.append(("model", f"{base}:m:{model}", who, model_limits))
+    return scopes
+
+
 def build_plan(
     principal: Principal,
     model: str,
@@ -530,28 +549,10 @@ def build_plan(
     Money budgets are budgets like the token one (checked at admission, charged at settle, by
     the same script) whose unit is the micro-dollar.
     """
-    tenant = principal.tenant_id
-    base = f"portico:rl:{{{tenant}}}"
-    scopes: list[tuple[str, str, str, Limits]] = [
-        ("tenant", f"{base}:t", f"tenant '{tenant}'", principal.limits)
-    ]
-    if principal.key_id is not None and principal.key_limits is not None:
-        scopes.append(
-            (
-                "key",
-                f"{base}:k:{principal.key_id}",
-                f"key '{principal.key_id}' of tenant '{tenant}'",
-                principal.key_limits,
-            )
-        )
-    if model_limits is not None:
-        scopes.append(
-            ("model", f"{base}:m:{model}", f"model '{model}' for tenant '{tenant}'", model_limits)
-        )
     rate: list[tuple[str, int, _Bucket, bool]] = []
     slots: list[tuple[str, int, _Bucket]] = []
     budgets: list[tuple[str, int, _Bucket, bool]] = []
-    for scope, prefix, who, limits in scopes:
+    for scope, prefix, who, limits in _scopes(principal, model, model_limits):
         if limits.requests_per_minute is not None:
             bucket = _Bucket(scope, "requests_per_minute", who)
             rate.append((f"{prefix}:rpm", limits.requests_per_minute, bucket, False))

@@ -158,7 +158,16 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
     c = Console(browser, gateway.base_url, tmp_path)
+    _sign_in(c, browser, gateway)
+    _create_tenant(c, browser)
+    _create_rotate_and_revoke_a_key(c, browser, gateway)
+    _edit_and_disable_the_tenant(c, browser)
+    _usage_and_engine_pages(c, browser, traffic_tenant)
+    _audit_log(c, browser)
+    _keyboard_and_sign_out(c, browser, gateway)
 
+
+def _sign_in(c: Console, browser: Any, gateway: GatewayProcess) -> None:
     # Sign in (keyboard only: type the key, press Enter).
     browser.get(gateway.base_url + "/admin/ui")
     c.heading("Sign in")
@@ -174,6 +183,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     assert cookies["portico_console"]["sameSite"] == "Strict"
     assert browser.execute_script("return document.cookie") == ""  # invisible to scripts
 
+
+def _create_tenant(c: Console, browser: Any) -> None:
     # Create a tenant.
     c.visible("#new-tenant-id").send_keys("browser-co")
     browser.find_element(By.ID, "new-tenant-name").send_keys("Browser Co")
@@ -184,6 +195,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     c.every_field_is_labelled()
     c.shot("tenants")
 
+
+def _create_rotate_and_revoke_a_key(c: Console, browser: Any, gateway: GatewayProcess) -> None:
     # Create a key: the secret is shown once.
     c.go("keys/browser-co", "Keys of browser-co")
     c.visible("#new-key-name").send_keys("ci")
@@ -211,6 +224,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     c.wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, "button[aria-label^='Revoke key']"))
     assert wait_until(lambda: _refused(gateway, rotated), timeout=10)
 
+
+def _edit_and_disable_the_tenant(c: Console, browser: Any) -> None:
     # Edit the tenant's plan overrides, then disable it.
     c.go("tenants", "Tenants")
     browser.find_element(By.CSS_SELECTOR, "button[aria-label='Edit tenant browser-co']").click()
@@ -226,6 +241,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     c.status("Tenant browser-co disabled.")
     c.wait.until(lambda d: "disabled" in d.find_element(By.XPATH, row).text)
 
+
+def _usage_and_engine_pages(c: Console, browser: Any, traffic_tenant: str) -> None:
     # Usage of the tenant that had traffic: a chart and the per-model table.
     c.go(f"usage/{traffic_tenant}", f"Usage of {traffic_tenant}")
     c.wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "svg.chart rect.s0"))
@@ -252,6 +269,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     c.every_field_is_labelled()
     c.shot("adapters")
 
+
+def _audit_log(c: Console, browser: Any) -> None:
     # The audit log shows what the console did, newest first.
     c.go("audit", "Audit log")
     body = c.visible("main tbody")
@@ -265,6 +284,8 @@ def test_console_end_to_end(gateway: GatewayProcess, browser: Any, tmp_path: Pat
     assert '"disabled": true' in c.visible("main tbody tr details").text  # the newest change
     c.shot("audit")
 
+
+def _keyboard_and_sign_out(c: Console, browser: Any, gateway: GatewayProcess) -> None:
     # Keyboard: Tab from the top (the skip link) reaches the navigation and the page's controls.
     browser.execute_script("document.querySelector('a.skip').focus()")
     reached = []
