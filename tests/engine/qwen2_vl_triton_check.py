@@ -32,10 +32,10 @@ def _picture(seed: int, size: tuple[int, int]) -> Image.Image:
     return Image.fromarray(pixels.numpy())
 
 
-def run_scenario(model_dir: Path) -> dict[str, Any]:
+def run_scenario(model_dir: Path, device: str = "cpu") -> dict[str, Any]:
     """Two odd-sized images and text, prefilled in chunks of 16 that cut through the images,
-    then 12 greedy decode steps at M-RoPE's shifted positions."""
-    loaded = load_model(ModelSource("tiny-qwen2-vl", model_dir, "hf"), torch.float32, "cpu")
+    then 12 greedy decode steps at M-RoPE's shifted positions, on ``device``."""
+    loaded = load_model(ModelSource("tiny-qwen2-vl", model_dir, "hf"), torch.float32, device)
     images = [_picture(0, (101, 67)), _picture(1, (84, 56))]
     parts: list[dict[str, Any]] = [{"type": "image"}, {"type": "text", "text": "and"}]
     parts += [{"type": "image"}, {"type": "text", "text": "What differs between them?"}]
@@ -47,7 +47,7 @@ def run_scenario(model_dir: Path) -> dict[str, Any]:
         tok.encode(text, add_special_tokens=False), images, loaded.image_processor, loaded.model
     )
     config = EngineConfig(
-        model="tiny-qwen2-vl", device="cpu", dtype="float32", max_num_batched_tokens=16
+        model="tiny-qwen2-vl", device=device, dtype="float32", max_num_batched_tokens=16
     )
     engine = LLMEngine(config, loaded)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -55,7 +55,7 @@ def run_scenario(model_dir: Path) -> dict[str, Any]:
     while True:
         done = [out for out in engine.step() if out.finished]
         if done:
-            choice = kernels.choose("cpu")
+            choice = kernels.choose(device)
             return {"tokens": done[0].outputs[0].token_ids, "attention": choice.paged_attention}
 
 

@@ -100,3 +100,40 @@ def test_two_engines_at_0_4_share_the_card(tiny_llama_dir: Path) -> None:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("folder", ["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"])
+def test_qwen_vision_models_on_cuda_give_the_cpu_paths_greedy_tokens(
+    folder: str, request: pytest.FixtureRequest
+) -> None:
+    """Issue 46 on the device: two odd-sized images prefilled in chunks that cut through them,
+    M-RoPE decode steps; float32, the same greedy tokens as on the CPU."""
+    from tests.engine.qwen2_vl_triton_check import run_scenario as vision_scenario
+
+    model_dir = Path(request.getfixturevalue(folder))
+    on_cuda = vision_scenario(model_dir, "cuda")
+    on_cpu = vision_scenario(model_dir, "cpu")
+    assert on_cuda["attention"] == "triton" and on_cpu["attention"] == "cpu"
+    assert on_cuda["tokens"] == on_cpu["tokens"] and len(on_cpu["tokens"]) == 12
+
+
+def test_llava_on_cuda_gives_transformers_greedy_tokens(tiny_llava_dir: Path) -> None:
+    """Issue 46 on the device: LLaVA (CLIP tower) with two images, float32, equals
+    transformers' own generate on the CPU."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from portico.registry import ModelSource
+    from tests.engine.test_llava import engine_inputs, hf_reference, picture, run
+
+    loaded = load_model(ModelSource("tiny-llava", tiny_llava_dir, "hf"), torch.float32, "cuda")
+    hf_model = LlavaForConditionalGeneration.from_pretrained(str(tiny_llava_dir)).eval()
+    processor = AutoProcessor.from_pretrained(str(tiny_llava_dir))
+    images = [picture(0), picture(1)]
+    length, expected = hf_reference(hf_model, processor, "Compare the two pictures.", images)
+    ids, mm = engine_inputs(loaded, "Compare the two pictures.", images)
+    config = EngineConfig(model="tiny-llava", device="cuda", dtype="float32",
+                          max_num_batched_tokens=24, max_num_seqs=4)  # fmt: skip
+    [out] = run(LLMEngine(config, loaded), [(ids, mm, None)])
+    assert len(ids) == length and out.outputs[0].token_ids == expected
