@@ -81,12 +81,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` different free ports: the sockets stay bound until all are chosen, so the
+    kernel cannot hand the same port out twice (two equal ports made nginx refuse its config
+    as "a duplicate default server")."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def default_values(prefix: Path, cert: Path, key: Path, gateway_addr: str) -> dict[str, str]:
     """Values for a test: loopback ports, the test CA's certificate, generous limits."""
-    https_port = free_port()
+    http_port, https_port = free_ports(2)
     return {
         "PORTICO_SERVER_NAME": "localhost",
-        "PORTICO_HTTP_PORT": f"127.0.0.1:{free_port()}",
+        "PORTICO_HTTP_PORT": f"127.0.0.1:{http_port}",
         "PORTICO_HTTPS_PORT": f"127.0.0.1:{https_port}",
         "PORTICO_PUBLIC_HTTPS_PORT": str(https_port),
         "PORTICO_TLS_CERT": str(cert),
