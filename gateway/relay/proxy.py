@@ -224,6 +224,23 @@ class LocalUpstream:
             headers.update(engine_hop_headers(principal))
         return headers
 
+    def _hop_headers(
+        self,
+        fields: RequestFields,
+        request_id: str,
+        credential: str | None,
+        principal: Principal | None,
+    ) -> dict[str, str]:
+        """:meth:`request_headers` plus what a local engine is told of this request: its
+        shared prefix, and that :meth:`payload` carried its prompt's token ids."""
+        headers = self.request_headers(request_id, credential, principal)
+        if self.local_engine and fields.shared_prefix is not None:
+            salt, num_chars = fields.shared_prefix
+            headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
+        if self.local_engine and carried_prompt_ids(self.carry_tokenizer, fields) is not None:
+            headers[PROMPT_IDS_HEADER] = "1"
+        return headers
+
     async def exchange(
         self,
         path: str,
@@ -240,12 +257,7 @@ class LocalUpstream:
         ``principal``: the caller, named to the engine (:func:`engine_hop_headers`)."""
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
-        headers = self.request_headers(request_id, credential, principal)
-        if self.local_engine and fields.shared_prefix is not None:
-            salt, num_chars = fields.shared_prefix
-            headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
-        if self.local_engine and carried_prompt_ids(self.carry_tokenizer, fields) is not None:
-            headers[PROMPT_IDS_HEADER] = "1"  # :meth:`payload` appended them
+        headers = self._hop_headers(fields, request_id, credential, principal)
         url = self.request_url(path)
         start = self._starts.get(path)
         if start is None:  # written once per path
