@@ -247,6 +247,9 @@ async def _start_engines(
         log.error("not every engine became ready in %.0f s; serving what is up", timeout)
     for name, local_upstream in local.upstreams.items():  # prefix_aware pools hash tokens
         local_upstream.route_tokenizer = tokenizers.get(name)
+        # loaded from the engine's own model folder (`portico engine`, no custom command):
+        # admission's prompt ids are the engine's, so they travel with the request
+        local_upstream.carry_tokenizer = tokenizers.get(name)
     return supervisor, tokenizers
 
 

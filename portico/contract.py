@@ -17,7 +17,10 @@ What it holds:
 - the fair scheduler's default step budgets, which the gateway's wait estimate models;
 - the prompt positions one image fills in a vision model (:func:`tokens_per_image`, and for
   Qwen2-VL, whose count follows the picture's size, :func:`qwen2_vl_image_tokens`), which the
-  engine expands and the gateway counts.
+  engine expands and the gateway counts;
+- the carried prompt (:func:`prompt_ids_field`, :func:`carried_prompt_ids`): the token ids the
+  gateway already rendered and encoded for admission travel in the body, so the engine does
+  not render and encode the same prompt again.
 
 Tenant headers (absent: the tenant ``default`` with the defaults below):
 
@@ -31,6 +34,19 @@ Tenant headers (absent: the tenant ``default`` with the defaults below):
 - ``x-portico-cache-shared-prefix: <characters>;<salt>``: the first ``characters`` characters
   of the first message's text (chat) or of the prompt (completions) are a prefix shared in the
   prefix cache under ``salt`` (engine/server/shared_prefix.py turns it into tokens).
+
+Carried prompt: the gateway appends ``"portico_prompt_token_ids":[...]`` as the last key of the
+body (JSON's last duplicate key wins, so a client's own key of that name is overridden) and
+sends ``x-portico-prompt-token-ids: 1``. The engine reads the field only with that header,
+which a client can never send through the gateway; without it the field is ignored and the
+engine renders and encodes as usual. The gateway carries ids only where they are certainly the
+engine's: the served model's own tokenizer, a chat of plain text messages (no tools, content
+parts, images or shared prefix) or a completion with one text prompt. A header alone would be
+a poor carrier for an 8k-token prompt.
+
+Not carried (yet): the prefix router's block hashes. They are cheap next to the rendering, and
+the engine must hash its own blocks anyway to trust its cache; carrying them would mean
+trusting the gateway's salt and block size to match, for little gain.
 """
 
 from __future__ import annotations
@@ -57,6 +73,9 @@ ENGINE_HOP_HEADERS = (
     MAX_RUNNING_HEADER,
 )
 SHARED_PREFIX_HEADER = "x-portico-cache-shared-prefix"
+PROMPT_IDS_HEADER = "x-portico-prompt-token-ids"  # "1": the gateway set PROMPT_IDS_FIELD
+PROMPT_IDS_FIELD = "portico_prompt_token_ids"
+MAX_CARRIED_PROMPT_TOKENS = 1 << 20  # beyond any engine's max_model_len: a bug, not a prompt
 
 PRIORITY_CLASSES = ("interactive", "batch")  # served in this order
 MAX_TENANT_LEN = 200
@@ -376,3 +395,27 @@ def pixel_options_error(options: Any) -> tuple[str, str] | None:
     if low is not None and high is not None and low > high:
         return "mm_processor_kwargs", "min_pixels must not exceed max_pixels"
     return None
+
+
+def prompt_ids_field(token_ids: Sequence[int]) -> bytes:
+    """The body member the gateway appends: ``"portico_prompt_token_ids":[1,2,...]``."""
+    return b'"%s":[%s]' % (PROMPT_IDS_FIELD.encode(), ",".join(map(str, token_ids)).encode())
+
+
+def carried_prompt_ids(headers: Mapping[str, str], value: Any) -> list[int] | None:
+    """The prompt token ids the gateway carried, or None where it carried none (a client's own
+    field without the gateway's header is ignored). Raises :class:`InvalidRequestError` naming
+    the field for ids that are not a non-empty list of whole numbers within the bound; the
+    engine checks them against its vocabulary."""
+    if headers.get(PROMPT_IDS_HEADER) != "1":
+        return None
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_CARRIED_PROMPT_TOKENS
+        or not all(type(t) is int for t in value)
+    ):
+        raise InvalidRequestError(
+            f"{PROMPT_IDS_FIELD} must be a list of 1 to {MAX_CARRIED_PROMPT_TOKENS} token ids.",
+            param=PROMPT_IDS_FIELD,
+        )
+    return value

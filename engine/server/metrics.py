@@ -290,7 +290,17 @@ class ServerMetrics:
             buckets=token_hist,
             registry=reg,
         )
+        # Prompts taken as the gateway carried their token ids, not rendered or encoded here
+        # (portico/contract.py "Carried prompt"), by endpoint: chat or completions.
+        self.prompts_carried = Counter(
+            "portico:prompts_carried",
+            "Number of prompts whose token ids the gateway carried (no render or encode here).",
+            LABELS + ["endpoint"],
+            registry=reg,
+        )
         reg.register(EngineStatsCollector(model_name, read_stats))
+        for endpoint in ("chat", "completions"):
+            self.prompts_carried.labels(model_name, endpoint)
         for family in (
             self.prompt_tokens,
             self.generation_tokens,
@@ -312,6 +322,10 @@ class ServerMetrics:
         """Start tracking one engine request (its prompt counts as processed from now)."""
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
         return RequestTracker(self, num_prompt_tokens)
+
+    def carried(self, endpoint: str) -> None:
+        """Count one prompt taken as the gateway carried it (``chat`` or ``completions``)."""
+        self.prompts_carried.labels(self.model_name, endpoint).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

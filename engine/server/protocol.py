@@ -67,6 +67,9 @@ class SamplingFields(StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # the gateway's carried prompt (portico/contract.py PROMPT_IDS_FIELD): read only with its
+    # header, so any value a client forges is ignored, never rejected
+    portico_prompt_token_ids: Any = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1)
     min_p: Probability | None = None

@@ -42,7 +42,12 @@ from engine.server.tool_calling import (
     template_supports_tools,
 )
 from engine.tenancy import TenantTag
-from portico.contract import SharedPrefix, shared_prefix_of
+from portico.contract import (
+    PROMPT_IDS_FIELD,
+    SharedPrefix,
+    carried_prompt_ids,
+    shared_prefix_of,
+)
 from portico.errors import InvalidRequestError
 from portico.media_fetch import MediaPolicy
 
@@ -123,8 +128,12 @@ class ChatServing:
         return self.images.attach(ids, images, mm_options)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        carried = carried_prompt_ids(request.headers, req.portico_prompt_token_ids)
         started = await self.start(
-            req, tenant=tenant_of(request.headers), shared=shared_prefix_of(request.headers)
+            req,
+            tenant=tenant_of(request.headers),
+            shared=shared_prefix_of(request.headers),
+            carried=carried,
         )
         plan, request_id, num_prompt = started.plan, started.request_id, started.num_prompt_tokens
         outputs = merge(started.submitted)
@@ -143,9 +152,11 @@ class ChatServing:
         request_id: str | None = None,
         tenant: TenantTag | None = None,
         shared: SharedPrefix | None = None,
+        carried: list[int] | None = None,
     ) -> StartedChat:
         """Check, render, compile its grammar and queue the request (the Responses API
-        shares this)."""
+        shares this). ``carried``: the prompt's ids as the gateway rendered them (see
+        portico/contract.py), used instead of rendering when the request has no tools."""
         serving = self.serving
         serving.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -155,7 +166,14 @@ class ChatServing:
         limits = serving.engine.engine.structured.limits
         plan = plan_tools(req, self.tool_call_parser, self.auto_tool_choice, limits)
         await self.images.fetch(req.messages)  # allowed image URLs, as data URLs
-        prompt, images = self.render(req.messages, plan=plan, mm_options=req.mm_processor_kwargs)
+        if carried is not None and not plan.tools and self.plain_text(req.messages):
+            serving.check_token_ids(carried, PROMPT_IDS_FIELD)
+            prompt, images = list(carried), list[ImageInput]()
+            self.serving.metrics.carried("chat")
+        else:
+            prompt, images = self.render(
+                req.messages, plan=plan, mm_options=req.mm_processor_kwargs
+            )
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last N tokens
             prompt = prompt[-req.truncate_prompt_tokens :]
         elif shared is not None:  # the engine's salt for this request: the field's, widened
@@ -179,6 +197,11 @@ class ChatServing:
                 param="tools",
             ) from None
         return StartedChat(plan, request_id, len(prompt), submitted)
+
+    @staticmethod
+    def plain_text(messages: list[ChatMessage]) -> bool:
+        """Every message is plain text: the gateway's rendering is the engine's own."""
+        return all(isinstance(m.content, str) for m in messages)
 
     def shared_salt(
         self, req: ChatCompletionRequest, prompt: list[int], shared: SharedPrefix

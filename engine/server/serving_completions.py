@@ -22,7 +22,7 @@ from engine.server.serving_engine import (
 )
 from engine.server.shared_prefix import salt_with_prefix
 from engine.server.structured_fields import structured_outputs_for
-from portico.contract import shared_prefix_of
+from portico.contract import PROMPT_IDS_FIELD, carried_prompt_ids, shared_prefix_of
 from portico.errors import InvalidRequestError
 
 
@@ -40,7 +40,9 @@ class CompletionServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def prompts(self, req: CompletionRequest) -> list[Prompt]:
+    def prompts(self, req: CompletionRequest, carried: list[int] | None = None) -> list[Prompt]:
+        """The request's prompts as token ids; ``carried``: a text prompt's ids as the gateway
+        encoded them (portico/contract.py), used instead of encoding it here."""
         tokenizer = self.serving.tokenizer
         items: list[str | list[int]]
         if isinstance(req.prompt, str):
@@ -53,7 +55,12 @@ class CompletionServing:
         keep = req.truncate_prompt_tokens
         for index, item in enumerate(items):
             if isinstance(item, str):
-                ids = list(tokenizer.encode(item, add_special_tokens=True))
+                if carried is not None and isinstance(req.prompt, str):  # one text prompt
+                    self.serving.check_token_ids(carried, PROMPT_IDS_FIELD)
+                    self.serving.metrics.carried("completions")
+                    ids = list(carried)
+                else:
+                    ids = list(tokenizer.encode(item, add_special_tokens=True))
                 if not ids:
                     raise InvalidRequestError("The prompt must not be empty.", param="prompt")
                 if keep is not None and len(ids) > keep:  # vLLM's: keep the last N tokens
@@ -71,7 +78,8 @@ class CompletionServing:
         serving = self.serving
         tenant = tenant_of(request.headers)
         serving.check_request(req)
-        prompts = self.prompts(req)
+        carried = carried_prompt_ids(request.headers, req.portico_prompt_token_ids)
+        prompts = self.prompts(req, carried)
         shared = shared_prefix_of(request.headers)
         if (
             shared is not None

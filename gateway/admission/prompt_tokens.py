@@ -184,8 +184,11 @@ class PromptCounter:
         prompt = fields.prompt
         if isinstance(prompt, str):
             if backend is not None:
-                return len(backend.encode(prompt).ids)
-            return len(tok(prompt)["input_ids"])
+                text_ids = list(backend.encode(prompt).ids)
+            else:
+                text_ids = list(tok(prompt)["input_ids"])
+            fields.text_prompt_ids = (tok, prompt, text_ids)  # carried to a local engine
+            return len(text_ids)
         if prompt and all(isinstance(t, int) for t in prompt):
             return len(prompt)  # already token ids
         total = 0

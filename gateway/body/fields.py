@@ -65,6 +65,9 @@ class RequestFields:
     # tokenizer and the messages list they came from: the prefix-aware router reuses them
     # rather than rendering the prompt again (gateway/fleet/prefix_index.py route_token_ids).
     chat_prompt_ids: tuple[Any, list[dict[str, Any]], list[int]] | None = None
+    # A text completion prompt's token ids as admission encoded them, with the tokenizer and
+    # the prompt: carried to a local engine (gateway/relay/carried_prompt.py)
+    text_prompt_ids: tuple[Any, str, list[int]] | None = None
 
     @property
     def max_tokens_name(self) -> str:

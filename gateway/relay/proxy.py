@@ -41,6 +41,7 @@ from gateway.fleet.prefix_index import RouteTokens, route_token_ids
 from gateway.fleet.replica_load import Lease
 from gateway.identity.principal import Principal
 from gateway.metrics import GatewayMetrics
+from gateway.relay.carried_prompt import carried_prompt_ids, with_prompt_ids
 from gateway.relay.engine_hop import engine_hop_headers
 from gateway.relay.output_tokens import OutputCounter
 from gateway.relay.retry import RetryPolicy
@@ -63,7 +64,7 @@ from gateway.relay.usage_relay import (
     upstream_body,
     usage_view,
 )
-from portico.contract import SHARED_PREFIX_HEADER, shared_prefix_header
+from portico.contract import PROMPT_IDS_HEADER, SHARED_PREFIX_HEADER, shared_prefix_header
 from portico.errors import ServiceUnavailableError, UpstreamError
 
 log = logging.getLogger("portico.gateway.proxy")
@@ -174,6 +175,9 @@ class LocalUpstream:
         self.counter = counter
         # the served model's tokenizer, for the pool's prefix_aware policy (set at start-up)
         self.route_tokenizer: Any | None = None
+        # the tokenizer admission counts this model with, loaded from the engine's own model
+        # folder (set at start-up): the prompt ids it made are carried to the engine
+        self.carry_tokenizer: Any | None = None
         self._starts: dict[str, str] = {}  # path -> request line and host (request_start)
 
     def payload(
@@ -184,8 +188,11 @@ class LocalUpstream:
         cache_salt: str | None,
         max_tokens: int | None,
     ) -> bytes:
-        """The body the engine gets (:func:`upstream_body`)."""
-        return upstream_body(raw, fields, model, cache_salt, max_tokens, self.local_engine)
+        """The body the engine gets (:func:`upstream_body`), with the prompt's token ids where
+        admission's are certainly the engine's (gateway/relay/carried_prompt.py)."""
+        body = upstream_body(raw, fields, model, cache_salt, max_tokens, self.local_engine)
+        ids = carried_prompt_ids(self.carry_tokenizer, fields) if self.local_engine else None
+        return body if ids is None else with_prompt_ids(body, ids)
 
     def _route_tokens(
         self, fields: RequestFields, principal: Principal | None
@@ -217,6 +224,23 @@ class LocalUpstream:
             headers.update(engine_hop_headers(principal))
         return headers
 
+    def _hop_headers(
+        self,
+        fields: RequestFields,
+        request_id: str,
+        credential: str | None,
+        principal: Principal | None,
+    ) -> dict[str, str]:
+        """:meth:`request_headers` plus what a local engine is told of this request: its
+        shared prefix, and that :meth:`payload` carried its prompt's token ids."""
+        headers = self.request_headers(request_id, credential, principal)
+        if self.local_engine and fields.shared_prefix is not None:
+            salt, num_chars = fields.shared_prefix
+            headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
+        if self.local_engine and carried_prompt_ids(self.carry_tokenizer, fields) is not None:
+            headers[PROMPT_IDS_HEADER] = "1"
+        return headers
+
     async def exchange(
         self,
         path: str,
@@ -233,10 +257,7 @@ class LocalUpstream:
         ``principal``: the caller, named to the engine (:func:`engine_hop_headers`)."""
         policy = self.policy
         deadline = time.monotonic() + policy.deadline_s
-        headers = self.request_headers(request_id, credential, principal)
-        if self.local_engine and fields.shared_prefix is not None:
-            salt, num_chars = fields.shared_prefix
-            headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
+        headers = self._hop_headers(fields, request_id, credential, principal)
         url = self.request_url(path)
         start = self._starts.get(path)
         if start is None:  # written once per path
