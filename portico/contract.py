@@ -37,9 +37,11 @@ Tenant headers (absent: the tenant ``default`` with the defaults below):
 
 Carried prompt: the gateway appends ``"portico_prompt_token_ids":[...]`` as the last key of the
 body (JSON's last duplicate key wins, so a client's own key of that name is overridden) and
-sends ``x-portico-prompt-token-ids: 1``. The engine reads the field only with that header,
-which a client can never send through the gateway; without it the field is ignored and the
-engine renders and encodes as usual. The gateway carries ids only where they are certainly the
+sends ``x-portico-prompt-token-ids: <fingerprint>``, its tokenizer's
+:func:`tokenizer_fingerprint` (the chat template and the vocabulary size). The engine reads the
+field only with that header, which a client can never send through the gateway, and only when
+the fingerprint is its own tokenizer's; otherwise the field is ignored and the engine renders
+and encodes as usual. The gateway carries ids only where they are certainly the
 engine's: the served model's own tokenizer, a chat of plain text messages (no tools, content
 parts, images or shared prefix) or a completion with one text prompt. A header alone would be
 a poor carrier for an 8k-token prompt.
@@ -73,7 +75,8 @@ ENGINE_HOP_HEADERS = (
     MAX_RUNNING_HEADER,
 )
 SHARED_PREFIX_HEADER = "x-portico-cache-shared-prefix"
-PROMPT_IDS_HEADER = "x-portico-prompt-token-ids"  # "1": the gateway set PROMPT_IDS_FIELD
+# the gateway set PROMPT_IDS_FIELD; the value: its tokenizer's fingerprint (tokenizer_fingerprint)
+PROMPT_IDS_HEADER = "x-portico-prompt-token-ids"
 PROMPT_IDS_FIELD = "portico_prompt_token_ids"
 MAX_CARRIED_PROMPT_TOKENS = 1 << 20  # beyond any engine's max_model_len: a bug, not a prompt
 
@@ -402,12 +405,24 @@ def prompt_ids_field(token_ids: Sequence[int]) -> bytes:
     return b'"%s":[%s]' % (PROMPT_IDS_FIELD.encode(), ",".join(map(str, token_ids)).encode())
 
 
-def carried_prompt_ids(headers: Mapping[str, str], value: Any) -> list[int] | None:
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What must be equal for the gateway's prompt ids to be the engine's own: the chat
+    template and the vocabulary size (added tokens included), hashed to 16 hex digits."""
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else ""
+    data = f"{len(tokenizer)}\x00{text}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def carried_prompt_ids(
+    headers: Mapping[str, str], value: Any, fingerprint: str
+) -> list[int] | None:
     """The prompt token ids the gateway carried, or None where it carried none (a client's own
-    field without the gateway's header is ignored). Raises :class:`InvalidRequestError` naming
-    the field for ids that are not a non-empty list of whole numbers within the bound; the
-    engine checks them against its vocabulary."""
-    if headers.get(PROMPT_IDS_HEADER) != "1":
+    field without the gateway's header is ignored) or carried another tokenizer's (the header's
+    fingerprint is not ``fingerprint``, the engine's: it renders and encodes itself). Raises
+    :class:`InvalidRequestError` naming the field for ids that are not a non-empty list of whole
+    numbers within the bound; the engine checks them against its vocabulary."""
+    if headers.get(PROMPT_IDS_HEADER) != fingerprint:
         return None
     if (
         not isinstance(value, list)

@@ -128,7 +128,9 @@ class ChatServing:
         return self.images.attach(ids, images, mm_options)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        carried = carried_prompt_ids(request.headers, req.portico_prompt_token_ids)
+        carried = carried_prompt_ids(
+            request.headers, req.portico_prompt_token_ids, self.serving.tokenizer_fingerprint
+        )
         started = await self.start(
             req,
             tenant=tenant_of(request.headers),

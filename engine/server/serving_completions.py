@@ -78,7 +78,9 @@ class CompletionServing:
         serving = self.serving
         tenant = tenant_of(request.headers)
         serving.check_request(req)
-        carried = carried_prompt_ids(request.headers, req.portico_prompt_token_ids)
+        carried = carried_prompt_ids(
+            request.headers, req.portico_prompt_token_ids, self.serving.tokenizer_fingerprint
+        )
         prompts = self.prompts(req, carried)
         shared = shared_prefix_of(request.headers)
         if (

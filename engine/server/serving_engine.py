@@ -25,6 +25,7 @@ from engine.server.protocol_chat import ChatCompletionRequest
 from engine.server.protocol_completions import CompletionRequest
 from engine.server.structured_fields import structured_outputs_for
 from engine.tenancy import TenantTag, tenant_from_headers
+from portico.contract import tokenizer_fingerprint
 from portico.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -76,6 +77,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
+        # the gateway carries prompt ids only under this (portico/contract.py)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.max_model_len = effective_max_model_len(engine)
         self.vocab_size = int(engine.model_config.vocab_size)  # rows of the embedding
         self._token_text: dict[int, str] = {}

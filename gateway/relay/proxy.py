@@ -64,7 +64,12 @@ from gateway.relay.usage_relay import (
     upstream_body,
     usage_view,
 )
-from portico.contract import PROMPT_IDS_HEADER, SHARED_PREFIX_HEADER, shared_prefix_header
+from portico.contract import (
+    PROMPT_IDS_HEADER,
+    SHARED_PREFIX_HEADER,
+    shared_prefix_header,
+    tokenizer_fingerprint,
+)
 from portico.errors import ServiceUnavailableError, UpstreamError
 
 log = logging.getLogger("portico.gateway.proxy")
@@ -178,6 +183,7 @@ class LocalUpstream:
         # the tokenizer admission counts this model with, loaded from the engine's own model
         # folder (set at start-up): the prompt ids it made are carried to the engine
         self.carry_tokenizer: Any | None = None
+        self._fingerprint: str | None = None  # carry_tokenizer's (portico/contract.py)
         self._starts: dict[str, str] = {}  # path -> request line and host (request_start)
 
     def payload(
@@ -238,7 +244,9 @@ class LocalUpstream:
             salt, num_chars = fields.shared_prefix
             headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
         if self.local_engine and carried_prompt_ids(self.carry_tokenizer, fields) is not None:
-            headers[PROMPT_IDS_HEADER] = "1"
+            if self._fingerprint is None:
+                self._fingerprint = tokenizer_fingerprint(self.carry_tokenizer)
+            headers[PROMPT_IDS_HEADER] = self._fingerprint
         return headers
 
     async def exchange(

@@ -22,7 +22,7 @@ from gateway.admission.prompt_tokens import PromptCounter, load_tokenizer
 from gateway.body.fields import parse_fields
 from gateway.relay.carried_prompt import carried_prompt_ids, with_prompt_ids
 from gateway.relay.usage_relay import upstream_body
-from portico.contract import PROMPT_IDS_FIELD, PROMPT_IDS_HEADER
+from portico.contract import PROMPT_IDS_FIELD, PROMPT_IDS_HEADER, tokenizer_fingerprint
 
 CHAT = {
     "model": "t",
@@ -34,7 +34,12 @@ CHAT = {
     "temperature": 0,
 }
 COMPLETION = {"model": "t", "prompt": "The river runs through", "max_tokens": 6, "temperature": 0}
-GATEWAY = {PROMPT_IDS_HEADER: "1"}
+
+
+@pytest.fixture
+def hop(tiny_llama_dir: Path) -> dict[str, str]:
+    """The gateway's header: its tokenizer's fingerprint, which is the engine's own."""
+    return {PROMPT_IDS_HEADER: tokenizer_fingerprint(load_tokenizer(str(tiny_llama_dir)))}
 
 
 @pytest.fixture
@@ -79,14 +84,19 @@ async def carried(client: httpx.AsyncClient) -> dict[str, float]:
     [("/v1/chat/completions", CHAT, "chat"), ("/v1/completions", COMPLETION, "completion")],
 )
 async def test_carried_ids_answer_exactly_as_rendering_and_skip_it(
-    engine: httpx.AsyncClient, tiny_llama_dir: Path, path: str, body: dict[str, Any], kind: str
+    hop: dict[str, str],
+    engine: httpx.AsyncClient,
+    tiny_llama_dir: Path,
+    path: str,
+    body: dict[str, Any],
+    kind: str,
 ) -> None:
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     plain = await engine.post(path, json=body)
     assert plain.status_code == 200, plain.text
     before = await carried(engine)
     payload, ids = gateway_body(body, kind, tokenizer)
-    hop = await engine.post(path, content=payload, headers=GATEWAY)
+    hop = await engine.post(path, content=payload, headers=hop)
     assert hop.status_code == 200, hop.text
     endpoint = "chat" if kind == "chat" else "completions"
     assert (await carried(engine))[endpoint] == before[endpoint] + 1
@@ -101,7 +111,7 @@ async def test_carried_ids_answer_exactly_as_rendering_and_skip_it(
 
 
 async def test_a_clients_own_field_is_ignored_and_the_gateways_wins(
-    engine: httpx.AsyncClient, tiny_llama_dir: Path
+    hop: dict[str, str], engine: httpx.AsyncClient, tiny_llama_dir: Path
 ) -> None:
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     plain = (await engine.post("/v1/chat/completions", json=CHAT)).json()
@@ -115,7 +125,7 @@ async def test_a_clients_own_field_is_ignored_and_the_gateways_wins(
     assert await carried(engine) == before
     # the client's duplicate key comes first; the gateway's, appended last, is the one read
     payload, _ = gateway_body(forged, "chat", tokenizer)
-    resp = await engine.post("/v1/chat/completions", content=payload, headers=GATEWAY)
+    resp = await engine.post("/v1/chat/completions", content=payload, headers=hop)
     assert resp.status_code == 200
     assert resp.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert resp.json()["choices"][0]["message"] == plain["choices"][0]["message"]
@@ -123,10 +133,10 @@ async def test_a_clients_own_field_is_ignored_and_the_gateways_wins(
 
 @pytest.mark.parametrize("value", [[], [1, "2"], [1, 10**9], [True], "1,2", None])
 async def test_bad_carried_ids_are_a_400_naming_the_field(
-    engine: httpx.AsyncClient, value: Any
+    hop: dict[str, str], engine: httpx.AsyncClient, value: Any
 ) -> None:
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
-        resp = await engine.post(path, json={**body, PROMPT_IDS_FIELD: value}, headers=GATEWAY)
+        resp = await engine.post(path, json={**body, PROMPT_IDS_FIELD: value}, headers=hop)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == PROMPT_IDS_FIELD
 
@@ -160,6 +170,7 @@ def test_ids_that_may_not_be_the_engines_are_not_carried(
 
 
 async def test_the_engine_renders_when_tools_come_with_carried_ids(
+    hop: dict[str, str],
     engine: httpx.AsyncClient,
 ) -> None:
     """A tools request never gets the header from the gateway; were it to, the engine would
@@ -169,8 +180,29 @@ async def test_the_engine_renders_when_tools_come_with_carried_ids(
     plain = await engine.post("/v1/chat/completions", json=body)
     before = await carried(engine)
     hop = await engine.post(
-        "/v1/chat/completions", json={**body, PROMPT_IDS_FIELD: [5, 6]}, headers=GATEWAY
+        "/v1/chat/completions", json={**body, PROMPT_IDS_FIELD: [5, 6]}, headers=hop
     )
     assert hop.status_code == plain.status_code == 200, hop.text
     assert hop.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    assert await carried(engine) == before
+
+
+async def test_ids_made_by_another_tokenizer_are_declined(
+    engine: httpx.AsyncClient, tiny_llama_dir: Path
+) -> None:
+    """A header whose fingerprint is not the engine's tokenizer's (another chat template or
+    vocabulary): the engine renders and encodes itself and answers as without the ids."""
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    plain = (await engine.post("/v1/chat/completions", json=CHAT)).json()
+    payload, _ = gateway_body(CHAT, "chat", tokenizer)
+    wrong = payload.replace(
+        b'"%s":[' % PROMPT_IDS_FIELD.encode(), b'"%s":[7,' % PROMPT_IDS_FIELD.encode()
+    )
+    before = await carried(engine)
+    resp = await engine.post(
+        "/v1/chat/completions", content=wrong, headers={PROMPT_IDS_HEADER: "0123456789abcdef"}
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert resp.json()["choices"][0]["message"] == plain["choices"][0]["message"]
     assert await carried(engine) == before
