@@ -5,7 +5,8 @@ Times, in this process's CPU time, the engine's own preparation of a plain chat 
 messages rendered with the chat template and encoded: ``render_messages`` +
 ``apply_chat_template`` + ``encode``, as ``engine/server/serving_chat.py`` does) against what
 it does with carried ids (``carried_prompt_ids`` and the vocabulary check), and what carrying
-costs: the gateway writing the ids into the body and the engine parsing them back.
+costs: the gateway writing the ids into the body (``with_prompt_ids``) and the engine parsing
+them back.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from engine.server.protocol_chat import ChatMessage
 from engine.server.tool_calling import NO_TOOLS, render_messages
 from gateway.admission.prompt_tokens import load_tokenizer
+from gateway.relay.carried_prompt import with_prompt_ids
 from portico.contract import (
     PROMPT_IDS_HEADER,
     carried_prompt_ids,
@@ -72,12 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         return list(got)
 
     field = b"{" + prompt_ids_field(ids) + b"}"
+    body = b'{"model":"m","messages":[]}'
     report = {
         "model": args.model,
         "prompt_tokens": len(ids),
         "engine_render_and_encode_us": per_call_us(render, args.calls),
         "engine_carried_ids_us": per_call_us(carried, args.calls),
-        "gateway_write_ids_us": per_call_us(lambda: prompt_ids_field(ids), args.calls),
+        "gateway_write_ids_us": per_call_us(lambda: with_prompt_ids(body, ids), args.calls),
         "engine_parse_ids_us": per_call_us(lambda: json.loads(field), args.calls),
     }
     print(json.dumps(report, indent=2))

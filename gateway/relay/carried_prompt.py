@@ -13,7 +13,18 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.body.fields import RequestFields
-from portico.contract import prompt_ids_field
+from portico.contract import PROMPT_IDS_FIELD, prompt_ids_field
+
+try:  # orjson writes a 300-id list in ~4 us, the standard library's join in ~35-65
+    import orjson
+
+    _KEY = b'"%s":' % PROMPT_IDS_FIELD.encode()
+
+    def _member(token_ids: list[int]) -> bytes:
+        return _KEY + orjson.dumps(token_ids)
+
+except ImportError:  # pragma: no cover - orjson is optional
+    _member = prompt_ids_field
 
 _PLAIN_ROLES = frozenset(("system", "user", "assistant"))
 _PLAIN_KEYS = frozenset(("role", "content"))
@@ -52,4 +63,4 @@ def with_prompt_ids(body: bytes, token_ids: list[int]) -> bytes:
     """``body`` (a JSON object) with the carried ids appended as its last member: JSON's last
     duplicate key wins, so a client's own field of that name is overridden."""
     end = body.rstrip().rfind(b"}")
-    return body[:end] + b"," + prompt_ids_field(token_ids) + b"}"
+    return body[:end] + b"," + _member(token_ids) + b"}"
