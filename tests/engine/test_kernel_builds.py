@@ -169,6 +169,26 @@ def test_int8_cache_attention_of_an_avx512_build_without_vnni_matches_the_oracle
     assert excess.max().item() <= 1e-3
 
 
+def _same_bits_as_native(
+    monkeypatch: pytest.MonkeyPatch,
+    library: object,
+    x: torch.Tensor,
+    kind: str,
+    panels: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``cpu.panel_linear`` through ``library`` (another build), checked bit for bit against
+    this machine's own library; returns the build's output."""
+    native = cpu.panel_linear(x, kind, panels, n, bias)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu, "load", lambda: library)
+        out = cpu.panel_linear(x, kind, panels, n, bias)
+    assert native is not None and out is not None
+    assert torch.equal(out, native)
+    return out
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_panel_linear_of_a_build_gives_the_native_builds_bits(
     build, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -185,12 +205,7 @@ def test_panel_linear_of_a_build_gives_the_native_builds_bits(
     bias = torch.randn(37)
     for rows in (9, 70):
         x = torch.randn(rows, 320) * 2
-        native = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
-        with monkeypatch.context() as patch:
-            patch.setattr(cpu, "load", lambda: library)
-            out = cpu.panel_linear(x, kind, blocks.panels, 37, bias)
-        assert native is not None and out is not None
-        assert torch.equal(out, native)
+        out = _same_bits_as_native(monkeypatch, library, x, kind, blocks.panels, 37, bias)
         expected = x @ blocks.dequantize().T + bias
         torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-5)
 
@@ -214,11 +229,6 @@ def test_panel_linear_of_a_build_keeps_its_bits_at_the_integer_extremes(
     assert blocks.panels is not None
     sign = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
     x = torch.stack([sign * 1.9999999, -sign * 1.9999999, torch.full((256,), 1.9999999)])
-    native = cpu.panel_linear(x, kind, blocks.panels, 32, None)
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu, "load", lambda: library)
-        out = cpu.panel_linear(x, kind, blocks.panels, 32, None)
-    assert native is not None and out is not None
-    assert torch.equal(out, native)
+    out = _same_bits_as_native(monkeypatch, library, x, kind, blocks.panels, 32, None)
     expected = x.double() @ blocks.dequantize().double().T
     torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-5)
