@@ -68,6 +68,9 @@ class RequestFields:
     # A text completion prompt's token ids as admission encoded them, with the tokenizer and
     # the prompt: carried to a local engine (gateway/relay/carried_prompt.py)
     text_prompt_ids: tuple[Any, str, list[int]] | None = None
+    # whether the engine body the proxy built last carries those ids (LocalUpstream.payload):
+    # the hop header then says so
+    ids_carried: bool = False
 
     @property
     def max_tokens_name(self) -> str:

@@ -198,6 +198,7 @@ class LocalUpstream:
         admission's are certainly the engine's (gateway/relay/carried_prompt.py)."""
         body = upstream_body(raw, fields, model, cache_salt, max_tokens, self.local_engine)
         ids = carried_prompt_ids(self.carry_tokenizer, fields) if self.local_engine else None
+        fields.ids_carried = ids is not None  # an earlier tier's body is not this one's
         return body if ids is None else with_prompt_ids(body, ids)
 
     def _route_tokens(
@@ -243,7 +244,7 @@ class LocalUpstream:
         if self.local_engine and fields.shared_prefix is not None:
             salt, num_chars = fields.shared_prefix
             headers[SHARED_PREFIX_HEADER] = shared_prefix_header(num_chars, salt)
-        if self.local_engine and carried_prompt_ids(self.carry_tokenizer, fields) is not None:
+        if self.local_engine and fields.ids_carried:
             if self._fingerprint is None:
                 self._fingerprint = tokenizer_fingerprint(self.carry_tokenizer)
             headers[PROMPT_IDS_HEADER] = self._fingerprint
