@@ -20,3 +20,26 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> GGUFBlocks:
         return GGUFBlocks(kind, qs, scales, mins)
     qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
     return GGUFBlocks(kind, qs, scales)
+
+
+# |X| <= 2^PANEL_X_BITS: the integers the panel kernel (csrc/panel_linear.c) writes an input in.
+PANEL_X_BITS = 13
+
+
+def assert_panel_product(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
+    """``out`` is ``x @ weight.T (+ bias)`` as the panel kernel defines it: each input carried
+    as an integer multiple of its block's power-of-two step s (2^-PANEL_X_BITS of the block's
+    power of two above its largest magnitude), so off by at most s / 2; the bound is those
+    errors times |weight|, plus float32 rounding of the chain."""
+    xd, wd = x.double(), weight.double()
+    expected = xd @ wd.T + (bias.double() if bias is not None else 0.0)
+    top = xd.abs().reshape(x.shape[0], -1, 32).amax(dim=-1)
+    step = torch.exp2(torch.floor(torch.log2(top.clamp_min(1e-30))) + 1 - PANEL_X_BITS)
+    err = (step / 2).repeat_interleave(32, dim=1)
+    bound = err @ wd.abs().T + 1e-5 * (xd.abs() @ wd.abs().T) + 1e-6
+    assert bool(((out.double() - expected).abs() <= bound).all()), (
+        f"off by {(out.double() - expected).abs().max().item():.3g}, "
+        f"bound {bound.min().item():.3g}..{bound.max().item():.3g}"
+    )

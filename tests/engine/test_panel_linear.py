@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_oracle import attention_oracle, paged_case
-from gguf_blocks import random_blocks
+from gguf_blocks import assert_panel_product, random_blocks
 
 from engine import kernels
 from engine.kernels import cpu
@@ -47,12 +47,9 @@ def test_panel_linear_equals_the_product_of_the_dequantized_weight(kind: str) ->
     weight, bias = blocks.dequantize().double(), torch.randn(70, generator=gen)
     for rows in (1, 5, 64):
         x = torch.randn(rows, 192, generator=gen) * 3
-        expected = x.double() @ weight.T + bias.double()
         out = _panel(x, blocks, bias)
         assert out.shape == (rows, 70)
-        # each input carried at 21 significant bits of its block's largest (|x| ~ 3-10, so ~5e-6
-        # each), times weights up to ~2.7 (Q8_0), over 192 products: well under 5e-4
-        torch.testing.assert_close(out.double(), expected, atol=5e-4, rtol=1e-5)
+        assert_panel_product(out, x, weight, bias)
         wide = _panel(x.bfloat16(), blocks, bias)  # bf16 in and out, float32 inside
         expected_bf16 = x.bfloat16().double() @ weight.T + bias.double()
         torch.testing.assert_close(wide.double(), expected_bf16, atol=2e-2, rtol=1e-2)
@@ -94,8 +91,7 @@ def test_a_512_row_prefill_gives_each_row_its_bits_alone(
     bias = torch.randn(100, generator=gen)
     torch.set_num_threads(2)
     step = _panel(x, blocks, bias)
-    expected = x.double() @ blocks.dequantize().double().T + bias.double()
-    torch.testing.assert_close(step.double(), expected, atol=3e-4, rtol=1e-5)
+    assert_panel_product(step, x, blocks.dequantize(), bias)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for rows, start in ((1, 0), (1, 300), (1, 511), (7, 3), (13, 250), (64, 0), (64, 441)):

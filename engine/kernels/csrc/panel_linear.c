@@ -2,18 +2,19 @@
  *
  * Each float32 input row is first written in integers, block by block (panel_quantize_row): a
  * block of 32 inputs gets a power-of-two scale s from its largest magnitude, and each input x
- * becomes X = rint(x / s) with |X| <= 2^20 (21 significant bits against the block's largest
- * value, where float32 carries 24), written as three int8 digits. The products of the weights'
- * small integers with those digits are integer dot products (AVX512-VNNI's vpdpbusd, AVX2's
+ * becomes X = rint(x / s) with |X| <= 2^13 (14 significant bits against the block's largest
+ * value, where float32 carries 24), written as two int8 digits (PANEL_LIMBS; three, for 2^20,
+ * cost a third more products). The products of the weights' small integers with those digits
+ * are integer dot products (AVX512-VNNI's vpdpbusd, AVX2's
  * vpmaddubsw + vpmaddwd, or plain C): exact, so their order, the vector width, the tile and
  * the thread that computes them cannot change a bit. Then each output element is one fixed
  * chain of float32 operations, block by block in order:
  *
  *     acc = 0
  *     for each block b:
- *         D0, D1, D2 = the block's integer dot products of the quants with digits c, b, a
- *                      (Q8_0: quants + 128 as stored, less 128 x the digits' sums)
- *         t = fma(D2, 2^14, D1 * 2^7) + D0          (int -> float conversions exact)
+ *         D0, D1 = the block's integer dot products of the quants with digits c, b
+ *                  (Q8_0: quants + 128 as stored, less 128 x the digits' sums)
+ *         t = fma(D0, 1, D1 * 2^7)                   (int -> float conversions exact)
  *         acc = fma(t, d_b * s_b, acc)               (d_b * s_b exact: s_b a power of two)
  *         acc = fma(m_b, s_b * sum(X), acc)          (Q4_1's minimum)
  *     y = acc (+ bias)
