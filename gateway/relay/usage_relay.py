@@ -2,24 +2,24 @@
 tenant's ``cache_salt``, the upstream model name, ``stream_options.include_usage`` and the
 admitted ``max_tokens`` spliced in (:func:`upstream_body`); the usage of an answer
 (:class:`Usage`) read from a stream's events as they are relayed, with only the usage the
-client asked for passed on (:func:`_take_usage`); the SSE framing (:func:`sse_blocks`) and the
-error event that ends a broken stream (:func:`error_event`).
+client asked for passed on (:func:`_take_usage`); and the error event that ends a broken stream
+(:func:`error_event`).
 
-The attempt loop that uses them is ``gateway/relay/proxy.py``.
+The attempt loop that uses them is ``gateway/relay/proxy.py``; the stream's per-chunk path
+(the SSE events as they arrive) is ``gateway/relay/stream_relay.py``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.body.fields import RequestFields
 from gateway.identity.cache_salts import narrowed_salt
 from gateway.relay.output_tokens import OutputCounter
-from gateway.relay.transport import UpstreamAnswer
 from portico.errors import error_body
 
 log = logging.getLogger("portico.gateway.proxy")  # the proxy's channel, as before the split
@@ -268,17 +268,3 @@ def _take_response_completed(event: bytes, usage: Usage) -> None:
     if isinstance(response, dict):
         usage.take(response.get("usage"))
         usage.response = response
-
-
-async def sse_blocks(resp: UpstreamAnswer) -> AsyncGenerator[bytes, None]:
-    """Complete SSE events as they arrive (each yield holds one or more whole events)."""
-    buffer = b""
-    async for data in resp.aiter_raw():
-        buffer += data
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            continue
-        yield buffer[: cut + 2]
-        buffer = buffer[cut + 2 :]
-    if buffer.strip():
-        yield buffer + b"\n\n"
