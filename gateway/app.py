@@ -24,7 +24,7 @@ from gateway.identity.principal import Principal
 from gateway.identity.provider_keys import build_provider_key_router
 from gateway.lifecycle import start_gateway
 from gateway.metrics import GatewayMetrics
-from gateway.relay.hot_routes import GatewayApp, HotRoutes
+from gateway.relay.hot_routes import GatewayApp, hot_stack
 from gateway.relay.request_context import InFlight, RequestContextMiddleware
 from gateway.request_path import Gateway
 from gateway.tls import AdminClientCertGuard
@@ -169,12 +169,8 @@ def _serve_gateway(app: GatewayApp, gateway: Gateway) -> None:
         )
     # The two hot routes skip FastAPI's stack, router and dependency machinery (hot_routes.py)
     # but keep the request context and the body-size limit.
-    app.hot_app = RequestContextMiddleware(
-        BodySizeLimitMiddleware(
-            HotRoutes(gateway.complete), max_bytes=gateway.config.max_body_bytes
-        ),
-        metrics=gateway.metrics,
-        in_flight=gateway.in_flight,
+    app.hot_app = hot_stack(
+        gateway.complete, gateway.config.max_body_bytes, gateway.metrics, gateway.in_flight
     )
 
 

@@ -321,11 +321,7 @@ class Gateway:
                 trace.end(exchange)
 
         if chain is not None and exchange.status == 200:
-            if exchange.body is not None:
-                await chain.keep_body(exchange.body)
-            elif exchange.rest is not None:
-                await chain.keep_first(exchange.usage)
-                exchange.rest = chain.keeping_stream(exchange.rest, exchange.usage)
+            await chain.follow(exchange)
         return _response(exchange, headers, finish)
 
     async def _images(

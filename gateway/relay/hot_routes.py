@@ -23,10 +23,12 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.metrics import GatewayMetrics
+from gateway.relay.request_context import InFlight, RequestContextMiddleware, response_started
 from portico.errors import APIError
-from portico.http_errors import error_response
+from portico.http_errors import BodySizeLimitMiddleware, error_response
 
 log = logging.getLogger("portico.gateway")
 
@@ -47,34 +49,41 @@ HOT_PATHS = {
 
 
 class HotRoutes:
-    """The innermost hot-path app: answers with ``handler(request, kind, path)``."""
+    """The innermost hot-path app: answers with ``handler(request, kind, path)``. It runs
+    inside :class:`~gateway.relay.request_context.RequestContextMiddleware`, whose context
+    says whether a response started (no layer here wraps ``send``: each would be one more
+    coroutine on every send of every response)."""
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
         try:
             try:
                 response = await self.handler(Request(scope, receive), HOT_PATHS[path], path)
             except APIError as exc:
                 response = error_response(exc)
-            await response(scope, receive, tracking_send)
+            await response(scope, receive, send)
         except ClientDisconnect:
             return  # the client left before its body arrived: no one to answer, nothing taken
         except Exception as exc:
             if getattr(exc, "status_code", None) == 413:  # the body limit's signal: its answer
                 raise
-            if not started:
+            if not response_started(scope):
                 await error_response(exc)(scope, receive, send)
             raise
+
+
+def hot_stack(
+    handler: Handler, max_bytes: int, metrics: GatewayMetrics, in_flight: InFlight
+) -> ASGIApp:
+    """The hot routes' pure-ASGI stack: request context, the body-size limit, the routes. The
+    context knows when a response starts, so neither layer inside it wraps ``send``."""
+    limited = BodySizeLimitMiddleware(
+        HotRoutes(handler), max_bytes=max_bytes, started=response_started
+    )
+    return RequestContextMiddleware(limited, metrics=metrics, in_flight=in_flight)
 
 
 class GatewayApp(FastAPI):

@@ -45,6 +45,7 @@ from gateway.relay.carried_prompt import carried_prompt_ids, with_prompt_ids
 from gateway.relay.engine_hop import engine_hop_headers
 from gateway.relay.output_tokens import OutputCounter
 from gateway.relay.retry import RetryPolicy
+from gateway.relay.stream_relay import SseEvents, StreamRest
 from gateway.relay.transport import (
     HttpxAnswer,
     LeanTransport,
@@ -55,12 +56,9 @@ from gateway.relay.transport import (
 )
 from gateway.relay.usage_relay import (
     Usage,
-    UsageView,
     _loads,
     _take_usage,
     engine_salt,
-    error_event,
-    sse_blocks,
     upstream_body,
     usage_view,
 )
@@ -82,6 +80,7 @@ FOLLOW_WAIT_S = 10.0
 class Exchange:
     """An upstream answer whose first byte is ready: relay ``body`` or ``first`` + ``rest``.
 
+    A stream whose whole answer arrived with its first block has ``rest`` None.
     ``upstream_s`` is the time spent waiting on upstreams so far (for the overhead header);
     ``close`` must be awaited once the relay is over (it frees the replica).
     """
@@ -410,15 +409,18 @@ class LocalUpstream:
                 if not exchange.usage.reported and self.counter is not None:
                     exchange.usage.count(self.counter, self.counter.count_body(body))
             return exchange
-        blocks = sse_blocks(resp)
+        events = SseEvents(resp)
         try:
-            first = await anext(blocks)
-        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            first = await events.next_block()
+        except httpx.HTTPError as exc:
             await resp.aclose()
-            raise _BrokenAnswer(str(exc) or "empty stream") from exc
+            raise _BrokenAnswer(str(exc)) from exc
         except BaseException:  # cancelled (a tier's latency budget): free the connection
             await resp.aclose()
             raise
+        if first is None:
+            await resp.aclose()
+            raise _BrokenAnswer("empty stream")
         if first.count(b"\n\n") > 1:  # more than the role event: the first token is out
             lease.first_token()
         exchange = Exchange(200, content_type)
@@ -434,40 +436,16 @@ class LocalUpstream:
                 closed = True
                 lease.release()
                 usage.resolve()
-                await blocks.aclose()
                 await resp.aclose()
                 if seen is not None and not usage.reported and self.counter is not None:
                     usage.count(self.counter, self.counter.count_stream(seen))
 
         view = usage_view(fields, self.local_engine)
         exchange.first = _take_usage(first, usage, view)
-        exchange.rest = self._relay(blocks, usage, view, replica, seen, lease)
+        if not events.finished:  # else the whole answer is in hand: nothing left to relay
+            exchange.rest = StreamRest(events, usage, view, seen, lease, self.pool, replica)
         exchange.close = close
         return exchange
-
-    async def _relay(
-        self,
-        blocks: AsyncIterator[bytes],
-        usage: Usage,
-        view: UsageView,
-        replica: Replica,
-        seen: list[bytes] | None = None,
-        lease: Lease | None = None,
-    ) -> AsyncIterator[bytes]:
-        try:
-            async for block in blocks:
-                if lease is not None:  # the event after the role chunk: the first token is out
-                    lease.first_token()
-                    lease = None
-                if seen is not None and not usage.reported:
-                    seen.append(block)
-                out = _take_usage(block, usage, view)
-                if out:
-                    yield out
-        except httpx.HTTPError as exc:
-            log.warning("stream from replica %s broke: %s", replica.name, exc)
-            self.pool.record_failure(replica)
-            yield error_event(f"The upstream stream broke: {type(exc).__name__}.")
 
 
 @functools.lru_cache(maxsize=16)
@@ -484,7 +462,9 @@ class RelayResponse(Response):
 
     A client that disconnects cancels the relay at once (a watcher waits on ``receive``); the
     upstream response is then closed — the engine sees the disconnect and aborts — and
-    ``on_close`` (settle or release) runs on every path.
+    ``on_close`` (settle or release) runs on every path. A stream whose whole answer is in
+    hand (``rest`` None) waits on no upstream, so it needs no watcher: its one block and the
+    end of the body leave in one send.
     """
 
     def __init__(
@@ -502,6 +482,33 @@ class RelayResponse(Response):
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        exchange = self.exchange
+        if exchange.rest is None:
+            try:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": exchange.status,
+                        "headers": self.raw_headers,
+                    }
+                )
+                body = exchange.first or b""
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            finally:
+                await self._close()
+            return
+        await self._relay(receive, send)
+
+    async def _close(self) -> None:
+        """Close the upstream answer (frees the replica), then ``on_close``, on every path."""
+        try:
+            if self.exchange.close is not None:
+                await self.exchange.close()
+        finally:
+            await self.on_close()
+
+    async def _relay(self, receive: Any, send: Any) -> None:
+        """Relay ``first`` then ``rest`` as they come, a watcher cancelling on disconnect."""
         task = asyncio.current_task()
         disconnected = finishing = False
 
@@ -541,8 +548,4 @@ class RelayResponse(Response):
         finally:
             finishing = True
             watcher.cancel()
-            try:
-                if exchange.close is not None:
-                    await exchange.close()
-            finally:
-                await self.on_close()
+            await self._close()

@@ -35,6 +35,9 @@ class RequestContext:
     model: str = ""
     tier: str = ""
     upstream_s: float = 0.0
+    # the response's status once it has started (0: not yet); the layers inside read it
+    # here rather than each wrapping ``send`` to see the start go by
+    status: int = 0
 
 
 class InFlight:
@@ -118,7 +121,9 @@ class LabelledChildren:
 
 
 class RequestContextMiddleware:
-    """Wraps the app: request id, overhead header, in-flight count, request metrics."""
+    """Wraps the app: request id, overhead header, in-flight count, request metrics. The
+    context it puts in the scope (``scope[CTX_KEY]``) says whether the response has started
+    (``status``, :func:`response_started`)."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics, in_flight: InFlight) -> None:
         self.app = app
@@ -135,13 +140,12 @@ class RequestContextMiddleware:
         ctx = RequestContext(time.perf_counter(), _request_id(scope))
         scope[CTX_KEY] = ctx
         metrics = self.metrics
-        status = 500
         first_byte = False
 
         async def edge_send(message: Message) -> None:
-            nonlocal status, first_byte
+            nonlocal first_byte
             if message["type"] == "http.response.start":
-                status = message["status"]
+                ctx.status = message["status"]
                 overhead = max(0.0, time.perf_counter() - ctx.arrival - ctx.upstream_s)
                 metrics.overhead.observe(overhead)
                 headers = list(message.get("headers", ()))
@@ -161,5 +165,13 @@ class RequestContextMiddleware:
             self.in_flight.leave()
             metrics.in_flight.dec()
             if scope["path"].startswith("/v1/"):
-                self.requests.get(ctx.tenant, ctx.model, ctx.tier, str(status)).inc()
+                status = str(ctx.status or 500)  # none started: the server answers 500
+                self.requests.get(ctx.tenant, ctx.model, ctx.tier, status).inc()
                 self.latency.get(ctx.tier).observe(time.perf_counter() - ctx.arrival)
+
+
+def response_started(scope: Scope) -> bool:
+    """Whether the response to the request of ``scope`` has started (inside
+    :class:`RequestContextMiddleware`)."""
+    ctx: RequestContext = scope[CTX_KEY]
+    return ctx.status != 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.body.fields import RequestFields, input_items, turns_of
+from gateway.relay.proxy import Exchange
 from gateway.relay.usage_relay import Usage
 from gateway.store import RedisClient
 from portico.errors import InvalidRequestError, NotFoundError
@@ -144,6 +145,17 @@ class ResponseChain:
             await self.store.save(self.tenant_id, response, self.items)
         except Exception as exc:  # the answer is given either way; only the copy is lost
             log.warning("storing response %s failed: %s", response.get("id"), exc)
+
+    async def follow(self, exchange: Exchange) -> None:
+        """Keep the response of a successful ``exchange``: its whole body, or its stream's,
+        saved by the block that completes it (the first, or one of ``rest`` as it is
+        relayed)."""
+        if exchange.body is not None:
+            await self.keep_body(exchange.body)
+            return
+        await self.keep_first(exchange.usage)
+        if exchange.rest is not None:
+            exchange.rest = self.keeping_stream(exchange.rest, exchange.usage)
 
     async def keep_first(self, usage: Usage) -> None:
         """Save a stream that its first block already completed (a short answer arrives whole)

@@ -173,12 +173,22 @@ class LeanResponse:
                 return value
         return None
 
-    async def _next(self) -> bytes | None:
-        """The body bytes received since the last call, waiting for some; None at the end."""
+    @property
+    def finished(self) -> bool:
+        """Whether the body has been read to its end (nothing more will come)."""
+        return self._done
+
+    async def receive(self) -> bytes | None:
+        """The body bytes received since the last call (undecoded, chunk framing removed),
+        waiting for some; None at the end. Bytes that end the body set :attr:`finished`, so a
+        reader that has them all knows it without another call."""
         conn = self._conn
         while True:
             if conn.chunks:
-                return conn.take()
+                data = conn.take()
+                if conn.complete:
+                    self._done = True
+                return data
             if conn.complete:
                 self._done = True
                 return None
@@ -188,13 +198,13 @@ class LeanResponse:
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives, chunk framing removed, content encoding kept."""
-        while (data := await self._next()) is not None:
+        while (data := await self.receive()) is not None:
             yield data
 
     async def read(self) -> bytes:
         """The whole body, decoded when the server sent it content-encoded."""
         parts = []
-        while (data := await self._next()) is not None:
+        while (data := await self.receive()) is not None:
             parts.append(data)
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         if body and self.header(b"content-encoding") is not None:
@@ -224,28 +234,35 @@ class _Body(httpx.AsyncByteStream):
 
 class UpstreamAnswer(Protocol):
     """What the proxy reads of an upstream's answer: a :class:`LeanResponse`, or an httpx
-    response behind the same four calls (:class:`HttpxAnswer`)."""
+    response behind the same calls (:class:`HttpxAnswer`). ``receive`` gives the raw body
+    as it arrives (None at its end); ``finished`` says the end was reached."""
 
     status_code: int
+
+    @property
+    def finished(self) -> bool: ...
 
     def header(self, name: bytes) -> bytes | None: ...
 
     async def read(self) -> bytes: ...
 
-    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+    async def receive(self) -> bytes | None: ...
 
     async def aclose(self) -> None: ...
 
 
 class HttpxAnswer:
     """An ``httpx.Response`` as an :class:`UpstreamAnswer`: replicas whose transport is not
-    this one (httpx's HTTP/2 transport for a remote, in-process test transports)."""
+    this one (httpx's HTTP/2 transport for a remote, in-process test transports). It learns
+    that its body ended only from the read that finds nothing more (``finished``)."""
 
-    __slots__ = ("response", "status_code")
+    __slots__ = ("response", "status_code", "finished", "_raw")
 
     def __init__(self, response: httpx.Response) -> None:
         self.response = response
         self.status_code = response.status_code
+        self.finished = False
+        self._raw: AsyncIterator[bytes] | None = None
 
     def header(self, name: bytes) -> bytes | None:
         values = self.response.headers.get_list(name.decode("ascii"))
@@ -254,8 +271,14 @@ class HttpxAnswer:
     async def read(self) -> bytes:
         return await self.response.aread()
 
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        return self.response.aiter_raw()
+    async def receive(self) -> bytes | None:
+        if self._raw is None:
+            self._raw = self.response.aiter_raw()
+        async for data in self._raw:
+            if data:
+                return data
+        self.finished = True
+        return None
 
     async def aclose(self) -> None:
         await self.response.aclose()

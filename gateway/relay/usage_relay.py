@@ -2,24 +2,24 @@
 tenant's ``cache_salt``, the upstream model name, ``stream_options.include_usage`` and the
 admitted ``max_tokens`` spliced in (:func:`upstream_body`); the usage of an answer
 (:class:`Usage`) read from a stream's events as they are relayed, with only the usage the
-client asked for passed on (:func:`_take_usage`); the SSE framing (:func:`sse_blocks`) and the
-error event that ends a broken stream (:func:`error_event`).
+client asked for passed on (:func:`_take_usage`); and the error event that ends a broken stream
+(:func:`error_event`).
 
-The attempt loop that uses them is ``gateway/relay/proxy.py``.
+The attempt loop that uses them is ``gateway/relay/proxy.py``; the stream's per-chunk path
+(the SSE events as they arrive) is ``gateway/relay/stream_relay.py``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.body.fields import RequestFields
 from gateway.identity.cache_salts import narrowed_salt
 from gateway.relay.output_tokens import OutputCounter
-from gateway.relay.transport import UpstreamAnswer
 from portico.errors import error_body
 
 log = logging.getLogger("portico.gateway.proxy")  # the proxy's channel, as before the split
@@ -44,7 +44,8 @@ _USAGE_OPTION = b'"stream_options":{"include_usage":true}'
 _CONTINUOUS_OPTION = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
 _LAST_USAGE = b',"usage":{'  # the engine's chunks end with their usage (compact JSON)
 _LAST_USAGE_SPACED = b', "usage": {'  # json.dumps' default separators
-_NULL_USAGE_END = b',"usage":null}\n\n'
+_NULL_USAGE = b',"usage":null}'
+_NO_CHOICES = (b'"choices":[]', b'"choices": []')  # a stream's final usage-only event
 
 
 @dataclass(slots=True)
@@ -235,26 +236,36 @@ def _take_continuous_usage(block: bytes, usage: Usage, view: UsageView) -> bytes
     """A local engine's stream with usage on every chunk: the usage object ends each event.
     The latest one is kept for :meth:`Usage.resolve` (one parse per stream, when it ends),
     and it is replaced by ``null`` on the chunks of a client that did not ask for it, exactly
-    what the engine would have sent that client."""
-    if block.find(b"\n\n") == len(block) - 2:  # one event per read: the common case
-        return _continuous_event(block[:-2], usage, view)
-    return b"".join(_continuous_event(e, usage, view) for e in block.split(b"\n\n") if e)
+    what the engine would have sent that client.
 
-
-def _continuous_event(event: bytes, usage: Usage, view: UsageView) -> bytes:
-    """One event (without its blank line) as the client gets it, blank line included."""
-    at = event.rfind(_LAST_USAGE)
-    if at < 0:
-        at = event.rfind(_LAST_USAGE_SPACED)
-    if at < 0 or event[-1:] != b"}" or not event.startswith(b"data: {"):
-        return event + b"\n\n"
-    usage.pending, usage.pending_at = event, at
-    if view.every_chunk:
-        return event + b"\n\n"
-    head = event[:at]
-    if head.endswith((b'"choices":[]', b'"choices": []')):  # the final usage-only event
-        return event + b"\n\n" if view.final else b""
-    return head + _NULL_USAGE_END
+    The events are ``block.split(b"\\n\\n")``'s (empty ones dropped), read in one loop and
+    joined back with their blank lines once (no call, and no copy with its blank line, per
+    event)."""
+    kept = []
+    last, last_at = b"", -1  # the latest event with usage, and where its usage starts
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        at = event.rfind(_LAST_USAGE)
+        if at < 0:
+            at = event.rfind(_LAST_USAGE_SPACED)
+        if at < 0 or event[-1] != 0x7D or not event.startswith(b"data: {"):
+            kept.append(event)  # no usage at its end: as it came
+            continue
+        last, last_at = event, at
+        if view.every_chunk:
+            kept.append(event)
+        elif event.endswith(_NO_CHOICES, 0, at):  # the final usage-only event
+            if view.final:
+                kept.append(event)
+        else:
+            kept.append(event[:at] + _NULL_USAGE)
+    if last_at >= 0:
+        usage.pending, usage.pending_at = last, last_at
+    if not kept:
+        return b""
+    kept.append(b"")  # the last event's blank line
+    return b"\n\n".join(kept)
 
 
 def _take_response_completed(event: bytes, usage: Usage) -> None:
@@ -268,17 +279,3 @@ def _take_response_completed(event: bytes, usage: Usage) -> None:
     if isinstance(response, dict):
         usage.take(response.get("usage"))
         usage.response = response
-
-
-async def sse_blocks(resp: UpstreamAnswer) -> AsyncGenerator[bytes, None]:
-    """Complete SSE events as they arrive (each yield holds one or more whole events)."""
-    buffer = b""
-    async for data in resp.aiter_raw():
-        buffer += data
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            continue
-        yield buffer[: cut + 2]
-        buffer = buffer[cut + 2 :]
-    if buffer.strip():
-        yield buffer + b"\n\n"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gateway.body.fields import parse_fields
 from gateway.relay.usage_relay import Usage, UsageView, _take_usage, upstream_body, usage_view
 
@@ -94,3 +97,58 @@ def test_a_responses_stream_is_read_as_before() -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (4, 2)
     # an event that is not a data line is never rewritten, even on a continuous stream
     assert _take_usage(done, Usage(), UsageView(continuous=True)) == done
+
+
+# The rule event by event, as the relay applied it before it went over a block by offsets
+# (issue 44, session 18): the one-pass version must give the same bytes and the same usage.
+def _event_by_event(block: bytes, usage: Usage, view: UsageView) -> bytes:
+    out = []
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        at = event.rfind(b',"usage":{')
+        if at < 0:
+            at = event.rfind(b', "usage": {')
+        if at < 0 or event[-1:] != b"}" or not event.startswith(b"data: {"):
+            out.append(event + b"\n\n")
+            continue
+        usage.pending, usage.pending_at = event, at
+        head = event[:at]
+        if view.every_chunk:
+            out.append(event + b"\n\n")
+        elif head.endswith((b'"choices":[]', b'"choices": []')):
+            out.append(event + b"\n\n" if view.final else b"")
+        else:
+            out.append(head + b',"usage":null}\n\n')
+    return b"".join(out)
+
+
+_PIECES = [
+    _chunk("a", 1)[:-2],
+    _chunk("", 2, final=True)[:-2],
+    b'data: {"id":"c", "choices": [], "usage": {"prompt_tokens": 9}}',  # spaced, usage-only
+    b'data: {"id":"c","choices":[{"delta":{"content":"x"}}], "usage": {"prompt_tokens": 3}}',
+    b"data: [DONE]",
+    b": keep-alive",
+    b'data: {"usage":{"prompt_tokens":1}',  # cut short: no closing brace
+    b'event: x\ndata: {"a":1,"usage":{"b":2}}',
+    b"",
+    b"\n",
+    b"}",
+]
+
+
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=8),
+    separators=st.lists(st.sampled_from([b"\n\n", b"\n\n\n", b"\n", b""]), min_size=8, max_size=8),
+    final=st.booleans(),
+    every_chunk=st.booleans(),
+)
+def test_one_pass_over_a_block_matches_the_rule_event_by_event(
+    pieces: list[bytes], separators: list[bytes], final: bool, every_chunk: bool
+) -> None:
+    block = b"".join(p + s for p, s in zip(pieces, separators, strict=False))
+    view = UsageView(final=final, every_chunk=every_chunk, continuous=True)
+    mine, theirs = Usage(), Usage()
+    assert _take_usage(block, mine, view) == _event_by_event(block, theirs, view)
+    assert (mine.pending, mine.pending_at) == (theirs.pending, theirs.pending_at)
