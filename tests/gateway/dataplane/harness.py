@@ -8,6 +8,7 @@ or the fast fake OpenAI-compatible server from ``load/fake_upstream.py``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -192,3 +193,18 @@ def usage_requests(redis_url: str, tenant: str) -> int:
         return sum(int(client.hget(k, "requests") or 0) for k in keys)
     finally:
         client.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> None:
+    """Read one HTTP/1.1 request (its head, then a Content-Length body) off ``reader``: what a
+    fake upstream on a raw socket does before it answers."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        ),
+        0,
+    )
+    await reader.readexactly(length)

@@ -33,15 +33,17 @@ async def _call(
     handler: Any,
     body_parts: list[bytes],
     headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
+    sent: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One request through a fresh stack; the messages the server got and the scope."""
+    """One request through a fresh stack; the messages the server got (also appended to
+    ``sent`` as they come, for a call that raises) and the scope."""
     app = hot_stack(handler, MAX_BYTES, GatewayMetrics(), InFlight())
     scope = _scope(headers)
     parts = [
         {"type": "http.request", "body": p, "more_body": i < len(body_parts) - 1}
         for i, p in enumerate(body_parts)
     ]
-    sent: list[dict[str, Any]] = []
+    sent = [] if sent is None else sent
 
     async def receive() -> dict[str, Any]:
         return parts.pop(0) if parts else {"type": "http.disconnect"}
@@ -75,16 +77,8 @@ async def test_an_error_before_the_response_is_a_500_in_openais_shape_then_raise
         raise RuntimeError("a bug")
 
     sent: list[dict[str, Any]] = []
-    app = hot_stack(handler, MAX_BYTES, GatewayMetrics(), InFlight())
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"{}", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
     with pytest.raises(RuntimeError, match="a bug"):  # answered, then raised for the log
-        await app(_scope(), receive, send)
+        await _call(handler, [b"{}"], sent=sent)
     status, body, headers = _error(sent)
     assert status == 500 and body["error"]["code"] == "internal_error"
     assert headers[b"x-request-id"] == b"req-1"
@@ -100,16 +94,8 @@ async def test_an_error_after_the_response_started_is_not_a_second_start() -> No
         return Breaks()
 
     sent: list[dict[str, Any]] = []
-    app = hot_stack(handler, MAX_BYTES, GatewayMetrics(), InFlight())
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"{}", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
     with pytest.raises(RuntimeError, match="mid-body"):
-        await app(_scope(), receive, send)
+        await _call(handler, [b"{}"], sent=sent)
     assert [m["type"] for m in sent] == ["http.response.start"]
 
 

@@ -25,6 +25,7 @@ from gateway.relay.proxy import LocalUpstream, RelayResponse
 from gateway.relay.retry import RetryPolicy
 from gateway.relay.stream_relay import SseEvents, StreamRest
 from gateway.relay.transport import LeanTransport, request_head, request_start
+from tests.gateway.dataplane.harness import read_request
 
 TIMEOUTS: dict[str, float | None] = {"connect": 5.0, "read": 5.0}
 
@@ -55,13 +56,7 @@ async def engine(tmp_path: Path) -> AsyncIterator[Callable[[Writes], Awaitable[s
     async def start(writes: Writes) -> str:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                await reader.readexactly(length)
+                await read_request(reader)
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     b"transfer-encoding: chunked\r\n\r\n"

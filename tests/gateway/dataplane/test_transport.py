@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gateway.relay.transport import LeanTransport, request_head, request_start
-from tests.gateway.dataplane.harness import REPO_ROOT, wait_until
+from tests.gateway.dataplane.harness import REPO_ROOT, read_request, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +90,9 @@ async def bad_server(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[st
         server.close()
 
 
-async def _read_request(reader: asyncio.StreamReader) -> None:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        (
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length")
-        ),
-        0,
-    )
-    await reader.readexactly(length)
-
-
 async def test_server_closing_mid_body_is_a_remote_protocol_error(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
         await writer.drain()
         writer.close()
@@ -117,7 +104,7 @@ async def test_server_closing_mid_body_is_a_remote_protocol_error(bad_server) ->
 
 async def test_silent_server_is_a_read_timeout(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         await asyncio.sleep(30)
 
     async with lean_client(await bad_server(handler), read_timeout=0.2) as client:
@@ -127,7 +114,7 @@ async def test_silent_server_is_a_read_timeout(bad_server) -> None:  # type: ign
 
 async def test_garbage_answer_is_a_protocol_error(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"NOT HTTP AT ALL\r\n\r\n")
         await writer.drain()
 
@@ -236,7 +223,7 @@ async def test_a_stream_arrives_in_pieces_and_a_half_read_one_is_not_reused(fake
 
 async def test_engine_closing_mid_stream_raises_after_the_chunks_it_sent(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
         writer.write(b"9\r\ndata: 1\n\n\r\n")
         await writer.drain()
@@ -257,7 +244,7 @@ async def test_engine_closing_mid_stream_raises_after_the_chunks_it_sent(bad_ser
 
 async def test_bad_status_line_is_a_protocol_error_and_frees_the_connection(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 2x0 OK\r\ncontent-length: 0\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(1)
@@ -271,11 +258,11 @@ async def test_bad_status_line_is_a_protocol_error_and_frees_the_connection(bad_
 
 async def test_silence_before_the_head_or_inside_the_body_is_a_read_timeout(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         await asyncio.sleep(30)
 
     async def stalls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
         await writer.drain()
         await asyncio.sleep(30)
@@ -297,7 +284,7 @@ async def test_silence_before_the_head_or_inside_the_body_is_a_read_timeout(bad_
 
 async def test_a_cancelled_request_closes_its_connection(bad_server) -> None:  # type: ignore[no-untyped-def]
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         await asyncio.sleep(30)
 
     transport = LeanTransport(uds=await bad_server(silent))
@@ -323,7 +310,7 @@ async def test_read_decodes_a_gzip_body_and_aiter_raw_does_not(bad_server) -> No
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            await _read_request(reader)
+            await read_request(reader)
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n"
                 % len(packed)
