@@ -6,14 +6,15 @@
 #include <stdint.h>
 
 #ifndef PANEL_LIMBS
-#define PANEL_LIMBS 2 /* int8 digits a quantized input is written in (3: |X| <= 2^20, a third more products) */
+#define PANEL_LIMBS 2 /* int8 digits an input is written in (3: |X| <= 2^20, a third more products) */
 #endif
 
 /* Float32 rows [m, k] in the kernel's integer form. Per row and block b of 32 inputs: the block's
  * scale s (a power of two, from its largest magnitude), each input x as X = rint(x / s), |X| <=
- * 2^13, written as two signed digits X = b * 2^7 + c with b, c in [-64, 64] (limbs [row][b][digit
- * c, b][32]; PANEL_LIMBS 3 adds a third, a * 2^14, for |X| <= 2^20); the digits' sums per block (lsum [row][b][4]: Q8_0's
- * offset); and s * sum(X) (xsum [row][b]: Q4_1's minimum term). */
+ * 2^13, written as two signed digits X = b * 2^7 + c with b, c in [-64, 64] (limbs
+ * [row][b][digit c, b][32]; PANEL_LIMBS 3 adds a third, a * 2^14, for |X| <= 2^20); the digits'
+ * sums per block (lsum [row][b][4]: Q8_0's offset); and s * sum(X) (xsum [row][b]: Q4_1's
+ * minimum term). */
 typedef struct {
     int8_t *limbs;
     float *scale, *xsum;
