@@ -10,6 +10,10 @@ variant's step-time percentiles.
     python -m load.kernel_ab --variant base=rev:HEAD~3 --variant now=tree
     python -m load.kernel_ab --variant a8=tree:-DQ8_AHEAD=8 --variant a16=tree:-DQ8_AHEAD=16
     python -m load.kernel_ab --batch 64 --context 450 --variant base=rev:HEAD~1 --variant now=tree
+    python -m load.kernel_ab --dtype float32 --context 2000 --variant base=rev:HEAD --variant n=tree
+
+``--dtype bfloat16`` (the default) times the bf16 + int8 step, ``--dtype float32`` the default
+numerics' batch invariant one.
 
 A variant is ``NAME=tree[:DEFINES]`` or ``NAME=rev:REV[:DEFINES]``. The model's weights are
 packed once, by the working tree's library: compare revisions whose packed formats agree
@@ -73,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="decode rows per step")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+        help="bfloat16: the bf16 + int8 step (decode_step.c); float32: the default numerics' "
+        "batch invariant step (panel_step.c)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     args = parser.parse_args(argv)
@@ -83,13 +92,17 @@ def main(argv: list[str] | None = None) -> int:
             name, path = build_variant(spec, Path(tmp))
             variants.append(Variant(name, cpu.open_library(path), []))
         cpu_device = torch.device("cpu")
-        loaded = load_model(resolve(args.model), torch.bfloat16, cpu_device, "auto", "int8")
+        dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+        if args.dtype == "float32":
+            loaded = load_model(resolve(args.model), dtype, cpu_device, "gguf")
+        else:
+            loaded = load_model(resolve(args.model), dtype, cpu_device, "auto", "int8")
         cfg, model = loaded.config, loaded.model
         block = 16
         per_seq = (args.context + block) // block + 1
         caches = [
             torch.randn(2, args.batch * per_seq + 1, block, cfg.num_key_value_heads, cfg.head_dim)
-            .to(torch.bfloat16)
+            .to(dtype)
             for _ in range(cfg.num_hidden_layers)
         ]  # fmt: skip
         tables = [[1 + i * per_seq + b for b in range(per_seq)] for i in range(args.batch)]
@@ -111,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cpu.load = real_load  # type: ignore[assignment]
     print(
-        f"{args.model} bf16 int8 batch={args.batch} context={args.context} "
+        f"{args.model} {'float32 panels' if args.dtype == 'float32' else 'bf16 int8'} "
+        f"batch={args.batch} context={args.context} "
         f"threads={args.threads} rounds={args.rounds}x{args.steps} steps (forward + head, ms/step)"
     )
     for v in variants:

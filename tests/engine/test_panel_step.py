@@ -80,9 +80,9 @@ def restore_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _caches(model: LlamaForCausalLM, dtype: torch.dtype) -> list[torch.Tensor]:
+def _caches(model: LlamaForCausalLM, dtype: torch.dtype, blocks: int = 16) -> list[torch.Tensor]:
     cfg = model.config
-    shape = cache_shape(dtype, 16, 16, cfg.num_key_value_heads, cfg.head_dim)
+    shape = cache_shape(dtype, blocks, 16, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
 
@@ -135,6 +135,55 @@ def test_fused_panel_step_equals_the_python_path_bit_for_bit(
         fused = _run(model, caches_f, steps, fused=True)
         plain = _run(model, caches_p, steps, fused=False)
         (hf, lf), (hp, lp) = fused[-1], plain[-1]
+        assert torch.equal(lf, lp) and torch.equal(hf, hp)
+        assert all(torch.equal(f, p) for f, p in zip(caches_f, caches_p, strict=True))
+
+
+def _long_decodes(vocab: int, seed: int) -> list[list[list[tuple[list[int], int, list[int]]]]]:
+    """Prefills of three prompts (150, 77 and 64 tokens: contexts over several of the fused
+    attention's 64-position spans, one ending on a span's edge), then decode steps of one, two
+    and three of them."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = (150, 77, 64)
+    prompts = [torch.randint(3, vocab, (n + 1,), generator=gen).tolist() for n in lens]
+    tables = [list(range(0, 10)), list(range(10, 15)), list(range(15, 20))]
+    prefill = [(p[:n], 0, t) for p, n, t in zip(prompts, lens, tables, strict=True)]
+    decodes = [(p[n : n + 1], n, t) for p, n, t in zip(prompts, lens, tables, strict=True)]
+    return [[prefill, decodes[:k]] for k in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def tiny_panels_wide(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
+    """Two KV heads of 64 dims (two of the fused attention's 32-dim tiles each)."""
+    sizes = {"hidden_size": 256, "intermediate_size": 192, "num_attention_heads": 4,
+             "num_key_value_heads": 2}  # fmt: skip
+    folder = build_tiny_llama(tmp_path_factory.mktemp("panel") / "wide", seed=5, **sizes)
+    model = load_model(ModelSource("wide", Path(folder), "hf"), torch.float32, "cpu").model
+    _in_panels(model, seed=11)
+    assert isinstance(model.fused_step, FusedPanelStep)
+    return model
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_decodes_at_long_contexts_equal_the_python_path_bit_for_bit(
+    tiny_panels: LlamaForCausalLM,
+    tiny_panels_wide: LlamaForCausalLM,
+    wide: bool,
+    threads: int,
+    restore_threads: None,
+) -> None:
+    """A step of decode rows splits its attention across the team by positions, queries and
+    head dims (csrc/panel_step.c): the logits, hidden states and caches are still the Python
+    path's, whose attention takes each KV head whole."""
+    torch.set_num_threads(threads)
+    model = tiny_panels_wide if wide else tiny_panels
+    for steps in _long_decodes(model.config.vocab_size, seed=threads):
+        caches_f, caches_p = _caches(model, torch.float32, 20), _caches(model, torch.float32, 20)
+        (hf, lf), (hp, lp) = (
+            _run(model, caches_f, steps, True)[-1],
+            _run(model, caches_p, steps, False)[-1],
+        )
         assert torch.equal(lf, lp) and torch.equal(hf, hp)
         assert all(torch.equal(f, p) for f, p in zip(caches_f, caches_p, strict=True))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, apply_truncation
+from engine.sampler import Sampler, apply_truncation, first_maxima
 from engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -180,3 +180,20 @@ def test_seeded_row_is_reproducible_whatever_its_companions() -> None:
     assert seeded_sequence(seed=1234, companions=7) == alone
     assert seeded_sequence(seed=1234, companions=3) == alone
     assert seeded_sequence(seed=99, companions=0) != alone
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+def test_greedy_picks_the_first_maximum_as_torch_max_does(rows: int) -> None:
+    """The greedy pick (NumPy's argmax for a few CPU rows, PyTorch's max beyond) is
+    ``max(-1).indices`` on ties, NaN, rows of -inf and a transposed (strided) view."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randint(0, 5, (rows, 300), generator=gen).float()  # many ties
+    logits[0, :] = NEG_INF
+    if rows > 1:
+        logits[1, 17] = float("nan")
+        logits[1, 40] = float("nan")
+    for view in (logits, logits.t().contiguous().t()):
+        picked = first_maxima(view)
+        assert picked.dtype == torch.int64
+        assert torch.equal(picked, view.max(dim=-1).indices)
+    assert first_maxima(logits)[0] == 0 and (rows == 1 or first_maxima(logits)[1] == 17)

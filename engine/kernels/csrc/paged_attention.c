@@ -99,8 +99,10 @@ static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t
     for (int i = 0; i < n; i++) prefetch_row((const char *)a->cache + (int64_t)at[i] * elt, span);
 }
 
-/* Pass 1, vectorized: scores of every query of the item against positions 0..ctx_end-1. */
-static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
+/* Pass 1, vectorized: scores of every query of the item against positions pb..pe-1 (pb a
+ * multiple of 16; pe the context's end or a multiple of 16). Each score is computed alone, so
+ * any split of the positions gives the same bits. */
+static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores, int pb, int pe) {
     const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
     const int64_t span = prefetch_span(a, it);
     uint32_t qpairs[MAX_QUERIES * 128] __attribute__((aligned(64)));
@@ -117,8 +119,8 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
      * head 0 fetches every head's row of a position (whole cache lines, in address order), so
      * the items of the other heads, which run next, find theirs in cache. */
     enum { AHEAD = 4 };
-    for (int g = 0; g < AHEAD; g++) prefetch_group(a, it, g * 16, span, elt);
-    for (int p0 = 0; p0 < it->ctx_end; p0 += 16) {
+    for (int g = 0; g < AHEAD; g++) prefetch_group(a, it, pb + g * 16, span, elt);
+    for (int p0 = pb; p0 < pe; p0 += 16) {
         int32_t rows_at[16];
         const int valid = group_rows(a, it, p0, rows_at);
         prefetch_group(a, it, p0 + AHEAD * 16, span, elt);
@@ -226,6 +228,29 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
     }
 }
 
+/* Pass 2 for KV head kvl of the item and head dims d0..d0+31 only, every query of that head:
+ * the same lanes, each accumulated over the positions in the same order, as pv_fast's. */
+static void pv_unit(const Attn *a, const Item *it, const float *scores, float *obuf, int kvl, int d0) {
+    const int bf16 = a->dt == DT_BF16, kvh = it->kvh + kvl;
+    for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 4) {
+        const int nq = (kvl + 1) * it->per_kv - q0 < 4 ? (kvl + 1) * it->per_kv - q0 : 4;
+        const int first = d0 == 0 && q0 == kvl * it->per_kv;
+#define PV_NQ(BF)                                                                                        \
+    switch (nq) {                                                                                        \
+    case 1: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 1, 2, BF); break;                           \
+    case 2: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 2, 2, BF); break;                           \
+    case 3: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 3, 2, BF); break;                           \
+    default: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 4, 2, BF); break;                          \
+    }
+        if (bf16) {
+            PV_NQ(1)
+        } else {
+            PV_NQ(0)
+        }
+#undef PV_NQ
+    }
+}
+
 /* Pass 1 keeps its row offsets in 32 bits (group_rows): the vector path needs the K half of the
  * cache to hold fewer than 2^31 elements. */
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
@@ -279,13 +304,15 @@ static inline __attribute__((always_inline)) void scores_tile(const Attn *a, con
     }
 }
 
-/* Pass 1: scores of every query of the item against positions 0..ctx_end-1. */
-static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores) {
+/* Pass 1: scores of every query of the item against positions pb..pe-1 (pb a multiple of 4;
+ * pe the context's end or a multiple of 4): each score alone, so any such split gives the same
+ * bits. */
+static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores, int pb, int pe) {
     const int bf16 = a->dt == DT_BF16;
     for (int kvl = 0; kvl < it->nkv; kvl++) {
         const int kvh = it->kvh + kvl;
-        int blk = 0, off = 0; /* position p0's block and offset, walked without division */
-        for (int p0 = 0; p0 < it->ctx_end; p0 += 4) {
+        int blk = pb / a->block_size, off = pb % a->block_size; /* position p0's, walked without division */
+        for (int p0 = pb; p0 < pe; p0 += 4) {
             const int n = it->ctx_end - p0 < 4 ? it->ctx_end - p0 : 4;
             int64_t rows[4];
             for (int r = 0; r < 4; r++) {
@@ -338,29 +365,30 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
         for (int z = 0; z < 4; z++) _mm256_storeu_ps(obuf + (int64_t)(q0 + x) * a->head_dim + d0 + z * 8, o[x][z]);
 }
 
-/* Pass 2: obuf = P V in tiles of up to 3 queries x 32 head dims. */
-static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
-    const int bf16 = a->dt == DT_BF16;
-    for (int kvl = 0; kvl < it->nkv; kvl++) {
-        for (int d0 = 0; d0 < a->head_dim; d0 += 32) {
-            for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 3) {
-                const int nq = (kvl + 1) * it->per_kv - q0 < 3 ? (kvl + 1) * it->per_kv - q0 : 3;
-                const int kvh = it->kvh + kvl;
+/* Pass 2 for KV head kvl of the item and head dims d0..d0+31: tiles of up to 3 queries. */
+static void pv_unit(const Attn *a, const Item *it, const float *scores, float *obuf, int kvl, int d0) {
+    const int bf16 = a->dt == DT_BF16, kvh = it->kvh + kvl;
+    for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 3) {
+        const int nq = (kvl + 1) * it->per_kv - q0 < 3 ? (kvl + 1) * it->per_kv - q0 : 3;
 #define PV_NQ(BF)                                                                                        \
     switch (nq) {                                                                                        \
     case 1: pv_tile(a, it, scores, obuf, kvh, d0, q0, 1, BF); break;                                     \
     case 2: pv_tile(a, it, scores, obuf, kvh, d0, q0, 2, BF); break;                                     \
     default: pv_tile(a, it, scores, obuf, kvh, d0, q0, 3, BF); break;                                    \
     }
-                if (bf16) {
-                    PV_NQ(1)
-                } else {
-                    PV_NQ(0)
-                }
-#undef PV_NQ
-            }
+        if (bf16) {
+            PV_NQ(1)
+        } else {
+            PV_NQ(0)
         }
+#undef PV_NQ
     }
+}
+
+/* Pass 2: obuf = P V, KV head by KV head, 32 head dims at a time. */
+static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
+    for (int kvl = 0; kvl < it->nkv; kvl++)
+        for (int d0 = 0; d0 < a->head_dim; d0 += 32) pv_unit(a, it, scores, obuf, kvl, d0);
 }
 
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
@@ -377,8 +405,9 @@ static inline int use_vector_path(const Attn *a) {
     (void)a;
     return 0;
 }
-#define scores_fast(a, it, qbuf, scores) ((void)0)
+#define scores_fast(a, it, qbuf, scores, pb, pe) ((void)(scores), (void)(pb), (void)(pe))
 #define pv_fast(a, it, scores, obuf) ((void)0)
+#define pv_unit(a, it, scores, obuf, kvl, d0) ((void)(it), (void)(scores))
 #endif
 
 /* Pass 1, portable: one cache row at a time. */
@@ -510,7 +539,7 @@ void attend_item(const Attn *a, const Item *it, Scratch *s) {
     load_queries(a, it, s->qbuf);
     const int fast = !a->kv_int8 && use_vector_path(a);
     if (a->kv_int8) scores_int8(a, it, s->qbuf, s->scores, s->kv);
-    else if (fast) scores_fast(a, it, s->qbuf, s->scores);
+    else if (fast) scores_fast(a, it, s->qbuf, s->scores, 0, it->ctx_end);
     else scores_portable(a, it, s->qbuf, s->scores, s->kv);
     for (int q = 0; q < it->nq; q++) {
         int limit = it->seq_len - it->q_len + it->row0 + q_row(a, it, q) + 1;
@@ -551,6 +580,49 @@ int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_
     (void)num_reqs, (void)heads, (void)head_dim, (void)dt, (void)half; /* measured on AVX-512 only */
     return 0;
 #endif
+}
+
+/* A decode row's one item over every KV head (resolve_item's with decode_all_heads). */
+static Item decode_item(const Attn *a, int r) {
+    Item it;
+    it.r = r;
+    it.q_len = 1;
+    it.seq_len = a->seq_lens[r];
+    it.kvh = 0;
+    it.nkv = a->kv_heads;
+    it.row0 = 0;
+    it.rows = 1;
+    it.per_kv = a->group;
+    it.nq = a->heads;
+    it.ctx_end = it.seq_len;
+    it.table = a->tables + (int64_t)r * a->max_blocks;
+    return it;
+}
+
+int decode_split_serves(const Attn *a, int num_reqs) {
+    if (a->kv_int8 || !use_vector_path(a) || a->heads > MAX_QUERIES || a->head_dim % 32) return 0;
+    for (int r = 0; r < num_reqs; r++)
+        if (a->query_start[r + 1] - a->query_start[r] != 1) return 0;
+    return 1;
+}
+
+void decode_split_scores(const Attn *a, int r, int pb, int pe, Scratch *s, float *scores) {
+    const Item it = decode_item(a, r);
+    load_queries(a, &it, s->qbuf);
+    scores_fast(a, &it, s->qbuf, scores, pb, pe);
+}
+
+void decode_split_softmax(const Attn *a, int r, int q, float *scores) {
+    softmax_row(scores + (int64_t)q * a->max_seq, a->seq_lens[r], a->seq_lens[r]);
+}
+
+void decode_split_pv(const Attn *a, int r, int kvh, int d0, Scratch *s, const float *scores) {
+    const Item it = decode_item(a, r);
+    pv_unit(a, &it, scores, s->obuf, kvh, d0);
+    const int64_t t = a->query_start[r];
+    for (int q = kvh * a->group; q < (kvh + 1) * a->group; q++)
+        store_row(a->out, a->dt, (t * a->heads + q) * a->head_dim + d0, DECODE_SPLIT_DIMS,
+                  s->obuf + (int64_t)q * a->head_dim + d0);
 }
 
 int scratch_alloc(Scratch *s, int max_seq, int head_dim) {

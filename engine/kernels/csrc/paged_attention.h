@@ -99,6 +99,16 @@ void attend_item(const Attn *a, const Item *it, Scratch *s);
  * may overwrite the scores); kv is head_dim floats of scratch. */
 void scores_int8(const Attn *a, const Item *it, const float *qbuf, float *scores, float *kv);
 void pv_int8(const Attn *a, const Item *it, float *scores, float *obuf, Scratch *s);
+/* A step of decode rows only, its attention split across a team without changing a bit: each
+ * score alone (positions pb..pe-1, pb a multiple of DECODE_SPLIT_SPAN, of every head of request
+ * r), then each query's softmax, then P V by KV head and DECODE_SPLIT_DIMS head dims; scores is
+ * the request's [heads, max_seq] buffer, shared by the team. Each query's chain is attend_item's. */
+#define DECODE_SPLIT_SPAN 64
+#define DECODE_SPLIT_DIMS 32
+int decode_split_serves(const Attn *a, int num_reqs);
+void decode_split_scores(const Attn *a, int r, int pb, int pe, Scratch *s, float *scores);
+void decode_split_softmax(const Attn *a, int r, int q, float *scores);
+void decode_split_pv(const Attn *a, int r, int kvh, int d0, Scratch *s, const float *scores);
 /* Per-thread scratch for contexts up to max_seq; 0, or -1 out of memory (free it either way). */
 int scratch_alloc(Scratch *s, int max_seq, int head_dim);
 void scratch_free(Scratch *s);

@@ -9,7 +9,9 @@
  *
  * Bit for bit the Python path: every stage calls the very function the Python path calls for
  * that op, on the same float32 rows: add_rms_norm and rope_write_kv (norm_rope.c, by one
- * thread), the paged attention work items (paged_attention.c), silu_mul's spans (norm_rope.c)
+ * thread), the paged attention work items (paged_attention.c; a step of decode rows splits each
+ * request's attention into spans of positions, queries and head dims instead, every query still
+ * on attend_item's chain), silu_mul's spans (norm_rope.c)
  * and the panel linears' tasks (panel_linear.c: panel_quantize_row, then panel_linear_panels on
  * chunks of panels handed out from a shared counter). Each output element is computed whole by
  * one thread with the same chain of operations as in the Python path, so neither the schedule
@@ -40,7 +42,7 @@ enum { D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_FIELDS };
 #define MAX_STEP_ROWS 8   /* the most rows a step takes */
 #define CHUNK_PANELS 4    /* panels a thread takes at a time */
 #define SILU_SPAN 256     /* values of a row a thread takes at a time in the activation stage */
-#define STAGES 6          /* stages per layer that hand out work (one counter each) */
+#define STAGES 8          /* stages per layer that hand out work (one counter each) */
 
 typedef struct {
     const int64_t *table;
@@ -53,6 +55,9 @@ typedef struct {
     int block_size, kv_int8, num_reqs;
     Attn attn;
     const int64_t *item_start;
+    int split;                 /* decode rows only: attention split by positions, queries, dims */
+    int64_t *span_start;       /* with split: request r's first unit of scores */
+    float *scores;             /* with split: [num_reqs, heads, max_seq], shared by the team */
     float *x, *h, *qkv, *att, *delta, *gu, *act, *pending, *out;
     atomic_int *counters;
     int64_t *linear_start; /* per linear, where its weights start in the prefetch stream */
@@ -79,11 +84,45 @@ static void linear_stage(PanelStep *st, int stage, int region, const int64_t *f,
     }
 }
 
+/* A step of decode rows: its attention in three passes over units the team hands out (see
+ * paged_attention.h), so that both threads read the cache even for one request: a request has
+ * as many KV heads as items, fewer than threads x 2 for small models. */
+static void split_attention_stage(PanelStep *st, int stage, const Attn *a, Scratch *s) {
+    const int64_t per_req = (int64_t)a->heads * a->max_seq;
+    const int64_t spans = st->span_start[st->num_reqs];
+    for (int r = 0;;) {
+        const int64_t u = atomic_fetch_add_explicit(&st->counters[stage + 1], 1, memory_order_relaxed);
+        if (u >= spans) break;
+        while (u >= st->span_start[r + 1]) r++;
+        const int pb = (int)(u - st->span_start[r]) * DECODE_SPLIT_SPAN;
+        const int pe = pb + DECODE_SPLIT_SPAN < a->seq_lens[r] ? pb + DECODE_SPLIT_SPAN : a->seq_lens[r];
+        decode_split_scores(a, r, pb, pe, s, st->scores + r * per_req);
+    }
+    barrier_wait(&st->barrier, &st->pf);
+    for (;;) {
+        const int u = atomic_fetch_add_explicit(&st->counters[stage + 6], 1, memory_order_relaxed);
+        if (u >= st->num_reqs * a->heads) break;
+        decode_split_softmax(a, u / a->heads, u % a->heads, st->scores + (u / a->heads) * per_req);
+    }
+    barrier_wait(&st->barrier, &st->pf);
+    const int tiles = a->head_dim / DECODE_SPLIT_DIMS, per = a->kv_heads * tiles;
+    for (;;) {
+        const int u = atomic_fetch_add_explicit(&st->counters[stage + 7], 1, memory_order_relaxed);
+        if (u >= st->num_reqs * per) break;
+        const int r = u / per, kvh = (u % per) / tiles, d0 = (u % tiles) * DECODE_SPLIT_DIMS;
+        decode_split_pv(a, r, kvh, d0, s, st->scores + r * per_req);
+    }
+}
+
 static void attention_stage(PanelStep *st, int stage, const Attn *a, Scratch *s) {
+    if (st->split) {
+        split_attention_stage(st, stage, a, s);
+        return;
+    }
     const int64_t total = st->item_start[st->num_reqs];
     int r = 0;
     for (;;) {
-        const int64_t item = atomic_fetch_add_explicit(&st->counters[stage], 1, memory_order_relaxed);
+        const int64_t item = atomic_fetch_add_explicit(&st->counters[stage + 1], 1, memory_order_relaxed);
         if (item >= total) break;
         while (item >= st->item_start[r + 1]) r++;
         const Item it = resolve_item(a, r, item - st->item_start[r]);
@@ -121,7 +160,7 @@ static void run_layer(PanelStep *st, int layer, int tid, Scratch *s, void *xs) {
     barrier_wait(&st->barrier, &st->pf);
     Attn a = st->attn;
     a.cache = cache;
-    attention_stage(st, stage + 1, &a, s);
+    attention_stage(st, stage, &a, s);
     barrier_wait(&st->barrier, &st->pf);
     linear_stage(st, stage + 2, region + 1, f + PF_O, 0, m, hidden, heads * hd, st->att, st->delta, xs);
     barrier_wait(&st->barrier, &st->pf);
@@ -285,8 +324,19 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
             .seq_lens = seq_lens, .scale = scale, .out = st.att,
         };
         st.attn = a;
-        failed = run_team(&st, final_norm, head, sample_rows, num_sample, logits, num_threads);
+        st.split = decode_split_serves(&st.attn, num_reqs);
+        if (st.split) {
+            st.span_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
+            st.scores = (float *)malloc(sizeof(float) * (size_t)num_reqs * (size_t)heads * (size_t)max_seq);
+            failed = !st.span_start || !st.scores;
+            if (!failed) st.span_start[0] = 0;
+            for (int r = 0; !failed && r < num_reqs; r++)
+                st.span_start[r + 1] = st.span_start[r] + (seq_lens[r] + DECODE_SPLIT_SPAN - 1) / DECODE_SPLIT_SPAN;
+        }
+        if (!failed) failed = run_team(&st, final_norm, head, sample_rows, num_sample, logits, num_threads);
     }
+    free(st.span_start);
+    free(st.scores);
     free(item_start);
     free(arena);
     free(st.counters);
