@@ -361,8 +361,9 @@ def _add_model_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
     g.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="refuse to start unless the numerics are batch invariant (the CPU default "
-        "on a GGUF model is; CUDA has no such path yet: docs/numerics.md)",
+        help="CPU: refuse to start unless the numerics are batch invariant (the default on "
+        "a GGUF model is); CUDA: run the batch invariant Triton matmuls, norms and attention, "
+        "eager (docs/numerics.md)",
     )
     g.add_argument("--device", default=d.device, choices=DEVICES)
     g.add_argument(

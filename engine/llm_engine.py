@@ -18,6 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from engine import kernels
 from engine.async_scheduler import AsyncScheduler
 from engine.async_scheduling import AsyncStepLoop
 from engine.completions import Completion, Parent, make_output
@@ -27,7 +28,7 @@ from engine.lora import LoRARequest
 from engine.lora.manager import LoRAManager
 from engine.model_loader import LoadedModel, choose_device, load_model, resolve_quantization
 from engine.model_runner import ModelRunner, num_kv_blocks
-from engine.numerics import NumericsPath, resolve_numerics
+from engine.numerics import NumericsPath, refuse_uncovered_invariance, resolve_numerics
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from engine.pooling import PromptTap
 from engine.request import Request, RequestStatus
@@ -164,9 +165,14 @@ class LLMEngine:
         device = choose_device(config.device)
         source = resolve(config.model)
         quantization = resolve_quantization(config.quantization, source, device)
+        on_triton = kernels.choose(device.type).device_type == "cuda"
+        if config.batch_invariant and on_triton:
+            refuse_uncovered_invariance(config, quantization)
+        kernels.set_batch_invariant(config.batch_invariant and on_triton)
         path = resolve_numerics(
-            config.dtype, config.gguf_activations, device, quantization == "gguf"
-        )
+            config.dtype, config.gguf_activations, device, quantization == "gguf",
+            triton_invariant=config.batch_invariant and on_triton,
+        )  # fmt: skip
         if config.batch_invariant and not path.batch_invariant:
             raise ValueError(
                 f"--batch-invariant: {path.name} on {device.type} ({path.reason}) is not batch "
@@ -176,6 +182,11 @@ class LLMEngine:
             source, path.torch_dtype, device, quantization, path.gguf_activations,
             config.load_format,
         )  # fmt: skip
+        if kernels.batch_invariant() and loaded.config.is_multimodal:
+            raise ValueError(
+                "--batch-invariant on CUDA does not cover vision models: their towers run "
+                "PyTorch's matmuls (docs/numerics.md)"
+            )
         return cls(config, dataclasses.replace(loaded, numerics=path))
 
     def _make_proposer(

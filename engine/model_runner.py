@@ -98,8 +98,14 @@ class ModelRunner:
         cfg = loaded.config
         self.cache_dtype = cache_dtype_of(loaded, engine_config)
         # Decode steps replay CUDA graphs (engine.cuda_graphs) on one CUDA device unless
-        # --enforce-eager; their padding rows write to one more block than the pool's.
-        self.enforce_eager = engine_config.enforce_eager or engine_config.tensor_parallel_size > 1
+        # --enforce-eager; their padding rows write to one more block than the pool's. Under
+        # --batch-invariant every step runs eager (graphs would capture the split-K kernel's
+        # setup; the invariant kernels are not captured yet).
+        self.enforce_eager = (
+            engine_config.enforce_eager
+            or engine_config.tensor_parallel_size > 1
+            or kernels.batch_invariant()
+        )
         with_graphs = self.device.type == "cuda" and not self.enforce_eager
         shape = kv_cache_dtype.cache_shape(
             self.cache_dtype, num_gpu_blocks + (1 if with_graphs else 0), self.block_size,

@@ -98,10 +98,16 @@ def resolve_numerics(
     device: torch.device,
     gguf_blocks: bool,
     flags: Callable[[], frozenset[str]] = cpu_flags,
+    triton_invariant: bool = False,
 ) -> NumericsPath:
     """The path for ``--dtype`` ``dtype`` on ``device``: ``auto`` on CPU by
     :func:`auto_cpu_numerics`, bfloat16 on CUDA; a named dtype as given (int8 activations
-    only under bfloat16 on GGUF blocks, as the loader applies them)."""
+    only under bfloat16 on GGUF blocks, as the loader applies them). ``triton_invariant``:
+    ``--batch-invariant`` on the CUDA kernels (engine.kernels.triton_invariant)."""
+    if triton_invariant:
+        name = "bfloat16" if dtype == "auto" else dtype
+        reason = f"--dtype {dtype} on the CUDA kernels, --batch-invariant: batch invariant Triton"
+        return NumericsPath(name, "exact", reason + " matmuls, norms and attention", True)
     if dtype == "auto" and device.type == "cpu":
         return auto_cpu_numerics(flags(), gguf_blocks, gguf_activations)
     if dtype == "auto":
@@ -115,3 +121,23 @@ def resolve_numerics(
     if dtype == "bfloat16" and gguf_blocks:
         reason += f", --gguf-activations {gguf_activations}"
     return NumericsPath(dtype, "int8" if int8 else "exact", reason, invariant)
+
+
+def refuse_uncovered_invariance(config: Any, quantization: str) -> None:
+    """ValueError naming each flag of ``config`` (an EngineConfig) that ``--batch-invariant`` on
+    the CUDA kernels does not cover: those parts run kernels whose bits follow the step's shape."""
+    uncovered = []
+    if quantization == "fp8":
+        uncovered.append("--quantization fp8 (PyTorch's scaled matmul)")
+    if config.kv_cache_dtype == "fp8_e4m3":
+        uncovered.append("--kv-cache-dtype fp8_e4m3 (read by PyTorch's attention)")
+    if config.enable_lora:
+        uncovered.append("--enable-lora (the adapters' batched matmuls)")
+    if config.tensor_parallel_size > 1:
+        uncovered.append("--tensor-parallel-size > 1 (the all-reduce's order)")
+    if uncovered:
+        raise ValueError(
+            "--batch-invariant on CUDA does not cover "
+            + "; ".join(uncovered)
+            + " (docs/numerics.md)"
+        )

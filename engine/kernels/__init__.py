@@ -109,6 +109,36 @@ def _choice(t: torch.Tensor) -> KernelChoice:
     return choose(t.device.type)
 
 
+_batch_invariant = False
+
+
+def set_batch_invariant(on: bool) -> None:
+    """``--batch-invariant`` on the CUDA kernel choice: linears, RMSNorms and attention take
+    kernels whose every row is computed the same way whatever the step holds
+    (:mod:`engine.kernels.triton_invariant`). Set once, before the model runs; the CPU choice
+    ignores it (its default path is invariant already)."""
+    global _batch_invariant
+    _batch_invariant = on
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
+
+
+def _invariant_triton(t: torch.Tensor) -> bool:
+    return _batch_invariant and _choice(t).device_type == "cuda"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: the batch invariant Triton matmul under
+    :func:`set_batch_invariant` on the CUDA choice, else ``F.linear``."""
+    if _invariant_triton(x) and x.dtype == weight.dtype:
+        from engine.kernels import triton_invariant
+
+        return triton_invariant.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _fp8(kv_cache: torch.Tensor) -> bool:
     """An fp8_e4m3 cache: only the references read and write it (engine.kv_cache_dtype)."""
     return kv_cache.dtype.itemsize == 1 and kv_cache.dtype != torch.int8
@@ -139,7 +169,9 @@ def paged_attention(
     """Causal attention over the paged cache (see :func:`paged_attention_ref`)."""
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     impl = _choice(query).paged_attention
-    if impl == "triton" and max(query_lens_cpu, default=0) == 1:  # pure decode: split-K
+    # pure decode: split-K, whose split count follows the batch's size (not under
+    # --batch-invariant: the general kernel walks every query's context the same way)
+    if impl == "triton" and max(query_lens_cpu, default=0) == 1 and not _batch_invariant:
         from engine.kernels import triton_decode_attention as decode
 
         if decode.serves(kv_cache):
@@ -169,6 +201,10 @@ def decode_attention_capturable(kv_cache: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's Llama RMSNorm of ``x`` times ``weight`` (see :func:`rms_norm_ref`)."""
+    if _invariant_triton(x):
+        from engine.kernels import triton_invariant
+
+        return triton_invariant.add_rms_norm(x, None, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -186,6 +222,10 @@ def add_rms_norm(
     way); otherwise float32 keeps PyTorch's ops, whose results the tests compare with
     transformers bit for bit.
     """
+    if _invariant_triton(x):
+        from engine.kernels import triton_invariant
+
+        return triton_invariant.add_rms_norm(x, delta, weight, eps)
     native = x.dtype == torch.bfloat16 or (native_float32 and x.dtype == torch.float32)
     if native and _choice(x).add_rms_norm == "cpu":
         out = cpu.add_rms_norm_cpu(x, delta, weight, eps)
@@ -303,6 +343,7 @@ __all__ = [
     "PACKED_MAX_ROWS",
     "KernelChoice",
     "add_rms_norm",
+    "batch_invariant",
     "choose",
     "decode_attention_capturable",
     "paged_attention",
@@ -311,8 +352,10 @@ __all__ = [
     "prepack_linear_weight",
     "prepacked_linear",
     "quantized_linear",
+    "linear",
     "rms_norm",
     "rope_write_kv",
+    "set_batch_invariant",
     "silu_mul",
     "write_kv_cache",
     "write_kv_cache_ref",

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
@@ -193,7 +192,7 @@ def block_matmul(
         packed_out = kernels.prepacked_linear(x, packed, bias)
         if packed_out is not None:
             return packed_out
-    return F.linear(x, weight, bias)
+    return kernels.linear(x, weight, bias)
 
 
 class BlockLinear(nn.Linear):
@@ -211,7 +210,7 @@ class BlockLinear(nn.Linear):
         if self.fp8 is not None:
             out = fp8_linear(x, self.fp8, self.bias)
         elif self.blocks is None and self.packed is None:
-            out = F.linear(x, self.weight, self.bias)
+            out = kernels.linear(x, self.weight, self.bias)
         else:
             out = block_matmul(x, self.weight, self.blocks, self.bias, self.packed)
         if self.lora is not None:  # each row's adapter delta, on top of whichever base path ran
