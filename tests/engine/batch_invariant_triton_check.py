@@ -128,14 +128,23 @@ def engine_findings(model_dir: Path, device: str = "cpu", dtype: str = "float32"
     batched = _greedy(engine(), {"p": prompt, **others})["p"]
     chunked = _greedy(engine(max_num_batched_tokens=7), {"p": prompt, **others})["p"]
     numerics = first.numerics
+    mode = kernels.batch_invariant()
+    control = {}  # the same two runs without --batch-invariant: cuBLAS's stand-in and split-K
+    for name, others_now in (("alone", {}), ("batched", others)):
+        plain = LLMEngine.from_config(
+            EngineConfig(model=str(model_dir), device=device, dtype=dtype)
+        )
+        control[name] = _greedy(plain, {"p": prompt, **others_now})["p"]
     return {
+        "control_alone": control["alone"],
+        "control_batched": control["batched"],
         "alone": alone,
         "cached": cached,
         "batched": batched,
         "chunked": chunked,
         "path_batch_invariant": numerics.batch_invariant,
         "path_reason": numerics.reason,
-        "mode": kernels.batch_invariant(),
+        "mode": mode,
         "attention": kernels.choose(device).paged_attention,
     }
 
