@@ -2,7 +2,7 @@
 
     portico bench gpu --out load/results/gpu.json --plot load/results/gpu.png
 
-Seven sections, in order, each within its share of a 6-minute budget (one H200):
+Eight sections, in order, each within its share of a 6-minute budget (one H200):
 
 (a) kernels: the Triton paged attention and KV-cache write against the PyTorch references at
     real shapes (the default model's, a 1B-class, an 8B-class), float32 and bf16, bf16 and
@@ -20,7 +20,10 @@ Seven sections, in order, each within its share of a 6-minute budget (one H200):
 (f) fp8: ``--quantization fp8`` against bf16 on the 1B-class shape (dummy weights): one
     stream's decode tok/s and 64 requests at once (issue 41: fp8 >= 1.5x bf16 at c=64);
 (g) async: ``--async-scheduling`` against synchronous steps on the default model's shape
-    (dummy weights, bf16, graphs on): one stream's decode tok/s and 64 requests at once.
+    (dummy weights, bf16, graphs on): one stream's decode tok/s and 64 requests at once;
+(h) invariant: ``--batch-invariant`` against the default on the default model's shape (what
+    it costs at one stream and at 64), and under each whether one prompt's greedy tokens are
+    the same alone and inside a batch of 16.
 
 Refuses without CUDA. The pure parts (shapes, byte accounting, report) are load/gpu_shapes.py.
 """
@@ -38,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from load.gpu_engine_pairs import async_section, fp8_section, free_cuda
+from load.gpu_engine_pairs import async_section, fp8_section, free_cuda, invariant_section
 from load.gpu_shapes import (
     SECTIONS,
     SHAPES,
@@ -508,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         run("bandwidth", 10, lambda: bandwidth_section(budget, served))
         run("fp8", 60, lambda: fp8_section(workdir))
         run("async", 40, lambda: async_section(workdir))
+        run("invariant", 40, lambda: invariant_section(workdir))
     command = "portico bench gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     report = build_report(_card(), sections, time.monotonic() - start, command.strip())
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -180,7 +180,7 @@ def bandwidth_row(
 
 # --------------------------------------------------------------------------- the report
 
-SECTIONS = ("kernels", "greedy", "offline", "served", "bandwidth", "fp8", "async")
+SECTIONS = ("kernels", "greedy", "offline", "served", "bandwidth", "fp8", "async", "invariant")
 
 
 def kernel_verdict(dtype: str, attn_diff: float, cache_equal: bool) -> bool:
@@ -264,6 +264,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         batch = next(v for k, v in run.items() if k.startswith("c"))["output_tokens_per_s"]
         lines.append(f"(g) {s['async']['shape']} {name}: one stream {stream} tok/s, "
                      f"c={s['async']['requests']} {batch} output tok/s")  # fmt: skip
+    inv = s["invariant"]
+    for name, run in inv.get("runs", {}).items():
+        stream = run["single_stream"]["decode_tokens_per_s"]
+        batch = next(v for k, v in run.items() if k.startswith("c"))["output_tokens_per_s"]
+        same = inv["same_tokens_alone_and_batched"][name]
+        lines.append(f"(h) {inv['shape']} {name}: one stream {stream} tok/s, "
+                     f"c={inv['requests']} {batch} output tok/s, same tokens alone and "
+                     f"batched: {same}")  # fmt: skip
     for name in SECTIONS:
         if "skipped" in s[name] or "error" in s[name]:
             lines.append(f"({name}) {s[name].get('skipped') or s[name].get('error')}")

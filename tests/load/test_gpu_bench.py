@@ -168,3 +168,28 @@ def test_the_async_section_runs_both_engines_at_a_tiny_shape(tmp_path: Path) -> 
     lines = summary_lines(report)
     assert sum(line.startswith("(g) tiny ") for line in lines) == 2
     assert any("(fp8) not run" in line for line in lines)
+
+
+def test_the_invariant_sections_token_check_runs_a_real_engine(tmp_path: Path) -> None:
+    """Section (h)'s check on the CPU's default path (dummy weights, bf16): one prompt alone,
+    then beside 15 others, on one engine; a bool either way. The section itself needs CUDA:
+    on a CPU, --batch-invariant with bfloat16 is refused by name."""
+    from load.gpu_engine_pairs import same_tokens_alone_and_batched
+
+    torch.set_num_threads(1)
+    folder = write_shape_folder(tmp_path / "tiny-shape", TINY)
+    same = same_tokens_alone_and_batched(folder, "cpu", {}, TINY.vocab_size, output=3)
+    assert isinstance(same, bool)
+    with pytest.raises(ValueError, match="--batch-invariant"):
+        gpu_bench.invariant_section(tmp_path, "cpu", TINY, requests=2, output=3)
+
+
+def test_the_invariant_section_is_summarised_per_variant() -> None:
+    run = {"single_stream": {"decode_tokens_per_s": 900.0}, "c64": {"output_tokens_per_s": 9e3}}
+    section = {"shape": "smollm2-135m", "requests": 64, "runs": {"default": run, "invariant": run},
+               "same_tokens_alone_and_batched": {"default": False, "invariant": True}}  # fmt: skip
+    lines = summary_lines(build_report({"name": "a card"}, {"invariant": section}, 1.0, "x"))
+    assert any(line.startswith("(h) smollm2-135m invariant:") and line.endswith("True")
+               for line in lines)  # fmt: skip
+    assert any(line.startswith("(h) smollm2-135m default:") and line.endswith("False")
+               for line in lines)  # fmt: skip
