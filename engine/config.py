@@ -230,6 +230,9 @@ class EngineConfig:
         _check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.batch_invariant:
+            # the ranks shard dense weights and all-reduce partial sums in their own order
+            raise ValueError("--batch-invariant is not supported with --tensor-parallel-size > 1")
         if self.tensor_parallel_size > 1 and self.quantization == "fp8":
             # the ranks shard dense weights (engine/distributed/sharding.py); fp8 ones are not
             raise ValueError("--quantization fp8 is not supported with --tensor-parallel-size > 1")

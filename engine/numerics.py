@@ -133,8 +133,6 @@ def refuse_uncovered_invariance(config: Any, quantization: str) -> None:
         uncovered.append("--kv-cache-dtype fp8_e4m3 (read by PyTorch's attention)")
     if config.enable_lora:
         uncovered.append("--enable-lora (the adapters' batched matmuls)")
-    if config.tensor_parallel_size > 1:
-        uncovered.append("--tensor-parallel-size > 1 (the all-reduce's order)")
     if uncovered:
         raise ValueError(
             "--batch-invariant on CUDA does not cover "

@@ -72,6 +72,11 @@ def test_what_the_invariant_cuda_path_does_not_cover_is_refused(
     assert not kernels.batch_invariant()
 
 
+def test_batch_invariance_with_tensor_parallelism_is_refused_by_the_config() -> None:
+    with pytest.raises(ValueError, match="--batch-invariant is not supported with --tensor"):
+        EngineConfig(model="smollm2-135m", batch_invariant=True, tensor_parallel_size=2)
+
+
 def test_the_invariant_triton_path_is_reported_invariant() -> None:
     path = resolve_numerics("auto", "int8", torch.device("cuda"), False, triton_invariant=True)
     assert path.batch_invariant and path.name == "bfloat16" and "--batch-invariant" in path.reason
