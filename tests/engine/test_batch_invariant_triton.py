@@ -6,9 +6,6 @@ listed in docs/numerics.md ("On CUDA"); the gpu-marked tests check the rest on a
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,21 +17,14 @@ from engine import kernels
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.numerics import resolve_numerics
+from tests.engine.cuda_choice import run_interpreted
 
 CHECK_SCRIPT = Path(__file__).with_name("batch_invariant_triton_check.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_the_invariant_kernels_and_engine_interpreted(tiny_llama_dir: Path) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PORTICO_KERNEL_DEVICE="cuda")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(CHECK_SCRIPT), str(tiny_llama_dir)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = run_interpreted(CHECK_SCRIPT, str(tiny_llama_dir))
     assert found["linear_float32_rows_aligned_equal"]
     assert found["linear_float32_max_error"] < 1e-5
     assert found["norm_float32_residual_equal"] and found["norm_float32_rows_invariant"]

@@ -288,23 +288,10 @@ def test_the_cuda_kernel_choice_gives_the_same_tokens(folder: Path) -> None:
     """The CUDA path on a CPU (Triton interpreted, in a subprocess: TRITON_INTERPRET must be
     set before triton is imported): M-RoPE's per-token rows through the RoPE reference and
     the Triton attention give the CPU path's greedy tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-
+    from tests.engine.cuda_choice import run_interpreted
     from tests.engine.qwen2_vl_triton_check import run_scenario
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PORTICO_KERNEL_DEVICE="cuda")
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("qwen2_vl_triton_check.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(folder)], env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    triton = json.loads(proc.stdout.strip().splitlines()[-1])
+    triton = run_interpreted(Path(__file__).with_name("qwen2_vl_triton_check.py"), str(folder))
     assert triton["attention"] == "triton"
     cpu = run_scenario(folder)
     assert cpu["attention"] == "cpu"

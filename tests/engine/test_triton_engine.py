@@ -8,21 +8,17 @@ triton is first imported), and its greedy tokens must equal the CPU path's.
 
 from __future__ import annotations
 
-import json
-import os
 import pkgutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import kernels
+from tests.engine.cuda_choice import run_interpreted
 from tests.engine.triton_engine_check import run_scenario
 
 CHECK_SCRIPT = Path(__file__).with_name("triton_engine_check.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_no_kernel_module_shares_a_name_with_an_export() -> None:
@@ -48,14 +44,7 @@ def test_forced_kernel_device_accepts_only_cuda(monkeypatch: pytest.MonkeyPatch)
 def test_engine_on_the_cuda_kernel_choice_matches_the_cpu_path(tiny_llama_dir: Path) -> None:
     """Prefill, decode, a cached prefix and a preemption, through the interpreted Triton
     kernels: the same greedy tokens as the CPU path's kernels."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PORTICO_KERNEL_DEVICE="cuda")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(CHECK_SCRIPT), str(tiny_llama_dir)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    triton = json.loads(proc.stdout.strip().splitlines()[-1])
+    triton = run_interpreted(CHECK_SCRIPT, str(tiny_llama_dir), timeout=600)
     assert triton["paged_attention"] == triton["write_kv_cache"] == "triton"
     assert triton["triton_modules"] == [  # decode steps run split-K, the others the general one
         "engine.kernels.triton_decode_attention",
