@@ -68,6 +68,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # kept: get_running_loop() asks the OS for the process id on every call (Python 3.11)
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -115,7 +117,7 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self, timeout: float | None) -> None:
         """Until the server sends something; the transport's watchdog enforces ``timeout``."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.waiter = loop.create_future()
         self.deadline = loop.time() + timeout if timeout is not None else None
         try:
@@ -455,7 +457,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if reusable and not conn.closed and len(self._idle) < MAX_IDLE:
             conn.parser = httptools.HttpResponseParser(conn)
             if self.idle_timeout_s is not None:
-                conn.idle_since = asyncio.get_running_loop().time()
+                conn.idle_since = conn.loop.time()
             self._idle.append(conn)
         elif not conn.closed:
             conn._abort()
