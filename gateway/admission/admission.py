@@ -20,7 +20,7 @@ The dataplane calls, per request::
 from __future__ import annotations
 
 import math
-import secrets
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,7 +282,9 @@ class Admission:
         request is charged nothing.
         """
         plan = self._plan_for(principal, model)
-        slot_id = secrets.token_hex(8)
+        # 64 random bits, unique among the gateways sharing the slot sets, not secret: from
+        # ``random`` (seeded from the OS), not a getrandom system call per request
+        slot_id = f"{random.getrandbits(64):016x}"
         if plan.buckets.empty:
             return Ticket({}, 0, None, None, slot_id)
         if plan.closed is not None:

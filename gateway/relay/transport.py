@@ -343,6 +343,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set with the watchdog
 
     async def request(
         self, head: bytes, body: bytes, timeouts: Mapping[str, float | None]
@@ -355,7 +356,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         that raises (a cancellation included), else by :meth:`LeanResponse.aclose`.
         """
         if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+            self._loop = asyncio.get_running_loop()
+            self._watchdog = self._loop.create_task(self._watch())
         conn = await self._connection(timeouts.get("connect"))
         self._busy.add(conn)
         transport: asyncio.Transport = conn.transport  # type: ignore[assignment]  # connected
@@ -410,7 +412,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def _connection(self, timeout: float | None) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()  # kept with the watchdog
         while self._idle:
             conn = self._idle.pop()
             if conn.closed:
