@@ -92,13 +92,15 @@ class _Connection(asyncio.Protocol):
         self.headers_done = True
         self._wake()
 
-    def on_body(self, body: bytes) -> None:
+    def on_body(self, body: bytes) -> None:  # once per chunk of a chunked answer: kept lean
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
+        waiter = self.waiter  # _wake, inline
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         self.complete = True
