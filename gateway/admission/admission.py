@@ -282,9 +282,7 @@ class Admission:
         request is charged nothing.
         """
         plan = self._plan_for(principal, model)
-        # 64 random bits, unique among the gateways sharing the slot sets, not secret: from
-        # ``random`` (seeded from the OS), not a getrandom system call per request
-        slot_id = f"{random.getrandbits(64):016x}"
+        slot_id = f"{random.getrandbits(64):016x}"  # unique, not secret: no getrandom call
         if plan.buckets.empty:
             return Ticket({}, 0, None, None, slot_id)
         if plan.closed is not None:
