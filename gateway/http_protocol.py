@@ -8,9 +8,15 @@ as bytes arrive, so a client cannot make the parser buffer a megabyte header it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from gateway.lean_cycle import LeanCycle
+from gateway.relay.hot_routes import HOT_PATHS, GatewayApp
 from gateway.tls import TLSScopeProtocol
 from portico.errors import error_body
 
@@ -25,6 +31,17 @@ class LimitedHeadersProtocol(TLSScopeProtocol):
     ``max_header_bytes`` attributes set by gateway.server); the defaults are nginx's. A parser
     callback that finds a limit crossed records why and fails the parse; uvicorn then answers
     the parse error through ``send_400_response``, which sends the 431 instead.
+
+    A ``POST`` on a hot route (``HOT_PATHS``) is answered through :class:`LeanCycle`, and, when
+    the app is the gateway's, handed to its ``hot_app`` directly, as ``GatewayApp`` would hand
+    it (uvicorn's ``ProxyHeadersMiddleware`` and ``GatewayApp.__call__`` are two coroutines on
+    every suspension of the request); a request whose forwarded headers that middleware would
+    read (from a trusted proxy) goes the whole way.
+
+    The keep-alive timeout is kept by one timer per connection that re-arms itself (as nginx
+    keeps its timers), not by a timer made on every response and cancelled by the next
+    request: an idle connection still closes ``timeout_keep_alive`` seconds after its last
+    response, and a connection busy with a request never does.
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -37,8 +54,23 @@ class LimitedHeadersProtocol(TLSScopeProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._block_bytes = 0
+        app: Any = self.app
+        trusted = None
+        if isinstance(app, ProxyHeadersMiddleware):
+            app, trusted = app.app, app.trusted_hosts
+        self._gateway_app = app if isinstance(app, GatewayApp) else None
+        self._trusted_proxies = trusted
+        self._idle_since: float | None = None  # when the last response ended; None: busy
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
 
     def data_received(self, data: bytes) -> None:
+        self._idle_since = None
         super().data_received(data)
         if self._in_head and self._too_large is None and not self.transport.is_closing():
             # an unfinished head: the parser buffers it, so bound it as it grows
@@ -73,6 +105,61 @@ class LimitedHeadersProtocol(TLSScopeProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        scope: Any = cycle.scope
+        if scope["method"] == "POST" and scope["path"] in HOT_PATHS:
+            if type(cycle) is RequestResponseCycle:
+                cycle.__class__ = LeanCycle
+            gateway_app = self._gateway_app
+            hot = gateway_app.hot_app if gateway_app is not None else None
+            if hot is not None and app is self.app and not self._forwarded(scope):
+                scope["app"] = gateway_app  # what GatewayApp.__call__ sets
+                app = hot
+        super()._start_asgi_task(cycle, app)
+
+    def _forwarded(self, scope: Any) -> bool:
+        """Whether uvicorn's ``ProxyHeadersMiddleware`` would read this request's forwarded
+        headers: it came from a trusted proxy and has ``x-forwarded-for`` or ``-proto``."""
+        trusted = self._trusted_proxies
+        if trusted is None:
+            return False
+        client = scope.get("client")
+        if (client[0] if client else None) not in trusted:
+            return False
+        for name, _ in scope["headers"]:
+            if name == b"x-forwarded-for" or name == b"x-forwarded-proto":
+                return True
+        return False
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the keep-alive timer armed once and re-armed by itself (_check_idle)
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close the connection idle for ``timeout_keep_alive`` since its last response; else
+        look again when it would be (a busy one: a whole timeout later)."""
+        self._idle_timer = None
+        if self.transport.is_closing():
+            return
+        delay = float(self.timeout_keep_alive)
+        if self._idle_since is not None:
+            delay += self._idle_since - self.loop.time()
+            if delay <= 0:
+                self.timeout_keep_alive_handler()
+                return
+        self._idle_timer = self.loop.call_later(delay, self._check_idle)
 
     def send_400_response(self, msg: str) -> None:
         if self._too_large is not None:

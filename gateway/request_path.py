@@ -204,7 +204,8 @@ class Gateway:
         if not header:
             await self.guard.hit_unauthenticated(address)
         elif (
-            asyncio.get_running_loop().time() - self._failed_auth.get(address, -1e18)
+            address in self._failed_auth  # the loop's time only for an address that failed
+            and asyncio.get_running_loop().time() - self._failed_auth[address]
             < FAILED_AUTH_MEMORY_S
         ):
             # Only addresses that failed here recently pay the extra Redis round trip.

@@ -118,26 +118,10 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await self._reject(scope, receive, send, max_bytes)
-                    return
-        received = 0
+        if declared_too_large(scope, max_bytes):
+            await self._reject(scope, receive, send, max_bytes)
+            return
         started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > max_bytes:
-                    raise _BodyTooLarge(max_bytes)
-            return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
@@ -147,17 +131,56 @@ class BodySizeLimitMiddleware:
 
         seen = self.started
         try:
-            await self.app(scope, limited_receive, send if seen else tracking_send)
-        except _BodyTooLarge:
+            limited = limited_receive(receive, max_bytes)
+            await self.app(scope, limited, send if seen else tracking_send)
+        except BodyTooLarge:
             if not (started if seen is None else seen(scope)):
                 await self._reject(scope, receive, send, max_bytes)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
-        error = PayloadTooLargeError(f"Request body too large: the limit is {max_bytes} bytes.")
-        await error_response(error)(scope, receive, send)
+        await payload_too_large(max_bytes)(scope, receive, send)
 
 
-class _BodyTooLarge(StarletteHTTPException):
+def declared_too_large(scope: Scope, max_bytes: int) -> bool | None:
+    """Whether a ``content-length`` of the request is over ``max_bytes``: True for the first
+    that is, False when every one (at least one) is a number within it, None when none is
+    (absent or not a number: only counting the body as it arrives can tell)."""
+    declared = None
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                if int(value) > max_bytes:
+                    return True
+            except ValueError:
+                continue
+            declared = False
+    return declared
+
+
+def limited_receive(receive: Receive, max_bytes: int) -> Receive:
+    """``receive`` counting the body's bytes: :class:`BodyTooLarge` past ``max_bytes``."""
+    received = 0
+
+    async def limited() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                raise BodyTooLarge(max_bytes)
+        return message
+
+    return limited
+
+
+def payload_too_large(max_bytes: int) -> JSONResponse:
+    """The 413 in OpenAI's shape for a body over ``max_bytes``."""
+    return error_response(
+        PayloadTooLargeError(f"Request body too large: the limit is {max_bytes} bytes.")
+    )
+
+
+class BodyTooLarge(StarletteHTTPException):
     """Raised from ``receive`` mid-body. An HTTPException, so that a framework that reads the
     body for a route (FastAPI wraps other errors into a 400 "error parsing the body") re-raises
     it and the handlers answer 413; the middleware answers 413 itself when nothing did."""

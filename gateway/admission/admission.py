@@ -20,7 +20,7 @@ The dataplane calls, per request::
 from __future__ import annotations
 
 import math
-import secrets
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,7 +282,7 @@ class Admission:
         request is charged nothing.
         """
         plan = self._plan_for(principal, model)
-        slot_id = secrets.token_hex(8)
+        slot_id = f"{random.getrandbits(64):016x}"  # unique, not secret: no getrandom call
         if plan.buckets.empty:
             return Ticket({}, 0, None, None, slot_id)
         if plan.closed is not None:

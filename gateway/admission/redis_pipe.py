@@ -77,10 +77,13 @@ def _encode_command(args: tuple[Any, ...]) -> bytes:
 class _Wire(asyncio.Protocol):
     """The socket side of a :class:`RedisPipe`: feeds replies to it, reports a lost socket."""
 
-    def __init__(self, pipe: RedisPipe) -> None:
+    def __init__(self, pipe: RedisPipe, loop: asyncio.AbstractEventLoop) -> None:
         self.pipe = pipe
         self.reader = hiredis.Reader(replyError=redis.exceptions.ResponseError)
         self.transport: asyncio.Transport | None = None
+        # the loop the socket lives on, kept: get_running_loop() asks the OS for the process
+        # id on every call (Python 3.11), and every command needs the loop
+        self.loop = loop
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -235,7 +238,7 @@ class RedisPipe:
 
     def _send(self, wire: _Wire, command: bytes) -> asyncio.Future[Any]:
         """Queue ``command`` on ``wire`` (the current connection); its reply's future."""
-        loop = asyncio.get_running_loop()
+        loop = wire.loop
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((future, loop.time() + self._timeout_s))
         self._out.append(command)
@@ -296,7 +299,7 @@ class RedisPipe:
 
     async def _open(self) -> _Wire:
         loop = asyncio.get_running_loop()
-        wire = _Wire(self)
+        wire = _Wire(self, loop)
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 if self._path is not None:

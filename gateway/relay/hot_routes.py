@@ -6,9 +6,9 @@ The model-serving routes (``POST /v1/chat/completions``, ``/v1/completions``,
 parameters, so FastAPI's middleware stack (server-error, telemetry and body-limit layers),
 router, dependency solving, exit stacks and exception middleware add only cost to them.
 :class:`GatewayApp` is the FastAPI app with one change: those are dispatched, before FastAPI's
-stack, to their own short pure-ASGI stack — request context (ids, overhead header, metrics,
-in-flight count), the body-size limit (413), then :class:`HotRoutes`, which builds a Starlette
-``Request``, calls the handler and turns an error into a response with
+stack, to their own pure-ASGI layer, :class:`HotEdge` — request context (ids, overhead header,
+metrics, in-flight count), the body-size limit (413), then the route: a Starlette ``Request``
+to the handler, and an error turned into a response with
 :func:`portico.http_errors.error_response`, as the FastAPI app's handlers do; an unexpected
 exception is a 500 in that shape (then re-raised for the server to log), as FastAPI's
 server-error layer would answer. Every other request (admin, models, health, metrics, other
@@ -18,6 +18,7 @@ methods on these paths) goes through FastAPI unchanged.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
@@ -26,9 +27,21 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.metrics import GatewayMetrics
-from gateway.relay.request_context import InFlight, RequestContextMiddleware, response_started
+from gateway.relay.request_context import (
+    CTX_KEY,
+    InFlight,
+    RequestContext,
+    RequestContextMiddleware,
+    request_id,
+)
 from portico.errors import APIError
-from portico.http_errors import BodySizeLimitMiddleware, error_response
+from portico.http_errors import (
+    BodyTooLarge,
+    declared_too_large,
+    error_response,
+    limited_receive,
+    payload_too_large,
+)
 
 log = logging.getLogger("portico.gateway")
 
@@ -48,18 +61,39 @@ HOT_PATHS = {
 }
 
 
-class HotRoutes:
-    """The innermost hot-path app: answers with ``handler(request, kind, path)``. It runs
-    inside :class:`~gateway.relay.request_context.RequestContextMiddleware`, whose context
-    says whether a response started (no layer here wraps ``send``: each would be one more
-    coroutine on every send of every response)."""
+class HotEdge(RequestContextMiddleware):
+    """The hot routes' whole stack in one layer: the request context (its id, the edge's
+    headers, the metrics, the in-flight count), the body-size limit (413), then the route:
+    ``handler(request, kind, path)``, whose error becomes a response with
+    :func:`portico.http_errors.error_response`; an unexpected exception is a 500 in that
+    shape when no response started, then re-raised for the server to log.
 
-    def __init__(self, handler: Handler) -> None:
+    One coroutine where there were three (the context, the limit, the routes): every
+    suspension and resumption of a request passed through each of them. ``send`` is wrapped
+    once (the context's ``edge_send``); ``receive`` is wrapped to count the body only when no
+    ``content-length`` declared it (the server reads no more than a declared length)."""
+
+    def __init__(
+        self, handler: Handler, max_bytes: int, metrics: GatewayMetrics, in_flight: InFlight
+    ) -> None:
+        super().__init__(_no_app, metrics, in_flight)
         self.handler = handler
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ctx = RequestContext(time.perf_counter(), request_id(scope))
+        scope[CTX_KEY] = ctx
+        send = self.edge_send(ctx, send)
+        self.in_flight.enter()
+        self.metrics.in_flight.inc()
         path = scope["path"]
         try:
+            too_large = declared_too_large(scope, self.max_bytes)
+            if too_large:
+                await payload_too_large(self.max_bytes)(scope, receive, send)
+                return
+            if too_large is None:  # no length declared: count the body as it arrives
+                receive = limited_receive(receive, self.max_bytes)
             try:
                 response = await self.handler(Request(scope, receive), HOT_PATHS[path], path)
             except APIError as exc:
@@ -67,23 +101,27 @@ class HotRoutes:
             await response(scope, receive, send)
         except ClientDisconnect:
             return  # the client left before its body arrived: no one to answer, nothing taken
+        except BodyTooLarge:
+            if not ctx.status:  # else the response is under way: it cannot become a 413
+                await payload_too_large(self.max_bytes)(scope, receive, send)
         except Exception as exc:
-            if getattr(exc, "status_code", None) == 413:  # the body limit's signal: its answer
-                raise
-            if not response_started(scope):
+            if getattr(exc, "status_code", None) != 413 and not ctx.status:
                 await error_response(exc)(scope, receive, send)
             raise
+        finally:
+            self.record(scope, ctx)
+
+
+async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
+    raise RuntimeError("HotEdge answers every request itself")
 
 
 def hot_stack(
     handler: Handler, max_bytes: int, metrics: GatewayMetrics, in_flight: InFlight
 ) -> ASGIApp:
-    """The hot routes' pure-ASGI stack: request context, the body-size limit, the routes. The
-    context knows when a response starts, so neither layer inside it wraps ``send``."""
-    limited = BodySizeLimitMiddleware(
-        HotRoutes(handler), max_bytes=max_bytes, started=response_started
-    )
-    return RequestContextMiddleware(limited, metrics=metrics, in_flight=in_flight)
+    """The hot routes' pure-ASGI stack: request context, the body-size limit, the routes,
+    as one layer (:class:`HotEdge`)."""
+    return HotEdge(handler, max_bytes, metrics, in_flight)
 
 
 class GatewayApp(FastAPI):

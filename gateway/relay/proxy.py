@@ -532,10 +532,12 @@ class RelayResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
-            if exchange.first:
-                await send(
-                    {"type": "http.response.body", "body": exchange.first, "more_body": True}
-                )
+            # the first block even when empty (its events' usage hidden): the server may hold
+            # the head for the first body message (gateway/lean_cycle.py), and an empty chunk
+            # adds no byte to the wire
+            await send(
+                {"type": "http.response.body", "body": exchange.first or b"", "more_body": True}
+            )
             if exchange.rest is not None:
                 async for block in exchange.rest:
                     await send({"type": "http.response.body", "body": block, "more_body": True})

@@ -10,7 +10,7 @@ response starts when the first chunk is ready, so it is the gateway's share of t
 from __future__ import annotations
 
 import asyncio
-import os
+import random
 import re
 import time
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 
 CTX_KEY = "portico.ctx"
 MAX_REQUEST_ID_CHARS = 128
+_getrandbits = random.getrandbits
 
 
 @dataclass(slots=True)
@@ -67,13 +68,18 @@ class InFlight:
 _CALLER_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,%d}" % MAX_REQUEST_ID_CHARS)
 
 
-def _request_id(scope: Scope) -> str:
+def request_id(scope: Scope) -> str:
+    """The request's id: the caller's ``x-request-id`` when it is safe (above), else a new
+    one: 128 random bits as 32 hex digits, drawn from ``random`` (seeded from the OS once per
+    process, and again in a forked child) rather than ``os.urandom``, whose ``getrandom``
+    system call was paid on every request. The id must be unique, not secret: it names the
+    request in logs, traces and headers, and grants nothing."""
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             if _CALLER_REQUEST_ID.fullmatch(value):
                 return value.decode("ascii")
             break
-    return os.urandom(16).hex()
+    return f"{_getrandbits(128):032x}"
 
 
 async def read_body(request: Request) -> bytes:
@@ -137,8 +143,18 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ctx = RequestContext(time.perf_counter(), _request_id(scope))
+        ctx = RequestContext(time.perf_counter(), request_id(scope))
         scope[CTX_KEY] = ctx
+        self.in_flight.enter()
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, self.edge_send(ctx, send))
+        finally:
+            self.record(scope, ctx)
+
+    def edge_send(self, ctx: RequestContext, send: Send) -> Send:
+        """``send`` with the edge's part: the response's status on ``ctx``, the
+        ``x-request-id`` and ``x-portico-overhead-ms`` headers, the first byte's time."""
         metrics = self.metrics
         first_byte = False
 
@@ -157,17 +173,17 @@ class RequestContextMiddleware:
                 self.ttfb.get(ctx.tier).observe(time.perf_counter() - ctx.arrival)
             await send(message)
 
-        self.in_flight.enter()
-        metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, edge_send)
-        finally:
-            self.in_flight.leave()
-            metrics.in_flight.dec()
-            if scope["path"].startswith("/v1/"):
-                status = str(ctx.status or 500)  # none started: the server answers 500
-                self.requests.get(ctx.tenant, ctx.model, ctx.tier, status).inc()
-                self.latency.get(ctx.tier).observe(time.perf_counter() - ctx.arrival)
+        return edge_send
+
+    def record(self, scope: Scope, ctx: RequestContext) -> None:
+        """The request has ended (the caller entered ``in_flight`` for it): leave it and
+        record the request metrics of a ``/v1/`` path."""
+        self.in_flight.leave()
+        self.metrics.in_flight.dec()
+        if scope["path"].startswith("/v1/"):
+            status = str(ctx.status or 500)  # none started: the server answers 500
+            self.requests.get(ctx.tenant, ctx.model, ctx.tier, status).inc()
+            self.latency.get(ctx.tier).observe(time.perf_counter() - ctx.arrival)
 
 
 def response_started(scope: Scope) -> bool:

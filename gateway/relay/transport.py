@@ -68,6 +68,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # kept: get_running_loop() asks the OS for the process id on every call (Python 3.11)
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -90,13 +92,15 @@ class _Connection(asyncio.Protocol):
         self.headers_done = True
         self._wake()
 
-    def on_body(self, body: bytes) -> None:
+    def on_body(self, body: bytes) -> None:  # once per chunk of a chunked answer: kept lean
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
+        waiter = self.waiter  # _wake, inline
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -115,7 +119,7 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self, timeout: float | None) -> None:
         """Until the server sends something; the transport's watchdog enforces ``timeout``."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.waiter = loop.create_future()
         self.deadline = loop.time() + timeout if timeout is not None else None
         try:
@@ -341,6 +345,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set with the watchdog
 
     async def request(
         self, head: bytes, body: bytes, timeouts: Mapping[str, float | None]
@@ -353,7 +358,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         that raises (a cancellation included), else by :meth:`LeanResponse.aclose`.
         """
         if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+            self._loop = asyncio.get_running_loop()
+            self._watchdog = self._loop.create_task(self._watch())
         conn = await self._connection(timeouts.get("connect"))
         self._busy.add(conn)
         transport: asyncio.Transport = conn.transport  # type: ignore[assignment]  # connected
@@ -408,7 +414,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def _connection(self, timeout: float | None) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()  # kept with the watchdog
         while self._idle:
             conn = self._idle.pop()
             if conn.closed:
@@ -455,7 +461,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if reusable and not conn.closed and len(self._idle) < MAX_IDLE:
             conn.parser = httptools.HttpResponseParser(conn)
             if self.idle_timeout_s is not None:
-                conn.idle_since = asyncio.get_running_loop().time()
+                conn.idle_since = conn.loop.time()
             self._idle.append(conn)
         elif not conn.closed:
             conn._abort()
