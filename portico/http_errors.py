@@ -10,7 +10,7 @@ The error types themselves live in :mod:`portico.errors`, which knows nothing of
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,9 +95,6 @@ class BodySizeLimitMiddleware:
 
     Checks Content-Length up front and counts streamed (chunked) bodies as they arrive, so a
     client cannot slip a large body past the limit by omitting the header.
-
-    ``started(scope)``: whether the response has started, when an outer layer already keeps
-    track (the gateway's request context); without it, every ``send`` is wrapped to see.
     """
 
     def __init__(
@@ -105,13 +102,11 @@ class BodySizeLimitMiddleware:
         app: ASGIApp,
         max_bytes: int,
         path_limits: Mapping[str, int] | None = None,
-        started: Callable[[Scope], bool] | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         # exact paths with their own limit (the gateway's file uploads: batches.max_file_bytes)
         self.path_limits = dict(path_limits or {})
-        self.started = started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -129,12 +124,10 @@ class BodySizeLimitMiddleware:
                 started = True
             await send(message)
 
-        seen = self.started
         try:
-            limited = limited_receive(receive, max_bytes)
-            await self.app(scope, limited, send if seen else tracking_send)
+            await self.app(scope, limited_receive(receive, max_bytes), tracking_send)
         except BodyTooLarge:
-            if not (started if seen is None else seen(scope)):
+            if not started:
                 await self._reject(scope, receive, send, max_bytes)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:

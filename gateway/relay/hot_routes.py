@@ -18,7 +18,6 @@ methods on these paths) goes through FastAPI unchanged.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
@@ -27,13 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.metrics import GatewayMetrics
-from gateway.relay.request_context import (
-    CTX_KEY,
-    InFlight,
-    RequestContext,
-    RequestContextMiddleware,
-    request_id,
-)
+from gateway.relay.request_context import InFlight, RequestEdge
 from portico.errors import APIError
 from portico.http_errors import (
     BodyTooLarge,
@@ -61,7 +54,7 @@ HOT_PATHS = {
 }
 
 
-class HotEdge(RequestContextMiddleware):
+class HotEdge(RequestEdge):
     """The hot routes' whole stack in one layer: the request context (its id, the edge's
     headers, the metrics, the in-flight count), the body-size limit (413), then the route:
     ``handler(request, kind, path)``, whose error becomes a response with
@@ -76,16 +69,13 @@ class HotEdge(RequestContextMiddleware):
     def __init__(
         self, handler: Handler, max_bytes: int, metrics: GatewayMetrics, in_flight: InFlight
     ) -> None:
-        super().__init__(_no_app, metrics, in_flight)
+        super().__init__(metrics, in_flight)
         self.handler = handler
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ctx = RequestContext(time.perf_counter(), request_id(scope))
-        scope[CTX_KEY] = ctx
+        ctx = self.enter(scope)
         send = self.edge_send(ctx, send)
-        self.in_flight.enter()
-        self.metrics.in_flight.inc()
         path = scope["path"]
         try:
             too_large = declared_too_large(scope, self.max_bytes)
@@ -110,10 +100,6 @@ class HotEdge(RequestContextMiddleware):
             raise
         finally:
             self.record(scope, ctx)
-
-
-async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
-    raise RuntimeError("HotEdge answers every request itself")
 
 
 def hot_stack(

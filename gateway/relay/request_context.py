@@ -126,31 +126,26 @@ class LabelledChildren:
         return child
 
 
-class RequestContextMiddleware:
-    """Wraps the app: request id, overhead header, in-flight count, request metrics. The
-    context it puts in the scope (``scope[CTX_KEY]``) says whether the response has started
-    (``status``, :func:`response_started`)."""
+class RequestEdge:
+    """The edge's part of every request, for the layers that wrap one: its context (id,
+    arrival; ``scope[CTX_KEY]``, whose ``status`` says whether the response has started), the
+    ``send`` that adds the edge's headers, the in-flight count and the request metrics."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, in_flight: InFlight) -> None:
-        self.app = app
+    def __init__(self, metrics: GatewayMetrics, in_flight: InFlight) -> None:
         self.metrics = metrics
         self.in_flight = in_flight
         self.ttfb = LabelledChildren(metrics.ttfb)
         self.latency = LabelledChildren(metrics.latency)
         self.requests = LabelledChildren(metrics.requests)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def enter(self, scope: Scope) -> RequestContext:
+        """The request's context, put in its scope and counted in flight (until
+        :meth:`record`)."""
         ctx = RequestContext(time.perf_counter(), request_id(scope))
         scope[CTX_KEY] = ctx
         self.in_flight.enter()
         self.metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, self.edge_send(ctx, send))
-        finally:
-            self.record(scope, ctx)
+        return ctx
 
     def edge_send(self, ctx: RequestContext, send: Send) -> Send:
         """``send`` with the edge's part: the response's status on ``ctx``, the
@@ -176,7 +171,7 @@ class RequestContextMiddleware:
         return edge_send
 
     def record(self, scope: Scope, ctx: RequestContext) -> None:
-        """The request has ended (the caller entered ``in_flight`` for it): leave it and
+        """The request entered with :meth:`enter` has ended: leave the in-flight count and
         record the request metrics of a ``/v1/`` path."""
         self.in_flight.leave()
         self.metrics.in_flight.dec()
@@ -186,8 +181,20 @@ class RequestContextMiddleware:
             self.latency.get(ctx.tier).observe(time.perf_counter() - ctx.arrival)
 
 
-def response_started(scope: Scope) -> bool:
-    """Whether the response to the request of ``scope`` has started (inside
-    :class:`RequestContextMiddleware`)."""
-    ctx: RequestContext = scope[CTX_KEY]
-    return ctx.status != 0
+class RequestContextMiddleware(RequestEdge):
+    """Wraps the app: request id, overhead header, in-flight count, request metrics
+    (:class:`RequestEdge`)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, in_flight: InFlight) -> None:
+        super().__init__(metrics, in_flight)
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ctx = self.enter(scope)
+        try:
+            await self.app(scope, receive, self.edge_send(ctx, send))
+        finally:
+            self.record(scope, ctx)
