@@ -304,24 +304,58 @@ static inline __attribute__((always_inline)) void scores_tile(const Attn *a, con
     }
 }
 
+/* A walk over an item's positions in order, block by block without a division per position:
+ * the element offset of position p's row of KV head kvh is (slot * kv_heads + kvh) * head_dim. */
+typedef struct {
+    int blk, off;
+} Walk;
+
+static inline Walk walk_at(const Attn *a, int p) { return (Walk){p / a->block_size, p % a->block_size}; }
+static inline int64_t walk_slot(const Attn *a, const Item *it, Walk w) {
+    return (int64_t)it->table[w.blk] * a->block_size + w.off;
+}
+static inline void walk_next(const Attn *a, Walk *w) {
+    if (++w->off == a->block_size) w->off = 0, w->blk++;
+}
+
+#ifndef ATTN_AHEAD
+#define ATTN_AHEAD 8 /* positions the AVX2 passes prefetch ahead */
+#endif
+
+/* Prefetch the bytes [from, from + bytes) of a position's cache row (the item's first KV head's
+ * row; its other heads' rows follow it in memory). */
+static inline void prefetch_bytes(const char *from, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(from + at, _MM_HINT_T0);
+}
+
 /* Pass 1: scores of every query of the item against positions pb..pe-1 (pb a multiple of 4;
- * pe the context's end or a multiple of 4): each score alone, so any such split gives the same
- * bits. */
+ * pe the context's end or a multiple of 4): each score alone, so any split gives the same bits.
+ * Positions are the outer loop: a position's rows of the item's KV heads lie side by side, so
+ * the pass reads the cache forward, prefetching ATTN_AHEAD positions ahead (a block's rows are
+ * contiguous, but the hardware prefetcher does not follow the block table). */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores, int pb, int pe) {
     const int bf16 = a->dt == DT_BF16;
-    for (int kvl = 0; kvl < it->nkv; kvl++) {
-        const int kvh = it->kvh + kvl;
-        int blk = pb / a->block_size, off = pb % a->block_size; /* position p0's, walked without division */
-        for (int p0 = pb; p0 < pe; p0 += 4) {
-            const int n = it->ctx_end - p0 < 4 ? it->ctx_end - p0 : 4;
-            int64_t rows[4];
-            for (int r = 0; r < 4; r++) {
-                const int64_t slot = (int64_t)it->table[blk] * a->block_size + off;
-                rows[r] = (slot * a->kv_heads + kvh) * a->head_dim;
-                if (r + 1 < n && ++off == a->block_size) off = 0, blk++;
-            }
-            if (++off == a->block_size) off = 0, blk++; /* to position p0 + 4 */
-            float *out = scores + p0;
+    const int64_t elt = bf16 ? 2 : 4, span = (int64_t)it->nkv * a->head_dim * elt;
+    Walk w = walk_at(a, pb), ahead = w;
+    int pa = pb; /* the next position to prefetch */
+    for (; pa < pb + ATTN_AHEAD && pa < pe; pa++, walk_next(a, &ahead))
+        prefetch_bytes((const char *)a->cache + (walk_slot(a, it, ahead) * a->kv_heads + it->kvh) * a->head_dim * elt,
+                       span);
+    for (int p0 = pb; p0 < pe; p0 += 4) {
+        const int n = it->ctx_end - p0 < 4 ? it->ctx_end - p0 : 4;
+        int64_t base[4];
+        for (int r = 0; r < 4; r++) {
+            base[r] = (walk_slot(a, it, w) * a->kv_heads + it->kvh) * a->head_dim;
+            if (r + 1 < n) walk_next(a, &w);
+        }
+        walk_next(a, &w); /* to position p0 + 4 */
+        for (const int stop = p0 + 4 + ATTN_AHEAD; pa < stop && pa < pe; pa++, walk_next(a, &ahead))
+            prefetch_bytes(
+                (const char *)a->cache + (walk_slot(a, it, ahead) * a->kv_heads + it->kvh) * a->head_dim * elt, span);
+        float *out = scores + p0;
+        for (int kvl = 0; kvl < it->nkv; kvl++) {
+            const int64_t rows[4] = {base[0] + kvl * a->head_dim, base[1] + kvl * a->head_dim,
+                                     base[2] + kvl * a->head_dim, base[3] + kvl * a->head_dim};
             for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 3) {
                 const int nq = (kvl + 1) * it->per_kv - q0 < 3 ? (kvl + 1) * it->per_kv - q0 : 3;
 #define SC_NQ(BF)                                                                                        \
@@ -348,10 +382,21 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
     __m256 o[3][4];
     for (int x = 0; x < NQ; x++)
         for (int z = 0; z < 4; z++) o[x][z] = _mm256_setzero_ps();
+    /* This tile's 32 dims of each position's V row, prefetched ATTN_AHEAD positions ahead. */
+    const int64_t elt = BF16 ? 2 : 4;
+    const char *vbase = (const char *)a->cache + (a->half + kvh * a->head_dim + d0) * elt;
+    Walk ahead = walk_at(a, 0);
+    int pa = 0;
+    for (; pa < ATTN_AHEAD && pa < it->ctx_end; pa++, walk_next(a, &ahead))
+        prefetch_bytes(vbase + walk_slot(a, it, ahead) * a->kv_heads * a->head_dim * elt, 32 * elt);
     for (int p = 0, blk = 0; p < it->ctx_end; blk++) {
         const int64_t base = (int64_t)it->table[blk] * a->block_size;
         const int stop = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
         for (int off = 0; off < stop; off++, p++) {
+            if (pa < it->ctx_end) {
+                prefetch_bytes(vbase + walk_slot(a, it, ahead) * a->kv_heads * a->head_dim * elt, 32 * elt);
+                pa++, walk_next(a, &ahead);
+            }
             const int64_t at = a->half + ((base + off) * a->kv_heads + kvh) * a->head_dim + d0;
             __m256 w[3];
             for (int x = 0; x < NQ; x++) w[x] = _mm256_broadcast_ss(scores + (int64_t)(q0 + x) * a->max_seq + p);
