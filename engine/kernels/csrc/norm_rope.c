@@ -10,10 +10,9 @@
  * eps)), the normalization in float32 and rounded to dt before the weight, as Hugging Face's
  * Llama RMSNorm does. weight [hidden] in dt.
  */
-void add_rms_norm(void *x, const void *delta, const void *weight, float eps, void *out, int rows,
-                  int hidden, int dt, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
-    for (int r = 0; r < rows; r++) {
+static void add_rms_norm_row(void *x, const void *delta, const void *weight, float eps, void *out, int r,
+                             int hidden, int dt) {
+    {
         float buf[8192];
         float wbuf[8192];
         int n = hidden > 8192 ? 8192 : hidden; /* callers keep hidden <= 8192 */
@@ -38,6 +37,16 @@ void add_rms_norm(void *x, const void *delta, const void *weight, float eps, voi
     }
 }
 
+void add_rms_norm(void *x, const void *delta, const void *weight, float eps, void *out, int rows,
+                  int hidden, int dt, int num_threads) {
+    if (num_threads <= 1 || rows <= 8) { /* no parallel region (the fused steps call from inside theirs) */
+        for (int r = 0; r < rows; r++) add_rms_norm_row(x, delta, weight, eps, out, r, hidden, dt);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int r = 0; r < rows; r++) add_rms_norm_row(x, delta, weight, eps, out, r, hidden, dt);
+}
+
 /*
  * RoPE (rotate-half layout) on the first rot_heads heads of each row of qkv [rows, row_stride]
  * (dtype dt), in place, with float32 tables cos/sin [max_pos, head_dim / 2] at positions[r];
@@ -47,17 +56,15 @@ void add_rms_norm(void *x, const void *delta, const void *weight, float eps, voi
  * [2, num_blocks, block_size, kv_heads, head_dim + 4] and each head's row is quantized into it
  * (quantize_row_int8, common.h).
  */
-void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
-                   int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
-                   void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
-                   int kv_int8, int num_threads) {
+static void rope_write_kv_row(void *qkv, int r, int64_t row_stride, int q_heads, int kv_heads, int head_dim,
+                              const float *cos_t, const float *sin_t, const int64_t *positions, void *cache,
+                              int64_t num_blocks, int block_size, const int64_t *slots, int dt, int kv_int8) {
     const int half_d = head_dim / 2;
     const int rot_heads = q_heads + kv_heads;
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
     const int64_t half_int8 = num_blocks * (int64_t)block_size * kv_heads * int8_row_bytes(head_dim);
     const size_t esize = dt == DT_F32 ? 4 : 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 8)
-    for (int r = 0; r < rows; r++) {
+    {
         float a[256], b[256];
         const float *c = cos_t + positions[r] * half_d;
         const float *s = sin_t + positions[r] * half_d;
@@ -90,6 +97,22 @@ void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_
             memcpy(v_dst, row + (size_t)kv_heads * head_dim * esize, (size_t)kv_heads * head_dim * esize);
         }
     }
+}
+
+void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
+                   int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
+                   void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
+                   int kv_int8, int num_threads) {
+    if (num_threads <= 1 || rows <= 8) { /* as add_rms_norm */
+        for (int r = 0; r < rows; r++)
+            rope_write_kv_row(qkv, r, row_stride, q_heads, kv_heads, head_dim, cos_t, sin_t, positions, cache,
+                              num_blocks, block_size, slots, dt, kv_int8);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int r = 0; r < rows; r++)
+        rope_write_kv_row(qkv, r, row_stride, q_heads, kv_heads, head_dim, cos_t, sin_t, positions, cache, num_blocks,
+                          block_size, slots, dt, kv_int8);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
