@@ -193,6 +193,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self._eos_set = frozenset(self.eos_token_ids)
         self._generator: torch.Generator | None = None
         self._seed = seed
 
@@ -233,8 +234,12 @@ class Sampler:
         greedy = [is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         process = [_needs_processing(r.sampling_params, len(r.output_token_ids)) for r in rows]
-        if all(greedy) and not any(process) and not want_logprobs:
-            return SampledOnDevice(first_maxima(logits), None, params)
+        if all(greedy) and not want_logprobs:
+            if not any(process):
+                return SampledOnDevice(first_maxima(logits), None, params)
+            picked = self._greedy_past_bans(logits, rows, process)
+            if picked is not None:
+                return SampledOnDevice(picked, None, params)
 
         logits = logits.float()
         if any(process):
@@ -253,6 +258,34 @@ class Sampler:
             chosen = self._race(sub.softmax(dim=-1), [rows[i] for i in random_idx])
             token_ids.index_copy_(0, idx, chosen)
         return SampledOnDevice(token_ids, logprobs, params)
+
+    def _greedy_past_bans(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], process: list[bool]
+    ) -> torch.Tensor | None:
+        """Greedy rows whose only processing is ``min_tokens`` (EOS and stop tokens at -inf):
+        each row's first maximum of the raw logits, or None if a row's is a banned token.
+
+        Banning lowers only the banned entries, so a first maximum that is not banned is still
+        the first maximum after the ban: the same token as processing then ``max(-1)``, without
+        touching the logits. A row whose first maximum is banned takes the general path. CPU
+        only: the check reads the ids on the host, which a device would have to wait for.
+        """
+        if logits.device.type != "cpu":
+            return None
+        for row, needs in zip(rows, process, strict=True):
+            p = row.sampling_params
+            if needs and (
+                p.logit_bias
+                or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+            ):
+                return None
+        picked = first_maxima(logits)
+        for token, row, needs in zip(picked.tolist(), rows, process, strict=True):
+            if needs and (token in self._eos_set or token in row.sampling_params.stop_token_ids):
+                return None
+        return picked
 
     def verify(
         self,
