@@ -217,7 +217,27 @@ class Sampler:
         ``grammar_mask`` is ``(bitmask, constrained_rows)`` from the structured-output
         manager: one packed int32 bitmask for the batch; only the listed rows are masked.
         """
+        unmasked = grammar_mask is None or not grammar_mask[1]
+        if unmasked and logits.device.type == "cpu" and len(rows) <= _NUMPY_ARGMAX_ROWS:
+            # A few greedy rows on the CPU: NumPy's argmax, no inference-mode switch (every
+            # token of one stream pays it, and right after a step it runs cold).
+            picked = self._greedy_ids(logits, rows)
+            if picked is not None:
+                tokens = picked.tolist()
+                return SamplerOutput(tokens, [None] * len(tokens))
         return self.sample_on_device(logits, rows, grammar_mask).read()
+
+    def _greedy_ids(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
+        """Each row's greedy token where every row is greedy without logprobs and needs no
+        processing but ``min_tokens`` (:meth:`_greedy_past_bans`); else None."""
+        for row in rows:
+            p = row.sampling_params
+            if not is_greedy(p) or p.logprobs is not None:
+                return None
+        process = [_needs_processing(r.sampling_params, len(r.output_token_ids)) for r in rows]
+        if not any(process):
+            return first_maxima(logits)
+        return self._greedy_past_bans(logits, rows, process)
 
     @torch.inference_mode()
     def sample_on_device(
@@ -231,15 +251,12 @@ class Sampler:
         if grammar_mask is not None and grammar_mask[1]:
             apply_grammar_mask(logits, *grammar_mask)
         params = [r.sampling_params for r in rows]
+        picked = self._greedy_ids(logits, rows)
+        if picked is not None:
+            return SampledOnDevice(picked, None, params)
         greedy = [is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         process = [_needs_processing(r.sampling_params, len(r.output_token_ids)) for r in rows]
-        if all(greedy) and not want_logprobs:
-            if not any(process):
-                return SampledOnDevice(first_maxima(logits), None, params)
-            picked = self._greedy_past_bans(logits, rows, process)
-            if picked is not None:
-                return SampledOnDevice(picked, None, params)
 
         logits = logits.float()
         if any(process):

@@ -165,6 +165,22 @@ def test_greedy_min_tokens_shortcut_picks_what_the_ban_would(seed: int) -> None:
     assert Sampler([EOS]).sample(logits.clone(), rows).token_ids == expected
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_host_sample_equals_the_device_sample_then_read(rows: int) -> None:
+    """``sample`` takes a few greedy CPU rows outside inference mode; the ids are those of
+    ``sample_on_device`` read back, whether or not min_tokens bans the first maximum."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randint(0, 3, (rows, 10), generator=gen).float()
+    logits[:, EOS] = 5.0  # EOS is every row's first maximum: banned while under min_tokens
+    sampler = Sampler([EOS])
+    for output in ([], [1, 1, 1]):  # under, then past, min_tokens
+        reqs = [make_request(output=output, temperature=0.0, min_tokens=3) for _ in range(rows)]
+        host = sampler.sample(logits.clone(), reqs)
+        device = sampler.sample_on_device(logits.clone(), reqs).read()
+        assert host.token_ids == device.token_ids and host.logprobs == device.logprobs
+        assert all(t != EOS for t in host.token_ids) == (not output)
+
+
 def test_greedy_min_tokens_with_the_banned_token_first_takes_the_next_maximum() -> None:
     sampler = Sampler([EOS])
     tied = logits_of([0.0, 1.0, 5.0, 5.0, 0.0])  # EOS (2) ties with 3 and comes first
