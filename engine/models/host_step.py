@@ -16,7 +16,8 @@ It serves the float32 panel step (:class:`~engine.models.panel_step.FusedPanelSt
 cannot take (more than :data:`MAX_ROWS` tokens, a block table wider than its buffer, a length
 out of range, a cache that moved), returns None before anything is written and the runner takes
 its general path. Like the CUDA graphs' buffers, it is bound to the runner's KV caches and holds
-the hidden states of the last step only. Not thread-safe: one step at a time.
+the hidden states and the logits of the last step only: a step's logits are read (sampled)
+before the next step runs. Not thread-safe: one step at a time.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class HostStep:
             name: getattr(self, name).numpy()
             for name in ("positions", "slots", "starts", "lens", "rows", "tables")
         }
-        self.vocab = step.head_vocab
+        # The logits rows too: the same tensor for a step of n rows every time, rewritten by
+        # each call (the sampler reads them within the step; see Sampler._host_view).
+        self.logits = torch.zeros(MAX_ROWS, step.head_vocab, dtype=torch.float32)
+        self.logits_rows = [self.logits[:n] for n in range(MAX_ROWS + 1)]
 
     @classmethod
     def build(
@@ -104,7 +108,8 @@ class HostStep:
         """The float32 logits ``[len(sample_rows), vocab]`` of the step whose new tokens are
         ``token_ids`` (request ``i`` owns the next ``query_lens[i]`` of them, the last positions
         of its ``seq_lens[i]``), its K/V written to the caches; None, with nothing written,
-        where this step cannot take it (the caller runs the general path)."""
+        where this step cannot take it (the caller runs the general path). The logits are this
+        step's buffer: the next call overwrites them."""
         num_tokens, num_reqs, num_rows = len(token_ids), len(seq_lens), len(sample_rows)
         width = max(map(len, tables))
         if not (0 < num_tokens <= MAX_ROWS and 0 < num_rows <= MAX_ROWS):
@@ -133,7 +138,7 @@ class HostStep:
         self.np["rows"][:num_rows] = sample_rows
         self.ids[:num_tokens] = token_ids
         self.x_bytes[:num_tokens] = self.embed_bytes[self.ids[:num_tokens]]
-        logits = torch.empty((num_rows, self.vocab), dtype=torch.float32)
+        logits = self.logits_rows[num_rows]
         lib = cpu.load()
         if lib is None:
             return None

@@ -91,6 +91,7 @@ def test_host_step_equals_the_tensor_path_bit_for_bit(
         assert h1 is not None and torch.equal(h1, t1)
         h2, t2 = _host_path(host, nxt), _tensor_path(model, caches_t, nxt)
         assert h2 is not None and torch.equal(h2, t2)
+        assert h2 is h1  # one logits tensor per row count, rewritten by each step
 
 
 def test_host_step_declines_what_it_cannot_take_and_writes_nothing(

@@ -181,6 +181,20 @@ def test_host_sample_equals_the_device_sample_then_read(rows: int) -> None:
         assert all(t != EOS for t in host.token_ids) == (not output)
 
 
+def test_greedy_reads_a_reused_logits_tensor_afresh_each_step() -> None:
+    """The host step hands the same logits tensor every step, rewritten in place: each sample
+    reads its current values (the kept NumPy view is of the same memory), and another tensor
+    is read as itself."""
+    sampler = Sampler([EOS])
+    row = [make_request(temperature=0.0)]
+    logits = logits_of([0.0, 3.0, 1.0, 2.0])
+    assert sampler.sample(logits, row).token_ids == [1]
+    logits.copy_(logits_of([0.0, 1.0, 1.0, 7.0]))
+    assert sampler.sample(logits, row).token_ids == [3]
+    assert sampler.sample(logits[:, :3], row).token_ids == [1]  # a view: another tensor
+    assert sampler.sample(logits_of([4.0, 1.0, 1.0, 0.0]), row).token_ids == [0]
+
+
 def test_greedy_min_tokens_with_the_banned_token_first_takes_the_next_maximum() -> None:
     sampler = Sampler([EOS])
     tied = logits_of([0.0, 1.0, 5.0, 5.0, 0.0])  # EOS (2) ties with 3 and comes first
