@@ -25,6 +25,7 @@ from engine.cuda_graphs import (
 )
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
+from engine.models.host_step import HostStep
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from engine.multimodal import EncoderCache, ImageInput
@@ -131,6 +132,14 @@ class ModelRunner:
             if num_cpu_blocks
             else []
         )
+        # Small steps of the float32 panel path write their inputs into persistent buffers
+        # (engine/models/host_step.py); None where that path does not serve.
+        max_len = engine_config.max_model_len or cfg.max_position_embeddings
+        self.host_step = (
+            HostStep.build(self.model, self.kv_caches, -(-max_len // self.block_size))
+            if self.device.type == "cpu"
+            else None
+        )
         self.graphs: DecodeGraphs | None = None
         if with_graphs and not kernels.decode_attention_capturable(self.kv_caches[0]):
             log.warning(
@@ -194,6 +203,18 @@ class ModelRunner:
             if self.prompt_tap:
                 self.prompt_tap.read(scheduled, hidden)
             return to_sample, logits
+        if (
+            self.host_step is not None
+            and to_sample
+            and self.lora is None
+            and not from_sampled
+            and not image_spans
+            and flat.mrope is None
+            and not self.prompt_tap  # it reads the step's hidden states
+        ):
+            host_logits = self.host_step.run(token_ids, query_lens, seq_lens, tables, sample_rows)
+            if host_logits is not None:
+                return to_sample, host_logits
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions if flat.mrope is None else flat.mrope, dtype=torch.int64).to(

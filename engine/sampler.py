@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from engine.outputs import TokenLogprob
@@ -193,6 +194,8 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self._eos_set = frozenset(self.eos_token_ids)
+        self._last_view: tuple[torch.Tensor, np.ndarray] | None = None
         self._generator: torch.Generator | None = None
         self._seed = seed
 
@@ -216,7 +219,78 @@ class Sampler:
         ``grammar_mask`` is ``(bitmask, constrained_rows)`` from the structured-output
         manager: one packed int32 bitmask for the batch; only the listed rows are masked.
         """
+        unmasked = grammar_mask is None or not grammar_mask[1]
+        if (
+            unmasked
+            and logits.device.type == "cpu"
+            and logits.dtype == torch.float32
+            and logits.dim() == 2
+            and len(rows) <= _NUMPY_ARGMAX_ROWS
+        ):
+            # A few greedy rows on the CPU: first_maxima's NumPy argmax, read on the host, no
+            # inference-mode switch (every token of one stream pays these, cold, after a step).
+            process = self._plain_greedy(rows)
+            if process is not None:
+                tokens = self._host_view(logits).argmax(axis=-1).tolist()
+                if not self._banned(tokens, rows, process):
+                    return SamplerOutput(tokens, [None] * len(tokens))
         return self.sample_on_device(logits, rows, grammar_mask).read()
+
+    def _host_view(self, logits: torch.Tensor) -> np.ndarray:
+        """NumPy's view of ``logits`` (float32, on the CPU). The view of the tensor read last is
+        kept, with the tensor: a runner that hands the same tensor every step (the host step's
+        persistent logits, engine/models/host_step.py) pays torch's conversion once."""
+        kept = self._last_view
+        if kept is not None and kept[0] is logits:
+            return kept[1]
+        view = logits.detach().numpy()
+        self._last_view = (logits, view)
+        return view
+
+    @staticmethod
+    def _plain_greedy(rows: Sequence[SamplingRow]) -> list[bool] | None:
+        """Per row whether it needs processing, where every row is greedy without logprobs and
+        needs none but ``min_tokens`` (EOS and stop tokens at -inf); else None."""
+        process = []
+        for row in rows:
+            p = row.sampling_params
+            if not is_greedy(p) or p.logprobs is not None:
+                return None
+            needs = _needs_processing(p, len(row.output_token_ids))
+            if needs and (
+                p.logit_bias
+                or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+            ):
+                return None
+            process.append(needs)
+        return process
+
+    def _banned(self, tokens: list[int], rows: Sequence[SamplingRow], process: list[bool]) -> bool:
+        """Whether a row under ``min_tokens`` picked a token its ban forbids."""
+        for token, row, needs in zip(tokens, rows, process, strict=True):
+            if needs and (token in self._eos_set or token in row.sampling_params.stop_token_ids):
+                return True
+        return False
+
+    def _greedy_ids(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
+        """Each row's greedy token where :meth:`_plain_greedy` holds, else None.
+
+        Banning lowers only the banned entries, so a first maximum that is not banned is still
+        the first maximum after the ban: the same token as processing then ``max(-1)``, without
+        touching the logits. A row whose first maximum is banned takes the general path. The
+        check reads the ids on the host, which a device would have to wait for: with a ban to
+        check, CPU only."""
+        process = self._plain_greedy(rows)
+        if process is None:
+            return None
+        if not any(process):
+            return first_maxima(logits)
+        if logits.device.type != "cpu":
+            return None
+        picked = first_maxima(logits)
+        return None if self._banned(picked.tolist(), rows, process) else picked
 
     @torch.inference_mode()
     def sample_on_device(
@@ -230,11 +304,12 @@ class Sampler:
         if grammar_mask is not None and grammar_mask[1]:
             apply_grammar_mask(logits, *grammar_mask)
         params = [r.sampling_params for r in rows]
+        picked = self._greedy_ids(logits, rows)
+        if picked is not None:
+            return SampledOnDevice(picked, None, params)
         greedy = [is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         process = [_needs_processing(r.sampling_params, len(r.output_token_ids)) for r in rows]
-        if all(greedy) and not any(process) and not want_logprobs:
-            return SampledOnDevice(first_maxima(logits), None, params)
 
         logits = logits.float()
         if any(process):

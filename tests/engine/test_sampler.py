@@ -132,6 +132,82 @@ def test_min_tokens_forbids_eos_and_stop_tokens_until_reached() -> None:
     assert out.token_ids == [1, EOS]
 
 
+def banned_then_max(logits: torch.Tensor, banned: list[list[int]]) -> list[int]:
+    """The general path's greedy pick: each row's banned tokens at -inf, then ``max(-1)``."""
+    processed = logits.clone()
+    for row, tokens in enumerate(banned):
+        processed[row, tokens] = NEG_INF
+    return processed.max(dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_min_tokens_shortcut_picks_what_the_ban_would(seed: int) -> None:
+    """Greedy rows under ``min_tokens`` take the raw first maximum unless it is banned; that is
+    the token the ban then ``max(-1)`` gives, on ties (a banned token tied first, or tied after
+    the pick), beside a row past ``min_tokens`` and a row of -inf; a row with a bias as well
+    sends the whole batch down the general path, which gives the same."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 12
+    logits = torch.randint(0, 4, (6, vocab), generator=gen).float()  # many ties
+    logits[5, :] = NEG_INF
+    bias = {3: 0.5} if seed % 2 else None
+    rows, banned = [], []
+    for i in range(6):
+        stop = [int(t) for t in torch.randint(0, vocab, (2,), generator=gen)]
+        row_bias = bias if i == 0 else None
+        rows.append(make_request(output=[1] * i, temperature=0.0, min_tokens=4,
+                                 stop_token_ids=stop, logit_bias=row_bias))  # fmt: skip
+        banned.append(sorted({EOS, *stop}) if i < 4 else [])
+    biased = logits.clone()
+    if bias is not None:
+        biased[0, 3] += 0.5
+    expected = banned_then_max(biased, banned)
+    assert Sampler([EOS]).sample(logits.clone(), rows).token_ids == expected
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_host_sample_equals_the_device_sample_then_read(rows: int) -> None:
+    """``sample`` takes a few greedy CPU rows outside inference mode; the ids are those of
+    ``sample_on_device`` read back, whether or not min_tokens bans the first maximum."""
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randint(0, 3, (rows, 10), generator=gen).float()
+    logits[:, EOS] = 5.0  # EOS is every row's first maximum: banned while under min_tokens
+    sampler = Sampler([EOS])
+    for output in ([], [1, 1, 1]):  # under, then past, min_tokens
+        reqs = [make_request(output=output, temperature=0.0, min_tokens=3) for _ in range(rows)]
+        host = sampler.sample(logits.clone(), reqs)
+        device = sampler.sample_on_device(logits.clone(), reqs).read()
+        assert host.token_ids == device.token_ids and host.logprobs == device.logprobs
+        assert all(t != EOS for t in host.token_ids) == (not output)
+
+
+def test_greedy_reads_a_reused_logits_tensor_afresh_each_step() -> None:
+    """The host step hands the same logits tensor every step, rewritten in place: each sample
+    reads its current values (the kept NumPy view is of the same memory), and another tensor
+    is read as itself."""
+    sampler = Sampler([EOS])
+    row = [make_request(temperature=0.0)]
+    logits = logits_of([0.0, 3.0, 1.0, 2.0])
+    assert sampler.sample(logits, row).token_ids == [1]
+    logits.copy_(logits_of([0.0, 1.0, 1.0, 7.0]))
+    assert sampler.sample(logits, row).token_ids == [3]
+    assert sampler.sample(logits[:, :3], row).token_ids == [1]  # a view: another tensor
+    assert sampler.sample(logits_of([4.0, 1.0, 1.0, 0.0]), row).token_ids == [0]
+
+
+def test_greedy_min_tokens_with_the_banned_token_first_takes_the_next_maximum() -> None:
+    sampler = Sampler([EOS])
+    tied = logits_of([0.0, 1.0, 5.0, 5.0, 0.0])  # EOS (2) ties with 3 and comes first
+    early = make_request(output=[1], temperature=0.0, min_tokens=3)
+    assert sampler.sample(tied.clone(), [early]).token_ids == [3]
+    after = logits_of([0.0, 5.0, 5.0, 0.0, 0.0])  # the first maximum (1) is not banned
+    assert sampler.sample(after.clone(), [early]).token_ids == [1]
+    logprobs = make_request(output=[1], temperature=0.0, min_tokens=3, logprobs=1)
+    out = sampler.sample(tied.clone(), [logprobs])
+    assert out.token_ids == [3] and out.logprobs[0] is not None
+    assert out.logprobs[0].top_logprobs[0][0] == 3  # EOS's -inf is in the logprobs
+
+
 def seeded_sequence(seed: int, companions: int, steps: int = 20) -> list[int]:
     vocab = 1000
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
