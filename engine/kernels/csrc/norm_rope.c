@@ -12,29 +12,27 @@
  */
 static void add_rms_norm_row(void *x, const void *delta, const void *weight, float eps, void *out, int r,
                              int hidden, int dt) {
-    {
-        float buf[8192];
-        float wbuf[8192];
-        int n = hidden > 8192 ? 8192 : hidden; /* callers keep hidden <= 8192 */
-        load_row(x, dt, (int64_t)r * hidden, n, buf);
-        if (delta) {
-            float dbuf[8192];
-            load_row(delta, dt, (int64_t)r * hidden, n, dbuf);
-            for (int i = 0; i < n; i++) buf[i] += dbuf[i];
-            store_row(x, dt, (int64_t)r * hidden, n, buf);
-            if (dt == DT_BF16) load_row(x, dt, (int64_t)r * hidden, n, buf); /* the rounded sum */
-        }
-        float ss = 0.f;
-        for (int i = 0; i < n; i++) ss += buf[i] * buf[i];
-        float inv = 1.f / sqrtf(ss / (float)n + eps);
-        load_row(weight, dt, 0, n, wbuf);
-        for (int i = 0; i < n; i++) {
-            float v = buf[i] * inv;
-            if (dt == DT_BF16) v = bf16_to_f32(f32_to_bf16(v));
-            buf[i] = wbuf[i] * v;
-        }
-        store_row(out, dt, (int64_t)r * hidden, n, buf);
+    float buf[8192];
+    float wbuf[8192];
+    int n = hidden > 8192 ? 8192 : hidden; /* callers keep hidden <= 8192 */
+    load_row(x, dt, (int64_t)r * hidden, n, buf);
+    if (delta) {
+        float dbuf[8192];
+        load_row(delta, dt, (int64_t)r * hidden, n, dbuf);
+        for (int i = 0; i < n; i++) buf[i] += dbuf[i];
+        store_row(x, dt, (int64_t)r * hidden, n, buf);
+        if (dt == DT_BF16) load_row(x, dt, (int64_t)r * hidden, n, buf); /* the rounded sum */
     }
+    float ss = 0.f;
+    for (int i = 0; i < n; i++) ss += buf[i] * buf[i];
+    float inv = 1.f / sqrtf(ss / (float)n + eps);
+    load_row(weight, dt, 0, n, wbuf);
+    for (int i = 0; i < n; i++) {
+        float v = buf[i] * inv;
+        if (dt == DT_BF16) v = bf16_to_f32(f32_to_bf16(v));
+        buf[i] = wbuf[i] * v;
+    }
+    store_row(out, dt, (int64_t)r * hidden, n, buf);
 }
 
 void add_rms_norm(void *x, const void *delta, const void *weight, float eps, void *out, int rows,
@@ -64,38 +62,36 @@ static void rope_write_kv_row(void *qkv, int r, int64_t row_stride, int q_heads,
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
     const int64_t half_int8 = num_blocks * (int64_t)block_size * kv_heads * int8_row_bytes(head_dim);
     const size_t esize = dt == DT_F32 ? 4 : 2;
-    {
-        float a[256], b[256];
-        const float *c = cos_t + positions[r] * half_d;
-        const float *s = sin_t + positions[r] * half_d;
-        for (int h = 0; h < rot_heads; h++) {
-            int64_t base = (int64_t)r * row_stride + (int64_t)h * head_dim;
-            load_row(qkv, dt, base, half_d, a);
-            load_row(qkv, dt, base + half_d, half_d, b);
-            float o1[256], o2[256];
-            for (int i = 0; i < half_d; i++) {
-                float p1 = a[i] * c[i], p2 = b[i] * s[i], p3 = b[i] * c[i], p4 = a[i] * s[i];
-                o1[i] = p1 - p2;
-                o2[i] = p3 + p4;
-            }
-            store_row(qkv, dt, base, half_d, o1);
-            store_row(qkv, dt, base + half_d, half_d, o2);
+    float a[256], b[256];
+    const float *c = cos_t + positions[r] * half_d;
+    const float *s = sin_t + positions[r] * half_d;
+    for (int h = 0; h < rot_heads; h++) {
+        int64_t base = (int64_t)r * row_stride + (int64_t)h * head_dim;
+        load_row(qkv, dt, base, half_d, a);
+        load_row(qkv, dt, base + half_d, half_d, b);
+        float o1[256], o2[256];
+        for (int i = 0; i < half_d; i++) {
+            float p1 = a[i] * c[i], p2 = b[i] * s[i], p3 = b[i] * c[i], p4 = a[i] * s[i];
+            o1[i] = p1 - p2;
+            o2[i] = p3 + p4;
         }
-        if (cache && kv_int8) {
-            float buf[512];
-            int8_t *k_dst = (int8_t *)cache + slots[r] * kv_heads * int8_row_bytes(head_dim);
-            for (int h = 0; h < 2 * kv_heads; h++) { /* K heads, then V heads */
-                load_row(qkv, dt, (int64_t)r * row_stride + (int64_t)(q_heads + h) * head_dim, head_dim, buf);
-                const int64_t at = (h < kv_heads ? 0 : half_int8) + (h % kv_heads) * int8_row_bytes(head_dim);
-                quantize_row_int8(buf, head_dim, k_dst + at);
-            }
-        } else if (cache) {
-            const char *row = (const char *)qkv + ((int64_t)r * row_stride + (int64_t)q_heads * head_dim) * esize;
-            char *k_dst = (char *)cache + (slots[r] * kv_heads * head_dim) * esize;
-            char *v_dst = (char *)cache + (half + slots[r] * kv_heads * head_dim) * esize;
-            memcpy(k_dst, row, (size_t)kv_heads * head_dim * esize);
-            memcpy(v_dst, row + (size_t)kv_heads * head_dim * esize, (size_t)kv_heads * head_dim * esize);
+        store_row(qkv, dt, base, half_d, o1);
+        store_row(qkv, dt, base + half_d, half_d, o2);
+    }
+    if (cache && kv_int8) {
+        float buf[512];
+        int8_t *k_dst = (int8_t *)cache + slots[r] * kv_heads * int8_row_bytes(head_dim);
+        for (int h = 0; h < 2 * kv_heads; h++) { /* K heads, then V heads */
+            load_row(qkv, dt, (int64_t)r * row_stride + (int64_t)(q_heads + h) * head_dim, head_dim, buf);
+            const int64_t at = (h < kv_heads ? 0 : half_int8) + (h % kv_heads) * int8_row_bytes(head_dim);
+            quantize_row_int8(buf, head_dim, k_dst + at);
         }
+    } else if (cache) {
+        const char *row = (const char *)qkv + ((int64_t)r * row_stride + (int64_t)q_heads * head_dim) * esize;
+        char *k_dst = (char *)cache + (slots[r] * kv_heads * head_dim) * esize;
+        char *v_dst = (char *)cache + (half + slots[r] * kv_heads * head_dim) * esize;
+        memcpy(k_dst, row, (size_t)kv_heads * head_dim * esize);
+        memcpy(v_dst, row + (size_t)kv_heads * head_dim * esize, (size_t)kv_heads * head_dim * esize);
     }
 }
 
