@@ -175,14 +175,19 @@ def first_maxima(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its first maximum (int64 ``[N]``), as ``logits.max(-1).indices``
     gives it: through NumPy for a few float32 rows on the CPU, where PyTorch's reduction costs
     ten times as much (a one-stream step pays it every token)."""
-    if (
+    if _host_pick(logits):
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.max(dim=-1).indices
+
+
+def _host_pick(logits: torch.Tensor) -> bool:
+    """Whether NumPy's argmax picks ``logits``' first maxima: a few float32 rows on the CPU."""
+    return (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32
         and logits.dim() == 2
         and logits.shape[0] <= _NUMPY_ARGMAX_ROWS
-    ):
-        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
-    return logits.max(dim=-1).indices
+    )
 
 
 class Sampler:
@@ -219,21 +224,12 @@ class Sampler:
         ``grammar_mask`` is ``(bitmask, constrained_rows)`` from the structured-output
         manager: one packed int32 bitmask for the batch; only the listed rows are masked.
         """
-        unmasked = grammar_mask is None or not grammar_mask[1]
-        if (
-            unmasked
-            and logits.device.type == "cpu"
-            and logits.dtype == torch.float32
-            and logits.dim() == 2
-            and len(rows) <= _NUMPY_ARGMAX_ROWS
-        ):
-            # A few greedy rows on the CPU: first_maxima's NumPy argmax, read on the host, no
+        if grammar_mask is None or not grammar_mask[1]:
+            # A few greedy rows on the CPU are picked and read on the host, with no
             # inference-mode switch (every token of one stream pays these, cold, after a step).
-            process = self._plain_greedy(rows)
-            if process is not None:
-                tokens = self._host_view(logits).argmax(axis=-1).tolist()
-                if not self._banned(tokens, rows, process):
-                    return SamplerOutput(tokens, [None] * len(tokens))
+            picked = self._greedy_ids(logits, rows) if _host_pick(logits) else None
+            if picked is not None:
+                return SamplerOutput(picked.tolist(), [None] * len(rows))
         return self.sample_on_device(logits, rows, grammar_mask).read()
 
     def _host_view(self, logits: torch.Tensor) -> np.ndarray:
@@ -285,12 +281,15 @@ class Sampler:
         process = self._plain_greedy(rows)
         if process is None:
             return None
-        if not any(process):
+        if _host_pick(logits):
+            picked = torch.from_numpy(self._host_view(logits).argmax(axis=-1))
+        elif not any(process):
             return first_maxima(logits)
-        if logits.device.type != "cpu":
+        elif logits.device.type != "cpu":
             return None
-        picked = first_maxima(logits)
-        return None if self._banned(picked.tolist(), rows, process) else picked
+        else:
+            picked = first_maxima(logits)
+        return None if any(process) and self._banned(picked.tolist(), rows, process) else picked
 
     @torch.inference_mode()
     def sample_on_device(

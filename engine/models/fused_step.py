@@ -102,6 +102,26 @@ class NativeStep:
         return self._cache_ptrs[1]
 
 
+def call_native(
+    entry: Callable[..., int],
+    step: NativeStep,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *per_step: int | float | None,
+) -> int:
+    """``entry`` (``decode_step`` or ``panel_step``) called with ``step``'s fixed arguments (the
+    layer table, sizes, final norm, scale, rotary tables, thread count) around ``per_step``:
+    the token count, then the positions' through the logits' arguments in the native order
+    (``csrc/panel_step.c``). The one place that spells the call; returns its status."""
+    num_tokens, *rest = per_step
+    rotary = step.model.rotary_emb
+    return entry(
+        step.table.data_ptr(), step.dims.data_ptr(), step.final_norm.data_ptr(), step.eps,
+        step.scale, x.data_ptr(), out.data_ptr(), num_tokens, rotary.cos.data_ptr(),
+        rotary.sin.data_ptr(), *rest, torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def run_native_step(
     step: NativeStep,
     entry: Callable[..., int],
@@ -122,7 +142,6 @@ def run_native_step(
         return None
     x = step.model.model.embed_tokens(input_ids).contiguous()
     out = torch.empty_like(x)
-    rotary = step.model.rotary_emb
     pos = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
     tables = meta.block_tables.to(torch.int32).contiguous()
@@ -134,16 +153,14 @@ def run_native_step(
         head = step.head
         rows = sample_rows.to(torch.int32).contiguous()
         logits = torch.empty((rows.numel(), step.head_vocab), dtype=logits_dtype)
-    status = entry(
-        step.table.data_ptr(), step.dims.data_ptr(), step.final_norm.data_ptr(), step.eps,
-        step.scale, x.data_ptr(), out.data_ptr(), x.shape[0], rotary.cos.data_ptr(),
-        rotary.sin.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+    status = call_native(
+        entry, step, x, out, x.shape[0], pos.data_ptr(), slots.data_ptr(),
         step._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
         block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
         lens.shape[0], head.data_ptr() if head is not None else None,
         rows.data_ptr() if rows is not None else None,
         rows.numel() if rows is not None else 0,
-        logits.data_ptr() if logits is not None else None, torch.get_num_threads(),
+        logits.data_ptr() if logits is not None else None,
     )  # fmt: skip
     return None if status != 0 else (out, logits)
 

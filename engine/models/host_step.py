@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.kernels import cpu
-from engine.models.fused_step import MAX_ROWS
+from engine.models.fused_step import MAX_ROWS, call_native
 from engine.models.llama import LlamaForCausalLM
 from engine.models.panel_step import FusedPanelStep
 
@@ -142,14 +142,11 @@ class HostStep:
         lib = cpu.load()
         if lib is None:
             return None
-        step, rotary = self.step, self.model.rotary_emb
-        status = lib.panel_step(
-            step.table.data_ptr(), step.dims.data_ptr(), step.final_norm.data_ptr(), step.eps,
-            step.scale, self.x.data_ptr(), self.out.data_ptr(), num_tokens,
-            rotary.cos.data_ptr(), rotary.sin.data_ptr(), self.positions.data_ptr(),
+        status = call_native(
+            lib.panel_step, self.step, self.x, self.out, num_tokens, self.positions.data_ptr(),
             self.slots.data_ptr(), self.cache_ptrs.data_ptr(), self.int8_cache, self.num_blocks,
             block_size, self.tables.data_ptr(), width, self.starts.data_ptr(),
             self.lens.data_ptr(), num_reqs, self.head.data_ptr(), self.rows.data_ptr(), num_rows,
-            logits.data_ptr(), torch.get_num_threads(),
+            logits.data_ptr(),
         )  # fmt: skip
         return logits if status == 0 else None
