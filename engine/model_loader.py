@@ -28,6 +28,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine import kernels
 from engine.config import GGUF_ACTIVATIONS, LOAD_FORMATS, QUANTIZATIONS
 from engine.gguf_file import GGUFFile
+from engine.kernels.huge_pages import gather_on_huge_pages
 from engine.model_config import ModelConfig
 from engine.models.block_linear import BlockLinear, GGUFBlocks
 from engine.models.fp8_linear import fp8_unsupported_reason, quantize_projections
@@ -408,6 +409,25 @@ def _attach_blocks(
             module = model.get_submodule(name)
             if isinstance(module, BlockLinear) and blocks.shape == tuple(module.weight.shape):
                 module.blocks = blocks
+    _panels_on_huge_pages(model)
+
+
+def _panels_on_huge_pages(model: LlamaForCausalLM) -> None:
+    """Every linear's panels (and the LM head's) moved into one huge-page region, in the
+    order a step reads them: a step streams them all, and on 4 KB pages it paid a TLB miss
+    and a prefetcher restart every 4 KB (engine/kernels/huge_pages.py). Same bytes."""
+    owners = [
+        m.blocks
+        for m in model.modules()
+        if isinstance(m, BlockLinear) and m.blocks is not None and m.blocks.panels is not None
+    ]
+    head = model.lm_head_blocks
+    if head is not None and head.panels is not None:
+        owners.append(head)
+    if owners:
+        moved = gather_on_huge_pages([b.panels for b in owners if b.panels is not None])
+        for blocks, panels in zip(owners, moved, strict=True):
+            blocks.panels = panels
 
 
 def _attach_fused_step(model: LlamaForCausalLM, name: str, panels: bool, int8: bool) -> None:

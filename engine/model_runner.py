@@ -23,6 +23,7 @@ from engine.cuda_graphs import (
     fallback_reason,
     plan_buckets,
 )
+from engine.kernels.huge_pages import huge_zeros
 from engine.model_config import ModelConfig
 from engine.model_loader import LoadedModel
 from engine.models.host_step import HostStep
@@ -112,8 +113,12 @@ class ModelRunner:
             self.cache_dtype, num_gpu_blocks + (1 if with_graphs else 0), self.block_size,
             cfg.num_key_value_heads, cfg.head_dim,
         )  # fmt: skip
+        # On the CPU each layer's cache on huge pages (engine/kernels/huge_pages.py): a decode
+        # step reads it through the block table, a 4 KB page at a time on ordinary pages.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+            huge_zeros(shape, self.cache_dtype)
+            if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         if num_cpu_blocks is None:
