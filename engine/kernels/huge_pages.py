@@ -7,8 +7,8 @@ pages in ``madvise`` mode (the usual default) back a region with 2 MB pages only
 program asks for them. This module maps such regions (anonymous, 2 MB-aligned,
 ``MADV_HUGEPAGE``) and hands them out as tensors:
 
-* :func:`huge_zeros`: a zeroed tensor (the CPU KV cache). Its pages are taken on first touch,
-  as with ``torch.empty``, but they read as zeros, as with ``torch.zeros``.
+* :func:`huge_zeros`: a zeroed tensor (the CPU KV cache), its pages taken at once, as
+  ``torch.zeros`` takes them (a request never waits on the first touch of its blocks).
 * :func:`gather_on_huge_pages`: one region holding copies of many small tensors side by side,
   in the given order (the weight panels of every linear, in the order a step reads them).
 
@@ -57,7 +57,8 @@ def huge_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     for n in shape:
         count *= n
     nbytes = count * torch.empty((), dtype=dtype).element_size()
-    return huge_buffer(nbytes).view(dtype).view(tuple(shape))
+    out = huge_buffer(nbytes).view(dtype).view(tuple(shape))
+    return out.zero_()  # touched now: every page mapped before the first step
 
 
 def gather_on_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
