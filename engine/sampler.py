@@ -183,7 +183,7 @@ def first_maxima(logits: torch.Tensor) -> torch.Tensor:
 def _host_pick(logits: torch.Tensor) -> bool:
     """Whether NumPy's argmax picks ``logits``' first maxima: a few float32 rows on the CPU."""
     return (
-        logits.device.type == "cpu"
+        logits.is_cpu  # not device.type, which formats a string (engine/kernels/__init__.py)
         and logits.dtype == torch.float32
         and logits.dim() == 2
         and logits.shape[0] <= _NUMPY_ARGMAX_ROWS
@@ -285,7 +285,7 @@ class Sampler:
             picked = torch.from_numpy(self._host_view(logits).argmax(axis=-1))
         elif not any(process):
             return first_maxima(logits)
-        elif logits.device.type != "cpu":
+        elif not logits.is_cpu:
             return None
         else:
             picked = first_maxima(logits)
