@@ -69,6 +69,14 @@ def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:
     return memory_plan.num_blocks_in(budget, per_block)
 
 
+def _zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's KV cache, zeroed; on the CPU on huge pages (engine/kernels/huge_pages.py): a
+    decode step reads it through the block table, a 4 KB page at a time on ordinary pages."""
+    if device.type == "cpu":
+        return huge_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
     """Owns the KV cache tensors and runs one model step per scheduler output.
 
@@ -113,12 +121,8 @@ class ModelRunner:
             self.cache_dtype, num_gpu_blocks + (1 if with_graphs else 0), self.block_size,
             cfg.num_key_value_heads, cfg.head_dim,
         )  # fmt: skip
-        # On the CPU each layer's cache on huge pages (engine/kernels/huge_pages.py): a decode
-        # step reads it through the block table, a 4 KB page at a time on ordinary pages.
         self.kv_caches = [
-            huge_zeros(shape, self.cache_dtype)
-            if self.device.type == "cpu"
-            else torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+            _zeroed_cache(shape, self.cache_dtype, self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         if num_cpu_blocks is None:
