@@ -38,16 +38,21 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 def resident_weight_bytes(model: nn.Module) -> int:
     """Every tensor the loaded model holds: parameters, buffers, and the tensors its modules
-    keep as plain attributes (RoPE tables, GGUF blocks, oneDNN-prepacked weights), each once."""
-    seen: set[int] = set()
+    keep as plain attributes (RoPE tables, GGUF blocks, oneDNN-prepacked weights), each byte
+    once: the union of their byte ranges (many views of one region, as the weight panels on
+    huge pages are, count for what they cover; aliases of one tensor count once)."""
+    opaque: set[int] = set()
+    ranges: list[tuple[int, int]] = []
     total = 0
 
     def add(t: torch.Tensor) -> None:
         nonlocal total
-        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += _tensor_bytes(t)
+        if t.is_mkldnn:  # no address to compare: by identity
+            if id(t) not in opaque:
+                opaque.add(id(t))
+                total += _tensor_bytes(t)
+        elif _tensor_bytes(t):
+            ranges.append((t.data_ptr(), t.data_ptr() + _tensor_bytes(t)))
 
     def tensors_of(value: object) -> Iterator[torch.Tensor]:
         if isinstance(value, torch.Tensor):
@@ -64,6 +69,10 @@ def resident_weight_bytes(model: nn.Module) -> int:
         for value in vars(module).values():
             for t in tensors_of(value):
                 add(t)
+    end = 0
+    for start, stop in sorted(ranges):
+        total += max(0, stop - max(start, end))
+        end = max(end, stop)
     return total
 
 
