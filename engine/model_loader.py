@@ -417,16 +417,14 @@ def _panels_on_huge_pages(model: LlamaForCausalLM) -> None:
     order a step reads them: a step streams them all, and on 4 KB pages it paid a TLB miss
     and a prefetcher restart every 4 KB (engine/kernels/huge_pages.py). Same bytes."""
     owners = [
-        m.blocks
-        for m in model.modules()
-        if isinstance(m, BlockLinear) and m.blocks is not None and m.blocks.panels is not None
+        m.blocks for m in model.modules() if isinstance(m, BlockLinear) and m.blocks is not None
     ]
-    head = model.lm_head_blocks
-    if head is not None and head.panels is not None:
-        owners.append(head)
-    if owners:
-        moved = gather_on_huge_pages([b.panels for b in owners if b.panels is not None])
-        for blocks, panels in zip(owners, moved, strict=True):
+    if model.lm_head_blocks is not None:
+        owners.append(model.lm_head_blocks)
+    packed = [(b, b.panels) for b in owners if b.panels is not None]
+    if packed:
+        moved = gather_on_huge_pages([panels for _, panels in packed])
+        for (blocks, _), panels in zip(packed, moved, strict=True):
             blocks.panels = panels
 
 

@@ -281,12 +281,10 @@ class Sampler:
         process = self._plain_greedy(rows)
         if process is None:
             return None
-        if _host_pick(logits):
-            picked = torch.from_numpy(self._host_view(logits).argmax(axis=-1))
-        elif not any(process):
-            return first_maxima(logits)
-        elif not logits.is_cpu:
+        if any(process) and not logits.is_cpu:
             return None
+        if _host_pick(logits):  # first_maxima's NumPy argmax, on the kept view
+            picked = torch.from_numpy(self._host_view(logits).argmax(axis=-1))
         else:
             picked = first_maxima(logits)
         return None if any(process) and self._banned(picked.tolist(), rows, process) else picked

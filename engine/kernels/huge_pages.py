@@ -72,7 +72,7 @@ def gather_on_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     region = huge_buffer(max(at, 1))
     out = []
     for t, start, size in zip(tensors, starts, sizes, strict=True):
-        if not t.is_contiguous() or t.device.type != "cpu":
+        if not t.is_contiguous() or not t.is_cpu:
             raise ValueError("gather_on_huge_pages takes contiguous CPU tensors")
         view = region[start : start + size].view(t.dtype).view(t.shape)
         view.copy_(t)
