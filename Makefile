@@ -7,7 +7,7 @@ PORTICO := $(VENV)/bin/portico
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run install dev test test-slow test-gpu lint typecheck bench clean
+.PHONY: run install dev test test-slow test-gpu gpu-kit lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ test-slow: dev
 ## on one card); each is skipped where torch sees no CUDA device. Then `portico bench gpu`.
 test-gpu: dev
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+## make gpu-kit: what a session lent a CUDA machine carries there (.whl/: the wheels its image
+## lacks; .gpu-kit/: the default model's tokenizer and config), for load/gpu_session.sh
+gpu-kit: dev
+	$(PORTICO) models pull smollm2-135m
+	$(PY) -m load.gpu_kit
 
 lint: dev
 	$(VENV)/bin/ruff check .
