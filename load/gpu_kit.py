@@ -10,7 +10,7 @@ first and the checks run there as one prepared command, ``load/gpu_session.sh``:
     python -m load.gpu_kit            # writes .whl/ and .gpu-kit/ (both ignored by git)
     # then, through the device tool:
     #   run(command="bash load/gpu_session.sh 1", carry=[".whl", ".gpu-kit"], timeout_s=580)
-    #   run(command="bash load/gpu_session.sh 2", carry=[".whl", ".gpu-kit"], timeout_s=300)
+    #   run(command="bash load/gpu_session.sh 2", carry=[".whl", ".gpu-kit"], timeout_s=500)
 
 ``.whl/`` gets each carried package as a CPython 3.12 manylinux wheel, at the version this
 checkout's environment runs its tests with (one version of each: two would stop the install
