@@ -42,7 +42,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 pack() { tar -czf "$out/logs-$stage.tgz" -C "$logs" . 2>/dev/null; }
-trap pack EXIT
+trap 'pack; rm -rf "$logs"' EXIT
 
 # step NAME SECONDS COMMAND...: run it under its limit, log to $logs/NAME.log, one summary line
 step() {
