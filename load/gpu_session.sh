@@ -81,7 +81,8 @@ case "$stage" in
   step bench-gpu-1 290 python3 -m portico.cli bench gpu --budget-s 240 \
     --sections kernels served bandwidth invariant async --out "$out/gpu-1.json" \
     --plot "$logs/gpu-1.png"
-  step gpu-tests 210 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 \
+  # -v: a line per test as it ends, so a step stopped at its limit still says which passed
+  step gpu-tests 210 python3 -m pytest -v -m gpu -p no:cacheprovider --timeout 120 \
     --junitxml="$logs/gpu-tests.xml" $gpu_tests
   ;;
 2)
