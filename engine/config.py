@@ -454,7 +454,8 @@ def _add_memory_and_task_args(g: argparse._ArgumentGroup, d: EngineConfig) -> No
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
-        help="KV cache element type: auto (the model's dtype), int8 (per token and head "
+        help="KV cache element type: auto (the model's dtype), float16 (under float32: half "
+        "the bytes, each value rounded once when written), int8 (per token and head "
         "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
         "(PyTorch reference only: slow)",
     )

@@ -10,6 +10,14 @@ would change under its readers), and because it lives inside the row, everything
 blocks (swap, prefix sharing, a tensor-parallel rank's head shard) carries the scales without
 knowing they exist. The price is 4 bytes per row: ~6% of the int8 row at head_dim 64.
 
+``float16`` stores IEEE half precision: the same bytes as bf16 with three more bits of
+mantissa (values beyond +-65504 become inf). Under the float32 path (``--dtype auto`` on a GGUF
+model, or ``float32``) it halves the bytes a decode step's attention reads from the float32
+cache; each value is rounded to nearest even once, when written, and every step reads it back
+the same way, so the cache's contents (and so a request's tokens) do not depend on the batch or
+on the prefix cache. The native CPU kernels read it with float32 queries (AVX2 and portable
+passes; AVX-512 builds take the portable ones); other pairings run the PyTorch reference.
+
 ``fp8_e4m3`` stores ``float8_e4m3fn`` values with scale 1 (vLLM's default without calibrated
 scales), values beyond +-448 saturated; the PyTorch reference writes it and reads it on every
 device, except CUDA decode steps on sm 8.9+, which read it in the split-K Triton kernel
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3")
 INT8_SCALE_BYTES = 4  # the float32 scale at the end of each int8 row
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 
@@ -33,6 +41,8 @@ def storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     if name == "bfloat16":
         return torch.bfloat16
+    if name == "float16":
+        return torch.float16
     if name == "float32":
         return torch.float32
     if name == "int8":

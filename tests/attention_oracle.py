@@ -65,3 +65,17 @@ def paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int,
     # Queries as a strided view of a wider qkv-like row, as the model passes them.
     wide = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim).to(dtype)
     return wide[:, :heads], cache, meta, ks, vs, q_lens
+
+
+def float16_edge_rows(rows: int, width: int) -> torch.Tensor:
+    """float32 values whose float16 rounding has edges: ties to even, the largest finite and
+    the overflow to inf, subnormals, their ties, zeros and signs, then random values."""
+    edges = [
+        1.0 + 2**-11, 1.0 + 3 * 2**-11, -(1.0 + 2**-11),  # ties: down to even, up to even
+        65504.0, 65519.99, 65520.0, -65520.0, 1e6,  # the largest finite; beyond: inf
+        2**-24, 2**-25, 3 * 2**-25, 2**-26, 2**-14 - 2**-25, 2**-14,  # subnormals, their ties
+        0.0, -0.0, 5.960464477539063e-08, -1.5e-5,
+    ]  # fmt: skip
+    flat = torch.randn(rows * width) * 3
+    flat[: len(edges)] = torch.tensor(edges, dtype=torch.float32)
+    return flat.view(rows, width)

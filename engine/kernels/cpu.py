@@ -53,6 +53,21 @@ _FEATURE_BITS = {
     "f16c": 256,
 }
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def kv_kind(cache_dtype: torch.dtype, step_dtype: torch.dtype) -> int | None:
+    """The native kernels' ``kv_kind`` (csrc/common.h) for a KV cache of ``cache_dtype`` in a
+    step of ``step_dtype``: 0 the step's own dtype, 1 int8 rows with their scales, 2 float16
+    under float32; None for a pairing they do not read."""
+    if cache_dtype == torch.int8:
+        return 1
+    if cache_dtype == step_dtype:
+        return 0
+    if cache_dtype == torch.float16 and step_dtype == torch.float32:
+        return 2
+    return None
+
+
 _Q8_KINDS = {"q4_1": 0, "q8_0": 1}
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -298,16 +313,16 @@ def paged_attention_cpu(
     """Native twin of :func:`~engine.kernels.reference.paged_attention_ref` (same meaning).
 
     An int8 ``kv_cache`` (rows of ``d`` values and their float32 scale,
-    :mod:`engine.kv_cache_dtype`) is read by the same kernel. Returns ``None`` when the kernels
-    are unavailable or these inputs are outside what they handle (dtype, layout, head counts);
-    the caller then runs the reference.
+    :mod:`engine.kv_cache_dtype`), and a float16 one under float32 queries, are read by the same
+    kernel. Returns ``None`` when the kernels are unavailable or these inputs are outside what
+    they handle (dtype, layout, head counts); the caller then runs the reference.
     """
     lib = load()
-    kv_int8 = kv_cache.dtype == torch.int8
+    kind = kv_kind(kv_cache.dtype, query.dtype)
     if (
         lib is None
         or query.dtype not in _DTYPE_CODES
-        or (kv_cache.dtype != query.dtype and not kv_int8)
+        or kind is None
         or query.stride(-1) != 1
         or not kv_cache.is_contiguous()
     ):
@@ -324,7 +339,7 @@ def paged_attention_cpu(
         query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(), num_blocks,
         block_size, kv_heads, head_dim, tables.data_ptr(), tables.shape[1], starts.data_ptr(),
         lens.data_ptr(), lens.shape[0], heads, float(scale), _DTYPE_CODES[query.dtype],
-        int(kv_int8), out.data_ptr(), torch.get_num_threads(),
+        kind, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out if status == 0 else None
 
@@ -491,14 +506,14 @@ def rope_write_kv_cpu(
 ) -> bool:
     """Rotate the query and key heads of ``qkv`` ([T, (heads + 2 kv_heads) * d]) in place with
     RoPE (float32 tables ``[max_pos, d / 2]``) and store the keys and values in ``kv_cache`` at
-    ``slot_mapping`` (quantized, with their scales, into an int8 cache). Returns False, having
-    changed nothing, when the kernels cannot."""
+    ``slot_mapping`` (quantized, with their scales, into an int8 cache; rounded to nearest even
+    into a float16 one). Returns False, having changed nothing, when the kernels cannot."""
     lib = load()
-    kv_int8 = kv_cache.dtype == torch.int8
+    kind = kv_kind(kv_cache.dtype, qkv.dtype)
     if (
         lib is None
         or qkv.dtype not in _DTYPE_CODES
-        or (kv_cache.dtype != qkv.dtype and not kv_int8)
+        or kind is None
         or qkv.dim() != 2
         or qkv.stride(-1) != 1
         or not kv_cache.is_contiguous()
@@ -513,7 +528,7 @@ def rope_write_kv_cpu(
     lib.rope_write_kv(
         qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
         cos_t.data_ptr(), sin_t.data_ptr(), pos.data_ptr(), kv_cache.data_ptr(), num_blocks,
-        block_size, slots.data_ptr(), _DTYPE_CODES[qkv.dtype], int(kv_int8),
+        block_size, slots.data_ptr(), _DTYPE_CODES[qkv.dtype], kind,
         torch.get_num_threads(),
     )  # fmt: skip
     return True

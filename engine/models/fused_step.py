@@ -155,7 +155,7 @@ def run_native_step(
         logits = torch.empty((rows.numel(), step.head_vocab), dtype=logits_dtype)
     status = call_native(
         entry, step, x, out, x.shape[0], pos.data_ptr(), slots.data_ptr(),
-        step._caches(kv_caches).data_ptr(), int(cache_dtype == torch.int8), num_blocks,
+        step._caches(kv_caches).data_ptr(), cpu.kv_kind(cache_dtype, x.dtype), num_blocks,
         block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
         lens.shape[0], head.data_ptr() if head is not None else None,
         rows.data_ptr() if rows is not None else None,

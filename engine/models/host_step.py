@@ -32,7 +32,7 @@ from engine.models.fused_step import MAX_ROWS, call_native
 from engine.models.llama import LlamaForCausalLM
 from engine.models.panel_step import FusedPanelStep
 
-_CACHE_DTYPES = (torch.float32, torch.int8)  # what FusedPanelStep.run takes
+_CACHE_DTYPES = (torch.float32, torch.int8, torch.float16)  # what FusedPanelStep.run takes
 
 
 class HostStep:
@@ -54,7 +54,7 @@ class HostStep:
         self.cache_ids = tuple(map(id, kv_caches))
         self.cache_ptrs = torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64)
         _, self.num_blocks, self.block_size, _, _ = kv_caches[0].shape
-        self.int8_cache = int(kv_caches[0].dtype == torch.int8)
+        self.kv_kind = cpu.kv_kind(kv_caches[0].dtype, torch.float32)
         self.max_blocks = max_blocks
         weight = model.model.embed_tokens.weight.detach()
         hidden = weight.shape[1]
@@ -144,7 +144,7 @@ class HostStep:
             return None
         status = call_native(
             lib.panel_step, self.step, self.x, self.out, num_tokens, self.positions.data_ptr(),
-            self.slots.data_ptr(), self.cache_ptrs.data_ptr(), self.int8_cache, self.num_blocks,
+            self.slots.data_ptr(), self.cache_ptrs.data_ptr(), self.kv_kind, self.num_blocks,
             block_size, self.tables.data_ptr(), width, self.starts.data_ptr(),
             self.lens.data_ptr(), num_reqs, self.head.data_ptr(), self.rows.data_ptr(), num_rows,
             logits.data_ptr(),

@@ -136,6 +136,6 @@ class FusedPanelStep(NativeStep):
         if lib is None:
             return None
         return run_native_step(
-            self, lib.panel_step, (torch.float32, torch.int8), torch.float32,
+            self, lib.panel_step, (torch.float32, torch.int8, torch.float16), torch.float32,
             input_ids, positions, kv_caches, meta, sample_rows,
         )  # fmt: skip

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_oracle import attention_oracle, paged_case
+from attention_oracle import attention_oracle, float16_edge_rows, paged_case
 from gguf_blocks import random_blocks
 
 from engine import kernels
@@ -86,6 +86,36 @@ def test_paged_attention_reads_an_int8_cache(
     expected = attention_oracle(q, ks, vs, q_lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "shape"),
+    [
+        (6, 2, 8, 8, [(1, 9), (5, 5), (3, 17), (1, 2)]),  # portable loops, mixed
+        (9, 3, 64, 16, [(1, 40), (1, 7), (1, 130), (1, 3), (1, 64)]),  # decodes only
+        (9, 3, 64, 16, [(1, 40), (7, 7), (1, 17), (18, 33), (1, 1)]),  # prefill chunks, decodes
+        (8, 1, 32, 4, [(5, 70), (1, 16)]),  # 8 queries per KV head, small blocks
+    ],
+)
+def test_paged_attention_reads_a_float16_cache_under_float32(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, shape: list[tuple[int, int]],
+) -> None:  # fmt: skip
+    q, cache, meta, ks, vs, q_lens = paged_case(
+        heads, kv_heads, head_dim, block_size, shape, torch.float32, seed=heads * 3 + block_size,
+        cache_dtype=torch.float16,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None and out.dtype == torch.float32 and out.shape == q.shape
+    # ks, vs are what the cache holds (float16 values, exact in float32): float32 sums alone
+    expected = attention_oracle(q, ks, vs, q_lens, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # a bfloat16 query with a float16 cache is no pairing the kernels read: the caller's
+    # reference runs it
+    args = (cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+    assert cpu.paged_attention_cpu(q.to(torch.bfloat16), *args) is None
 
 
 @pytest.mark.parametrize("q_mul", [1.0, 8.0])  # 8: peaked softmax rows
@@ -208,14 +238,19 @@ def test_add_rms_norm_matches_the_pytorch_formula(with_delta: bool) -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-7)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
+def _small_rotary() -> RotaryEmbedding:
+    """RoPE tables of a 4-head (2 KV heads) model with head_dim 16, the rope tests' shape."""
     cfg = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=128,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
     )  # fmt: skip
-    rotary = RotaryEmbedding(cfg)
+    return RotaryEmbedding(cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
+    rotary = _small_rotary()
     positions = torch.tensor([0, 5, 77, 3])
     qkv = torch.randn(4, (4 + 2 * 2) * 16).to(dtype)
     angles = rotary.lookup(positions, dtype)
@@ -234,12 +269,7 @@ def test_rope_write_kv_matches_rotate_then_write(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_kv_into_an_int8_cache_stores_the_reference_bytes(dtype: torch.dtype) -> None:
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-    )  # fmt: skip
-    rotary = RotaryEmbedding(cfg)
+    rotary = _small_rotary()
     positions = torch.tensor([0, 5, 77, 3])
     qkv = torch.randn(4, (4 + 2 * 2) * 16).to(dtype)
     qkv[2, 6 * 16 : 7 * 16] = 0  # a V row of zeros: scale 0, values 0
@@ -253,6 +283,23 @@ def test_rope_write_kv_into_an_int8_cache_stores_the_reference_bytes(dtype: torc
     expected = torch.zeros_like(cache)
     write_kv_cache_ref(keys, values, expected, slots)
     assert torch.equal(cache, expected)
+
+
+def test_rope_write_kv_into_a_float16_cache_rounds_as_torch_does() -> None:
+    rotary = _small_rotary()
+    positions = torch.tensor([0, 5, 77, 3])
+    qkv = torch.randn(4, (4 + 2 * 2) * 16)
+    qkv[:, 6 * 16 :] = float16_edge_rows(4, 2 * 16)  # the V heads: no rotation, edges as given
+    slots = torch.tensor([3, 9, 0, 14])
+    cache = torch.zeros(2, 4, 4, 2, 16, dtype=torch.float16)
+    done = cpu.rope_write_kv_cpu(qkv, 4, 2, 16, rotary.cos, rotary.sin, positions, cache, slots)
+    assert done
+    keys = qkv[:, 4 * 16 : 6 * 16].view(4, 2, 16)  # rotated in place by the kernel
+    values = qkv[:, 6 * 16 :].view(4, 2, 16)
+    expected = torch.zeros_like(cache)
+    write_kv_cache_ref(keys, values, expected, slots)  # torch's .to(torch.float16)
+    assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))  # the same bits
+    assert int(torch.isinf(cache).sum()) == 3  # 65520, -65520 and 1e6 overflow; 65519.99 does not
 
 
 def test_build_is_cached_and_reused(tmp_path) -> None:

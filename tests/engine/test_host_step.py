@@ -129,8 +129,10 @@ def test_models_and_caches_the_host_step_cannot_serve_get_none(
     folder = build_tiny_llama(tmp_path / "tiny", seed=3, **SIZES)
     dense = load_model(ModelSource("tiny", Path(folder), "hf"), torch.float32, "cpu").model
     assert HostStep.build(dense, _caches(dense, torch.float32), 4) is None  # no fused step
+    bf16 = [c.to(torch.bfloat16) for c in _caches(tiny_panels, torch.float32)]
+    assert HostStep.build(tiny_panels, bf16, 4) is None  # a cache the call does not take
     half = [c.half() for c in _caches(tiny_panels, torch.float32)]
-    assert HostStep.build(tiny_panels, half, 4) is None  # a cache the call does not take
+    assert HostStep.build(tiny_panels, half, 4) is not None  # float16: --kv-cache-dtype float16
     strided = [c.transpose(1, 2) for c in _caches(tiny_panels, torch.float32)]
     assert HostStep.build(tiny_panels, strided, 4) is None
 

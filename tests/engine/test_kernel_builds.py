@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_oracle import attention_oracle, paged_case
+from attention_oracle import attention_oracle, float16_edge_rows, paged_case
 from gguf_blocks import assert_panel_product, random_blocks
 
 from engine import kernels
@@ -117,6 +117,36 @@ def test_paged_attention_of_a_build_reads_an_int8_cache(lib, dtype: torch.dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
         out.double(), attention_oracle(q, ks, vs, q_lens, scale), atol=tol, rtol=tol
+    )
+
+
+def test_a_build_reads_and_writes_a_float16_cache_as_the_references_do(lib) -> None:
+    """The portable build's float16 conversions are C of its own (common.h), the AVX2 build's
+    reads use vcvtph2ps: both give torch's bits and the oracle's attention."""
+    from engine.kernels.reference import write_kv_cache_ref
+
+    values = float16_edge_rows(6, 2 * 16).view(6, 2, 16)
+    keys = torch.randn(6, 2, 16)
+    qkv = torch.cat([torch.randn(6, 4 * 16), keys.flatten(1), values.flatten(1)], dim=1)
+    positions, slots = torch.zeros(6, dtype=torch.int64), torch.tensor([3, 9, 0, 14, 1, 7])
+    no_turn = torch.ones(8, 8), torch.zeros(8, 8)  # cos 1, sin 0: RoPE leaves the rows as they are
+    cache = torch.zeros(2, 4, 4, 2, 16, dtype=torch.float16)
+    assert cpu.rope_write_kv_cpu(qkv, 4, 2, 16, *no_turn, positions, cache, slots)
+    expected = torch.zeros_like(cache)
+    write_kv_cache_ref(keys, values, expected, slots)
+    assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
+    head_dim = 64
+    shape = [(1, 40), (7, 7), (1, 130), (18, 33), (1, 5), (1, 9)]
+    q, cache, meta, ks, vs, q_lens = paged_case(
+        9, 3, head_dim, 16, shape, torch.float32, seed=14, cache_dtype=torch.float16
+    )
+    scale = head_dim**-0.5
+    out = cpu.paged_attention_cpu(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+    assert out is not None
+    torch.testing.assert_close(
+        out.double(), attention_oracle(q, ks, vs, q_lens, scale), atol=1e-5, rtol=1e-5
     )
 
 

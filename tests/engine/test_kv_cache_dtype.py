@@ -1,6 +1,8 @@
 """``--kv-cache-dtype``: the 8-bit caches' rounding, the references that read them, the front
 door's choice, the memory they take, and the engine features that move or share cache blocks
-(prefix caching, swap, chunked prefill, speculative decoding) working on an int8 cache.
+(prefix caching, swap, chunked prefill, speculative decoding) working on an int8 cache; a
+float16 cache under float32 giving each request the same tokens alone, batched, cached, chunked
+and swapped.
 
 The native and Triton kernels' int8 paths are checked beside their other dtypes
 (test_cpu_kernels.py, test_kernel_builds.py, triton_interpret_check.py); LoRA and tensor
@@ -87,7 +89,7 @@ def test_reference_reads_an_8bit_cache_as_the_oracle_does(
 
 
 def test_flag_names_the_choices_and_resolves_auto() -> None:
-    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, bfloat16"):
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, bfloat16, float16"):
         EngineConfig(kv_cache_dtype="fp8")
     assert storage_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert storage_dtype("int8", torch.float32) == torch.int8
@@ -160,6 +162,46 @@ def test_swap_recompute_and_chunked_prefill_keep_the_8bit_output(
         assert engine.stats().num_preemptions > 0
         assert [o.outputs[0].token_ids for o in tight] == expected
         assert_no_blocks_held(engine)
+
+
+def test_a_float16_cache_gives_each_request_the_same_tokens_whatever_shares_its_steps(
+    tiny: LoadedModel,
+) -> None:
+    """Under float32 every K/V value is rounded to float16 once, when written, and every step
+    reads the rounded value (the step's own tokens included): a request's tokens do not depend
+    on the batch, on a prefix hit, on chunked prefill, or on preemption by swap or recompute."""
+    assert storage_dtype("float16", torch.float32) == torch.float16
+    shared = prompt(160, start=3)
+    prompts = [shared + prompt(9 + 7 * i, start=1000 * (i + 1)) for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    alone = []
+    for p in prompts:  # one at a time, each on a fresh engine: no cache hit, no neighbour
+        cold = make_engine(tiny, kv_cache_dtype="float16", enable_prefix_caching=False)
+        assert cold.runner.kv_caches[0].dtype == torch.float16
+        alone.append(LLM.from_engine(cold).generate([p], params)[0].outputs[0].token_ids)
+    engine = make_engine(tiny, kv_cache_dtype="float16")
+    llm = LLM.from_engine(engine)
+    batched = llm.generate(prompts, params)  # together, the shared prefix computed once
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    hits = llm.generate(prompts[::-1], params)  # every prefix now a cache hit
+    assert all(o.num_cached_tokens >= 160 for o in hits)
+    assert [o.outputs[0].token_ids for o in hits] == alone[::-1]
+    assert_no_blocks_held(engine)
+    for mode in ("recompute", "swap"):
+        tight = make_engine(
+            tiny, kv_cache_dtype="float16", num_gpu_blocks_override=20, preemption_mode=mode,
+            max_num_batched_tokens=24,  # every prompt prefills in chunks
+            enable_prefix_caching=False,  # no shared blocks: the pool runs out, requests yield
+        )  # fmt: skip
+        out = LLM.from_engine(tight).generate(prompts, params)
+        assert tight.stats().num_preemptions > 0
+        assert [o.outputs[0].token_ids for o in out] == alone
+        assert_no_blocks_held(tight)
+    # a float16 cache holds half a float32 block's bytes, so twice the blocks in one budget
+    cfg = tiny.config
+    assert kv_cache_bytes_per_block(cfg, 16, torch.float16) * 2 == kv_cache_bytes_per_block(
+        cfg, 16, torch.float32
+    )
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])

@@ -123,7 +123,7 @@ def _small_steps(vocab: int, seed: int) -> list[list[list[tuple[list[int], int, 
     return scenarios
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_panel_step_equals_the_python_path_bit_for_bit(
     tiny_panels: LlamaForCausalLM, cache_dtype: torch.dtype, threads: int, restore_threads: None
@@ -164,6 +164,7 @@ def tiny_panels_wide(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausal
     return model
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_decodes_at_long_contexts_equal_the_python_path_bit_for_bit(
@@ -171,6 +172,7 @@ def test_fused_decodes_at_long_contexts_equal_the_python_path_bit_for_bit(
     tiny_panels_wide: LlamaForCausalLM,
     wide: bool,
     threads: int,
+    cache_dtype: torch.dtype,
     restore_threads: None,
 ) -> None:
     """A step of decode rows splits its attention across the team by positions, queries and
@@ -179,7 +181,7 @@ def test_fused_decodes_at_long_contexts_equal_the_python_path_bit_for_bit(
     torch.set_num_threads(threads)
     model = tiny_panels_wide if wide else tiny_panels
     for steps in _long_decodes(model.config.vocab_size, seed=threads):
-        caches_f, caches_p = _caches(model, torch.float32, 20), _caches(model, torch.float32, 20)
+        caches_f, caches_p = _caches(model, cache_dtype, 20), _caches(model, cache_dtype, 20)
         (hf, lf), (hp, lp) = (
             _run(model, caches_f, steps, True)[-1],
             _run(model, caches_p, steps, False)[-1],
@@ -209,7 +211,7 @@ def test_models_the_fused_panel_step_cannot_serve_get_none(tmp_path: Path) -> No
     assert dense.model.fused_step is None and FusedPanelStep.build(dense.model) is None
     bf16 = load_model(source, torch.bfloat16, "cpu")
     assert FusedPanelStep.build(bf16.model) is None
-    caches = [torch.zeros(1, dtype=torch.float16)]  # a cache kind the call does not take
+    caches = [torch.zeros(1, dtype=torch.bfloat16)]  # a cache kind the call does not take
     _in_panels(dense.model, seed=1)
     step = dense.model.fused_step
     assert step is not None

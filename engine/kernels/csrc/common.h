@@ -2,7 +2,8 @@
  * engine/kernels/cpu.py into one library): dtype codes, bf16 rounding as torch does it, and the
  * row loads, stores and dot products every kernel uses.
  *
- * Tensors are plain arrays. dtype codes: 0 = float32, 1 = bfloat16. Accumulation is float32.
+ * Tensors are plain arrays. dtype codes: 0 = float32, 1 = bfloat16, 2 = float16 (KV caches only:
+ * --kv-cache-dtype float16). Accumulation is float32.
  * Built with -O3 -march=native -fopenmp: the AVX-512 paths are compiled in when the build CPU
  * has them (cpu.py checks the running CPU reports every feature the library was built with),
  * AVX2 ones on CPUs with AVX2 and FMA but not AVX-512, and portable loops otherwise.
@@ -21,7 +22,11 @@
 #define _mm_pause() ((void)0)
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+/* What a KV cache holds, as the kernels' kv_kind arguments say: the step's dtype, int8 rows with
+ * their scales (kv_int8.c), or IEEE float16 (--kv-cache-dtype float16 under float32). */
+enum { KV_SAME = 0, KV_INT8 = 1, KV_F16 = 2 };
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -38,10 +43,49 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* IEEE float16 to float32: exact (every float16 is a float32). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t u;
+    float f;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | (m << 13); /* inf, NaN */
+    } else if (e) {
+        u = sign | ((e + 112) << 23) | (m << 13); /* normal */
+    } else {
+        f = (float)m * 0x1p-24f; /* subnormal: exact */
+        return sign ? -f : f;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 to IEEE float16, rounded to nearest even as torch's .to(torch.float16) does: beyond the
+ * largest finite (65504) by half a step or more, inf; below 2^-14, a subnormal; NaN stays NaN. */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00 : 0x7c00));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds to inf */
+    if (ax < 0x38800000u) {                                  /* a subnormal (or zero) float16 */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint16_t)rintf(a * 0x1p24f)); /* exact scaling, then RNE */
+    }
+    uint32_t r = ax - 0x38000000u; /* rebias the exponent, then round 13 bits off, to even */
+    r += 0xfffu + ((r >> 13) & 1u);
+    return (uint16_t)(sign | (uint16_t)(r >> 13));
+}
+
 /* Load n values of dtype dt starting at element offset off of base into float32 dst. */
 static inline void load_row(const void *base, int dt, int64_t off, int n, float *dst) {
     if (dt == DT_F32) {
         memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    } else if (dt == DT_F16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
     } else {
         const uint16_t *src = (const uint16_t *)base + off;
         for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
@@ -51,6 +95,9 @@ static inline void load_row(const void *base, int dt, int64_t off, int n, float 
 static inline void store_row(void *base, int dt, int64_t off, int n, const float *src) {
     if (dt == DT_F32) {
         memcpy((float *)base + off, src, (size_t)n * sizeof(float));
+    } else if (dt == DT_F16) {
+        uint16_t *dst = (uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
     } else {
         uint16_t *dst = (uint16_t *)base + off;
         for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);

@@ -27,7 +27,7 @@ void add_rms_norm(void *x, const void *delta, const void *weight, float eps, voi
 void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
                    int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
                    void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
-                   int kv_int8, int num_threads);
+                   int kv_kind, int num_threads);
 
 /* A layer's row of the table the model passes: norm weights, then four linears of five fields
  * each (kind, weights packed by q8_pack, two unused, bias float32; pointers as int64, 0 for
@@ -51,7 +51,7 @@ typedef struct {
     const int64_t *positions, *slots;
     const int64_t *caches;
     int64_t num_blocks;
-    int block_size, kv_int8;
+    int block_size, kv_kind;
     Attn attn; /* per layer: cache and nothing else change */
     const int64_t *item_start;
     int num_reqs;
@@ -144,7 +144,7 @@ static void run_layer(Step *st, int layer, int tid, Scratch *s) {
     void *cache = (void *)(intptr_t)st->caches[layer];
     if (tid == 0)
         rope_write_kv(st->qkv, m, qkv_n, heads, kvh, hd, st->cos_t, st->sin_t, st->positions, cache, st->num_blocks,
-                      st->block_size, st->slots, DT_BF16, st->kv_int8, 1);
+                      st->block_size, st->slots, DT_BF16, st->kv_kind, 1);
     barrier_wait(&st->barrier, &st->pf);
     Attn a = st->attn;
     a.cache = cache;
@@ -253,15 +253,15 @@ static size_t arena_elements(const int *d, int m) {
  * layer out; out [m, hidden] bf16: the final norm of it (the hidden states to sample from).
  * Positions, slots, cos/sin tables, block tables, query_start, seq_lens as rope_write_kv and
  * paged_attention take them; caches [layers] pointers to each layer's bf16 cache
- * [2, num_blocks, block_size, kv_heads, head_dim], or with kv_int8 its int8 cache (rows of
- * head_dim + 4 bytes, common.h). head: NULL, or the LM head as [kind, weights
+ * [2, num_blocks, block_size, kv_heads, head_dim], or with kv_kind KV_INT8 (common.h) its int8
+ * cache (rows of head_dim + 4 bytes). head: NULL, or the LM head as [kind, weights
  * packed by q8_pack, vocab] (int64), whose bf16 logits [num_sample, vocab] of rows sample_rows
  * of out are then written to logits in the same call. Returns 0; -2 when these sizes are not
  * served (decode_step_supported); -1 out of memory.
  */
 int decode_step(const int64_t *table, const int *dims, const void *final_norm, float eps, float scale, void *x,
                 void *out, int m, const float *cos_t, const float *sin_t, const int64_t *positions,
-                const int64_t *slots, const int64_t *caches, int kv_int8, int64_t num_blocks,
+                const int64_t *slots, const int64_t *caches, int kv_kind, int64_t num_blocks,
                 int block_size, const int32_t *tables, int max_blocks, const int32_t *query_start, const int32_t *seq_lens,
                 int num_reqs, const int64_t *head, const int32_t *sample_rows, int num_sample, void *logits,
                 int num_threads) {
@@ -280,7 +280,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     st.caches = caches;
     st.num_blocks = num_blocks;
     st.block_size = block_size;
-    st.kv_int8 = kv_int8;
+    st.kv_kind = kv_kind;
     st.num_reqs = num_reqs;
     st.x = (uint16_t *)x;
     st.out = (uint16_t *)out;
@@ -295,7 +295,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
     if (!failed) plan_prefetch(&st, head);
     if (!failed) {
         int max_seq = 0;
-        const int64_t row = kv_int8 ? int8_row_bytes(dims[D_HEAD_DIM]) : dims[D_HEAD_DIM];
+        const int64_t row = kv_kind == KV_INT8 ? int8_row_bytes(dims[D_HEAD_DIM]) : dims[D_HEAD_DIM];
         const int64_t half = num_blocks * (int64_t)block_size * dims[D_KV_HEADS] * row;
         const int all_heads = decode_items_all_heads(num_reqs, dims[D_HEADS], dims[D_HEAD_DIM], DT_BF16, half);
         plan_items(query_start, seq_lens, num_reqs, dims[D_KV_HEADS], all_heads, item_start, &max_seq);
@@ -306,7 +306,7 @@ int decode_step(const int64_t *table, const int *dims, const void *final_norm, f
             .query = st.qkv, .q_stride_t = (int64_t)(heads + 2 * kvh) * hd, .q_stride_h = hd, .cache = NULL,
             .block_size = block_size, .kv_heads = kvh, .head_dim = hd, .heads = heads, .group = heads / kvh,
             .max_blocks = max_blocks, .dt = DT_BF16, .max_seq = max_seq,
-            .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_int8, .tables = tables, .query_start = query_start,
+            .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_kind == KV_INT8, .tables = tables, .query_start = query_start,
             .seq_lens = seq_lens, .scale = scale, .out = st.att,
         };
         st.attn = a;

@@ -50,13 +50,14 @@ void add_rms_norm(void *x, const void *delta, const void *weight, float eps, voi
  * (dtype dt), in place, with float32 tables cos/sin [max_pos, head_dim / 2] at positions[r];
  * then the rows' K heads (kv_heads heads starting at head q_heads) and V heads (the kv_heads
  * after them) are copied into the cache [2, num_blocks, block_size, kv_heads, head_dim] at
- * slots[r]. rot_heads = q_heads + kv_heads. With kv_int8 the cache is int8
+ * slots[r]. rot_heads = q_heads + kv_heads. kv_kind (common.h): KV_INT8, the cache is int8
  * [2, num_blocks, block_size, kv_heads, head_dim + 4] and each head's row is quantized into it
- * (quantize_row_int8, common.h).
+ * (quantize_row_int8, common.h); KV_F16, the cache is float16 and each value is rounded to it
+ * (f32_to_f16: to nearest even, as torch rounds).
  */
 static void rope_write_kv_row(void *qkv, int r, int64_t row_stride, int q_heads, int kv_heads, int head_dim,
                               const float *cos_t, const float *sin_t, const int64_t *positions, void *cache,
-                              int64_t num_blocks, int block_size, const int64_t *slots, int dt, int kv_int8) {
+                              int64_t num_blocks, int block_size, const int64_t *slots, int dt, int kv_kind) {
     const int half_d = head_dim / 2;
     const int rot_heads = q_heads + kv_heads;
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * head_dim;
@@ -78,13 +79,20 @@ static void rope_write_kv_row(void *qkv, int r, int64_t row_stride, int q_heads,
         store_row(qkv, dt, base, half_d, o1);
         store_row(qkv, dt, base + half_d, half_d, o2);
     }
-    if (cache && kv_int8) {
+    if (cache && kv_kind == KV_INT8) {
         float buf[512];
         int8_t *k_dst = (int8_t *)cache + slots[r] * kv_heads * int8_row_bytes(head_dim);
         for (int h = 0; h < 2 * kv_heads; h++) { /* K heads, then V heads */
             load_row(qkv, dt, (int64_t)r * row_stride + (int64_t)(q_heads + h) * head_dim, head_dim, buf);
             const int64_t at = (h < kv_heads ? 0 : half_int8) + (h % kv_heads) * int8_row_bytes(head_dim);
             quantize_row_int8(buf, head_dim, k_dst + at);
+        }
+    } else if (cache && kv_kind == KV_F16) {
+        float buf[512];
+        for (int h = 0; h < 2 * kv_heads; h++) { /* K heads, then V heads */
+            load_row(qkv, dt, (int64_t)r * row_stride + (int64_t)(q_heads + h) * head_dim, head_dim, buf);
+            const int64_t at = (h < kv_heads ? 0 : half) + (slots[r] * kv_heads + h % kv_heads) * head_dim;
+            store_row(cache, DT_F16, at, head_dim, buf);
         }
     } else if (cache) {
         const char *row = (const char *)qkv + ((int64_t)r * row_stride + (int64_t)q_heads * head_dim) * esize;
@@ -98,17 +106,17 @@ static void rope_write_kv_row(void *qkv, int r, int64_t row_stride, int q_heads,
 void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
                    int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
                    void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
-                   int kv_int8, int num_threads) {
+                   int kv_kind, int num_threads) {
     if (num_threads <= 1 || rows <= 8) { /* as add_rms_norm */
         for (int r = 0; r < rows; r++)
             rope_write_kv_row(qkv, r, row_stride, q_heads, kv_heads, head_dim, cos_t, sin_t, positions, cache,
-                              num_blocks, block_size, slots, dt, kv_int8);
+                              num_blocks, block_size, slots, dt, kv_kind);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int r = 0; r < rows; r++)
         rope_write_kv_row(qkv, r, row_stride, q_heads, kv_heads, head_dim, cos_t, sin_t, positions, cache, num_blocks,
-                          block_size, slots, dt, kv_int8);
+                          block_size, slots, dt, kv_kind);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -5,6 +5,10 @@
  */
 #include "paged_attention.h"
 
+/* The cache's element type and size: dt's, or float16 under kv_f16 (int8 caches: kv_int8.c). */
+static inline int cache_dt(const Attn *a) { return a->kv_f16 ? DT_F16 : a->dt; }
+static inline int64_t cache_elt(const Attn *a) { return cache_dt(a) == DT_F32 ? 4 : 2; }
+
 /* Query q of an item: its row (of the item's rows) and its head. Queries are ordered by KV head
  * of the item, then row, then the heads sharing that KV head. */
 static inline int q_row(const Attn *a, const Item *it, int q) { return (q % it->per_kv) / a->group; }
@@ -68,7 +72,7 @@ static inline void scores16(const float *const rows[16], __mmask16 mask, int hea
 /* Bytes to prefetch from each cache row an item reads: every head's row of the position from
  * the item of KV head 0 (the other heads' items run next and find theirs in cache), else its own. */
 static inline int64_t prefetch_span(const Attn *a, const Item *it) {
-    return (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * (a->dt == DT_BF16 ? 2 : 4);
+    return (it->kvh == 0 ? a->kv_heads : 1) * (int64_t)a->head_dim * cache_elt(a);
 }
 
 static inline void prefetch_row(const char *row, int64_t bytes) {
@@ -103,7 +107,7 @@ static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t
  * multiple of 16; pe the context's end or a multiple of 16). Each score is computed alone, so
  * any split of the positions gives the same bits. */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores, int pb, int pe) {
-    const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
+    const int64_t elt = cache_elt(a);
     const int64_t span = prefetch_span(a, it);
     uint32_t qpairs[MAX_QUERIES * 128] __attribute__((aligned(64)));
     if (a->dt == DT_BF16) {
@@ -149,7 +153,7 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
  * row from the item of KV head 0, as in pass 1. */
 static inline void prefetch_block(const Attn *a, const Item *it, int blk, int p) {
     if (p >= it->ctx_end) return;
-    const int64_t elt = a->dt == DT_BF16 ? 2 : 4;
+    const int64_t elt = cache_elt(a);
     const int64_t span = prefetch_span(a, it);
     const int n = it->ctx_end - p < a->block_size ? it->ctx_end - p : a->block_size;
     const int64_t first = (int64_t)it->table[blk] * a->block_size;
@@ -260,24 +264,31 @@ static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
 #endif
     return (head_dim % 32) == 0 && half < ((int64_t)1 << 31);
 }
-static inline int use_vector_path(const Attn *a) { return vector_path_serves(a->dt, a->head_dim, a->half); }
+/* A float16 cache takes the portable passes on AVX-512 builds (not written for them yet). */
+static inline int use_vector_path(const Attn *a) {
+    return !a->kv_f16 && vector_path_serves(a->dt, a->head_dim, a->half);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The AVX2 passes: 8 lanes along the head dims (no gathers: rows are read whole). Scores take 4
  * positions by up to 3 queries per tile, summed across lanes once per tile; P V takes up to 3
- * queries by 32 head dims, accumulators in registers. Float32 or bf16 caches (bf16 widened by
- * a shift: exact). */
-static inline __m256 kv8(const Attn *a, int64_t at, const int BF16) {
-    if (BF16)
+ * queries by 32 head dims, accumulators in registers. Float32, bf16 or float16 caches (KIND 0,
+ * 1, 2: bf16 widened by a shift, float16 by vcvtph2ps; both exact). */
+static inline __m256 kv8(const Attn *a, int64_t at, const int KIND) {
+    if (KIND == 1)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)a->cache + at))), 16));
+    if (KIND == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a->cache + at)));
     return _mm256_loadu_ps((const float *)a->cache + at);
 }
+
+/* kv8's KIND for the call's cache. */
+static inline int kv8_kind(const Attn *a) { return a->kv_f16 ? 2 : a->dt == DT_BF16; }
 
 /* Scores of queries q0..q0+NQ-1 against the 4 cache rows at rows[] (n valid; the others repeat
  * a valid one), into out[x * max_seq + 0..n-1]. */
 static inline __attribute__((always_inline)) void scores_tile(const Attn *a, const int64_t rows[4], int n,
                                                               const float *qbuf, int q0, const int NQ, float *out,
-                                                              const int BF16) {
+                                                              const int KIND) {
     __m256 acc[3][4];
     for (int x = 0; x < NQ; x++)
         for (int r = 0; r < 4; r++) acc[x][r] = _mm256_setzero_ps();
@@ -285,7 +296,7 @@ static inline __attribute__((always_inline)) void scores_tile(const Attn *a, con
         __m256 qv[3];
         for (int x = 0; x < NQ; x++) qv[x] = _mm256_loadu_ps(qbuf + (int64_t)(q0 + x) * a->head_dim + c);
         for (int r = 0; r < 4; r++) {
-            const __m256 k = kv8(a, rows[r] + c, BF16);
+            const __m256 k = kv8(a, rows[r] + c, KIND);
             for (int x = 0; x < NQ; x++) acc[x][r] = _mm256_fmadd_ps(k, qv[x], acc[x][r]);
         }
     }
@@ -334,8 +345,8 @@ static inline void prefetch_bytes(const char *from, int64_t bytes) {
  * the pass reads the cache forward, prefetching ATTN_AHEAD positions ahead (a block's rows are
  * contiguous, but the hardware prefetcher does not follow the block table). */
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores, int pb, int pe) {
-    const int bf16 = a->dt == DT_BF16;
-    const int64_t elt = bf16 ? 2 : 4, span = (int64_t)it->nkv * a->head_dim * elt;
+    const int kind = kv8_kind(a);
+    const int64_t elt = cache_elt(a), span = (int64_t)it->nkv * a->head_dim * elt;
     Walk w = walk_at(a, pb), ahead = w;
     int pa = pb; /* the next position to prefetch */
     for (; pa < pb + ATTN_AHEAD && pa < pe; pa++, walk_next(a, &ahead))
@@ -364,7 +375,9 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
     case 2: scores_tile(a, rows, n, qbuf, q0, 2, out, BF); break;                                        \
     default: scores_tile(a, rows, n, qbuf, q0, 3, out, BF); break;                                       \
     }
-                if (bf16) {
+                if (kind == 2) {
+                    SC_NQ(2)
+                } else if (kind == 1) {
                     SC_NQ(1)
                 } else {
                     SC_NQ(0)
@@ -378,12 +391,12 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
 /* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+31 of KV head kvh. */
 static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const Item *it, const float *scores,
                                                           float *obuf, int kvh, int d0, int q0, const int NQ,
-                                                          const int BF16) {
+                                                          const int KIND) {
     __m256 o[3][4];
     for (int x = 0; x < NQ; x++)
         for (int z = 0; z < 4; z++) o[x][z] = _mm256_setzero_ps();
     /* This tile's 32 dims of each position's V row, prefetched ATTN_AHEAD positions ahead. */
-    const int64_t elt = BF16 ? 2 : 4;
+    const int64_t elt = KIND ? 2 : 4;
     const char *vbase = (const char *)a->cache + (a->half + kvh * a->head_dim + d0) * elt;
     Walk ahead = walk_at(a, 0);
     int pa = 0;
@@ -401,7 +414,7 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
             __m256 w[3];
             for (int x = 0; x < NQ; x++) w[x] = _mm256_broadcast_ss(scores + (int64_t)(q0 + x) * a->max_seq + p);
             for (int z = 0; z < 4; z++) {
-                const __m256 v = kv8(a, at + z * 8, BF16);
+                const __m256 v = kv8(a, at + z * 8, KIND);
                 for (int x = 0; x < NQ; x++) o[x][z] = _mm256_fmadd_ps(w[x], v, o[x][z]);
             }
         }
@@ -412,7 +425,7 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
 
 /* Pass 2 for KV head kvl of the item and head dims d0..d0+31: tiles of up to 3 queries. */
 static void pv_unit(const Attn *a, const Item *it, const float *scores, float *obuf, int kvl, int d0) {
-    const int bf16 = a->dt == DT_BF16, kvh = it->kvh + kvl;
+    const int kind = kv8_kind(a), kvh = it->kvh + kvl;
     for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 3) {
         const int nq = (kvl + 1) * it->per_kv - q0 < 3 ? (kvl + 1) * it->per_kv - q0 : 3;
 #define PV_NQ(BF)                                                                                        \
@@ -421,7 +434,9 @@ static void pv_unit(const Attn *a, const Item *it, const float *scores, float *o
     case 2: pv_tile(a, it, scores, obuf, kvh, d0, q0, 2, BF); break;                                     \
     default: pv_tile(a, it, scores, obuf, kvh, d0, q0, 3, BF); break;                                    \
     }
-        if (bf16) {
+        if (kind == 2) {
+            PV_NQ(2)
+        } else if (kind == 1) {
             PV_NQ(1)
         } else {
             PV_NQ(0)
@@ -459,7 +474,7 @@ static inline int use_vector_path(const Attn *a) {
 static void scores_portable(const Attn *a, const Item *it, const float *qbuf, float *scores, float *kv) {
     for (int p = 0; p < it->ctx_end; p++) {
         int64_t slot = (int64_t)it->table[p / a->block_size] * a->block_size + p % a->block_size;
-        load_row(a->cache, a->dt, (slot * a->kv_heads + it->kvh) * a->head_dim, a->head_dim, kv);
+        load_row(a->cache, cache_dt(a), (slot * a->kv_heads + it->kvh) * a->head_dim, a->head_dim, kv);
         for (int q = 0; q < it->nq; q++)
             scores[(int64_t)q * a->max_seq + p] = dot_f32(qbuf + (int64_t)q * a->head_dim, kv, a->head_dim) * a->scale;
     }
@@ -470,7 +485,7 @@ static void pv_portable(const Attn *a, const Item *it, const float *scores, floa
     memset(obuf, 0, sizeof(float) * (size_t)it->nq * (size_t)a->head_dim);
     for (int p = 0; p < it->ctx_end; p++) {
         int64_t slot = (int64_t)it->table[p / a->block_size] * a->block_size + p % a->block_size;
-        load_row(a->cache, a->dt, a->half + (slot * a->kv_heads + it->kvh) * a->head_dim, a->head_dim, kv);
+        load_row(a->cache, cache_dt(a), a->half + (slot * a->kv_heads + it->kvh) * a->head_dim, a->head_dim, kv);
         for (int q = 0; q < it->nq; q++) {
             float w = scores[(int64_t)q * a->max_seq + p];
             if (w != 0.f) axpy_f32(obuf + (int64_t)q * a->head_dim, w, kv, a->head_dim);
@@ -715,8 +730,9 @@ static int run_items(const Attn *a, const int64_t *item_start, int num_reqs, int
 
 /*
  * query:  [T, heads, d] (dtype dt), row stride q_stride_t elements, head stride q_stride_h
- * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous; with kv_int8, int8
- *         [2, num_blocks, block_size, kv_heads, d + 4]: each row's values, then its float32 scale
+ * cache:  [2, num_blocks, block_size, kv_heads, d] (dtype dt), contiguous; kv_kind (common.h)
+ *         KV_INT8: int8 [2, num_blocks, block_size, kv_heads, d + 4], each row's values, then its
+ *         float32 scale; KV_F16 (dt float32): float16
  * tables: [num_reqs, max_blocks] int32; query_start: [num_reqs + 1] int32; seq_lens [num_reqs]
  * out:    [T, heads, d] (dtype dt), contiguous
  * Request r's rows query_start[r]..query_start[r+1]-1 are its last positions: row j of q_len
@@ -727,21 +743,21 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
                     int64_t num_blocks, int block_size, int kv_heads, int head_dim,
                     const int32_t *tables, int max_blocks, const int32_t *query_start,
                     const int32_t *seq_lens, int num_reqs, int heads, float scale, int dt,
-                    int kv_int8, void *out, int num_threads) {
+                    int kv_kind, void *out, int num_threads) {
     const int group = heads / kv_heads;
     if (group * ROW_TILE > MAX_QUERIES || head_dim > 256) return -1;
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     if (!item_start) return -1;
     int max_seq = 0;
-    const int64_t row = kv_int8 ? int8_row_bytes(head_dim) : head_dim;
+    const int64_t row = kv_kind == KV_INT8 ? int8_row_bytes(head_dim) : head_dim;
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * row;
-    const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, dt, half);
+    const int all_heads = kv_kind != KV_F16 && decode_items_all_heads(num_reqs, heads, head_dim, dt, half);
     const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, all_heads, item_start, &max_seq);
     const Attn a = {
         .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,
         .block_size = block_size, .kv_heads = kv_heads, .head_dim = head_dim, .heads = heads,
         .group = group, .max_blocks = max_blocks, .dt = dt, .max_seq = max_seq,
-        .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_int8,
+        .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_kind == KV_INT8, .kv_f16 = kv_kind == KV_F16,
         .tables = tables, .query_start = query_start, .seq_lens = seq_lens, .scale = scale,
         .out = out,
     };

@@ -68,6 +68,7 @@ typedef struct {
     int64_t half; /* elements from K to V in the cache */
     int decode_all_heads; /* decode rows take every KV head in one item (decode_items_all_heads) */
     int kv_int8; /* the cache holds int8 rows with their scales (common.h), not dtype dt */
+    int kv_f16;  /* the cache holds float16 (dt's queries and outputs are float32) */
     const int32_t *tables, *query_start, *seq_lens;
     float scale;
     void *out;

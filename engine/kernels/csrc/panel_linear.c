@@ -202,14 +202,6 @@ void panel_quantize_row(const float *x, const PanelRows *rows, int i) {
                        rows->lsum + (at + b) * 4);
 }
 
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    if (e == 0x1f) return float_of_bits(sign | 0x7f800000u | (m << 13));     /* inf, NaN */
-    if (e) return float_of_bits(sign | ((e + 112) << 23) | (m << 13));       /* normal */
-    const float sub = (float)m * 0x1p-24f;                                     /* subnormal: exact */
-    return sign ? -sub : sub;
-}
-
 /* The float chain's step for one block of one element (see the top): every build runs it. */
 static inline float chain_step(float acc, const int32_t *dsum, float d, float s, const float *mn, float xsum) {
     float t = (float)dsum[PANEL_LIMBS - 1] * DIGIT_WEIGHT(PANEL_LIMBS - 1);
@@ -470,8 +462,8 @@ INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int 
                     uint16_t half[2];
                     memcpy(half, rec + qbytes + 2 * o, 2);
                     if (q4) memcpy(half + 1, rec + qbytes + 32 + 2 * o, 2);
-                    const float mn = q4 ? half_to_float(half[1]) : 0.f;
-                    acc = chain_step(acc, dsum, half_to_float(half[0]), x->scale[xb], q4 ? &mn : NULL, x->xsum[xb]);
+                    const float mn = q4 ? f16_to_f32(half[1]) : 0.f;
+                    acc = chain_step(acc, dsum, f16_to_f32(half[0]), x->scale[xb], q4 ? &mn : NULL, x->xsum[xb]);
                 }
                 out[(r * NP + pp) * PANEL + o] = acc;
             }

@@ -29,7 +29,7 @@ void add_rms_norm(void *x, const void *delta, const void *weight, float eps, voi
 void rope_write_kv(void *qkv, int rows, int64_t row_stride, int q_heads, int kv_heads,
                    int head_dim, const float *cos_t, const float *sin_t, const int64_t *positions,
                    void *cache, int64_t num_blocks, int block_size, const int64_t *slots, int dt,
-                   int kv_int8, int num_threads);
+                   int kv_kind, int num_threads);
 void silu_mul_span(const void *gate_up, int r, int inter, int i0, int i1, int dt, void *out);
 
 /* A layer's row of the table the model passes: the two norm weights (float32), then four linears
@@ -57,7 +57,7 @@ typedef struct {
     const float *cos_t, *sin_t;
     const int64_t *positions, *slots, *caches;
     int64_t num_blocks;
-    int block_size, kv_int8, num_reqs;
+    int block_size, kv_kind, num_reqs;
     Attn attn;
     const int64_t *item_start;
     int split;                 /* decode rows only: attention split by positions, queries, dims */
@@ -167,7 +167,7 @@ static void run_layer(PanelStep *st, int layer, int tid, Scratch *s, void *xs) {
     void *cache = (void *)(intptr_t)st->caches[layer];
     if (tid == 0)
         rope_write_kv(st->qkv, m, qkv_n, heads, kvh, hd, st->cos_t, st->sin_t, st->positions, cache, st->num_blocks,
-                      st->block_size, st->slots, DT_F32, st->kv_int8, 1);
+                      st->block_size, st->slots, DT_F32, st->kv_kind, 1);
     barrier_wait(&st->barrier, &st->pf);
     Attn a = st->attn;
     a.cache = cache;
@@ -295,14 +295,15 @@ static int run_team(PanelStep *st, const void *final_norm, const int64_t *head, 
  * layer out; out [m, hidden]: its final norm (the hidden states to sample from). Positions,
  * slots, cos/sin tables, block tables, query_start, seq_lens as rope_write_kv and
  * paged_attention take them; caches [layers] pointers to each layer's float32 cache
- * [2, num_blocks, block_size, kv_heads, head_dim], or with kv_int8 its int8 cache. head: NULL,
+ * [2, num_blocks, block_size, kv_heads, head_dim], or per kv_kind (common.h) its int8 cache
+ * (KV_INT8) or float16 cache (KV_F16). head: NULL,
  * or the LM head's three fields (vocab last), whose float32 logits [num_sample, vocab] of rows
  * sample_rows of out are then written to logits. Returns 0; -2 when these sizes or this many
  * rows are not served; -1 out of memory.
  */
 int panel_step(const int64_t *table, const int *dims, const void *final_norm, float eps, float scale, float *x,
                float *out, int m, const float *cos_t, const float *sin_t, const int64_t *positions,
-               const int64_t *slots, const int64_t *caches, int kv_int8, int64_t num_blocks, int block_size,
+               const int64_t *slots, const int64_t *caches, int kv_kind, int64_t num_blocks, int block_size,
                const int32_t *tables, int max_blocks, const int32_t *query_start, const int32_t *seq_lens,
                int num_reqs, const int64_t *head, const int32_t *sample_rows, int num_sample, float *logits,
                int num_threads) {
@@ -311,7 +312,7 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
     const int layers = dims[D_LAYERS], heads = dims[D_HEADS], kvh = dims[D_KV_HEADS], hd = dims[D_HEAD_DIM];
     PanelStep st = {.table = table, .dims = dims, .m = m, .eps = eps, .cos_t = cos_t, .sin_t = sin_t,
                     .positions = positions, .slots = slots, .caches = caches, .num_blocks = num_blocks,
-                    .block_size = block_size, .kv_int8 = kv_int8, .num_reqs = num_reqs, .x = x, .out = out};
+                    .block_size = block_size, .kv_kind = kv_kind, .num_reqs = num_reqs, .x = x, .out = out};
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
     float *arena = (float *)malloc(sizeof(float) * arena_floats(dims, m));
     st.counters = (atomic_int *)calloc((size_t)layers * STAGES + 1, sizeof(atomic_int)); /* + the head */
@@ -321,9 +322,9 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
     if (!failed) {
         plan_prefetch(&st, head);
         int max_seq = 0;
-        const int64_t row = kv_int8 ? int8_row_bytes(hd) : hd;
+        const int64_t row = kv_kind == KV_INT8 ? int8_row_bytes(hd) : hd;
         const int64_t half = num_blocks * (int64_t)block_size * kvh * row;
-        const int all_heads = decode_items_all_heads(num_reqs, heads, hd, DT_F32, half);
+        const int all_heads = kv_kind != KV_F16 && decode_items_all_heads(num_reqs, heads, hd, DT_F32, half);
         plan_items(query_start, seq_lens, num_reqs, kvh, all_heads, item_start, &max_seq);
         st.item_start = item_start;
         step_buffers(&st, arena);
@@ -331,7 +332,8 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
             .query = st.qkv, .q_stride_t = (int64_t)(heads + 2 * kvh) * hd, .q_stride_h = hd, .cache = NULL,
             .block_size = block_size, .kv_heads = kvh, .head_dim = hd, .heads = heads, .group = heads / kvh,
             .max_blocks = max_blocks, .dt = DT_F32, .max_seq = max_seq, .half = half,
-            .decode_all_heads = all_heads, .kv_int8 = kv_int8, .tables = tables, .query_start = query_start,
+            .decode_all_heads = all_heads, .kv_int8 = kv_kind == KV_INT8, .kv_f16 = kv_kind == KV_F16,
+            .tables = tables, .query_start = query_start,
             .seq_lens = seq_lens, .scale = scale, .out = st.att,
         };
         st.attn = a;
