@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(wheels)} wheels in {WHEELS_DIR.relative_to(REPO)}/")
     folder = write_model_folder()
     print(f"model folder (no weights): {folder.relative_to(REPO)}/")
-    size = tree_bytes(WHEELS_DIR, KIT_DIR) if WHEELS_DIR.exists() else tree_bytes(KIT_DIR)
+    size = tree_bytes(WHEELS_DIR, KIT_DIR)  # a folder not there counts 0
     print(f"carried: {size / 2**20:.1f} MiB of the device tool's {CARRY_LIMIT_BYTES >> 20} MiB")
     if size > CARRY_LIMIT_BYTES:
         print("over the limit: carry less", file=sys.stderr)

@@ -28,6 +28,9 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
  * their scales (kv_int8.c), or IEEE float16 (--kv-cache-dtype float16 under float32). */
 enum { KV_SAME = 0, KV_INT8 = 1, KV_F16 = 2 };
 
+/* The element type of a cache of kv_kind (not KV_INT8) in a step of dtype dt. */
+static inline int kv_cache_dt(int kv_kind, int dt) { return kv_kind == KV_F16 ? DT_F16 : dt; }
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

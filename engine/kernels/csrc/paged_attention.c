@@ -5,8 +5,8 @@
  */
 #include "paged_attention.h"
 
-/* The cache's element type and size: dt's, or float16 under kv_f16 (int8 caches: kv_int8.c). */
-static inline int cache_dt(const Attn *a) { return a->kv_f16 ? DT_F16 : a->dt; }
+/* The cache's element type and size: dt's, or float16 (int8 caches: kv_int8.c). */
+static inline int cache_dt(const Attn *a) { return kv_cache_dt(a->kv_kind, a->dt); }
 static inline int64_t cache_elt(const Attn *a) { return cache_dt(a) == DT_F32 ? 4 : 2; }
 
 /* Query q of an item: its row (of the item's rows) and its head. Queries are ordered by KV head
@@ -255,19 +255,16 @@ static void pv_unit(const Attn *a, const Item *it, const float *scores, float *o
     }
 }
 
-/* Pass 1 keeps its row offsets in 32 bits (group_rows): the vector path needs the K half of the
- * cache to hold fewer than 2^31 elements. */
+/* Whether the vector passes read a cache of element type dt. Pass 1 keeps its row offsets in 32
+ * bits (group_rows): the K half of the cache must hold fewer than 2^31 elements. */
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
-    (void)dt;
 #ifndef __AVX512BF16__
     if (dt == DT_BF16) return 0; /* its bf16 scores need vdpbf16ps */
 #endif
+    if (dt == DT_F16) return 0; /* a float16 cache takes the portable passes (not written here yet) */
     return (head_dim % 32) == 0 && half < ((int64_t)1 << 31);
 }
-/* A float16 cache takes the portable passes on AVX-512 builds (not written for them yet). */
-static inline int use_vector_path(const Attn *a) {
-    return !a->kv_f16 && vector_path_serves(a->dt, a->head_dim, a->half);
-}
+static inline int use_vector_path(const Attn *a) { return vector_path_serves(cache_dt(a), a->head_dim, a->half); }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The AVX2 passes: 8 lanes along the head dims (no gathers: rows are read whole). Scores take 4
  * positions by up to 3 queries per tile, summed across lanes once per tile; P V takes up to 3
@@ -282,7 +279,7 @@ static inline __m256 kv8(const Attn *a, int64_t at, const int KIND) {
 }
 
 /* kv8's KIND for the call's cache. */
-static inline int kv8_kind(const Attn *a) { return a->kv_f16 ? 2 : a->dt == DT_BF16; }
+static inline int kv8_kind(const Attn *a) { return a->kv_kind == KV_F16 ? 2 : a->dt == DT_BF16; }
 
 /* Scores of queries q0..q0+NQ-1 against the 4 cache rows at rows[] (n valid; the others repeat
  * a valid one), into out[x * max_seq + 0..n-1]. */
@@ -452,10 +449,10 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
 }
 
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
-    (void)dt, (void)half; /* 64-bit offsets: no limit on the cache's size */
+    (void)dt, (void)half; /* every cache type; 64-bit offsets: no limit on the cache's size */
     return (head_dim % 32) == 0;
 }
-static inline int use_vector_path(const Attn *a) { return vector_path_serves(a->dt, a->head_dim, a->half); }
+static inline int use_vector_path(const Attn *a) { return vector_path_serves(cache_dt(a), a->head_dim, a->half); }
 #else
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
     (void)dt, (void)head_dim, (void)half;
@@ -597,15 +594,15 @@ Item resolve_item(const Attn *a, int r, int64_t local) {
 
 void attend_item(const Attn *a, const Item *it, Scratch *s) {
     load_queries(a, it, s->qbuf);
-    const int fast = !a->kv_int8 && use_vector_path(a);
-    if (a->kv_int8) scores_int8(a, it, s->qbuf, s->scores, s->kv);
+    const int int8 = a->kv_kind == KV_INT8, fast = !int8 && use_vector_path(a);
+    if (int8) scores_int8(a, it, s->qbuf, s->scores, s->kv);
     else if (fast) scores_fast(a, it, s->qbuf, s->scores, 0, it->ctx_end);
     else scores_portable(a, it, s->qbuf, s->scores, s->kv);
     for (int q = 0; q < it->nq; q++) {
         int limit = it->seq_len - it->q_len + it->row0 + q_row(a, it, q) + 1;
         softmax_row(s->scores + (int64_t)q * a->max_seq, limit, it->ctx_end);
     }
-    if (a->kv_int8) pv_int8(a, it, s->scores, s->obuf, s);
+    if (int8) pv_int8(a, it, s->scores, s->obuf, s);
     else if (fast) pv_fast(a, it, s->scores, s->obuf);
     else pv_portable(a, it, s->scores, s->obuf, s->kv);
     store_outputs(a, it, s->obuf);
@@ -633,11 +630,11 @@ int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_
  * reading every third row (1.3x slower at 64 decodes here).
  * Only where there are enough requests to share out, the vector path serves, and a row's
  * queries fit an item. The grouping never changes a result: each query is computed alone. */
-int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_t half) {
+int decode_items_all_heads(int num_reqs, int heads, int head_dim, int cache_dt, int64_t half) {
 #ifdef __AVX512F__
-    return num_reqs >= 4 && heads <= MAX_QUERIES && vector_path_serves(dt, head_dim, half);
+    return num_reqs >= 4 && heads <= MAX_QUERIES && vector_path_serves(cache_dt, head_dim, half);
 #else
-    (void)num_reqs, (void)heads, (void)head_dim, (void)dt, (void)half; /* measured on AVX-512 only */
+    (void)num_reqs, (void)heads, (void)head_dim, (void)cache_dt, (void)half; /* measured on AVX-512 only */
     return 0;
 #endif
 }
@@ -660,7 +657,7 @@ static Item decode_item(const Attn *a, int r) {
 }
 
 int decode_split_serves(const Attn *a, int num_reqs) {
-    if (a->kv_int8 || !use_vector_path(a) || a->heads > MAX_QUERIES || a->head_dim % 32) return 0;
+    if (a->kv_kind == KV_INT8 || !use_vector_path(a) || a->heads > MAX_QUERIES || a->head_dim % 32) return 0;
     for (int r = 0; r < num_reqs; r++)
         if (a->query_start[r + 1] - a->query_start[r] != 1) return 0;
     return 1;
@@ -751,13 +748,13 @@ int paged_attention(const void *query, int64_t q_stride_t, int64_t q_stride_h, c
     int max_seq = 0;
     const int64_t row = kv_kind == KV_INT8 ? int8_row_bytes(head_dim) : head_dim;
     const int64_t half = num_blocks * (int64_t)block_size * kv_heads * row;
-    const int all_heads = kv_kind != KV_F16 && decode_items_all_heads(num_reqs, heads, head_dim, dt, half);
+    const int all_heads = decode_items_all_heads(num_reqs, heads, head_dim, kv_cache_dt(kv_kind, dt), half);
     const int64_t work = plan_items(query_start, seq_lens, num_reqs, kv_heads, all_heads, item_start, &max_seq);
     const Attn a = {
         .query = query, .q_stride_t = q_stride_t, .q_stride_h = q_stride_h, .cache = cache,
         .block_size = block_size, .kv_heads = kv_heads, .head_dim = head_dim, .heads = heads,
         .group = group, .max_blocks = max_blocks, .dt = dt, .max_seq = max_seq,
-        .half = half, .decode_all_heads = all_heads, .kv_int8 = kv_kind == KV_INT8, .kv_f16 = kv_kind == KV_F16,
+        .half = half, .decode_all_heads = all_heads, .kv_kind = kv_kind,
         .tables = tables, .query_start = query_start, .seq_lens = seq_lens, .scale = scale,
         .out = out,
     };

@@ -67,8 +67,8 @@ typedef struct {
     int block_size, kv_heads, head_dim, heads, group, max_blocks, dt, max_seq;
     int64_t half; /* elements from K to V in the cache */
     int decode_all_heads; /* decode rows take every KV head in one item (decode_items_all_heads) */
-    int kv_int8; /* the cache holds int8 rows with their scales (common.h), not dtype dt */
-    int kv_f16;  /* the cache holds float16 (dt's queries and outputs are float32) */
+    int kv_kind; /* what the cache holds (common.h): dt's values, int8 rows with their scales, or
+                  * float16 (KV_SAME, KV_INT8, KV_F16) */
     const int32_t *tables, *query_start, *seq_lens;
     float scale;
     void *out;
@@ -91,7 +91,7 @@ typedef struct {
 int64_t plan_items(const int32_t *query_start, const int32_t *seq_lens, int num_reqs, int kv_heads,
                    int decode_all_heads, int64_t *item_start, int *max_seq);
 /* Whether a call's decode rows take every KV head in one item (see paged_attention.c). */
-int decode_items_all_heads(int num_reqs, int heads, int head_dim, int dt, int64_t half);
+int decode_items_all_heads(int num_reqs, int heads, int head_dim, int cache_dt, int64_t half);
 /* Item `local` of request r (see paged_attention.c). */
 Item resolve_item(const Attn *a, int r, int64_t local);
 /* Attend one work item: its queries' rows of the output. */

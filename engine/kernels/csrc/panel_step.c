@@ -324,7 +324,7 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
         int max_seq = 0;
         const int64_t row = kv_kind == KV_INT8 ? int8_row_bytes(hd) : hd;
         const int64_t half = num_blocks * (int64_t)block_size * kvh * row;
-        const int all_heads = kv_kind != KV_F16 && decode_items_all_heads(num_reqs, heads, hd, DT_F32, half);
+        const int all_heads = decode_items_all_heads(num_reqs, heads, hd, kv_cache_dt(kv_kind, DT_F32), half);
         plan_items(query_start, seq_lens, num_reqs, kvh, all_heads, item_start, &max_seq);
         st.item_start = item_start;
         step_buffers(&st, arena);
@@ -332,8 +332,7 @@ int panel_step(const int64_t *table, const int *dims, const void *final_norm, fl
             .query = st.qkv, .q_stride_t = (int64_t)(heads + 2 * kvh) * hd, .q_stride_h = hd, .cache = NULL,
             .block_size = block_size, .kv_heads = kvh, .head_dim = hd, .heads = heads, .group = heads / kvh,
             .max_blocks = max_blocks, .dt = DT_F32, .max_seq = max_seq, .half = half,
-            .decode_all_heads = all_heads, .kv_int8 = kv_kind == KV_INT8, .kv_f16 = kv_kind == KV_F16,
-            .tables = tables, .query_start = query_start,
+            .decode_all_heads = all_heads, .kv_kind = kv_kind, .tables = tables, .query_start = query_start,
             .seq_lens = seq_lens, .scale = scale, .out = st.att,
         };
         st.attn = a;
