@@ -45,7 +45,11 @@ def test_the_slower_server_has_the_larger_time_per_token(fakes: tuple[str, str])
     a, b = bench.run(fast, slow, "fake-model", bench.prompts(4, 5, 9, seed=1), output_len=6)
     assert len(a.tpot) == len(b.tpot) == 4
     assert bench.paired_ratio(a.tpot, b.tpot) > 2  # 8 ms against 1 ms between chunks
-    assert "B / A paired median" in bench.report(a, b)
+    # The whole request holds the first chunk and every gap after it.
+    for t in (a, b):
+        assert all(w > f + 4 * g for w, f, g in zip(t.request, t.ttft, t.tpot, strict=True))
+    assert bench.paired_ratio(a.request, b.request) > 1.5
+    assert "B / A paired median" in bench.report(a, b) and "request:" in bench.report(a, b)
 
 
 def test_prompts_are_reproducible_and_in_range() -> None:
