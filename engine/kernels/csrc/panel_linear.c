@@ -319,6 +319,15 @@ INLINE __m256 chain8(__m256 acc, const __m256i *dsum, const uint8_t *rec, int qb
     return _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum), acc);
 }
 
+/* Q4_1's 64 bytes of 4 inputs x 16 rows as the low and high nibbles of each half (8 rows). */
+INLINE void split_nibbles(const uint8_t *group, __m256i low, __m256i lo[2], __m256i hi[2]) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(group + h * 32));
+        lo[h] = _mm256_and_si256(raw, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+}
+
 /* Rows r0..r0+R-1 (1 < R <= TILE_ROWS) times one panel, both halves of it at once: each
  * digit's broadcast serves 16 outputs, as for a lone row (row_block), and the panel's records
  * stay in L1 for the next rows (run_task). Each output's chain is the one the file's header
@@ -342,11 +351,7 @@ INLINE void micro_rows(const Panels *w, const PanelRows *x, int r0, const int R,
 #pragma GCC unroll 1
             for (int j = 0; j < 4; j++) {
                 __m256i lo[2], hi[2];
-                for (int h = 0; h < 2; h++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + h * 32));
-                    lo[h] = _mm256_and_si256(raw, low);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                }
+                split_nibbles(rec + j * 64, low, lo, hi);
                 for (int r = 0; r < R; r++)
                     for (int l = 0; l < PANEL_LIMBS; l++) {
                         const __m256i dl = _mm256_set1_epi32(load_i32(lb[r] + l * 32 + 4 * j));
@@ -414,11 +419,7 @@ INLINE void row_block(const Panels *w, const PanelRows *x, int r0, int p0, int b
 #pragma GCC unroll 1 /* unrolled, GCC hoisted the block's 16 broadcasts and spilled them (2% a step) */
         for (int j = 0; j < 4; j++) {
             __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(rec + j * 64 + h * 32));
-                lo[h] = _mm256_and_si256(raw, low);
-                hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            }
+            split_nibbles(rec + j * 64, low, lo, hi);
             for (int l = 0; l < PANEL_LIMBS; l++) {
                 const __m256i dl = _mm256_set1_epi32(load_i32(lb + l * 32 + 4 * j));
                 const __m256i dh = _mm256_set1_epi32(load_i32(lb + l * 32 + 16 + 4 * j));
