@@ -285,18 +285,11 @@ INLINE void micro(const Panels *w, const PanelRows *x, int r0, const int R, int 
  * to the stack (one store and one load per vpmaddubsw, half the speed). Only timing. */
 INLINE void keep(__m256i *v) { __asm__("" : "+x"(*v)); }
 
-INLINE __m256i dot4(__m256i sum, __m256i w, const int8_t *digits) {
-    const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(digits)));
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-/* Q4_1's pairs of products summed in int16 lanes, widened once a block: a digit is in
+/* Q8_0's products: vpmaddubsw's pairs widened to int32 at once (vpmaddwd by ones). Q4_1's
+ * pairs of products are summed in int16 lanes and widened once a block: a digit is in
  * [-64, 64] and a nibble in [0, 15], so each vpmaddubsw lane is at most 2 * 15 * 64 = 1920 in
  * magnitude and a block's 8 of them (4 groups x low and high nibbles) at most 15360 < 2^15:
- * no lane saturates, the sums are the same integers. */
-INLINE __m256i pairs4(__m256i sum16, __m256i w, const int8_t *digits) {
-    return _mm256_add_epi16(sum16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(digits))));
-}
+ * no lane saturates, the sums are the same integers (micro_rows, row_block). */
 
 /* One block's step for 8 elements (half h of the panel). */
 INLINE __m256 chain8(__m256 acc, const __m256i *dsum, const uint8_t *rec, int qbytes, int has_min, int h, float s,
@@ -331,9 +324,9 @@ INLINE void split_nibbles(const uint8_t *group, __m256i low, __m256i lo[2], __m2
 /* Rows r0..r0+R-1 (1 < R <= TILE_ROWS) times one panel, both halves of it at once: each
  * digit's broadcast serves 16 outputs, as for a lone row (row_block), and the panel's records
  * stay in L1 for the next rows (run_task). Each output's chain is the one the file's header
- * writes, block by block. Against half a panel at a time for 4 rows (8 outputs a pass, as the
- * portable build still tiles; 12 int16 sums where these take 16 and spill a few): steps of 2,
- * 4 and 64 decode rows 0.86x, 0.92x and 0.96x the time (load.kernel_ab, alternated). */
+ * writes, block by block. Against the tile it replaced, half a panel a pass (8 outputs a
+ * broadcast; 12 int16 sums for 4 rows, where these take 16 and spill a few): steps of 2, 4 and
+ * 64 decode rows 0.86x, 0.92x and 0.96x the time (load.kernel_ab, alternated). */
 INLINE void micro_rows(const Panels *w, const PanelRows *x, int r0, const int R, int p0, float *out) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int q4 = w->kind == PANEL_Q4_1, qbytes = panel_qbytes(w->kind);
