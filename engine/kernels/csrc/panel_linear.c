@@ -38,7 +38,7 @@
 #define ROW_AHEAD 4 /* blocks a lone row's software prefetch runs ahead (decode step p50: 4 0.91x of none; 2 0.94x, 8 0.93x, 16 0.95x) */
 #endif
 #ifndef ONE_ROW_PANELS
-#define ONE_ROW_PANELS 1 /* panels a lone row's tile takes at once: one stream of records (4 were 1.5x slower) */
+#define ONE_ROW_PANELS 1 /* panels run_task's lone row takes at once (4 were 1.5x slower); the fused step's: ONE_ROW_STREAMS */
 #endif
 #define X_BITS (7 * PANEL_LIMBS - 1) /* |X| <= 2^X_BITS */
 #define DIGIT_WEIGHT(l) ((float)(1 << (7 * (l)))) /* digit l counts 2^(7 l) */
@@ -326,7 +326,9 @@ INLINE void split_nibbles(const uint8_t *group, __m256i low, __m256i lo[2], __m2
  * stay in L1 for the next rows (run_task). Each output's chain is the one the file's header
  * writes, block by block. Against the tile it replaced, half a panel a pass (8 outputs a
  * broadcast; 12 int16 sums for 4 rows, where these take 16 and spill a few): steps of 2, 4 and
- * 64 decode rows 0.86x, 0.92x and 0.96x the time (load.kernel_ab, alternated). */
+ * 64 decode rows 0.86x, 0.92x and 0.96x the time (load.kernel_ab, alternated). Its own loop,
+ * not row_block's: that block as a function taking the accumulators by pointer ran 64 rows
+ * 1.05x slower. */
 INLINE void micro_rows(const Panels *w, const PanelRows *x, int r0, const int R, int p0, float *out) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int q4 = w->kind == PANEL_Q4_1, qbytes = panel_qbytes(w->kind);
@@ -475,7 +477,6 @@ static void multi_row(const Panels *w, const PanelRows *x, int r0, const int *p,
         _mm256_storeu_ps(out[s] + 8, acc[s][1]);
     }
 }
-#define HAVE_MULTI_ROW 1
 #else
 #define PANEL_ISA 0
 #define TILE_ROWS 4
@@ -586,7 +587,7 @@ int panel_linear_panels(int kind, const PanelRows *rows, const uint8_t *records,
                         int p0, int p1) {
     if (rows->m <= 0 || rows->k % 32) return -1;
     const Panels w = {kind, rows->k, rows->nb, n, (n + PANEL - 1) / PANEL, records};
-#if defined(HAVE_MULTI_ROW)
+#if PANEL_ISA == 256
     if (ONE_ROW_STREAMS > 1 && rows->m == 1 && p1 - p0 >= ONE_ROW_STREAMS) {
         /* The chunk in ONE_ROW_STREAMS runs, walked side by side; the remainder one by one. */
         const int len = (p1 - p0) / ONE_ROW_STREAMS;
