@@ -109,6 +109,16 @@ class _ObjectScan:
     end: int | None  # index after the closing brace; None while unfinished
 
 
+def _json_string(quoted: str) -> str | None:
+    """The string a closed JSON string literal spells, or None where it is not one (a model
+    can write ``"\\1"``, an escape JSON does not have)."""
+    try:
+        value = json.loads(quoted)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 def _scan_call_object(text: str, start: int) -> _ObjectScan:
     """Read the call object ``{"name": ..., "arguments": {...}}`` at ``text[start] == '{'``.
 
@@ -132,7 +142,9 @@ def _scan_call_object(text: str, start: int) -> _ObjectScan:
         key_end = _string_end(text, i)
         if key_end is None:
             return _ObjectScan(name, arguments, None)
-        key = json.loads(text[i:key_end])
+        key = _json_string(text[i:key_end])
+        if key is None:
+            return _ObjectScan(name, arguments, None)  # a bad escape: not JSON
         i = _skip_whitespace(text, key_end)
         if i >= len(text) or text[i] != ":":
             return _ObjectScan(name, arguments, None)
@@ -141,8 +153,7 @@ def _scan_call_object(text: str, start: int) -> _ObjectScan:
             return _ObjectScan(name, arguments, None)
         end = _value_end(text, i)
         if key in _NAME_KEYS and text[i] == '"' and end is not None and name is None:
-            decoded = json.loads(text[i:end])
-            name = decoded if isinstance(decoded, str) else None
+            name = _json_string(text[i:end])
         elif key in _ARGUMENT_KEYS and not arguments:
             arguments = text[i : len(text) if end is None else end]
         if end is None:

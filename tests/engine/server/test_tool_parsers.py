@@ -175,3 +175,11 @@ def test_any_text_streams_to_its_whole_parse(text: str, data: st.DataObject) -> 
     pieces = data.draw(splits(text)) if text else [""]
     for parser in (HermesToolParser(), JsonToolCallParser()):
         assert reassemble(parser, pieces) == whole(parser, text)
+
+
+def test_a_string_with_an_escape_json_lacks_ends_the_call_instead_of_failing() -> None:
+    """Hypothesis found ``{"\\1"``: a key (or a name) whose escape JSON does not have is not a
+    call, streamed or whole, and the stream goes on as text."""
+    for text in ('{"\\1"', '{"name": "\\q", "arguments": {}}', '<tool_call>{"\\1": 2}'):
+        for parser in (HermesToolParser(), JsonToolCallParser()):
+            assert reassemble(parser, [text[:3], text[3:]]) == whole(parser, text)
