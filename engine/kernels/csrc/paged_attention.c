@@ -50,13 +50,16 @@ static inline void transpose16(const __m512 r[16], __m512 v[16]) {
  * is read with plain loads and transposed, so v[j] holds element e0 + j of every position (what
  * a gather per element would read, at a few shuffles instead), and each score is one chain of
  * FMAs over e = 0..d-1, no horizontal sum. */
-static inline void scores16(const float *const rows[16], __mmask16 mask, int head_dim, const float *qbuf,
-                            int nq, float scale, float *out, int64_t stride) {
+static inline __attribute__((always_inline)) void scores16(const void *const rows[16], __mmask16 mask, int head_dim,
+                                                           const float *qbuf, int nq, float scale, float *out,
+                                                           int64_t stride, const int F16) {
     __m512 acc[MAX_QUERIES];
     for (int q = 0; q < nq; q++) acc[q] = _mm512_setzero_ps();
     for (int e0 = 0; e0 < head_dim; e0 += 16) {
         __m512 r[16], v[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i] + e0);
+        for (int i = 0; i < 16; i++) /* a float16 row widened by vcvtph2ps: exact */
+            r[i] = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)rows[i] + e0)))
+                       : _mm512_loadu_ps((const float *)rows[i] + e0);
         transpose16(r, v);
         for (int q = 0; q < nq; q++) {
             const float *qe = qbuf + q * head_dim + e0;
@@ -109,6 +112,7 @@ static inline void prefetch_group(const Attn *a, const Item *it, int p0, int64_t
 static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float *scores, int pb, int pe) {
     const int64_t elt = cache_elt(a);
     const int64_t span = prefetch_span(a, it);
+    const int f16 = cache_dt(a) == DT_F16;
     uint32_t qpairs[MAX_QUERIES * 128] __attribute__((aligned(64)));
     if (a->dt == DT_BF16) {
         for (int q = 0; q < it->nq; q++) {
@@ -140,10 +144,12 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
             } else
 #endif
             {
-                const float *rows[16];
-                for (int i = 0; i < 16; i++) rows[i] = (const float *)a->cache + rows_at[i] + shift;
-                scores16(rows, mask, a->head_dim, qbuf + (int64_t)q0 * a->head_dim, it->per_kv, a->scale,
-                         scores + (int64_t)q0 * a->max_seq + p0, a->max_seq);
+                const void *rows[16];
+                for (int i = 0; i < 16; i++) rows[i] = (const char *)a->cache + (rows_at[i] + shift) * elt;
+                const float *qb = qbuf + (int64_t)q0 * a->head_dim;
+                float *out = scores + (int64_t)q0 * a->max_seq + p0;
+                if (f16) scores16(rows, mask, a->head_dim, qb, it->per_kv, a->scale, out, a->max_seq, 1);
+                else scores16(rows, mask, a->head_dim, qb, it->per_kv, a->scale, out, a->max_seq, 0);
             }
         }
     }
@@ -162,11 +168,12 @@ static inline void prefetch_block(const Attn *a, const Item *it, int blk, int p)
                      span);
 }
 
-/* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+16*DN-1: NQ, DN and BF16 are literals at
- * every call, so the accumulators stay in registers. */
+/* Pass 2 for queries q0..q0+NQ-1 and head dims d0..d0+16*DN-1: NQ, DN and KIND (the cache's
+ * element: 0 float32, 1 bf16, 2 float16) are literals at every call, so the accumulators stay in
+ * registers. */
 static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const Item *it, const float *scores,
                                                           float *obuf, int kvh, int first, int d0, int q0,
-                                                          const int NQ, const int DN, const int BF16) {
+                                                          const int NQ, const int DN, const int KIND) {
     const int head_dim = a->head_dim;
     __m512 o[4][4];
     for (int x = 0; x < NQ; x++)
@@ -183,10 +190,12 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
             const int64_t at = a->half + ((base + off) * a->kv_heads + kvh) * head_dim + d0;
             __m512 v[4];
             for (int z = 0; z < DN; z++) {
-                if (BF16)
+                if (KIND == 1)
                     v[z] = _mm512_castsi512_ps(_mm512_slli_epi32(
                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a->cache + at + z * 16))),
                         16));
+                else if (KIND == 2)
+                    v[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a->cache + at + z * 16)));
                 else
                     v[z] = _mm512_loadu_ps((const float *)a->cache + at + z * 16);
             }
@@ -200,10 +209,13 @@ static inline __attribute__((always_inline)) void pv_tile(const Attn *a, const I
         for (int z = 0; z < DN; z++) _mm512_storeu_ps(obuf + (int64_t)(q0 + x) * head_dim + d0 + z * 16, o[x][z]);
 }
 
+/* pv_tile's KIND for the call's cache. */
+static inline int pv_kind(const Attn *a) { return a->dt == DT_BF16 ? 1 : cache_dt(a) == DT_F16 ? 2 : 0; }
+
 /* Pass 2, vectorized: obuf = P V, block by block (no division per position), in tiles of up to
  * 4 queries x 64 head dims (head_dim is a multiple of 32, so a tile is 32 or 64 wide). */
 static void pv_fast(const Attn *a, const Item *it, const float *scores, float *obuf) {
-    const int bf16 = a->dt == DT_BF16;
+    const int kind = pv_kind(a);
     for (int kvl = 0; kvl < it->nkv; kvl++) {
         for (int d0 = 0; d0 < a->head_dim; d0 += 64) {
             const int wide = a->head_dim - d0 >= 64;
@@ -217,10 +229,14 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
     case 3: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 3, DN, BF); break;                          \
     default: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 4, DN, BF); break;                         \
     }
-                if (bf16 && wide) {
+                if (kind == 1 && wide) {
                     PV_NQ(4, 1)
-                } else if (bf16) {
+                } else if (kind == 1) {
                     PV_NQ(2, 1)
+                } else if (kind == 2 && wide) {
+                    PV_NQ(4, 2)
+                } else if (kind == 2) {
+                    PV_NQ(2, 2)
                 } else if (wide) {
                     PV_NQ(4, 0)
                 } else {
@@ -235,7 +251,7 @@ static void pv_fast(const Attn *a, const Item *it, const float *scores, float *o
 /* Pass 2 for KV head kvl of the item and head dims d0..d0+31 only, every query of that head:
  * the same lanes, each accumulated over the positions in the same order, as pv_fast's. */
 static void pv_unit(const Attn *a, const Item *it, const float *scores, float *obuf, int kvl, int d0) {
-    const int bf16 = a->dt == DT_BF16, kvh = it->kvh + kvl;
+    const int kind = pv_kind(a), kvh = it->kvh + kvl;
     for (int q0 = kvl * it->per_kv; q0 < (kvl + 1) * it->per_kv; q0 += 4) {
         const int nq = (kvl + 1) * it->per_kv - q0 < 4 ? (kvl + 1) * it->per_kv - q0 : 4;
         const int first = d0 == 0 && q0 == kvl * it->per_kv;
@@ -246,8 +262,10 @@ static void pv_unit(const Attn *a, const Item *it, const float *scores, float *o
     case 3: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 3, 2, BF); break;                           \
     default: pv_tile(a, it, scores, obuf, kvh, first, d0, q0, 4, 2, BF); break;                          \
     }
-        if (bf16) {
+        if (kind == 1) {
             PV_NQ(1)
+        } else if (kind == 2) {
+            PV_NQ(2)
         } else {
             PV_NQ(0)
         }
@@ -260,8 +278,9 @@ static void pv_unit(const Attn *a, const Item *it, const float *scores, float *o
 static inline int vector_path_serves(int dt, int head_dim, int64_t half) {
 #ifndef __AVX512BF16__
     if (dt == DT_BF16) return 0; /* its bf16 scores need vdpbf16ps */
+#else
+    (void)dt; /* float32, bf16 and float16 caches alike */
 #endif
-    if (dt == DT_F16) return 0; /* a float16 cache takes the portable passes (not written here yet) */
     return (head_dim % 32) == 0 && half < ((int64_t)1 << 31);
 }
 static inline int use_vector_path(const Attn *a) { return vector_path_serves(cache_dt(a), a->head_dim, a->half); }
