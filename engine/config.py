@@ -130,7 +130,8 @@ class EngineConfig:
     # requests take at most this many prefill tokens a step (0: no limit): batches in the gaps.
     fair_batch_prefill_tokens: int = 64
     fair_batch_window_s: float = 2.0
-    # KV cache element type (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 rows carry
+    # KV cache element type (vLLM's --kv-cache-dtype): auto = float16 on the default CPU path
+    # (engine.numerics), else the model's dtype; int8 rows carry
     # their own scale; fp8_e4m3 runs the PyTorch reference (engine/kv_cache_dtype.py).
     kv_cache_dtype: str = "auto"
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out KV blocks (mode "swap")
@@ -454,8 +455,9 @@ def _add_memory_and_task_args(g: argparse._ArgumentGroup, d: EngineConfig) -> No
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
-        help="KV cache element type: auto (the model's dtype), float16 (under float32: half "
-        "the bytes, each value rounded once when written), int8 (per token and head "
+        help="KV cache element type: auto (float16 on the default CPU path, --dtype auto on "
+        "GGUF blocks; elsewhere the model's dtype), float16 (under float32: half the bytes, "
+        "each value rounded once when written), float32, int8 (per token and head "
         "scales: ~half of bf16's bytes, so ~2x the blocks; not bit-identical), fp8_e4m3 "
         "(PyTorch reference only: slow)",
     )

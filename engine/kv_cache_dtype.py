@@ -1,8 +1,11 @@
 """The KV cache's element type (``--kv-cache-dtype``, vLLM's flag and values) and its layout.
 
-``auto`` stores K/V in the model's dtype. ``int8`` halves the bytes a decode step reads from a
-bf16 cache: each (token, KV head) row holds its ``head_dim`` values rounded to int8 and, in the
-row's last 4 bytes, their float32 scale (``max |x| / 127``), so the tensor is int8
+``auto`` stores K/V in the model's dtype, except on the default CPU path (``--dtype auto`` on
+GGUF blocks), where it stores float16 (``engine.numerics``: ``NumericsPath.auto_kv``).
+
+``int8`` halves the bytes a decode step reads from a bf16 cache: each (token, KV head) row
+holds its ``head_dim`` values rounded to int8 and, in the row's last 4 bytes, their float32
+scale (``max |x| / 127``), so the tensor is int8
 ``[2, num_blocks, block_size, kv_heads, head_dim + 4]``. The scale is per (token, head), not per
 block: a token's row is final when written (a per-block scale would have to re-quantize the
 block's earlier rows whenever a larger value arrives, and a block shared by a cached prefix
@@ -15,8 +18,8 @@ mantissa (values beyond +-65504 become inf). Under the float32 path (``--dtype a
 model, or ``float32``) it halves the bytes a decode step's attention reads from the float32
 cache; each value is rounded to nearest even once, when written, and every step reads it back
 the same way, so the cache's contents (and so a request's tokens) do not depend on the batch or
-on the prefix cache. The native CPU kernels read it with float32 queries (AVX2 and portable
-passes; AVX-512 builds take the portable ones); other pairings run the PyTorch reference.
+on the prefix cache. The native CPU kernels read it with float32 queries (the AVX-512 and AVX2
+passes with ``vcvtph2ps``, the portable ones in C); other pairings run the PyTorch reference.
 
 ``fp8_e4m3`` stores ``float8_e4m3fn`` values with scale 1 (vLLM's default without calibrated
 scales), values beyond +-448 saturated; the PyTorch reference writes it and reads it on every

@@ -323,6 +323,7 @@ class MemoryPlan:
     model_config: ModelConfig
     device_type: str
     dtype: str
+    kv_cache_dtype: str  # what the cache stores (--kv-cache-dtype, auto resolved by the numerics)
     quantization: str
     memory_bytes: int
     max_model_len: int
@@ -415,7 +416,8 @@ def plan(
         fp8=quantization == "fp8",
     )
     memory, used = _device_memory(device_type, memory_bytes, used_bytes)
-    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
+    kv_dtype = numerics.kv_cache_dtype(engine_config.kv_cache_dtype)
+    per_block = kv_block_bytes(cfg, engine_config.block_size, dtype, kv_dtype)
     context = 0 if on_cpu else CUDA_CONTEXT_BYTES
     free_after_weights = memory - used - context - weights.total
     budget = kv_cache_budget(
@@ -433,6 +435,7 @@ def plan(
         model_config=cfg,
         device_type=device_type,
         dtype=dtype,
+        kv_cache_dtype=dtype if kv_dtype == "auto" else kv_dtype,
         quantization=quantization,
         memory_bytes=memory,
         max_model_len=max_model_len,

@@ -49,8 +49,12 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 
 def cache_dtype_of(loaded: LoadedModel, engine_config: EngineConfig) -> torch.dtype:
-    """The KV cache's torch dtype: ``--kv-cache-dtype``, ``auto`` being the model's."""
-    return kv_cache_dtype.storage_dtype(engine_config.kv_cache_dtype, loaded.dtype)
+    """The KV cache's torch dtype: ``--kv-cache-dtype``, ``auto`` being what the numerics path
+    says (float16 on the default CPU path, engine.numerics) or else the model's dtype."""
+    flag = engine_config.kv_cache_dtype
+    if loaded.numerics is not None:
+        flag = loaded.numerics.kv_cache_dtype(flag)
+    return kv_cache_dtype.storage_dtype(flag, loaded.dtype)
 
 
 def num_kv_blocks(loaded: LoadedModel, engine_config: EngineConfig) -> int:

@@ -39,12 +39,20 @@ class NumericsPath:
     ``reason``, one sentence saying why (the flags given, or the CPU's features), and
     ``batch_invariant``: whether a request's tokens are independent of the rest of its steps
     (float32 on GGUF blocks on CPU: every step on the panel kernel; dense float32 matmuls are
-    MKL's, whose bits may depend on the number of rows)."""
+    MKL's, whose bits may depend on the number of rows); ``auto_kv``: what ``--kv-cache-dtype
+    auto`` stores on this path (``auto``: the model's dtype; the default CPU path: float16,
+    half the bytes a decode step's attention reads, each value rounded once when written)."""
 
     dtype: str
     gguf_activations: str
     reason: str
     batch_invariant: bool = False
+    auto_kv: str = "auto"
+
+    def kv_cache_dtype(self, flag: str) -> str:
+        """``--kv-cache-dtype`` ``flag`` as this path stores it: ``auto`` resolved to
+        :attr:`auto_kv`, any other value as given."""
+        return self.auto_kv if flag == "auto" else flag
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -59,7 +67,8 @@ class NumericsPath:
         """What ``/v1/models`` shows on the base model's card."""
         return {"path": self.name, "dtype": self.dtype,
                 "gguf_activations": self.gguf_activations, "reason": self.reason,
-                "batch_invariant": self.batch_invariant}  # fmt: skip
+                "batch_invariant": self.batch_invariant,
+                "kv_cache_auto": self.auto_kv}  # fmt: skip
 
 
 def auto_cpu_numerics(flags: frozenset[str], gguf_blocks: bool, activations: str) -> NumericsPath:
@@ -81,7 +90,8 @@ def auto_cpu_numerics(flags: frozenset[str], gguf_blocks: bool, activations: str
     del activations  # int8 activations apply under bfloat16 only, an opt-in
     return NumericsPath(
         "float32", "exact",
-        f"--dtype auto: float32 on the GGUF blocks, batch invariant{opt_in}", True,
+        f"--dtype auto: float32 on the GGUF blocks, batch invariant, float16 KV cache{opt_in}",
+        True, "float16",
     )  # fmt: skip
 
 

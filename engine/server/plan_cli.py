@@ -108,7 +108,7 @@ def recommend(p: MemoryPlan) -> tuple[list[str], list[str]]:
 def _kv_dtype(p: MemoryPlan) -> str:
     """The cache's element type as the plan counts it (``auto`` named as what it resolves to)."""
     name = p.engine_config.kv_cache_dtype
-    return f"--kv-cache-dtype {name}" + (f": {p.dtype}" if name == "auto" else "")
+    return f"--kv-cache-dtype {name}" + (f": {p.kv_cache_dtype}" if name == "auto" else "")
 
 
 def _rows(p: MemoryPlan) -> list[tuple[str, str]]:

@@ -110,7 +110,8 @@ def test_plan_matches_the_engine_on_the_tiny_model(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: int8-packed blocks too
+# auto: a float16 cache; bfloat16: int8-packed blocks too
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
 def test_plan_matches_the_engine_on_the_default_gguf(
     smollm2_gguf: Path, one_torch_thread: None, dtype: str
 ) -> None:
@@ -119,6 +120,8 @@ def test_plan_matches_the_engine_on_the_default_gguf(
     )
     p = plan(config, memory_bytes=64 * 2**30)
     assert p.quantization == "gguf" or p.weights.gguf_blocks == 0
+    # the default path's auto cache is float16 (engine.numerics); a named dtype keeps its own
+    assert p.kv_cache_dtype == ("float16" if dtype == "auto" else p.dtype)
     check_against_engine(config)
 
 

@@ -126,5 +126,26 @@ def test_an_engine_built_from_auto_flags_reports_the_path_the_rule_picks(
         expected = auto_cpu_numerics(cpu.cpu_flags(), gguf_blocks, "int8")
         assert engine.numerics == expected and expected.batch_invariant  # the flag is met
         assert engine.runner.model.model.embed_tokens.weight.dtype == expected.torch_dtype
+        # --kv-cache-dtype auto on the default path: a float16 cache, in every layer
+        assert {c.dtype for c in engine.runner.kv_caches} == {torch.float16}
     finally:
         engine.close()
+
+
+def test_kv_cache_auto_is_float16_on_the_default_path_only() -> None:
+    """``--kv-cache-dtype auto`` stores float16 under ``--dtype auto`` on GGUF blocks (every
+    CPU kind); the dense path and a named dtype keep the model's dtype; a named cache dtype
+    is kept on every path."""
+    for flags in EVERY_KIND:
+        path = auto_cpu_numerics(flags, gguf_blocks=True, activations="exact")
+        assert path.kv_cache_dtype("auto") == "float16" and "float16 KV cache" in path.reason
+        assert path.as_dict()["kv_cache_auto"] == "float16"
+        for named in ("float32", "bfloat16", "int8"):
+            assert path.kv_cache_dtype(named) == named
+        dense = auto_cpu_numerics(flags, gguf_blocks=False, activations="exact")
+        assert dense.kv_cache_dtype("auto") == "auto"
+    for dtype in ("float32", "bfloat16"):
+        named = resolve_numerics(dtype, "exact", torch.device("cpu"), gguf_blocks=True)
+        assert named.kv_cache_dtype("auto") == "auto"  # the model's dtype, as vLLM's auto
+    cuda = resolve_numerics("auto", "exact", torch.device("cuda"), gguf_blocks=True)
+    assert cuda.kv_cache_dtype("auto") == "auto"
