@@ -423,10 +423,8 @@ def plan(
     budget = kv_cache_budget(
         engine_config, device_type, free_after_weights, memory, context + weights.total
     )
-    if engine_config.num_gpu_blocks_override is not None:
-        blocks = engine_config.num_gpu_blocks_override
-    else:
-        blocks = max(budget // per_block, 0)
+    override = engine_config.num_gpu_blocks_override
+    blocks = override if override is not None else max(budget // per_block, 0)
     swapping = engine_config.preemption_mode == "swap"
     return MemoryPlan(
         engine_config=engine_config,

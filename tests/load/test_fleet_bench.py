@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from engine.config import EngineConfig
+from engine.kv_cache_dtype import storage_dtype
 from engine.numerics import resolve_numerics
 from gateway.relay.routing import load_routing_policy
 from load.fleet_bench import kv_sizing, main, parse_args, workload, write_config
@@ -46,13 +47,15 @@ def test_cache_fit_sizes_each_replica_to_a_share_of_the_prompts_and_the_single_t
 ) -> None:
     """--cache-fit 0.5: each replica's KV cache holds half the tenants' prompts (in the engine's
     own blocks of SmolLM2-135M: 30 layers x K and V x 3 heads x 64 x the element's bytes x 16
-    tokens; the element is what --dtype auto resolves to on this CPU), the single engine both
-    replicas' memory; the engine reads that from its --kv-cache-memory."""
+    tokens; the element is what --kv-cache-dtype auto stores on this CPU's default path), the
+    single engine both replicas' memory; the engine reads that from its --kv-cache-memory."""
     args = parse_args(
         ["--tenants", "3", "--system-words", "100", "--cache-fit", "0.5", "--replicas", "2"]
     )
     sizing = kv_sizing(args)
-    dtype = resolve_numerics("auto", "int8", torch.device("cpu"), gguf_blocks=True).torch_dtype
+    path = resolve_numerics("auto", "int8", torch.device("cpu"), gguf_blocks=True)
+    dtype = storage_dtype(path.kv_cache_dtype("auto"), path.torch_dtype)
+    assert dtype == torch.float16  # the default path's cache (engine.numerics)
     assert sizing["block_bytes"] == 30 * 2 * 3 * 64 * dtype.itemsize * 16
     assert 3 * 100 // 16 <= sizing["prompt_blocks"] <= 3 * 400 // 16  # ~1-4 tokens a word
     assert sizing["replica_blocks"] == math.ceil(0.5 * sizing["prompt_blocks"])

@@ -33,7 +33,8 @@ def test_models_list_names_the_served_model_with_its_context_length(client: open
     # (no GGUF blocks for the batch invariant kernel)
     numerics = models[0].model_extra["numerics"]
     assert numerics == {"path": "float32", "dtype": "float32", "gguf_activations": "exact",
-                        "reason": "--dtype float32", "batch_invariant": False}  # fmt: skip
+                        "reason": "--dtype float32", "batch_invariant": False,
+                        "kv_cache_auto": "auto"}  # fmt: skip
 
 
 def test_chat_completion_returns_text_and_usage(client: openai.OpenAI) -> None:
