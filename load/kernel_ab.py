@@ -13,7 +13,8 @@ variant's step-time percentiles.
     python -m load.kernel_ab --dtype float32 --context 2000 --variant base=rev:HEAD --variant n=tree
 
 ``--dtype bfloat16`` (the default) times the bf16 + int8 step, ``--dtype float32`` the default
-numerics' batch invariant one.
+numerics' batch invariant one; ``--kv-cache-dtype float16`` gives it the default path's float16
+cache (the cache is otherwise of the step's dtype).
 
 A variant is ``NAME=tree[:DEFINES]`` or ``NAME=rev:REV[:DEFINES]``. The model's weights are
 packed once, by the working tree's library: compare revisions whose packed formats agree
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         help="bfloat16: the bf16 + int8 step (decode_step.c); float32: the default numerics' "
         "batch invariant step (panel_step.c)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("step", "float16"), default="step",
+        help="the cache's dtype: the step's (as before), or float16 (the default CPU path's)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     args = parser.parse_args(argv)
@@ -98,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             loaded = load_model(resolve(args.model), dtype, cpu_device, "auto", "int8")
         cfg, model = loaded.config, loaded.model
+        cache_dtype = torch.float16 if args.kv_cache_dtype == "float16" else dtype
         block = 16
         per_seq = (args.context + block) // block + 1
         caches = [
             torch.randn(2, args.batch * per_seq + 1, block, cfg.num_key_value_heads, cfg.head_dim)
-            .to(dtype)
+            .to(cache_dtype)
             for _ in range(cfg.num_hidden_layers)
         ]  # fmt: skip
         tables = [[1 + i * per_seq + b for b in range(per_seq)] for i in range(args.batch)]
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu.load = real_load  # type: ignore[assignment]
     print(
         f"{args.model} {'float32 panels' if args.dtype == 'float32' else 'bf16 int8'} "
-        f"batch={args.batch} context={args.context} "
+        f"batch={args.batch} context={args.context} kv={str(cache_dtype).removeprefix('torch.')} "
         f"threads={args.threads} rounds={args.rounds}x{args.steps} steps (forward + head, ms/step)"
     )
     for v in variants:
