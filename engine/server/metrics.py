@@ -313,6 +313,11 @@ class ServerMetrics:
             family.labels(model_name)  # every series exists from the first scrape
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        # The series a streamed token feeds, looked up once: ``labels()`` takes a lock and
+        # builds a key on every call, and a stream calls these once a token.
+        self.generation_tokens_series = self.generation_tokens.labels(model_name)
+        self.ttft_series = self.ttft.labels(model_name)
+        self.itl_series = self.itl.labels(model_name)
 
     # Called with a request's final output (engine/server/tracing.py records its spans);
     # None: nothing is called.
@@ -361,11 +366,11 @@ class RequestTracker:
         if output.finished and m.on_finished is not None:
             m.on_finished(output)
         if new_tokens:
-            m.generation_tokens.labels(model).inc(new_tokens)
+            m.generation_tokens_series.inc(new_tokens)
             if self.last_token_time is None:
-                m.ttft.labels(model).observe(now - self.start)
+                m.ttft_series.observe(now - self.start)
             else:
-                m.itl.labels(model).observe(now - self.last_token_time)
+                m.itl_series.observe(now - self.last_token_time)
             self.last_token_time = now
 
     def finish(self, num_choices: int) -> None:
