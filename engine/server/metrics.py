@@ -313,11 +313,14 @@ class ServerMetrics:
             family.labels(model_name)  # every series exists from the first scrape
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
-        # The series a streamed token feeds, looked up once: ``labels()`` takes a lock and
-        # builds a key on every call, and a stream calls these once a token.
-        self.generation_tokens_series = self.generation_tokens.labels(model_name)
-        self.ttft_series = self.ttft.labels(model_name)
-        self.itl_series = self.itl.labels(model_name)
+        self._bind_token_series()
+
+    def _bind_token_series(self) -> None:
+        """The series a streamed token feeds, looked up once: ``labels()`` takes a lock and
+        builds a key on every call, and a stream would call these once a token."""
+        self.generation_tokens_series = self.generation_tokens.labels(self.model_name)
+        self.ttft_series = self.ttft.labels(self.model_name)
+        self.itl_series = self.itl.labels(self.model_name)
 
     # Called with a request's final output (engine/server/tracing.py records its spans);
     # None: nothing is called.
