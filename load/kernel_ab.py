@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     args = parser.parse_args(argv)
+    if args.kv_cache_dtype == "float16" and args.dtype != "float32":
+        parser.error("--kv-cache-dtype float16 goes with --dtype float32 (the default CPU path)")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         variants = []
