@@ -362,6 +362,16 @@ static inline void prefetch_bytes(const char *from, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(from + at, _MM_HINT_T0);
 }
 
+/* Prefetch the item's K rows at the position w reaches (span bytes) into L1 and, with PF_V,
+ * its V rows into L2. */
+static inline void prefetch_position(const Attn *a, const Item *it, Walk w, int64_t span, int64_t elt) {
+    const char *krow = (const char *)a->cache + (walk_slot(a, it, w) * a->kv_heads + it->kvh) * a->head_dim * elt;
+    prefetch_bytes(krow, span);
+#if PF_V
+    for (int64_t at = 0; at < span; at += 64) _mm_prefetch(krow + a->half * elt + at, _MM_HINT_T1);
+#endif
+}
+
 /* Pass 1: scores of every query of the item against positions pb..pe-1 (pb a multiple of 4;
  * pe the context's end or a multiple of 4): each score alone, so any split gives the same bits.
  * Positions are the outer loop: a position's rows of the item's KV heads lie side by side, so
@@ -372,9 +382,7 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
     const int64_t elt = cache_elt(a), span = (int64_t)it->nkv * a->head_dim * elt;
     Walk w = walk_at(a, pb), ahead = w;
     int pa = pb; /* the next position to prefetch */
-    for (; pa < pb + ATTN_AHEAD && pa < pe; pa++, walk_next(a, &ahead))
-        prefetch_bytes((const char *)a->cache + (walk_slot(a, it, ahead) * a->kv_heads + it->kvh) * a->head_dim * elt,
-                       span);
+    for (; pa < pb + ATTN_AHEAD && pa < pe; pa++, walk_next(a, &ahead)) prefetch_position(a, it, ahead, span, elt);
     for (int p0 = pb; p0 < pe; p0 += 4) {
         const int n = it->ctx_end - p0 < 4 ? it->ctx_end - p0 : 4;
         int64_t base[4];
@@ -383,14 +391,8 @@ static void scores_fast(const Attn *a, const Item *it, const float *qbuf, float 
             if (r + 1 < n) walk_next(a, &w);
         }
         walk_next(a, &w); /* to position p0 + 4 */
-        for (const int stop = p0 + 4 + ATTN_AHEAD; pa < stop && pa < pe; pa++, walk_next(a, &ahead)) {
-            const char *krow =
-                (const char *)a->cache + (walk_slot(a, it, ahead) * a->kv_heads + it->kvh) * a->head_dim * elt;
-            prefetch_bytes(krow, span);
-#if PF_V
-            for (int64_t at = 0; at < span; at += 64) _mm_prefetch(krow + a->half * elt + at, _MM_HINT_T1);
-#endif
-        }
+        for (const int stop = p0 + 4 + ATTN_AHEAD; pa < stop && pa < pe; pa++, walk_next(a, &ahead))
+            prefetch_position(a, it, ahead, span, elt);
         float *out = scores + p0;
         for (int kvl = 0; kvl < it->nkv; kvl++) {
             const int64_t rows[4] = {base[0] + kvl * a->head_dim, base[1] + kvl * a->head_dim,
